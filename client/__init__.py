@@ -1,0 +1,31 @@
+"""kvpool Python SDK: :class:`AsyncClient` (the core) and :class:`Client` (its sync facade).
+
+Errors raised are the classes of :mod:`kvpool.protocol.errors`, re-exported here.
+"""
+
+from kvpool.client._async import AsyncClient, parse_url
+from kvpool.client._sync import Client
+from kvpool.protocol.errors import (
+    BufferTooSmallError,
+    CapacityError,
+    CorruptChunkError,
+    InvalidKeyError,
+    KvpoolConnectionError,
+    KvpoolError,
+    KvpoolTimeoutError,
+    ValueTooLargeError,
+)
+
+__all__ = [
+    "AsyncClient",
+    "BufferTooSmallError",
+    "CapacityError",
+    "Client",
+    "CorruptChunkError",
+    "InvalidKeyError",
+    "KvpoolConnectionError",
+    "KvpoolError",
+    "KvpoolTimeoutError",
+    "ValueTooLargeError",
+    "parse_url",
+]

@@ -1,0 +1,109 @@
+"""One pipelined connection to a node: an ``asyncio.BufferedProtocol``.
+
+Requests carry ids; replies are matched to them, and GET payloads are
+received by the reply parser straight into the caller's buffers (checksummed
+as they arrive). A broken connection fails every request still waiting on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import cast
+
+from kvpool.protocol.errors import KvpoolConnectionError, KvpoolError
+from kvpool.protocol.frames import FrameHeader
+from kvpool.protocol.parsers import Reply, ReplyParser
+
+__all__ = ["Connection"]
+
+Buffer = bytes | bytearray | memoryview
+
+
+class _Pending:
+    __slots__ = ("future", "sinks")
+
+    def __init__(self, future: asyncio.Future[Reply],
+                 sinks: Sequence[memoryview | None] | None) -> None:
+        self.future = future
+        self.sinks = sinks
+
+
+class Connection(asyncio.BufferedProtocol):
+    def __init__(self, max_reply_body: int = 64 << 20) -> None:
+        self._parser = ReplyParser(self._sink_for, max_reply_body)
+        self._pending: dict[int, _Pending] = {}
+        self._next_id = 0
+        self._transport: asyncio.Transport | None = None
+        self._lost: KvpoolError | None = None
+        self.info: dict[str, object] = {}
+
+    @property
+    def is_open(self) -> bool:
+        return self._transport is not None and self._lost is None
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def send(self, op: int, count: int, body: Sequence[Buffer],
+             sinks: Sequence[memoryview | None] | None = None) -> asyncio.Future[Reply]:
+        """Write one request frame; the future resolves with its reply."""
+        if self._lost is not None or self._transport is None:
+            raise self._lost or KvpoolConnectionError("connection is not open")
+        self._next_id = (self._next_id + 1) & 0xFFFFFFFF
+        request_id = self._next_id
+        body_len = sum(memoryview(b).nbytes for b in body)
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = _Pending(future, sinks)
+        self._transport.writelines([FrameHeader(op, request_id, count, body_len).pack(), *body])
+        return future
+
+    def abort(self, reason: str) -> None:
+        """Drop the connection now (after a timeout its stream state is unknown)."""
+        self._fail(KvpoolConnectionError(reason))
+        if self._transport is not None:
+            self._transport.abort()
+
+    def close(self) -> None:
+        self._fail(KvpoolConnectionError("connection closed by the client"))
+        if self._transport is not None:
+            self._transport.close()
+
+    # -- asyncio callbacks ----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._parser.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            replies = self._parser.buffer_updated(nbytes)
+        except KvpoolError as exc:
+            self.abort(f"bad reply stream from the node: {exc}")
+            return
+        for reply in replies:
+            pending = self._pending.pop(reply.header.request_id, None)
+            if pending is not None and not pending.future.done():
+                pending.future.set_result(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        reason = f"connection to the node lost: {exc}" if exc else "node closed the connection"
+        self._fail(KvpoolConnectionError(reason))
+        self._transport = None
+
+    def _fail(self, error: KvpoolError) -> None:
+        if self._lost is None:
+            self._lost = error
+        pending, self._pending = self._pending, {}
+        for p in pending.values():
+            if not p.future.done():
+                p.future.set_exception(error)
+
+    def _sink_for(self, request_id: int, index: int, nbytes: int) -> memoryview | None:
+        pending = self._pending.get(request_id)
+        if pending is None or pending.sinks is None:
+            return None
+        return pending.sinks[index]

@@ -1,0 +1,122 @@
+"""The blocking SDK: a thin facade that runs :class:`AsyncClient` on a private loop.
+
+Each call runs the async core to completion on an event loop owned by this
+client, in the calling thread: no helper thread, no second implementation.
+Calls from several threads are serialised by a lock. Do not call it from
+inside a running event loop; use :class:`AsyncClient` there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+from kvpool.client._async import DEFAULT_PORT, AsyncClient, Key
+from kvpool.client._connection import Buffer
+from kvpool.protocol.envelope import ZERO_FINGERPRINT
+
+__all__ = ["Client"]
+
+T = TypeVar("T")
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - Windows
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class Client:
+    """Blocking client of one kvpool node; see :class:`AsyncClient` for semantics."""
+
+    def __init__(self, url: str = f"kvpool://127.0.0.1:{DEFAULT_PORT}", **kwargs: Any) -> None:
+        self._async = AsyncClient(url, **kwargs)
+        self._loop = _new_loop()
+        self._lock = threading.Lock()
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        with self._lock:
+            if self._loop.is_closed():
+                coro.close()
+                raise RuntimeError("this kvpool Client is closed")
+            return self._loop.run_until_complete(coro)
+
+    @property
+    def server_info(self) -> dict[str, Any]:
+        return self._async.server_info
+
+    @property
+    def num_corrupt(self) -> int:
+        return self._async.num_corrupt
+
+    def connect(self) -> None:
+        self._run(self._async.connect())
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._run(self._async.close())
+            self._loop.run_until_complete(asyncio.sleep(0))
+            self._loop.close()
+
+    def __enter__(self) -> Client:
+        self.connect()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def put(self, key: Key, value: Buffer, *, ttl: float | None = None, pin: bool = False,
+            chunk_index: int = 0, num_tokens: int = 0,
+            fingerprint: bytes = ZERO_FINGERPRINT) -> None:
+        self._run(self._async.put(key, value, ttl=ttl, pin=pin, chunk_index=chunk_index,
+                                  num_tokens=num_tokens, fingerprint=fingerprint))
+
+    def put_many(self, keys: Sequence[Key], values: Sequence[Buffer], *,
+                 ttl: float | None = None, pin: bool = False,
+                 chunk_indexes: Sequence[int] | None = None, num_tokens: int = 0,
+                 fingerprint: bytes = ZERO_FINGERPRINT) -> None:
+        self._run(self._async.put_many(keys, values, ttl=ttl, pin=pin,
+                                       chunk_indexes=chunk_indexes, num_tokens=num_tokens,
+                                       fingerprint=fingerprint))
+
+    def get(self, key: Key) -> bytearray | None:
+        return self._run(self._async.get(key))
+
+    def get_into(self, key: Key, buffer: Buffer) -> int | None:
+        return self._run(self._async.get_into(key, buffer))
+
+    def get_many(self, keys: Sequence[Key]) -> list[bytearray | None]:
+        return self._run(self._async.get_many(keys))
+
+    def get_many_into(self, keys: Sequence[Key], buffers: Sequence[Buffer]) -> list[int | None]:
+        return self._run(self._async.get_many_into(keys, buffers))
+
+    def exists(self, key: Key) -> bool:
+        return self._run(self._async.exists(key))
+
+    def exists_many(self, keys: Sequence[Key]) -> list[bool]:
+        return self._run(self._async.exists_many(keys))
+
+    def delete(self, key: Key) -> bool:
+        return self._run(self._async.delete(key))
+
+    def delete_many(self, keys: Sequence[Key]) -> list[bool]:
+        return self._run(self._async.delete_many(keys))
+
+    def lookup(self, keys: Sequence[Key]) -> int:
+        return self._run(self._async.lookup(keys))
+
+    def pin(self, key: Key) -> bool:
+        return self._run(self._async.pin(key))
+
+    def unpin(self, key: Key) -> bool:
+        return self._run(self._async.unpin(key))
+
+    def stats(self) -> dict[str, Any]:
+        return self._run(self._async.stats())

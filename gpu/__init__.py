@@ -1,0 +1,1 @@
+"""kvpool GPU client (torch). Empty until the GPU-client issue lands."""

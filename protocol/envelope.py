@@ -1,0 +1,163 @@
+"""The chunk envelope: every stored value is ``header || payload``.
+
+The 64-byte little-endian header (see docs/protocol.md)::
+
+    off size field
+      0    4 magic        b"KVPC"
+      4    1 version      1
+      5    1 codec        Codec (0 raw, 1 lz4, 2 shuffle+lz4)
+      6    1 elem_size    element size for the shuffle codec (0 otherwise)
+      7    1 flags        reserved, 0
+      8    8 raw_len      payload length before the codec
+     16    8 stored_len   payload length as stored (after the codec)
+     24    8 checksum     xxh3-64 of the raw payload
+     32    4 num_tokens   tokens covered by this chunk
+     36    4 chunk_index  position of the chunk in its prefix (0 = first)
+     40   16 fingerprint  layout fingerprint (namespace digest), zeros if unset
+     56    4 header_check xxh32 of bytes 0..56, so a node can trust the fields
+     60    4 reserved     0
+
+Readers verify ``checksum`` before bytes reach an engine; a node verifies only
+``header_check`` and the lengths on PUT, which is cheap, and leaves the
+payload checksum to readers (the client verifies every read as it arrives).
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import xxhash
+from kvpool.protocol.errors import CorruptChunkError
+
+__all__ = [
+    "ENVELOPE_HEADER_SIZE",
+    "ENVELOPE_MAGIC",
+    "ENVELOPE_VERSION",
+    "ZERO_FINGERPRINT",
+    "Codec",
+    "EnvelopeHeader",
+    "open_envelope",
+    "payload_checksum",
+    "seal",
+]
+
+ENVELOPE_MAGIC = b"KVPC"
+ENVELOPE_VERSION = 1
+ENVELOPE_HEADER_SIZE = 64
+ZERO_FINGERPRINT = bytes(16)
+
+_HEADER = struct.Struct("<4sBBBBQQQII16s")
+_CHECK = struct.Struct("<I4x")
+assert _HEADER.size + _CHECK.size == ENVELOPE_HEADER_SIZE
+
+
+class Codec(enum.IntEnum):
+    """How the payload is stored. Only RAW is produced today; the cold tiers add lz4."""
+
+    RAW = 0
+    LZ4 = 1
+    SHUFFLE_LZ4 = 2
+
+
+def payload_checksum(payload: bytes | bytearray | memoryview) -> int:
+    """xxh3-64 of a raw payload, as stored in the envelope."""
+    return int(xxhash.xxh3_64_intdigest(payload))
+
+
+@dataclass(frozen=True, slots=True)
+class EnvelopeHeader:
+    """Decoded envelope header."""
+
+    raw_len: int
+    stored_len: int
+    checksum: int
+    num_tokens: int = 0
+    chunk_index: int = 0
+    fingerprint: bytes = ZERO_FINGERPRINT
+    codec: Codec = Codec.RAW
+    elem_size: int = 0
+
+    def pack(self) -> bytes:
+        head = _HEADER.pack(
+            ENVELOPE_MAGIC,
+            ENVELOPE_VERSION,
+            self.codec,
+            self.elem_size,
+            0,
+            self.raw_len,
+            self.stored_len,
+            self.checksum,
+            self.num_tokens,
+            self.chunk_index,
+            self.fingerprint,
+        )
+        return head + _CHECK.pack(xxhash.xxh32_intdigest(head))
+
+    @property
+    def value_len(self) -> int:
+        """Length of the whole stored value, header included."""
+        return ENVELOPE_HEADER_SIZE + self.stored_len
+
+    @classmethod
+    def unpack(cls, buf: bytes | bytearray | memoryview) -> EnvelopeHeader:
+        """Decode and validate a header; raise CorruptChunkError if it is not one."""
+        if len(buf) < ENVELOPE_HEADER_SIZE:
+            raise CorruptChunkError(
+                f"envelope header needs {ENVELOPE_HEADER_SIZE} bytes, got {len(buf)}"
+            )
+        head = memoryview(buf)[: _HEADER.size]
+        (check,) = _CHECK.unpack_from(buf, _HEADER.size)
+        if xxhash.xxh32_intdigest(head) != check:
+            raise CorruptChunkError("envelope header checksum mismatch")
+        (magic, version, codec, elem_size, _flags, raw_len, stored_len, checksum, num_tokens,
+         chunk_index, fingerprint) = _HEADER.unpack(head)
+        if magic != ENVELOPE_MAGIC:
+            raise CorruptChunkError(f"bad envelope magic {magic!r}")
+        if version != ENVELOPE_VERSION:
+            raise CorruptChunkError(f"unsupported envelope version {version}")
+        try:
+            codec_enum = Codec(codec)
+        except ValueError:
+            raise CorruptChunkError(f"unknown codec {codec}") from None
+        if codec_enum is Codec.RAW and raw_len != stored_len:
+            raise CorruptChunkError("raw codec with raw_len != stored_len")
+        return cls(raw_len, stored_len, checksum, num_tokens, chunk_index, bytes(fingerprint),
+                   codec_enum, elem_size)
+
+
+def seal(
+    payload: bytes | bytearray | memoryview,
+    *,
+    chunk_index: int = 0,
+    num_tokens: int = 0,
+    fingerprint: bytes = ZERO_FINGERPRINT,
+) -> bytes:
+    """The header for storing ``payload`` raw. Send it followed by ``payload`` (no concat)."""
+    if len(fingerprint) != 16:
+        raise ValueError("fingerprint must be 16 bytes")
+    n = memoryview(payload).nbytes
+    return EnvelopeHeader(
+        raw_len=n,
+        stored_len=n,
+        checksum=payload_checksum(payload),
+        num_tokens=num_tokens,
+        chunk_index=chunk_index,
+        fingerprint=fingerprint,
+    ).pack()
+
+
+def open_envelope(value: bytes | bytearray | memoryview) -> memoryview:
+    """Validate a whole stored value and return its raw payload (RAW codec only)."""
+    header = EnvelopeHeader.unpack(value)
+    if len(value) != header.value_len:
+        raise CorruptChunkError(
+            f"envelope says {header.value_len} bytes, value has {len(value)}"
+        )
+    if header.codec is not Codec.RAW:
+        raise CorruptChunkError(f"codec {header.codec.name} is not readable here")
+    payload = memoryview(value)[ENVELOPE_HEADER_SIZE:]
+    if payload_checksum(payload) != header.checksum:
+        raise CorruptChunkError("payload checksum mismatch")
+    return payload

@@ -1,0 +1,170 @@
+"""The one error tree of kvpool.
+
+Every error a user of kvpool can see is a class here. Errors that cross the
+wire travel as a :class:`Status` code and are rebuilt on the other side by
+:func:`error_for_status`, so a client raises the same class the node meant.
+
+::
+
+    KvpoolError
+    ├── ConfigError              bad configuration value (node or client)
+    ├── InvalidKeyError          a key that is not 16 bytes / 32 hex chars
+    ├── ProtocolError            the byte stream is not a valid kvpool stream
+    │   ├── BadFrameError        malformed or inconsistent frame
+    │   ├── FrameTooLargeError   frame or batch larger than the peer allows
+    │   ├── UnknownOpcodeError   opcode this peer does not implement
+    │   └── VersionMismatchError HELLO with a protocol version we do not speak
+    ├── RequestError             the node understood the request and refused it
+    │   ├── ValueTooLargeError   one value larger than the node's maximum
+    │   └── CapacityError        no room even after eviction (e.g. all pinned)
+    ├── CorruptChunkError        envelope invalid or checksum mismatch
+    ├── BufferTooSmallError      get_into buffer smaller than the stored payload
+    ├── KvpoolConnectionError    cannot reach the node / connection lost
+    │   └── KvpoolTimeoutError   a call ran past its deadline
+    └── ServerError              the node failed while handling a valid request
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "BadFrameError",
+    "BufferTooSmallError",
+    "CapacityError",
+    "ConfigError",
+    "CorruptChunkError",
+    "FrameTooLargeError",
+    "InvalidKeyError",
+    "KvpoolConnectionError",
+    "KvpoolError",
+    "KvpoolTimeoutError",
+    "ProtocolError",
+    "RequestError",
+    "ServerError",
+    "Status",
+    "UnknownOpcodeError",
+    "ValueTooLargeError",
+    "VersionMismatchError",
+    "error_for_status",
+    "status_for_error",
+]
+
+
+class Status(enum.IntEnum):
+    """Wire status codes, used per frame and per batch item."""
+
+    OK = 0
+    NOT_FOUND = 1
+    BAD_FRAME = 2
+    UNKNOWN_OP = 3
+    VERSION_MISMATCH = 4
+    VALUE_TOO_LARGE = 5
+    NO_CAPACITY = 6
+    INVALID_KEY = 7
+    CORRUPT = 8
+    FRAME_TOO_LARGE = 9
+    INTERNAL = 10
+
+
+class KvpoolError(Exception):
+    """Base class of every kvpool error."""
+
+
+class ConfigError(KvpoolError, ValueError):
+    """A configuration value is missing, malformed or out of range."""
+
+
+class InvalidKeyError(KvpoolError, ValueError):
+    """A chunk key is not 16 bytes (or 32 lowercase hex characters)."""
+
+
+class ProtocolError(KvpoolError):
+    """The peer sent bytes that are not a valid kvpool stream."""
+
+
+class BadFrameError(ProtocolError):
+    """A frame is malformed: bad magic, inconsistent lengths, truncated body."""
+
+
+class FrameTooLargeError(ProtocolError):
+    """A frame or batch exceeds the limits the peer announced."""
+
+
+class UnknownOpcodeError(ProtocolError):
+    """The peer does not implement this opcode."""
+
+
+class VersionMismatchError(ProtocolError):
+    """Client and node speak different protocol versions."""
+
+
+class RequestError(KvpoolError):
+    """The node understood the request and refused it."""
+
+
+class ValueTooLargeError(RequestError):
+    """A value is larger than the node's ``max_value_bytes``."""
+
+
+class CapacityError(RequestError):
+    """The node had no room for a value even after evicting what it could."""
+
+    def __init__(self, message: str, failed_keys: list[bytes] | None = None) -> None:
+        super().__init__(message)
+        self.failed_keys: list[bytes] = failed_keys or []
+
+
+class CorruptChunkError(KvpoolError):
+    """A stored chunk failed envelope validation or its checksum."""
+
+
+class BufferTooSmallError(KvpoolError, ValueError):
+    """A ``get_into`` buffer is smaller than the stored payload."""
+
+
+class KvpoolConnectionError(KvpoolError, ConnectionError):
+    """The node cannot be reached, or the connection broke mid-request."""
+
+
+class KvpoolTimeoutError(KvpoolConnectionError, TimeoutError):
+    """A call did not complete before its deadline."""
+
+
+class ServerError(KvpoolError):
+    """The node failed while handling a valid request (a bug: please report)."""
+
+
+_ERROR_FOR_STATUS: dict[Status, type[KvpoolError]] = {
+    Status.BAD_FRAME: BadFrameError,
+    Status.UNKNOWN_OP: UnknownOpcodeError,
+    Status.VERSION_MISMATCH: VersionMismatchError,
+    Status.VALUE_TOO_LARGE: ValueTooLargeError,
+    Status.NO_CAPACITY: CapacityError,
+    Status.INVALID_KEY: InvalidKeyError,
+    Status.CORRUPT: CorruptChunkError,
+    Status.FRAME_TOO_LARGE: FrameTooLargeError,
+    Status.INTERNAL: ServerError,
+}
+
+_STATUS_FOR_ERROR: dict[type[KvpoolError], Status] = {
+    cls: status for status, cls in _ERROR_FOR_STATUS.items()
+}
+
+
+def error_for_status(status: int, message: str) -> KvpoolError:
+    """Build the error a wire ``status`` stands for (unknown codes become ServerError)."""
+    try:
+        cls = _ERROR_FOR_STATUS[Status(status)]
+    except (ValueError, KeyError):
+        return ServerError(f"status {status}: {message}")
+    return cls(message)
+
+
+def status_for_error(exc: BaseException) -> Status:
+    """The wire status to send for ``exc`` (anything unexpected is INTERNAL)."""
+    for cls in type(exc).__mro__:
+        status = _STATUS_FOR_ERROR.get(cls)  # type: ignore[call-overload]
+        if status is not None:
+            return status
+    return Status.INTERNAL

@@ -1,0 +1,223 @@
+"""Frame layout, opcodes and the pure encoders/decoders of frame bodies.
+
+Every frame is a 24-byte little-endian header followed by ``body_len`` bytes::
+
+    off size field
+      0    2 magic       b"KV"
+      2    1 op          Op
+      3    1 status      Status (always OK in requests)
+      4    4 request_id  echoed in the reply; a connection is pipelined
+      8    4 count       number of batch items in the body
+     12    4 epoch       cluster-map epoch of the sender (0 = none yet)
+     16    8 body_len
+
+Request bodies:
+    HELLO         JSON {"protocol": int, "client": str, "token"?: str, "tenant"?: str}
+    PUT           count x (PUT item header (32 bytes) || value)
+    GET, EXISTS, DELETE, LOOKUP, PIN, UNPIN   count x 16-byte key
+    STATS         empty
+Reply bodies (status OK):
+    HELLO, STATS  JSON object
+    GET           count x (GET item header (16 bytes) || value if found)
+    PUT, EXISTS, DELETE, PIN, UNPIN  count x 1-byte Status
+    LOOKUP        u32 number of leading keys present
+A reply with a status other than OK carries a UTF-8 message as its body.
+Encoders return lists of buffers so large values are never concatenated.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.protocol.errors import BadFrameError, Status
+
+__all__ = [
+    "FRAME_HEADER_SIZE",
+    "FRAME_MAGIC",
+    "GET_ITEM_SIZE",
+    "KEY_SIZE",
+    "KEY_OPS",
+    "PROTOCOL_VERSION",
+    "PUT_FLAG_PIN",
+    "PUT_ITEM_SIZE",
+    "FrameHeader",
+    "GetItemHeader",
+    "Op",
+    "PutItemHeader",
+    "decode_json",
+    "decode_keys",
+    "decode_lookup",
+    "decode_statuses",
+    "encode_error",
+    "encode_frame",
+    "encode_json",
+    "encode_keys_request",
+    "encode_lookup_reply",
+    "encode_statuses",
+]
+
+PROTOCOL_VERSION = 1
+FRAME_MAGIC = b"KV"
+KEY_SIZE = 16
+PUT_FLAG_PIN = 1
+
+
+class Op(enum.IntEnum):
+    HELLO = 1
+    PUT = 2
+    GET = 3
+    EXISTS = 4
+    DELETE = 5
+    LOOKUP = 6
+    PIN = 7
+    UNPIN = 8
+    STATS = 9
+
+
+#: Ops whose request body is exactly ``count`` keys.
+KEY_OPS = frozenset({Op.GET, Op.EXISTS, Op.DELETE, Op.LOOKUP, Op.PIN, Op.UNPIN})
+
+_FRAME = struct.Struct("<2sBBIIIQ")
+FRAME_HEADER_SIZE = _FRAME.size
+assert FRAME_HEADER_SIZE == 24
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    op: int
+    request_id: int
+    count: int
+    body_len: int
+    status: int = Status.OK
+    epoch: int = 0
+
+    def pack(self) -> bytes:
+        return _FRAME.pack(FRAME_MAGIC, self.op, self.status, self.request_id, self.count,
+                           self.epoch, self.body_len)
+
+    @classmethod
+    def unpack(cls, buf: bytes | bytearray | memoryview) -> FrameHeader:
+        magic, op, status, request_id, count, epoch, body_len = _FRAME.unpack(buf)
+        if magic != FRAME_MAGIC:
+            raise BadFrameError(f"bad frame magic {bytes(magic)!r}")
+        return cls(op, request_id, count, body_len, status, epoch)
+
+
+_PUT_ITEM = struct.Struct("<16sQII")
+PUT_ITEM_SIZE = _PUT_ITEM.size
+assert PUT_ITEM_SIZE == 32
+
+
+@dataclass(frozen=True, slots=True)
+class PutItemHeader:
+    """``key, value_len, ttl_ms (0 = node default), flags (PUT_FLAG_PIN)``."""
+
+    key: bytes
+    value_len: int
+    ttl_ms: int = 0
+    flags: int = 0
+
+    def pack(self) -> bytes:
+        return _PUT_ITEM.pack(self.key, self.value_len, self.ttl_ms, self.flags)
+
+    @classmethod
+    def unpack(cls, buf: bytes | bytearray | memoryview) -> PutItemHeader:
+        key, value_len, ttl_ms, flags = _PUT_ITEM.unpack(buf)
+        return cls(bytes(key), value_len, ttl_ms, flags)
+
+
+_GET_ITEM = struct.Struct("<B7xQ")
+GET_ITEM_SIZE = _GET_ITEM.size
+assert GET_ITEM_SIZE == 16
+
+
+@dataclass(frozen=True, slots=True)
+class GetItemHeader:
+    """``status, value_len``; the value follows when status is OK."""
+
+    status: int
+    value_len: int
+
+    def pack(self) -> bytes:
+        return _GET_ITEM.pack(self.status, self.value_len)
+
+    @classmethod
+    def unpack(cls, buf: bytes | bytearray | memoryview) -> GetItemHeader:
+        status, value_len = _GET_ITEM.unpack(buf)
+        return cls(status, value_len)
+
+
+_U32 = struct.Struct("<I")
+
+
+def encode_frame(
+    op: int,
+    request_id: int,
+    body: Sequence[bytes | bytearray | memoryview] = (),
+    *,
+    count: int = 0,
+    status: int = Status.OK,
+    epoch: int = 0,
+) -> list[bytes | bytearray | memoryview]:
+    """Header followed by the body buffers, as a list for ``writelines``."""
+    body_len = sum(memoryview(b).nbytes for b in body)
+    return [FrameHeader(op, request_id, count, body_len, status, epoch).pack(), *body]
+
+
+def encode_keys_request(op: int, request_id: int, keys: Sequence[bytes]) -> list[bytes]:
+    body = b"".join(keys)
+    if len(body) != KEY_SIZE * len(keys):
+        raise BadFrameError("every key must be 16 bytes")
+    return [FrameHeader(op, request_id, len(keys), len(body)).pack(), body]
+
+
+def decode_keys(body: bytes | bytearray | memoryview, count: int) -> list[bytes]:
+    if len(body) != KEY_SIZE * count:
+        raise BadFrameError(f"{count} keys need {KEY_SIZE * count} body bytes, got {len(body)}")
+    raw = bytes(body)
+    return [raw[i : i + KEY_SIZE] for i in range(0, len(raw), KEY_SIZE)]
+
+
+def encode_statuses(statuses: Sequence[int]) -> bytes:
+    return bytes(statuses)
+
+
+def decode_statuses(body: bytes | bytearray | memoryview, count: int) -> list[int]:
+    if len(body) != count:
+        raise BadFrameError(f"expected {count} item statuses, got {len(body)} bytes")
+    return list(bytes(body))
+
+
+def encode_lookup_reply(num_present: int) -> bytes:
+    return _U32.pack(num_present)
+
+
+def decode_lookup(body: bytes | bytearray | memoryview) -> int:
+    if len(body) != _U32.size:
+        raise BadFrameError(f"LOOKUP reply must be 4 bytes, got {len(body)}")
+    (n,) = _U32.unpack(body)
+    return int(n)
+
+
+def encode_json(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+
+def decode_json(body: bytes | bytearray | memoryview) -> dict[str, Any]:
+    try:
+        obj = json.loads(bytes(body))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadFrameError(f"body is not JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise BadFrameError("JSON body must be an object")
+    return obj
+
+
+def encode_error(op: int, request_id: int, status: int, message: str) -> list[bytes]:
+    body = message.encode("utf-8", "replace")[:4096]
+    return [FrameHeader(op, request_id, 0, len(body), status).pack(), body]

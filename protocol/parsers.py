@@ -1,0 +1,328 @@
+"""Request and reply parsers: the only place kvpool turns bytes into frames.
+
+Both are pure: the node injects ``reserve`` (where a PUT value lands) and the
+client injects ``sink_for`` (where a GET value lands); the defaults allocate
+``bytearray``s, which is what the unit tests use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import xxhash
+from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, Codec, EnvelopeHeader
+from kvpool.protocol.errors import (
+    BadFrameError,
+    CorruptChunkError,
+    FrameTooLargeError,
+    KvpoolError,
+    Status,
+    UnknownOpcodeError,
+    ValueTooLargeError,
+)
+from kvpool.protocol.frames import (
+    FRAME_HEADER_SIZE,
+    GET_ITEM_SIZE,
+    KEY_OPS,
+    KEY_SIZE,
+    PUT_ITEM_SIZE,
+    FrameHeader,
+    GetItemHeader,
+    Op,
+    PutItemHeader,
+    decode_keys,
+)
+from kvpool.protocol.reader import Exact, Into, Need, Plan, Skip, StreamReader
+
+__all__ = [
+    "BytesReservation",
+    "GetResult",
+    "Limits",
+    "PutItem",
+    "Reply",
+    "ReplyParser",
+    "Request",
+    "RequestParser",
+    "Reservation",
+    "TOO_SMALL",
+]
+
+#: Client-side item status: the caller's buffer was smaller than the payload.
+TOO_SMALL = 255
+
+_KNOWN_OPS = frozenset(int(op) for op in Op)
+
+
+class Reservation(Protocol):
+    """Memory a PUT value is received into, released if the frame never completes."""
+
+    @property
+    def view(self) -> memoryview: ...
+
+    def release(self) -> None: ...
+
+
+class BytesReservation:
+    """A reservation backed by a private bytearray (tests, tools)."""
+
+    __slots__ = ("view",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.view = memoryview(bytearray(nbytes))
+
+    def release(self) -> None:
+        pass
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Checked before any body byte is read, so a frame can't make us allocate."""
+
+    max_frame_bytes: int = 1 << 30
+    max_batch: int = 4096
+    max_value_bytes: int = 64 << 20
+
+
+@dataclass(slots=True)
+class PutItem:
+    header: PutItemHeader
+    reservation: Reservation | None  # None: the node had no room; the bytes were skipped
+
+
+@dataclass(slots=True)
+class Request:
+    header: FrameHeader
+    keys: list[bytes] = field(default_factory=list)
+    items: list[PutItem] = field(default_factory=list)
+    body: bytes | bytearray = b""
+
+
+class RequestParser:
+    """Node side: turns a byte stream into :class:`Request` objects."""
+
+    def __init__(
+        self,
+        limits: Limits = Limits(),
+        reserve: Callable[[bytes, int], Reservation | None] = lambda _key, n: BytesReservation(n),
+    ) -> None:
+        self.limits = limits
+        self._reserve = reserve
+        self._pending: list[Reservation] = []
+        self._ready: list[Request] = []
+        self._reader = StreamReader(self._plan())
+        #: The error that stopped the stream; requests before it are still returned.
+        self.error: KvpoolError | None = None
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        return self._reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> list[Request]:
+        """Complete requests; on a protocol error, those before it and ``self.error`` set."""
+        try:
+            self._reader.buffer_updated(nbytes)
+        except KvpoolError as exc:
+            self.error = exc
+        return self._take()
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Request]:
+        try:
+            self._reader.feed(data)
+        except KvpoolError as exc:
+            self.error = exc
+        return self._take()
+
+    @property
+    def mid_frame(self) -> bool:
+        """True when part of a frame has been received (a disconnect now truncates it)."""
+        return self._reader.buffered > 0 or self._in_frame
+
+    def abort(self) -> None:
+        """Release reservations of a frame that will never complete."""
+        pending, self._pending = self._pending, []
+        for reservation in pending:
+            reservation.release()
+        self._reader.close()
+
+    def _take(self) -> list[Request]:
+        ready, self._ready = self._ready, []
+        return ready
+
+    _in_frame = False
+
+    def _plan(self) -> Plan:
+        limits = self.limits
+        while True:
+            self._in_frame = False
+            raw = yield Exact(FRAME_HEADER_SIZE)
+            self._in_frame = True
+            assert raw is not None
+            header = FrameHeader.unpack(raw)
+            if header.op not in _KNOWN_OPS:
+                raise UnknownOpcodeError(f"unknown opcode {header.op}")
+            if header.count > limits.max_batch:
+                raise FrameTooLargeError(
+                    f"batch of {header.count} exceeds max_batch {limits.max_batch}")
+            if header.body_len > limits.max_frame_bytes:
+                raise FrameTooLargeError(
+                    f"frame body of {header.body_len} bytes exceeds max_frame_bytes "
+                    f"{limits.max_frame_bytes}")
+            if header.op == Op.PUT:
+                request = Request(header)
+                remaining = header.body_len
+                for _ in range(header.count):
+                    if remaining < PUT_ITEM_SIZE:
+                        raise BadFrameError("PUT body shorter than its items")
+                    raw_item = yield Exact(PUT_ITEM_SIZE)
+                    assert raw_item is not None
+                    item = PutItemHeader.unpack(raw_item)
+                    remaining -= PUT_ITEM_SIZE
+                    if item.value_len > remaining:
+                        raise BadFrameError("PUT value runs past the frame body")
+                    if item.value_len > limits.max_value_bytes:
+                        raise ValueTooLargeError(
+                            f"value of {item.value_len} bytes exceeds max_value_bytes "
+                            f"{limits.max_value_bytes}")
+                    reservation = self._reserve(item.key, item.value_len)
+                    if reservation is None:
+                        yield Skip(item.value_len)
+                    else:
+                        self._pending.append(reservation)
+                        yield Into(reservation.view)
+                    remaining -= item.value_len
+                    request.items.append(PutItem(item, reservation))
+                if remaining:
+                    raise BadFrameError(f"{remaining} stray bytes after the PUT items")
+                self._pending = []
+                self._ready.append(request)
+            elif header.op in KEY_OPS:
+                if header.body_len != KEY_SIZE * header.count:
+                    raise BadFrameError(
+                        f"{header.count} keys need {KEY_SIZE * header.count} body bytes, "
+                        f"frame says {header.body_len}")
+                body = yield Exact(header.body_len)
+                assert body is not None
+                self._ready.append(Request(header, keys=decode_keys(body, header.count)))
+            else:
+                body = yield Exact(header.body_len)
+                assert body is not None
+                self._ready.append(Request(header, body=body))
+
+
+@dataclass(slots=True)
+class GetResult:
+    """One item of a GET reply. ``status`` is a Status, or TOO_SMALL."""
+
+    status: int
+    envelope: EnvelopeHeader | None = None
+    payload: memoryview | None = None  # the filled sink, exactly the payload length
+
+
+@dataclass(slots=True)
+class Reply:
+    header: FrameHeader
+    body: bytes | bytearray = b""
+    items: list[GetResult] = field(default_factory=list)
+
+
+SinkFor = Callable[[int, int, int], "memoryview | None"]
+
+
+class ReplyParser:
+    """Client side: turns a byte stream into :class:`Reply` objects.
+
+    ``sink_for(request_id, item_index, payload_len)`` returns the caller's
+    buffer for a GET payload, or None to receive into a new bytearray. Every
+    payload is checksummed as its bytes arrive; a mismatch yields
+    ``Status.CORRUPT`` and the payload is never handed out as valid.
+    """
+
+    def __init__(
+        self,
+        sink_for: SinkFor = lambda _rid, _i, _n: None,
+        max_body_bytes: int = 64 << 20,
+    ) -> None:
+        self._sink_for = sink_for
+        self._max_body = max_body_bytes
+        self._ready: list[Reply] = []
+        self._reader = StreamReader(self._plan())
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        return self._reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> list[Reply]:
+        self._reader.buffer_updated(nbytes)
+        return self._take()
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Reply]:
+        self._reader.feed(data)
+        return self._take()
+
+    def _take(self) -> list[Reply]:
+        ready, self._ready = self._ready, []
+        return ready
+
+    def _plan(self) -> Plan:
+        while True:
+            raw = yield Exact(FRAME_HEADER_SIZE)
+            assert raw is not None
+            header = FrameHeader.unpack(raw)
+            if header.op == Op.GET and header.status == Status.OK:
+                reply = Reply(header)
+                remaining = header.body_len
+                for index in range(header.count):
+                    if remaining < GET_ITEM_SIZE:
+                        raise BadFrameError("GET reply shorter than its items")
+                    raw_item = yield Exact(GET_ITEM_SIZE)
+                    assert raw_item is not None
+                    item = GetItemHeader.unpack(raw_item)
+                    remaining -= GET_ITEM_SIZE + item.value_len
+                    if remaining < 0:
+                        raise BadFrameError("GET value runs past the frame body")
+                    if item.status != Status.OK:
+                        if item.value_len:
+                            yield Skip(item.value_len)
+                        reply.items.append(GetResult(item.status))
+                        continue
+                    result = yield from self._value(header.request_id, index, item.value_len)
+                    reply.items.append(result)
+                if remaining:
+                    raise BadFrameError(f"{remaining} stray bytes after the GET items")
+                self._ready.append(reply)
+            else:
+                if header.body_len > self._max_body:
+                    raise FrameTooLargeError(
+                        f"reply body of {header.body_len} bytes exceeds {self._max_body}")
+                body = yield Exact(header.body_len)
+                assert body is not None
+                self._ready.append(Reply(header, body=body))
+
+    def _value(self, request_id: int, index: int, value_len: int) -> Generator[Need, bytes | bytearray | None, GetResult]:
+        if value_len < ENVELOPE_HEADER_SIZE:
+            yield Skip(value_len)
+            return GetResult(Status.CORRUPT)
+        raw_env = yield Exact(ENVELOPE_HEADER_SIZE)
+        assert raw_env is not None
+        rest = value_len - ENVELOPE_HEADER_SIZE
+        try:
+            envelope = EnvelopeHeader.unpack(raw_env)
+            if envelope.stored_len != rest or envelope.codec is not Codec.RAW:
+                raise CorruptChunkError("envelope does not match the value")
+        except CorruptChunkError:
+            yield Skip(rest)
+            return GetResult(Status.CORRUPT)
+        sink = self._sink_for(request_id, index, rest)
+        if sink is None:
+            sink = memoryview(bytearray(rest))
+        elif len(sink) < rest:
+            yield Skip(rest)
+            return GetResult(TOO_SMALL, envelope)
+        else:
+            sink = sink[:rest]
+        hasher = xxhash.xxh3_64()
+        yield Into(sink, hasher.update)
+        if hasher.intdigest() != envelope.checksum:
+            return GetResult(Status.CORRUPT, envelope)
+        return GetResult(Status.OK, envelope, sink)
+

@@ -1,0 +1,179 @@
+"""Incremental, pure frame parsing: bytes in, frames out, no sockets.
+
+:class:`StreamReader` drives a *plan*: a generator that yields what it needs
+next (``Exact(n)`` bytes, ``Into(view)`` a caller buffer, ``Skip(n)``) and is
+sent the bytes. It implements the two halves of ``asyncio.BufferedProtocol``,
+so a transport reads large values straight into their destination (a DRAM
+arena slot on the node, the caller's buffer on the client) while headers go
+through a small scratch buffer. ``feed(data)`` does the same for plain bytes,
+which is how the tests split frames at every byte boundary.
+
+A plan that raises leaves the reader dead; the owner closes the connection
+and calls ``abort()`` so half-received reservations are released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+
+__all__ = ["Exact", "Into", "Need", "Plan", "Skip", "StreamReader"]
+
+
+@dataclass(slots=True)
+class Exact:
+    """Send the plan exactly ``n`` bytes (as ``bytes`` or, if large, a ``bytearray``)."""
+
+    n: int
+
+
+@dataclass(slots=True)
+class Into:
+    """Fill ``view`` completely; ``on_fill`` sees each newly filled piece in order."""
+
+    view: memoryview
+    on_fill: Callable[[memoryview], object] | None = None
+
+
+@dataclass(slots=True)
+class Skip:
+    """Discard ``n`` bytes."""
+
+    n: int
+
+
+Need = Exact | Into | Skip
+Plan = Generator[Need, "bytes | bytearray | None", None]
+
+# Exact needs above this size get their own buffer instead of the scratch.
+_SMALL_EXACT = 4096
+
+
+class StreamReader:
+    """Feeds a plan from a byte stream, copying only what goes through scratch."""
+
+    __slots__ = ("_big", "_direct", "_end", "_filled", "_need", "_plan", "_scratch",
+                 "_scratch_mv", "_start")
+
+    def __init__(self, plan: Plan, scratch_size: int = 1 << 16) -> None:
+        if scratch_size < 2 * _SMALL_EXACT:
+            raise ValueError("scratch_size too small")
+        self._scratch = bytearray(scratch_size)
+        self._scratch_mv = memoryview(self._scratch)
+        self._start = 0
+        self._end = 0
+        self._filled = 0
+        self._direct = False
+        self._plan = plan
+        self._big: bytearray | None = None
+        self._need: Need = self._normalise(next(plan))
+        self._skip_empty()
+
+    # -- BufferedProtocol half ------------------------------------------------------------
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        need = self._need
+        if isinstance(need, Into) and self._start == self._end:
+            self._direct = True
+            return need.view[self._filled :]
+        self._direct = False
+        if self._end == len(self._scratch):
+            self._compact()
+        return self._scratch_mv[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._direct:
+            need = self._need
+            assert isinstance(need, Into)
+            start = self._filled
+            self._filled += nbytes
+            if need.on_fill is not None:
+                need.on_fill(need.view[start : self._filled])
+            if self._filled == len(need.view):
+                self._advance(None)
+        else:
+            self._end += nbytes
+        self._drain()
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """Push plain bytes through the same path a transport would."""
+        src = memoryview(data).cast("B")
+        pos = 0
+        while pos < len(src):
+            buf = self.get_buffer(len(src) - pos)
+            n = min(len(buf), len(src) - pos)
+            buf[:n] = src[pos : pos + n]
+            pos += n
+            self.buffer_updated(n)
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet consumed by the plan."""
+        return self._end - self._start
+
+    def close(self) -> None:
+        self._plan.close()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _normalise(self, need: Need) -> Need:
+        if isinstance(need, Exact) and need.n > _SMALL_EXACT:
+            # a large Exact is served through a buffer of its own, handed over whole
+            self._big = bytearray(need.n)
+            return Into(memoryview(self._big))
+        return need
+
+    def _advance(self, value: bytes | bytearray | None) -> None:
+        if self._big is not None:
+            value, self._big = self._big, None
+        self._filled = 0
+        self._need = self._normalise(self._plan.send(value))
+        self._skip_empty()
+
+    def _skip_empty(self) -> None:
+        while True:
+            need = self._need
+            if isinstance(need, Exact) and need.n == 0:
+                self._need = self._normalise(self._plan.send(b""))
+            elif (isinstance(need, Into) and len(need.view) == 0) or \
+                    (isinstance(need, Skip) and need.n == 0):
+                self._need = self._normalise(self._plan.send(None))
+            else:
+                return
+
+    def _drain(self) -> None:
+        mv = self._scratch_mv
+        while self._start < self._end:
+            need = self._need
+            avail = self._end - self._start
+            if isinstance(need, Exact):
+                if avail < need.n:
+                    break
+                data = bytes(mv[self._start : self._start + need.n])
+                self._start += need.n
+                self._advance(data)
+            elif isinstance(need, Into):
+                k = min(avail, len(need.view) - self._filled)
+                piece = need.view[self._filled : self._filled + k]
+                piece[:] = mv[self._start : self._start + k]
+                self._start += k
+                self._filled += k
+                if need.on_fill is not None:
+                    need.on_fill(piece)
+                if self._filled == len(need.view):
+                    self._advance(None)
+            else:
+                k = min(avail, need.n - self._filled)
+                self._start += k
+                self._filled += k
+                if self._filled == need.n:
+                    self._advance(None)
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._scratch):
+            self._compact()
+
+    def _compact(self) -> None:
+        n = self._end - self._start
+        self._scratch_mv[:n] = self._scratch_mv[self._start : self._end]
+        self._start, self._end = 0, n

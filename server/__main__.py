@@ -1,0 +1,5 @@
+import sys
+
+from kvpool.server.cli import main
+
+sys.exit(main())

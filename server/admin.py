@@ -1,0 +1,23 @@
+"""The admin HTTP API (aiohttp): ``GET /healthz`` and ``GET /v1/stats``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+__all__ = ["make_admin_app"]
+
+
+def make_admin_app(node_id: str, snapshot: Callable[[], dict[str, Any]]) -> web.Application:
+    async def healthz(_request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "node_id": node_id})
+
+    async def stats(_request: web.Request) -> web.Response:
+        return web.json_response(snapshot())
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/v1/stats", stats)
+    return app

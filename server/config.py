@@ -1,0 +1,187 @@
+"""Node configuration: frozen dataclasses, loaded from TOML, then ``KVPOOL_*`` env, then flags.
+
+Each knob is declared once, with its flag, environment variable and help, and
+``kvpool serve --help`` is generated from these declarations. Sizes accept
+``"8GiB"``, ``"512MiB"``, ``"64MB"`` or plain bytes; components receive their
+own section (``DramConfig``, ``ServerConfig``), never the whole tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpool.protocol.errors import ConfigError
+
+__all__ = [
+    "DramConfig",
+    "NodeConfig",
+    "ServerConfig",
+    "add_arguments",
+    "format_size",
+    "load_config",
+    "parse_size",
+]
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "ki": 2**10, "kib": 2**10,
+          "m": 10**6, "mb": 10**6, "mi": 2**20, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gi": 2**30, "gib": 2**30,
+          "t": 10**12, "tb": 10**12, "ti": 2**40, "tib": 2**40}
+
+
+def parse_size(value: str | int) -> int:
+    """``"8GiB"`` -> 8589934592. Plain ints are bytes."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(value)
+    if not m:
+        raise ConfigError(f"not a size: {value!r} (try 512MiB, 8GiB or a byte count)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def format_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def knob(default: Any, help: str, *, flag: str, env: str, kind: str = "") -> Any:
+    return field(default=default, metadata={"flag": flag, "env": env, "help": help, "kind": kind})
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = knob("127.0.0.1", "address to bind the data and admin ports (0.0.0.0 for all)",
+                     flag="--host", env="KVPOOL_HOST")
+    data_port: int = knob(7700, "binary data-path port (0 = pick a free one)",
+                          flag="--data-port", env="KVPOOL_DATA_PORT")
+    admin_port: int = knob(7701, "HTTP admin port: /healthz, /v1/stats (0 = pick a free one)",
+                           flag="--admin-port", env="KVPOOL_ADMIN_PORT")
+    node_id: str = knob("", "node name in stats and logs (default: host:data_port)",
+                        flag="--node-id", env="KVPOOL_NODE_ID")
+    max_value_bytes: int = knob(64 << 20, "largest value (envelope included) a PUT may carry",
+                                flag="--max-value", env="KVPOOL_MAX_VALUE", kind="size")
+    max_batch: int = knob(4096, "most keys/items in one frame",
+                          flag="--max-batch", env="KVPOOL_MAX_BATCH")
+    max_frame_bytes: int = knob(1 << 30, "largest frame body accepted",
+                                flag="--max-frame", env="KVPOOL_MAX_FRAME", kind="size")
+    expire_interval_s: float = knob(1.0, "seconds between TTL sweeps",
+                                    flag="--expire-interval", env="KVPOOL_EXPIRE_INTERVAL")
+    shutdown_grace_s: float = knob(5.0, "seconds to let open connections finish on SIGTERM",
+                                   flag="--shutdown-grace", env="KVPOOL_SHUTDOWN_GRACE")
+    log_level: str = knob("info", "debug, info, warning or error",
+                          flag="--log-level", env="KVPOOL_LOG_LEVEL")
+
+    def __post_init__(self) -> None:
+        for name in ("data_port", "admin_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise ConfigError(f"{name} {port} is not a port number")
+        if self.max_value_bytes < 128:
+            raise ConfigError("max_value_bytes must be at least 128")
+        if self.max_frame_bytes < self.max_value_bytes:
+            raise ConfigError("max_frame_bytes must be >= max_value_bytes")
+        if not 1 <= self.max_batch <= 1 << 20:
+            raise ConfigError("max_batch must be in [1, 1048576]")
+        if self.expire_interval_s <= 0 or self.shutdown_grace_s < 0:
+            raise ConfigError("expire_interval_s must be > 0 and shutdown_grace_s >= 0")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"unknown log level {self.log_level!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class DramConfig:
+    capacity_bytes: int = knob(0, "DRAM tier capacity (0 = capacity_fraction of available memory)",
+                               flag="--dram-capacity", env="KVPOOL_DRAM_CAPACITY", kind="size")
+    capacity_fraction: float = knob(0.5, "share of available memory used when capacity is 0",
+                                    flag="--dram-fraction", env="KVPOOL_DRAM_FRACTION")
+    default_ttl_s: float = knob(0.0, "TTL for chunks stored without one (0 = no TTL)",
+                                flag="--default-ttl", env="KVPOOL_DEFAULT_TTL")
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 0:
+            raise ConfigError("dram capacity must be >= 0")
+        if not 0 < self.capacity_fraction <= 0.95:
+            raise ConfigError("dram capacity_fraction must be in (0, 0.95]")
+        if self.default_ttl_s < 0:
+            raise ConfigError("default_ttl_s must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    dram: DramConfig = field(default_factory=DramConfig)
+
+
+_SECTIONS: dict[str, type[Any]] = {"server": ServerConfig, "dram": DramConfig}
+
+
+def _convert(section: str, f: dataclasses.Field[Any], raw: Any, origin: str) -> Any:
+    try:
+        if f.metadata.get("kind") == "size":
+            return parse_size(raw)
+        if f.type in ("int", int):
+            return int(raw)
+        if f.type in ("float", float):
+            return float(raw)
+        return str(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{origin}: bad value {raw!r} for {section}.{f.name}: {exc}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per knob; its help names the default and the environment variable."""
+    parser.add_argument("--config", metavar="FILE", help="TOML file with [server] and [dram] "
+                        "sections (env: KVPOOL_CONFIG)")
+    for section, cls in _SECTIONS.items():
+        group = parser.add_argument_group(section)
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            default = f.default
+            shown = format_size(default) if meta["kind"] == "size" and default else default
+            group.add_argument(meta["flag"], dest=f"{section}.{f.name}", default=None,
+                               metavar=f.name.upper(),
+                               help=f"{meta['help']} (default: {shown!r}; env: {meta['env']})")
+
+
+def load_config(
+    args: argparse.Namespace | None = None,
+    env: Mapping[str, str] | None = None,
+) -> NodeConfig:
+    """Defaults, then the TOML file, then ``KVPOOL_*`` variables, then flags."""
+    env = os.environ if env is None else env
+    values: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    path = getattr(args, "config", None) or env.get("KVPOOL_CONFIG")
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        for section, table in data.items():
+            cls = _SECTIONS.get(section)
+            if cls is None or not isinstance(table, dict):
+                raise ConfigError(f"{path}: unknown section [{section}]")
+            known = {f.name: f for f in dataclasses.fields(cls)}
+            for key, raw in table.items():
+                if key not in known:
+                    raise ConfigError(f"{path}: unknown key {section}.{key}")
+                values[section][key] = _convert(section, known[key], raw, path)
+    for section, cls in _SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            raw = env.get(f.metadata["env"])
+            if raw is not None:
+                values[section][f.name] = _convert(section, f, raw, f.metadata["env"])
+            flag_value = getattr(args, f"{section}.{f.name}", None) if args else None
+            if flag_value is not None:
+                values[section][f.name] = _convert(section, f, flag_value, f.metadata["flag"])
+    return NodeConfig(**{name: cls(**values[name]) for name, cls in _SECTIONS.items()})

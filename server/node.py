@@ -1,0 +1,123 @@
+"""A kvpool node: the data port, the admin port and the tiers, on one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+import psutil
+from aiohttp import web
+from kvpool.protocol.parsers import Limits
+from kvpool.server.admin import make_admin_app
+from kvpool.server.config import NodeConfig, format_size
+from kvpool.server.connection import NodeConnection
+from kvpool.server.handlers import Handlers
+from kvpool.server.stats import NodeStats
+from kvpool.tiers.dram import DramTier
+
+__all__ = ["Node", "resolve_dram_capacity", "run_node"]
+
+log = logging.getLogger("kvpool.server")
+
+
+def resolve_dram_capacity(config: NodeConfig) -> int:
+    """The configured capacity, or ``capacity_fraction`` of available memory."""
+    if config.dram.capacity_bytes:
+        return config.dram.capacity_bytes
+    return int(psutil.virtual_memory().available * config.dram.capacity_fraction)
+
+
+class Node:
+    """Owns the tiers and the listening sockets. ``start``/``stop`` on a running loop."""
+
+    def __init__(self, config: NodeConfig, *, dram: DramTier | None = None) -> None:
+        self.config = config
+        server = config.server
+        self.dram = dram or DramTier(resolve_dram_capacity(config),
+                                     default_ttl_s=config.dram.default_ttl_s or None)
+        self.stats = NodeStats()
+        self.limits = Limits(server.max_frame_bytes, server.max_batch, server.max_value_bytes)
+        self.handlers = Handlers(server.node_id, self.dram, self.limits, self.stats)
+        self.connections: set[NodeConnection] = set()
+        self._server: asyncio.Server | None = None
+        self._admin: web.AppRunner | None = None
+        self._expiry_task: asyncio.Task[None] | None = None
+        self.data_address: tuple[str, int] = (server.host, server.data_port)
+        self.admin_address: tuple[str, int] = (server.host, server.admin_port)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        server = self.config.server
+        self._server = await loop.create_server(
+            lambda: NodeConnection(self.handlers, self.connections),
+            server.host, server.data_port, reuse_address=True)
+        self.data_address = self._server.sockets[0].getsockname()[:2]
+        self.handlers.node_id = server.node_id or f"{self.data_address[0]}:{self.data_address[1]}"
+        self._admin = web.AppRunner(make_admin_app(self.handlers.node_id, self.handlers.snapshot),
+                                    access_log=None)
+        await self._admin.setup()
+        site = web.TCPSite(self._admin, server.host, server.admin_port, reuse_address=True)
+        await site.start()
+        self.admin_address = tuple(self._admin.addresses[0][:2])
+        self._expiry_task = asyncio.create_task(self._expire_loop())
+
+    async def _expire_loop(self) -> None:
+        interval = self.config.server.expire_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            self.dram.expire()
+
+    async def stop(self) -> None:
+        """Stop accepting, let open connections flush their replies, then close."""
+        if self._expiry_task is not None:
+            self._expiry_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry_task
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.close()
+        deadline = asyncio.get_running_loop().time() + self.config.server.shutdown_grace_s
+        while self.connections and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        if self._server is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+        if self._admin is not None:
+            await self._admin.cleanup()
+
+
+async def _serve(config: NodeConfig) -> None:
+    node = Node(config)
+    await node.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    data_host, data_port = node.data_address
+    admin_host, admin_port = node.admin_address
+    dram = node.dram.stats()
+    how = "configured" if config.dram.capacity_bytes else \
+        f"{config.dram.capacity_fraction:.0%} of available memory"
+    print(f"kvpool node {node.handlers.node_id}: DRAM tier {format_size(dram.capacity_bytes)} "
+          f"({how})", flush=True)
+    print(f"kvpool: ready data={data_host}:{data_port} admin=http://{admin_host}:{admin_port}",
+          flush=True)
+    await stop.wait()
+    log.info("shutting down: %d open connections", len(node.connections))
+    await node.stop()
+    print("kvpool: stopped", flush=True)
+
+
+def run_node(config: NodeConfig) -> None:
+    """Run a node until SIGINT/SIGTERM (uvloop when available)."""
+    logging.basicConfig(level=config.server.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - Windows
+        asyncio.run(_serve(config))
+    else:
+        uvloop.run(_serve(config))

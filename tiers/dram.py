@@ -1,0 +1,285 @@
+"""DRAM tier: chunks live in one preallocated arena, indexed by key.
+
+The node receives PUT values straight into arena slots (``reserve`` then
+``commit``) and sends GET values as memoryviews of the arena (``acquire`` then
+``release``). An acquired entry is never evicted, and if it is deleted or
+overwritten meanwhile its extent is freed only after the last release, so a
+chunk being sent is never overwritten mid-send.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvpool.protocol.envelope import EnvelopeHeader
+from kvpool.protocol.errors import CorruptChunkError
+from kvpool.tiers.arena import Arena
+from kvpool.tiers.base import TierStats
+from kvpool.tiers.eviction import PrefixAwareLRU
+
+__all__ = ["DramTier", "Entry", "Slot"]
+
+Clock = Callable[[], float]
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    key: bytes
+    offset: int
+    length: int
+    depth: int
+    expires_at: float | None = None
+    pinned: bool = False
+    readers: int = 0
+    live: bool = True
+
+
+class Slot:
+    """Arena memory reserved for one incoming value (a parser Reservation)."""
+
+    __slots__ = ("_tier", "committed", "key", "length", "offset", "view")
+
+    def __init__(self, tier: DramTier, key: bytes, offset: int, length: int) -> None:
+        self._tier = tier
+        self.key = key
+        self.offset = offset
+        self.length = length
+        self.view = tier.arena.view[offset : offset + length]
+        self.committed = False
+
+    def release(self) -> None:
+        """Give the memory back (a frame that never completed). No-op once committed."""
+        if not self.committed:
+            self.committed = True
+            self.view.release()
+            self._tier.arena.free(self.offset, self.length)
+            self._tier.num_reserved -= 1
+
+
+class DramTier:
+    """Byte-bounded, prefix-aware LRU store over an :class:`Arena`."""
+
+    name = "dram"
+
+    def __init__(self, capacity_bytes: int, *, default_ttl_s: float | None = None,
+                 clock: Clock = time.monotonic) -> None:
+        self.arena = Arena(capacity_bytes)
+        self._clock = clock
+        self._default_ttl = default_ttl_s
+        self._index: dict[bytes, Entry] = {}
+        self._lru = PrefixAwareLRU()
+        self._expiry: list[tuple[float, int, Entry]] = []
+        self._seq = itertools.count()
+        self._stats = TierStats(self.name, self.arena.capacity)
+        self.num_reserved = 0
+        self._used_bytes = 0
+
+    # -- zero-copy data path --------------------------------------------------------------
+
+    def reserve(self, key: bytes, nbytes: int) -> Slot | None:
+        """Arena memory for an incoming value, evicting as needed; None if it can't fit."""
+        arena = self.arena
+        if arena.extent(nbytes) > arena.capacity:
+            self._stats.rejections += 1
+            return None
+        offset = arena.alloc(nbytes)
+        while offset is None:
+            victim = self._next_victim()
+            if victim is None:
+                self._stats.rejections += 1
+                return None
+            self._remove(victim)
+            self._stats.evictions += 1
+            offset = arena.alloc(nbytes)
+        self.num_reserved += 1
+        return Slot(self, key, offset, nbytes)
+
+    def commit(self, slots: Sequence[Slot], *, ttl_s: Sequence[float | None] | None = None,
+               pin: Sequence[bool] | None = None) -> list[bool]:
+        """Publish received slots under their keys; False for a slot that is not an envelope."""
+        ok: list[bool] = []
+        touched: list[tuple[bytes, int]] = []
+        for i, slot in enumerate(slots):
+            try:
+                header = EnvelopeHeader.unpack(slot.view)
+                if header.value_len != slot.length:
+                    raise CorruptChunkError("envelope length does not match the value")
+            except CorruptChunkError:
+                slot.release()
+                ok.append(False)
+                continue
+            slot.committed = True
+            slot.view.release()
+            self.num_reserved -= 1
+            ttl = ttl_s[i] if ttl_s is not None else None
+            depth = header.chunk_index
+            entry = Entry(slot.key, slot.offset, slot.length, depth,
+                          pinned=bool(pin[i]) if pin is not None else False)
+            self._insert(entry, ttl)
+            if not entry.pinned:
+                touched.append((entry.key, depth))
+            ok.append(True)
+        self._lru.touch(touched)
+        return ok
+
+    def acquire_many(self, keys: Sequence[bytes]) -> list[Entry | None]:
+        """Live entries for ``keys`` (None = miss), held until :meth:`release`."""
+        now = self._clock()
+        found: list[Entry | None] = []
+        touched: list[tuple[bytes, int]] = []
+        for key in keys:
+            entry = self._live(key, now)
+            if entry is None:
+                self._stats.misses += 1
+                found.append(None)
+                continue
+            self._stats.hits += 1
+            entry.readers += 1
+            found.append(entry)
+            if not entry.pinned:
+                touched.append((key, entry.depth))
+        self._lru.touch(touched)
+        return found
+
+    def view(self, entry: Entry) -> memoryview:
+        return self.arena.view[entry.offset : entry.offset + entry.length]
+
+    def release(self, entry: Entry) -> None:
+        entry.readers -= 1
+        if entry.readers == 0 and not entry.live:
+            self.arena.free(entry.offset, entry.length)
+
+    # -- key operations -------------------------------------------------------------------
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        now = self._clock()
+        return [self._live(key, now) is not None for key in keys]
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are present."""
+        now = self._clock()
+        for i, key in enumerate(keys):
+            if self._live(key, now) is None:
+                return i
+        return len(keys)
+
+    def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
+        out = []
+        for key in keys:
+            entry = self._index.get(key)
+            if entry is not None:
+                self._remove(entry)
+            out.append(entry is not None)
+        return out
+
+    def pin_many(self, keys: Sequence[bytes], pinned: bool) -> list[bool]:
+        """Pin (never evict) or unpin; idempotent. False for a missing key."""
+        now = self._clock()
+        out = []
+        touched: list[tuple[bytes, int]] = []
+        for key in keys:
+            entry = self._live(key, now)
+            if entry is None:
+                out.append(False)
+                continue
+            if pinned and not entry.pinned:
+                entry.pinned = True
+                self._lru.discard(key)
+            elif not pinned and entry.pinned:
+                entry.pinned = False
+                touched.append((key, entry.depth))
+            out.append(True)
+        self._lru.touch(touched)
+        return out
+
+    def expire(self) -> int:
+        """Drop every entry whose TTL has passed; returns how many."""
+        now = self._clock()
+        heap = self._expiry
+        n = 0
+        while heap and heap[0][0] <= now:
+            expires_at, _, entry = heapq.heappop(heap)
+            if entry.live and entry.expires_at == expires_at:
+                self._remove(entry)
+                self._stats.expirations += 1
+                n += 1
+        return n
+
+    # -- the Tier interface (copies; for tiers and tools, not the data path) --------------
+
+    def get(self, key: bytes) -> bytes | None:
+        (entry,) = self.acquire_many([key])
+        if entry is None:
+            return None
+        try:
+            return bytes(self.view(entry))
+        finally:
+            self.release(entry)
+
+    def put(self, key: bytes, value: bytes | bytearray | memoryview) -> bool:
+        data = memoryview(value).cast("B")
+        slot = self.reserve(key, len(data))
+        if slot is None:
+            return False
+        slot.view[:] = data
+        return self.commit([slot])[0]
+
+    def delete(self, key: bytes) -> bool:
+        return self.delete_many([key])[0]
+
+    def contains(self, key: bytes) -> bool:
+        return self.contains_many([key])[0]
+
+    def stats(self) -> TierStats:
+        s = self._stats
+        s.num_objects = len(self._index)
+        s.num_pinned = s.num_objects - len(self._lru)
+        s.used_bytes = self._used_bytes
+        s.allocated_bytes = self.arena.allocated_bytes
+        return TierStats(**s.to_dict())
+
+    def close(self) -> None:
+        self._index.clear()
+        self.arena.close()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _live(self, key: bytes, now: float) -> Entry | None:
+        entry = self._index.get(key)
+        if entry is not None and entry.expires_at is not None and entry.expires_at <= now:
+            self._remove(entry)
+            self._stats.expirations += 1
+            return None
+        return entry
+
+    def _insert(self, entry: Entry, ttl_s: float | None) -> None:
+        old = self._index.get(entry.key)
+        if old is not None:
+            entry.pinned = entry.pinned or old.pinned
+            self._remove(old)
+        ttl = ttl_s if ttl_s is not None else self._default_ttl
+        if ttl is not None:
+            entry.expires_at = self._clock() + ttl
+            heapq.heappush(self._expiry, (entry.expires_at, next(self._seq), entry))
+        self._index[entry.key] = entry
+        self._used_bytes += entry.length
+        self._stats.insertions += 1
+
+    def _remove(self, entry: Entry) -> None:
+        del self._index[entry.key]
+        self._used_bytes -= entry.length
+        self._lru.discard(entry.key)
+        entry.live = False
+        if entry.readers == 0:
+            self.arena.free(entry.offset, entry.length)
+
+    def _next_victim(self) -> Entry | None:
+        for key in self._lru.candidates():
+            entry = self._index[key]
+            if entry.readers == 0:
+                return entry
+        return None
