@@ -310,14 +310,15 @@ class AsyncClient:
             statuses += decode_statuses(reply.body, len(part))
         return statuses
 
-    async def _gather(self, calls: list[tuple[Connection, int, int, list[Buffer],
-                                              list[memoryview | None] | None]]) -> list[Reply]:
+    async def _gather(self, calls: Sequence[tuple[Connection, int, int, Sequence[Buffer],
+                                                  Sequence[memoryview | None] | None]]
+                      ) -> list[Reply]:
         if len(calls) == 1:
             return [await self._call(*calls[0])]
         return list(await asyncio.gather(*(self._call(*c) for c in calls)))
 
-    async def _call(self, conn: Connection, op: int, count: int, body: list[Buffer],
-                    sinks: list[memoryview | None] | None = None) -> Reply:
+    async def _call(self, conn: Connection, op: int, count: int, body: Sequence[Buffer],
+                    sinks: Sequence[memoryview | None] | None = None) -> Reply:
         future = conn.send(op, count, body, sinks)
         try:
             async with asyncio.timeout(self.timeout):

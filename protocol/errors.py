@@ -164,7 +164,7 @@ def error_for_status(status: int, message: str) -> KvpoolError:
 def status_for_error(exc: BaseException) -> Status:
     """The wire status to send for ``exc`` (anything unexpected is INTERNAL)."""
     for cls in type(exc).__mro__:
-        status = _STATUS_FOR_ERROR.get(cls)  # type: ignore[call-overload]
+        status = _STATUS_FOR_ERROR.get(cls)
         if status is not None:
             return status
     return Status.INTERNAL

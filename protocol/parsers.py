@@ -298,7 +298,8 @@ class ReplyParser:
                 assert body is not None
                 self._ready.append(Reply(header, body=body))
 
-    def _value(self, request_id: int, index: int, value_len: int) -> Generator[Need, bytes | bytearray | None, GetResult]:
+    def _value(self, request_id: int, index: int, value_len: int
+               ) -> Generator[Need, bytes | bytearray | None, GetResult]:
         if value_len < ENVELOPE_HEADER_SIZE:
             yield Skip(value_len)
             return GetResult(Status.CORRUPT)

@@ -147,7 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(cls):
             meta = f.metadata
-            default = f.default
+            default: Any = f.default
             shown = format_size(default) if meta["kind"] == "size" and default else default
             group.add_argument(meta["flag"], dest=f"{section}.{f.name}", default=None,
                                metavar=f.name.upper(),

@@ -79,8 +79,10 @@ class Node:
             self._server.close()
         for conn in list(self.connections):
             conn.close()
+        # connections leave the registry in connection_lost; poll rather than wire an
+        # event through every connection, for a path that runs once per process
         deadline = asyncio.get_running_loop().time() + self.config.server.shutdown_grace_s
-        while self.connections and asyncio.get_running_loop().time() < deadline:
+        while self.connections and asyncio.get_running_loop().time() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.01)
         if self._server is not None:
             with contextlib.suppress(asyncio.TimeoutError):

@@ -1,0 +1,76 @@
+"""Shared fixtures: real kvpool node processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+READY = re.compile(r"kvpool: ready data=(\S+):(\d+) admin=(\S+)")
+
+
+@dataclass
+class NodeProcess:
+    proc: subprocess.Popen[str]
+    host: str
+    port: int
+    admin_url: str
+
+    @property
+    def url(self) -> str:
+        return f"kvpool://{self.host}:{self.port}"
+
+    def stop(self, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
+        return self.proc.returncode
+
+
+def start_node(*flags: str, timeout: float = 20.0) -> NodeProcess:
+    """Run ``kvpool serve`` on free ports and wait for its ready line."""
+    cmd = [sys.executable, "-m", "kvpool.server", "serve", "--data-port", "0",
+           "--admin-port", "0", "--log-level", "warning", *flags]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    deadline = time.monotonic() + timeout
+    lines: list[str] = []
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = READY.search(line)
+        if m:
+            return NodeProcess(proc, m.group(1), int(m.group(2)), m.group(3))
+    proc.kill()
+    raise RuntimeError("node did not start:\n" + "".join(lines))
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[NodeProcess]:
+    """One node per test module: 64 MiB DRAM tier."""
+    n = start_node("--dram-capacity", "64MiB")
+    yield n
+    assert n.stop() == 0
+
+
+@pytest.fixture
+def small_node() -> Iterator[NodeProcess]:
+    """A fresh node with a tiny DRAM tier, for eviction and capacity tests."""
+    n = start_node("--dram-capacity", "1MiB", "--max-value", "512KiB")
+    yield n
+    n.stop()

@@ -1,0 +1,58 @@
+"""The ``kvpool`` command as a user runs it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+from kvpool.server.config import DramConfig, ServerConfig
+
+from .conftest import NodeProcess, start_node
+
+
+def kvpool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvpool.server", *args], capture_output=True,
+                          text=True, timeout=60, check=False)
+
+
+def test_serve_help_documents_every_knob() -> None:
+    out = kvpool("serve", "--help").stdout
+    for cls in (ServerConfig, DramConfig):
+        for f in dataclasses.fields(cls):
+            assert f.metadata["flag"] in out and f.metadata["env"] in out
+
+
+def test_stats_json_and_table(node: NodeProcess) -> None:
+    out = kvpool("stats", "--admin", node.admin_url, "--json")
+    assert out.returncode == 0
+    stats = json.loads(out.stdout)
+    assert stats["capacity_bytes"] == 64 << 20 and "requests" in stats
+    table = kvpool("stats", "--admin", node.admin_url)
+    assert table.returncode == 0 and "DRAM used / capacity" in table.stdout
+
+
+def test_stats_unreachable_node_exit_code() -> None:
+    out = kvpool("stats", "--admin", "http://127.0.0.1:1", "--timeout", "2")
+    assert out.returncode == 2 and "cannot read" in out.stderr
+
+
+def test_bad_flag_is_a_clear_error() -> None:
+    out = kvpool("serve", "--dram-capacity", "lots")
+    assert out.returncode == 2 and "not a size" in out.stderr
+
+
+def test_embedded_default_prints_capacity() -> None:
+    n = start_node()  # no capacity flag: a fraction of available memory
+    try:
+        assert n.proc.poll() is None
+    finally:
+        n.stop()
+
+
+def test_healthz(node: NodeProcess) -> None:
+    import urllib.request
+
+    with urllib.request.urlopen(node.admin_url + "/healthz", timeout=5) as r:
+        assert json.load(r)["status"] == "ok"

@@ -1,0 +1,176 @@
+"""The SDK against a real node process on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import numpy as np
+import pytest
+from kvpool.client import (
+    AsyncClient,
+    BufferTooSmallError,
+    CapacityError,
+    Client,
+    InvalidKeyError,
+    KvpoolConnectionError,
+    ValueTooLargeError,
+)
+from kvpool.placement.keys import ChunkHasher, Namespace
+from kvpool.protocol.errors import ConfigError
+
+from .conftest import NodeProcess, start_node
+
+
+def rkey() -> bytes:
+    return os.urandom(16)
+
+
+@pytest.fixture
+def client(node: NodeProcess):  # type: ignore[no-untyped-def]
+    with Client(node.url, timeout=10) as c:
+        yield c
+
+
+def test_put_get_roundtrip_sizes(client: Client) -> None:
+    for size in (0, 1, 4095, 4096, 300_000, 3 << 20):
+        k, v = rkey(), os.urandom(size)
+        client.put(k, v)
+        got = client.get(k)
+        assert got == v and isinstance(got, bytearray)
+
+
+def test_get_into_caller_buffer(client: Client) -> None:
+    k, v = rkey(), os.urandom(1 << 20)
+    client.put(k, v)
+    buf = np.zeros(2 << 20, dtype=np.uint8)
+    assert client.get_into(k, buf) == len(v)
+    assert buf[: len(v)].tobytes() == v
+    assert client.get_into(rkey(), buf) is None
+    with pytest.raises(BufferTooSmallError):
+        client.get_into(k, bytearray(100))
+    with pytest.raises(ValueError, match="writable"):
+        client.get_into(k, bytes(2 << 20))
+
+
+def test_batches(client: Client) -> None:
+    keys = [rkey() for _ in range(20)]
+    values = [os.urandom(1000 + i) for i in range(20)]
+    client.put_many(keys, values, chunk_indexes=list(range(20)))
+    missing = rkey()
+    assert client.exists_many([*keys, missing]) == [True] * 20 + [False]
+    assert client.get_many([keys[3], missing, keys[7]]) == [values[3], None, values[7]]
+    bufs = [bytearray(2000) for _ in range(3)]
+    assert client.get_many_into([keys[0], missing, keys[19]], bufs) == [1000, None, 1019]
+    assert bufs[2][:1019] == values[19]
+    assert client.delete_many([keys[0], missing]) == [True, False]
+    assert not client.exists(keys[0])
+
+
+def test_batch_larger_than_max_batch_is_split(client: Client) -> None:
+    max_batch = int(client.server_info["max_batch"])
+    keys = [rkey() for _ in range(max_batch + 5)]
+    client.put_many(keys, [b"v"] * len(keys))
+    assert all(client.exists_many(keys))
+    assert client.lookup(keys) == len(keys)
+
+
+def test_lookup_leading_prefix(client: Client) -> None:
+    hasher = ChunkHasher(Namespace("test-model", "float16", 2, 1, 8, chunk_tokens=16))
+    keys = hasher.keys(list(range(16 * 6)))
+    client.put_many(keys[:4], [b"kv"] * 4, chunk_indexes=range(4))  # type: ignore[arg-type]
+    assert client.lookup(keys) == 4
+    assert client.lookup([k.hex() for k in keys[:3]]) == 3  # hex keys work too
+    client.delete(keys[1])
+    assert client.lookup(keys) == 1
+    assert client.lookup([]) == 0
+
+
+def test_pin_unpin(client: Client) -> None:
+    k = rkey()
+    assert not client.pin(k)
+    client.put(k, b"x", pin=True)
+    assert client.stats()["tiers"]["dram"]["num_pinned"] >= 1
+    assert client.unpin(k) and client.pin(k) and client.unpin(k)
+
+
+def test_ttl(client: Client) -> None:
+    k = rkey()
+    client.put(k, b"short-lived", ttl=0.3)
+    assert client.exists(k)
+    deadline = time.monotonic() + 5
+    while client.exists(k) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not client.exists(k)
+    with pytest.raises(ValueError):
+        client.put(k, b"x", ttl=0)
+
+
+def test_stats(client: Client) -> None:
+    before = client.stats()
+    k = rkey()
+    client.put(k, b"abc")
+    client.get(k)
+    client.get(rkey())
+    after = client.stats()
+    assert after["requests"]["put"] == before["requests"]["put"] + 1
+    assert after["hits"] == before["hits"] + 1 and after["misses"] == before["misses"] + 1
+    assert after["capacity_bytes"] == 64 << 20
+
+
+def test_client_side_validation(client: Client) -> None:
+    with pytest.raises(InvalidKeyError):
+        client.get(b"short")
+    with pytest.raises(InvalidKeyError):
+        client.put("zz" * 16, b"x")
+    with pytest.raises(ValueTooLargeError):
+        client.put(rkey(), bytes(int(client.server_info["max_value_bytes"])))
+    with pytest.raises(ConfigError):
+        Client("http://127.0.0.1:1")
+
+
+def test_capacity_error_when_everything_pinned(small_node: NodeProcess) -> None:
+    with Client(small_node.url) as c:
+        pinned = [rkey() for _ in range(4)]
+        c.put_many(pinned, [os.urandom(200_000)] * 4, pin=True)
+        with pytest.raises(CapacityError) as info:
+            c.put_many([rkey(), rkey()], [os.urandom(300_000)] * 2)
+        assert len(info.value.failed_keys) == 2
+        assert all(c.exists_many(pinned))
+
+
+def test_eviction_keeps_node_within_capacity(small_node: NodeProcess) -> None:
+    with Client(small_node.url) as c:
+        keys = [rkey() for _ in range(40)]
+        for k in keys:
+            c.put(k, os.urandom(100_000))
+        stats = c.stats()
+        assert stats["evictions"] > 0
+        assert stats["tiers"]["dram"]["allocated_bytes"] <= stats["capacity_bytes"]
+        assert c.exists(keys[-1]) and not c.exists(keys[0])
+
+
+def test_connection_refused_is_clear() -> None:
+    with pytest.raises(KvpoolConnectionError, match="cannot connect"):
+        Client("kvpool://127.0.0.1:1", connect_timeout=2).get(rkey())
+
+
+async def test_async_client_concurrent(node: NodeProcess) -> None:
+    async with AsyncClient(node.url, pool_size=3) as c:
+        keys = [rkey() for _ in range(50)]
+        values = [os.urandom(50_000) for _ in range(50)]
+        await asyncio.gather(*(c.put(k, v) for k, v in zip(keys, values, strict=True)))
+        got = await asyncio.gather(*(c.get(k) for k in keys))
+        assert got == values
+        assert await c.lookup(keys) == 50
+
+
+async def test_node_restart_reconnects() -> None:
+    n = start_node("--dram-capacity", "8MiB")
+    c = AsyncClient(n.url)
+    await c.put(rkey(), b"x")
+    n.stop()
+    with pytest.raises(KvpoolConnectionError):
+        await c.get(rkey())
+    await c.close()

@@ -1,0 +1,73 @@
+"""Config: defaults, then TOML, then KVPOOL_* env, then flags; bad values are clear errors."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from kvpool.protocol.errors import ConfigError
+from kvpool.server.config import add_arguments, load_config, parse_size
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_defaults() -> None:
+    cfg = load_config(parse(), env={})
+    assert (cfg.server.host, cfg.server.data_port, cfg.server.admin_port) == ("127.0.0.1", 7700,
+                                                                             7701)
+    assert cfg.dram.capacity_bytes == 0 and cfg.dram.capacity_fraction == 0.5
+
+
+def test_precedence_file_env_flags(tmp_path: Path) -> None:
+    toml = tmp_path / "kvpool.toml"
+    toml.write_text('[server]\ndata_port = 8000\nadmin_port = 8001\nmax_batch = 10\n'
+                    '[dram]\ncapacity_bytes = "2GiB"\n')
+    env = {"KVPOOL_DATA_PORT": "9000", "KVPOOL_DRAM_CAPACITY": "3GiB"}
+    cfg = load_config(parse("--config", str(toml), "--data-port", "9500"), env=env)
+    assert cfg.server.data_port == 9500  # flag beats env
+    assert cfg.dram.capacity_bytes == 3 << 30  # env beats file
+    assert cfg.server.admin_port == 8001 and cfg.server.max_batch == 10  # file beats default
+
+
+def test_config_file_from_env(tmp_path: Path) -> None:
+    toml = tmp_path / "k.toml"
+    toml.write_text("[dram]\ndefault_ttl_s = 30\n")
+    assert load_config(parse(), env={"KVPOOL_CONFIG": str(toml)}).dram.default_ttl_s == 30
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("512MiB", 512 << 20), ("8GiB", 8 << 30), ("1.5G", 1_500_000_000), ("4096", 4096),
+    ("64 kb", 64_000),
+])
+def test_sizes(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(("argv", "env", "match"), [
+    (["--data-port", "70000"], {}, "not a port"),
+    (["--data-port", "abc"], {}, "bad value"),
+    ([], {"KVPOOL_DRAM_CAPACITY": "lots"}, "not a size"),
+    (["--dram-fraction", "2"], {}, "capacity_fraction"),
+    (["--log-level", "loud"], {}, "log level"),
+    (["--max-value", "2GiB"], {}, "max_frame_bytes"),
+])
+def test_bad_values(argv: list[str], env: dict[str, str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(parse(*argv), env=env)
+
+
+def test_bad_file(tmp_path: Path) -> None:
+    toml = tmp_path / "k.toml"
+    toml.write_text("[server]\nport = 1\n")
+    with pytest.raises(ConfigError, match=r"unknown key server\.port"):
+        load_config(parse("--config", str(toml)), env={})
+    toml.write_text("[cluster]\nx = 1\n")
+    with pytest.raises(ConfigError, match="unknown section"):
+        load_config(parse("--config", str(toml)), env={})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(parse("--config", str(tmp_path / "missing.toml")), env={})

@@ -1,0 +1,202 @@
+"""DRAM tier: arena allocation, prefix-aware eviction, pinning, TTL, capacity."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, seal
+from kvpool.tiers.arena import ALIGN, Arena
+from kvpool.tiers.dram import DramTier
+
+PAGE = ALIGN
+
+
+def value_of(total: int, index: int = 0) -> bytes:
+    """An envelope whose whole stored size is ``total`` bytes."""
+    payload = os.urandom(total - ENVELOPE_HEADER_SIZE)
+    return seal(payload, chunk_index=index) + payload
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# -- arena ------------------------------------------------------------------------------
+
+
+def test_arena_coalesces_back_to_one_extent() -> None:
+    arena = Arena(64 * PAGE)
+    offsets = [arena.alloc(PAGE) for _ in range(64)]
+    assert None not in offsets and arena.alloc(1) is None
+    for off in offsets[::2] + offsets[1::2]:
+        arena.free(off, PAGE)  # type: ignore[arg-type]
+    assert arena.largest_free == 64 * PAGE and arena.allocated_bytes == 0
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 8 * PAGE)), max_size=200))
+@settings(max_examples=100, deadline=None)
+def test_arena_never_overlaps(ops: list[tuple[bool, int]]) -> None:
+    arena = Arena(32 * PAGE)
+    live: dict[int, int] = {}
+    for do_free, size in ops:
+        if do_free and live:
+            off = next(iter(live))
+            arena.free(off, live.pop(off))
+            continue
+        off = arena.alloc(size)
+        if off is None:
+            assert arena.largest_free < Arena.extent(size)
+            continue
+        end = off + Arena.extent(size)
+        assert end <= arena.capacity
+        for o, s in live.items():
+            assert end <= o or o + Arena.extent(s) <= off
+        live[off] = size
+    assert arena.allocated_bytes == sum(Arena.extent(s) for s in live.values())
+
+
+# -- eviction ---------------------------------------------------------------------------
+
+
+def test_lru_eviction_order() -> None:
+    tier = DramTier(4 * PAGE)
+    for i in range(4):
+        assert tier.put(key(i), value_of(PAGE))
+    assert tier.get(key(0)) is not None  # 0 becomes most recent
+    assert tier.put(key(4), value_of(PAGE))  # evicts 1, the least recent
+    assert [tier.contains(key(i)) for i in range(5)] == [True, False, True, True, True]
+    assert tier.stats().evictions == 1
+
+
+def test_equal_recency_evicts_deepest_first() -> None:
+    tier = DramTier(4 * PAGE)
+    slots = [tier.reserve(key(i), PAGE) for i in range(4)]
+    for i, slot in enumerate(slots):
+        assert slot is not None
+        slot.view[:] = value_of(PAGE, index=i)
+    assert all(tier.commit(slots))  # one batch: a prefix of depth 0..3, equally recent
+    tier.put(key(9), value_of(PAGE))
+    assert not tier.contains(key(3))  # the deepest went first
+    tier.put(key(10), value_of(PAGE))
+    assert not tier.contains(key(2))
+    assert tier.contains(key(0)) and tier.contains(key(1))
+
+
+def test_batch_read_keeps_prefix_order() -> None:
+    tier = DramTier(3 * PAGE)
+    for i in range(3):
+        tier.put(key(i), value_of(PAGE, index=i))
+    entries = tier.acquire_many([key(0), key(1), key(2)])  # read as a prefix
+    for e in entries:
+        assert e is not None
+        tier.release(e)
+    tier.put(key(8), value_of(PAGE))
+    tier.put(key(9), value_of(PAGE))
+    assert [tier.contains(key(i)) for i in range(3)] == [True, False, False]
+
+
+def test_pinned_never_evicted_and_full_when_all_pinned() -> None:
+    tier = DramTier(2 * PAGE)
+    tier.put(key(0), value_of(PAGE))
+    tier.put(key(1), value_of(PAGE))
+    assert tier.pin_many([key(0), key(1), key(7)], True) == [True, True, False]
+    assert tier.reserve(key(2), 100) is None  # nothing evictable
+    assert tier.stats().rejections == 1
+    tier.pin_many([key(1)], False)
+    assert tier.put(key(2), value_of(PAGE))
+    assert tier.contains(key(0)) and not tier.contains(key(1))
+
+
+def test_overwrite_keeps_pin() -> None:
+    tier = DramTier(4 * PAGE)
+    tier.put(key(0), value_of(PAGE))
+    tier.pin_many([key(0)], True)
+    tier.put(key(0), value_of(PAGE))
+    assert tier.stats().num_pinned == 1
+
+
+def test_entry_being_sent_is_not_overwritten() -> None:
+    tier = DramTier(2 * PAGE)
+    original = value_of(PAGE)
+    tier.put(key(0), original)
+    (entry,) = tier.acquire_many([key(0)])
+    assert entry is not None
+    view = tier.view(entry)
+    tier.put(key(1), value_of(PAGE))
+    slot = tier.reserve(key(2), PAGE)  # full: must evict key(1), never the entry being sent
+    assert slot is not None and not tier.contains(key(1)) and tier.contains(key(0))
+    slot.release()
+    assert tier.delete(key(0))  # deleted while being sent: memory stays until released
+    for i in range(3, 6):
+        tier.put(key(i), value_of(PAGE))
+    assert bytes(view) == original
+    tier.release(entry)
+    assert tier.arena.allocated_bytes <= 2 * PAGE
+
+
+def test_value_larger_than_capacity() -> None:
+    tier = DramTier(2 * PAGE)
+    assert tier.reserve(key(0), 3 * PAGE) is None
+
+
+def test_ttl_expiry_with_injected_clock() -> None:
+    clock = FakeClock()
+    tier = DramTier(8 * PAGE, clock=clock, default_ttl_s=100)
+    tier.put(key(0), value_of(PAGE))
+    slot = tier.reserve(key(1), PAGE)
+    assert slot is not None
+    slot.view[:] = value_of(PAGE)
+    tier.commit([slot], ttl_s=[5.0])
+    clock.now += 6
+    assert not tier.contains(key(1)) and tier.contains(key(0))
+    clock.now += 100
+    assert tier.expire() == 1
+    assert tier.stats().num_objects == 0 and tier.stats().expirations == 2
+    assert tier.arena.allocated_bytes == 0
+
+
+def test_released_reservation_frees_memory() -> None:
+    tier = DramTier(4 * PAGE)
+    slot = tier.reserve(key(0), 3 * PAGE)
+    assert slot is not None and tier.arena.allocated_bytes == 3 * PAGE
+    slot.release()
+    slot.release()  # idempotent
+    assert tier.arena.allocated_bytes == 0
+
+
+def test_invalid_envelope_rejected_on_commit() -> None:
+    tier = DramTier(4 * PAGE)
+    slot = tier.reserve(key(0), PAGE)
+    assert slot is not None
+    slot.view[:] = b"\0" * PAGE
+    assert tier.commit([slot]) == [False]
+    assert tier.arena.allocated_bytes == 0 and not tier.contains(key(0))
+
+
+def test_lookup_counts_leading_keys() -> None:
+    tier = DramTier(8 * PAGE)
+    for i in (0, 1, 3):
+        tier.put(key(i), value_of(100))
+    assert tier.lookup([key(0), key(1), key(2), key(3)]) == 2
+    assert tier.lookup([key(2)]) == 0
+    assert tier.lookup([]) == 0
+
+
+@pytest.mark.parametrize("n", [1, 7])
+def test_capacity_is_respected(n: int) -> None:
+    tier = DramTier(16 * PAGE)
+    for i in range(100):
+        assert tier.put(key(i), value_of(n * PAGE - 7))
+        assert tier.arena.allocated_bytes <= 16 * PAGE
+    assert tier.stats().num_objects == 16 // n

@@ -1,0 +1,201 @@
+"""Framing is pure: every frame parses the same however the stream is split."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvpool.protocol.envelope import seal
+from kvpool.protocol.errors import (
+    BadFrameError,
+    FrameTooLargeError,
+    Status,
+    UnknownOpcodeError,
+    ValueTooLargeError,
+    error_for_status,
+    status_for_error,
+)
+from kvpool.protocol.frames import (
+    FrameHeader,
+    GetItemHeader,
+    Op,
+    PutItemHeader,
+    encode_error,
+    encode_frame,
+    encode_json,
+    encode_keys_request,
+    encode_lookup_reply,
+)
+from kvpool.protocol.parsers import Limits, ReplyParser, RequestParser
+
+KEYS = [bytes([i]) * 16 for i in range(3)]
+
+
+def put_frame(request_id: int, values: list[bytes]) -> bytes:
+    body: list[bytes] = []
+    for key, payload in zip(KEYS, values, strict=False):
+        env = seal(payload)
+        body += [PutItemHeader(key, len(env) + len(payload), 1500, 1).pack(), env, payload]
+    return b"".join(encode_frame(Op.PUT, request_id, body, count=len(values)))
+
+
+def request_stream() -> bytes:
+    return b"".join([
+        *encode_frame(Op.HELLO, 1, [encode_json({"protocol": 1})]),
+        put_frame(2, [b"a" * 10, os.urandom(70_000), b""]),
+        *encode_keys_request(Op.GET, 3, KEYS),
+        *encode_keys_request(Op.LOOKUP, 4, KEYS[:2]),
+        *encode_frame(Op.STATS, 5),
+    ])
+
+
+def check_requests(requests: list) -> None:  # type: ignore[type-arg]
+    assert [r.header.op for r in requests] == [Op.HELLO, Op.PUT, Op.GET, Op.LOOKUP, Op.STATS]
+    assert [r.header.request_id for r in requests] == [1, 2, 3, 4, 5]
+    put = requests[1]
+    assert [i.header.key for i in put.items] == KEYS
+    assert [i.header.ttl_ms for i in put.items] == [1500] * 3
+    assert bytes(put.items[0].reservation.view[64:]) == b"a" * 10
+    assert len(put.items[1].reservation.view) == 64 + 70_000
+    assert requests[2].keys == KEYS
+
+
+def test_request_stream_whole() -> None:
+    check_requests(RequestParser().feed(request_stream()))
+
+
+def test_request_stream_split_at_every_byte() -> None:
+    stream = request_stream()
+    # every split point of the small frames, a sample inside the 70 KB value
+    points = [*range(0, 400), *range(400, len(stream), 997), len(stream) - 1]
+    for cut in points:
+        parser = RequestParser()
+        got = parser.feed(stream[:cut]) + parser.feed(stream[cut:])
+        check_requests(got)
+
+
+@given(st.lists(st.integers(min_value=1, max_value=5000), min_size=1, max_size=60))
+@settings(max_examples=150, deadline=None)
+def test_request_stream_random_pieces(sizes: list[int]) -> None:
+    stream = request_stream()
+    parser = RequestParser()
+    got, pos, i = [], 0, 0
+    while pos < len(stream):
+        n = sizes[i % len(sizes)]
+        got += parser.feed(stream[pos : pos + n])
+        pos += n
+        i += 1
+    check_requests(got)
+
+
+def reply_stream(payloads: list[bytes]) -> bytes:
+    body: list[bytes] = []
+    for p in payloads:
+        if p == b"<miss>":
+            body.append(GetItemHeader(Status.NOT_FOUND, 0).pack())
+            continue
+        env = seal(p, chunk_index=1)
+        body += [GetItemHeader(Status.OK, len(env) + len(p)).pack(), env, p]
+    return b"".join([
+        *encode_frame(Op.GET, 7, body, count=len(payloads)),
+        *encode_frame(Op.LOOKUP, 8, [encode_lookup_reply(2)], count=1),
+        *encode_error(Op.GET, 9, Status.VALUE_TOO_LARGE, "too big"),
+    ])
+
+
+def test_reply_stream_split_at_every_byte() -> None:
+    payloads = [b"hello", b"<miss>", os.urandom(9000)]
+    stream = reply_stream(payloads)
+    for cut in range(len(stream) + 1):
+        parser = ReplyParser()
+        replies = parser.feed(stream[:cut]) + parser.feed(stream[cut:])
+        get, lookup, err = replies
+        assert [i.status for i in get.items] == [Status.OK, Status.NOT_FOUND, Status.OK]
+        assert bytes(get.items[0].payload) == b"hello"
+        assert bytes(get.items[2].payload) == payloads[2]
+        assert get.items[2].envelope.chunk_index == 1
+        assert struct.unpack("<I", lookup.body)[0] == 2
+        assert err.header.status == Status.VALUE_TOO_LARGE and bytes(err.body) == b"too big"
+
+
+def test_reply_into_caller_buffers_and_checksum() -> None:
+    payload = os.urandom(5000)
+    sink = memoryview(bytearray(6000))
+    stream = reply_stream([payload])
+    parser = ReplyParser(lambda rid, i, n: sink)
+    (get, _, _) = parser.feed(stream)
+    assert get.items[0].payload.obj is sink.obj
+    assert bytes(sink[:5000]) == payload
+    # flip one payload byte on the wire: reported corrupt, never OK
+    bad = bytearray(stream)
+    bad[24 + 16 + 64 + 100] ^= 1
+    (get, _, _) = ReplyParser().feed(bad)
+    assert get.items[0].status == Status.CORRUPT
+
+
+def test_reply_buffer_too_small() -> None:
+    from kvpool.protocol.parsers import TOO_SMALL
+
+    sink = memoryview(bytearray(10))
+    (get, _, _) = ReplyParser(lambda rid, i, n: sink).feed(reply_stream([b"x" * 11]))
+    assert get.items[0].status == TOO_SMALL
+
+
+def hello() -> bytes:
+    return b"".join(encode_frame(Op.HELLO, 1, [encode_json({"protocol": 1})]))
+
+
+@pytest.mark.parametrize(("frame", "error"), [
+    (b"XX" + bytes(22), BadFrameError),
+    (FrameHeader(99, 1, 0, 0).pack(), UnknownOpcodeError),
+    (FrameHeader(Op.GET, 1, 5000, 5000 * 16).pack(), FrameTooLargeError),
+    (FrameHeader(Op.STATS, 1, 0, 1 << 40).pack(), FrameTooLargeError),
+    (FrameHeader(Op.GET, 1, 2, 33).pack(), BadFrameError),  # key of the wrong length
+    (FrameHeader(Op.PUT, 1, 1, 10).pack(), BadFrameError),  # body shorter than an item
+    (FrameHeader(Op.PUT, 1, 1, 40).pack() + PutItemHeader(KEYS[0], 100).pack(), BadFrameError),
+    (FrameHeader(Op.PUT, 1, 1, 32 + (2 << 20)).pack()
+     + PutItemHeader(KEYS[0], 2 << 20).pack(), ValueTooLargeError),
+])
+def test_bad_frames(frame: bytes, error: type[Exception]) -> None:
+    parser = RequestParser(Limits(max_frame_bytes=64 << 20, max_batch=4096,
+                                  max_value_bytes=1 << 20))
+    assert len(parser.feed(hello())) == 1
+    assert parser.feed(frame) == []
+    assert isinstance(parser.error, error)
+
+
+def test_abort_releases_half_received_value() -> None:
+    released = []
+
+    class Res:
+        def __init__(self, n: int) -> None:
+            self.view = memoryview(bytearray(n))
+
+        def release(self) -> None:
+            released.append(len(self.view))
+
+    parser = RequestParser(reserve=lambda key, n: Res(n))
+    frame = put_frame(2, [b"z" * 1000])
+    assert parser.feed(frame[:-10]) == []
+    assert parser.mid_frame
+    parser.abort()
+    assert released == [64 + 1000]
+
+
+def test_full_node_skips_value_and_keeps_stream() -> None:
+    parser = RequestParser(reserve=lambda key, n: None)
+    stream = put_frame(2, [b"a" * 100, b"b" * 100]) + b"".join(
+        encode_keys_request(Op.EXISTS, 3, KEYS[:1]))
+    put, exists = parser.feed(stream)
+    assert [i.reservation for i in put.items] == [None, None]
+    assert exists.keys == KEYS[:1]
+
+
+def test_status_table_roundtrip() -> None:
+    for status in Status:
+        if status in (Status.OK, Status.NOT_FOUND):
+            continue
+        assert status_for_error(error_for_status(status, "x")) == status
