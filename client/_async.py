@@ -319,16 +319,7 @@ class AsyncClient:
 
     async def _call(self, conn: Connection, op: int, count: int, body: Sequence[Buffer],
                     sinks: Sequence[memoryview | None] | None = None) -> Reply:
-        future = conn.send(op, count, body, sinks)
-        try:
-            async with asyncio.timeout(self.timeout):
-                reply = await future
-        except TimeoutError:
-            # its reply may still arrive and write into caller buffers: drop the connection
-            conn.abort(f"{Op(op).name} timed out")
-            raise KvpoolTimeoutError(
-                f"{Op(op).name} to {self.host}:{self.port} took longer than {self.timeout}s"
-            ) from None
+        reply = await conn.send(op, count, body, sinks)  # the connection enforces the deadline
         status = reply.header.status
         if status != Status.OK:
             raise error_for_status(status, bytes(reply.body).decode("utf-8", "replace"))
@@ -356,7 +347,9 @@ class AsyncClient:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(Connection, self.host, self.port)
+                _, conn = await loop.create_connection(
+                    lambda: Connection(self.timeout, f"{self.host}:{self.port}"),
+                    self.host, self.port)
         except TimeoutError:
             raise KvpoolTimeoutError(
                 f"connecting to {self.host}:{self.port} took longer than {self.connect_timeout}s"

@@ -11,8 +11,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import cast
 
-from kvpool.protocol.errors import KvpoolConnectionError, KvpoolError
-from kvpool.protocol.frames import FrameHeader
+from kvpool.protocol.errors import KvpoolConnectionError, KvpoolError, KvpoolTimeoutError
+from kvpool.protocol.frames import FrameHeader, Op
 from kvpool.protocol.parsers import Reply, ReplyParser
 
 __all__ = ["Connection"]
@@ -21,22 +21,35 @@ Buffer = bytes | bytearray | memoryview
 
 
 class _Pending:
-    __slots__ = ("future", "sinks")
+    __slots__ = ("deadline", "future", "op", "sinks")
 
-    def __init__(self, future: asyncio.Future[Reply],
-                 sinks: Sequence[memoryview | None] | None) -> None:
+    def __init__(self, future: asyncio.Future[Reply], sinks: Sequence[memoryview | None] | None,
+                 op: int, deadline: float) -> None:
         self.future = future
         self.sinks = sinks
+        self.op = op
+        self.deadline = deadline
 
 
 class Connection(asyncio.BufferedProtocol):
-    def __init__(self, max_reply_body: int = 64 << 20) -> None:
+    """Pipelined requests with one deadline each.
+
+    Deadlines are checked by one watchdog timer per connection rather than a
+    timer per request (``asyncio.timeout`` costs ~20 us a call here). A request
+    past its deadline aborts the whole connection: its reply could still
+    arrive and write into the caller's buffer, so the stream cannot be reused.
+    """
+
+    def __init__(self, timeout: float = 10.0, peer: str = "",
+                 max_reply_body: int = 64 << 20) -> None:
         self._parser = ReplyParser(self._sink_for, max_reply_body)
         self._pending: dict[int, _Pending] = {}
         self._next_id = 0
         self._transport: asyncio.Transport | None = None
         self._lost: KvpoolError | None = None
-        self.info: dict[str, object] = {}
+        self._timeout = timeout
+        self._peer = peer
+        self._watchdog: asyncio.TimerHandle | None = None
 
     @property
     def is_open(self) -> bool:
@@ -54,10 +67,31 @@ class Connection(asyncio.BufferedProtocol):
         self._next_id = (self._next_id + 1) & 0xFFFFFFFF
         request_id = self._next_id
         body_len = sum(memoryview(b).nbytes for b in body)
-        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = _Pending(future, sinks)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Reply] = loop.create_future()
+        self._pending[request_id] = _Pending(future, sinks, op, loop.time() + self._timeout)
         self._transport.writelines([FrameHeader(op, request_id, count, body_len).pack(), *body])
+        if self._watchdog is None:
+            self._watchdog = loop.call_later(self._check_interval, self._check_deadlines)
         return future
+
+    @property
+    def _check_interval(self) -> float:
+        return max(0.005, self._timeout / 10)
+
+    def _check_deadlines(self) -> None:
+        self._watchdog = None
+        if not self._pending:
+            return
+        oldest = next(iter(self._pending.values()))  # dicts keep insertion order
+        loop = asyncio.get_running_loop()
+        if oldest.deadline <= loop.time():
+            self._fail(KvpoolTimeoutError(
+                f"{Op(oldest.op).name} to {self._peer} got no reply within {self._timeout}s"))
+            if self._transport is not None:
+                self._transport.abort()
+            return
+        self._watchdog = loop.call_later(self._check_interval, self._check_deadlines)
 
     def abort(self, reason: str) -> None:
         """Drop the connection now (after a timeout its stream state is unknown)."""
@@ -97,6 +131,9 @@ class Connection(asyncio.BufferedProtocol):
     def _fail(self, error: KvpoolError) -> None:
         if self._lost is None:
             self._lost = error
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         pending, self._pending = self._pending, {}
         for p in pending.values():
             if not p.future.done():

@@ -174,3 +174,20 @@ async def test_node_restart_reconnects() -> None:
     with pytest.raises(KvpoolConnectionError):
         await c.get(rkey())
     await c.close()
+
+
+def test_silent_node_times_out() -> None:
+    import socket
+
+    from kvpool.client import KvpoolTimeoutError
+
+    with socket.socket() as listener:  # accepts, never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        c = Client(f"kvpool://127.0.0.1:{port}", timeout=0.3)
+        start = time.monotonic()
+        with pytest.raises(KvpoolTimeoutError, match="no reply within 0.3s"):
+            c.get(rkey())
+        assert time.monotonic() - start < 3
+        c.close()

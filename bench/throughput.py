@@ -1,0 +1,319 @@
+"""Single-node throughput and latency, against the loopback ceiling and Redis, in one run.
+
+    python -m kvpool.bench.throughput            # full run, ~2-3 minutes on 2 cores
+    python -m kvpool.bench.throughput --quick    # smoke run
+
+Starts a kvpool node, ``redis-server`` and ``iperf3 -s`` on 127.0.0.1 and, for each
+value size, interleaves the runs of every system so that machine noise hits them
+alike. Prints a table (median and min-max GB/s of ``--runs`` runs, ops/s, ratios)
+and writes JSON. Targets are the issue's: GET >= 0.85x iperf3, >= 1.0x raw Python,
+>= 2.0x Redis; PUT >= 0.75x iperf3; EXISTS/LOOKUP of 512 keys p50 <= 1 ms; RSS of a
+full DRAM tier <= capacity x 1.10 + 150 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+from kvpool.bench._procs import Proc, start_iperf3, start_node, start_redis
+from kvpool.client import Client
+
+MiB = 1 << 20
+SIZES = [256 << 10, 1 * MiB, 4 * MiB, 16 * MiB]
+BATCH = 8
+
+
+def _label(size: int) -> str:
+    return f"{size >> 10} KiB" if size < MiB else f"{size >> 20} MiB"
+
+
+# -- baselines ----------------------------------------------------------------------------
+
+
+def _raw_sender(port: int, size: int, count: int) -> None:
+    payload = os.urandom(size)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        for _ in range(count):
+            s.sendall(payload)
+
+
+def raw_python(size: int, budget: int) -> float:
+    """GB/s of sendall -> recv_into over one loopback connection, sender in another process."""
+    count = max(4, budget // size)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        sender = mp.get_context("spawn").Process(
+            target=_raw_sender, args=(listener.getsockname()[1], size, count))
+        sender.start()
+        conn, _ = listener.accept()
+        buf = memoryview(bytearray(size))
+        with conn:
+            start = time.perf_counter()
+            for _ in range(count):
+                got = 0
+                while got < size:
+                    n = conn.recv_into(buf[got:])
+                    if n == 0:
+                        raise RuntimeError("raw sender closed early")
+                    got += n
+            elapsed = time.perf_counter() - start
+        sender.join()
+    return size * count / elapsed / 1e9
+
+
+def iperf3(port: int, seconds: float) -> float:
+    out = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-l", "1M", "-t",
+                          str(seconds), "-J"], capture_output=True, text=True, check=True,
+                         timeout=seconds + 30)
+    return float(json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"]) / 8e9
+
+
+def redis_client(port: int) -> Any:
+    """redis-py with hiredis for replies but the Python command packer (hiredis's copies)."""
+    import redis
+    from redis.connection import PythonRespSerializer
+
+    class PythonPackerConnection(redis.Connection):
+        def _construct_command_packer(self, packer: Any) -> Any:
+            return PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
+
+    pool = redis.ConnectionPool(connection_class=PythonPackerConnection, host="127.0.0.1",
+                                port=port)
+    return redis.Redis(connection_pool=pool)
+
+
+# -- measurement helpers --------------------------------------------------------------------
+
+
+def timed(fn: Callable[[], object], count: int) -> float:
+    start = time.perf_counter()
+    for _ in range(count):
+        fn()
+    return time.perf_counter() - start
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summary(samples: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples)}
+
+
+# -- the benchmark ----------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    sizes = [s for s in SIZES if s <= args.max_size]
+    budget = args.mib_per_run * MiB
+    node = start_node("--dram-capacity", "1536MiB", "--max-value", "64MiB")
+    redis_proc = start_redis()
+    iperf_proc = start_iperf3()
+    procs: list[Proc | None] = [node, redis_proc, iperf_proc]
+    results: dict[str, Any] = {"sizes": {}, "runs": args.runs, "mib_per_run": args.mib_per_run}
+    try:
+        client = Client(node.url, pool_size=1)
+        client.connect()
+        rds = redis_client(redis_proc.port) if redis_proc else None
+        ceiling = [iperf3(iperf_proc.port, args.iperf_seconds) for _ in range(args.runs)] \
+            if iperf_proc else []
+        results["iperf3_gbps"] = summary(ceiling) if ceiling else None
+        for size in sizes:
+            results["sizes"][_label(size)] = measure_size(size, budget, args.runs, client, rds)
+            print(f"  measured {_label(size)}", flush=True)
+        results["latency_1mib_get_ms"] = latency(client, rds, args.latency_samples)
+        results["key_ops_512_ms"] = key_ops(client, args.latency_samples)
+        client.close()
+        results["node_stats"] = {k: v for k, v in Client(node.url).stats().items()
+                                 if k in ("requests", "bytes_in", "bytes_out", "hits", "misses")}
+    finally:
+        for p in procs:
+            if p is not None:
+                p.stop()
+    results["rss"] = rss_at_full_tier(args.rss_capacity_mib)
+    return results
+
+
+def measure_size(size: int, budget: int, runs: int, client: Client, rds: Any) -> dict[str, Any]:
+    num_keys = max(BATCH, min(64, (256 * MiB) // size))
+    keys = [os.urandom(16) for _ in range(num_keys)]
+    values = [os.urandom(size) for _ in range(min(num_keys, 4))]
+    value_of = [values[i % len(values)] for i in range(num_keys)]
+    count = max(BATCH, budget // size)
+    client.put_many(keys, value_of)
+    if rds is not None:
+        for k, v in zip(keys, value_of, strict=True):
+            rds.set(k, v)
+    buf = bytearray(size)
+    bufs = [bytearray(size) for _ in range(BATCH)]
+    it = {"i": 0}
+
+    def next_key() -> bytes:
+        it["i"] = (it["i"] + 1) % num_keys
+        return keys[it["i"]]
+
+    def batch_keys() -> list[bytes]:
+        start = (it["i"] + BATCH) % (num_keys - BATCH + 1)
+        it["i"] = start
+        return keys[start : start + BATCH]
+
+    ops: dict[str, Callable[[], object]] = {
+        "kvpool put": lambda: client.put(next_key(), values[0]),
+        "kvpool get": lambda: client.get(next_key()),
+        "kvpool get_into": lambda: client.get_into(next_key(), buf),
+        "kvpool put_many": lambda: client.put_many(batch_keys(), values[:1] * BATCH),
+        "kvpool get_many_into": lambda: client.get_many_into(batch_keys(), bufs),
+    }
+    if rds is not None:
+        ops["redis set"] = lambda: rds.set(next_key(), values[0])
+        ops["redis get"] = lambda: rds.get(next_key())
+    samples: dict[str, list[float]] = {name: [] for name in [*ops, "raw python"]}
+    for _ in range(runs):
+        for name, fn in ops.items():
+            n = max(1, count // BATCH) if "many" in name else count
+            per_op = BATCH if "many" in name else 1
+            fn()  # warm
+            samples[name].append(size * per_op * n / timed(fn, n) / 1e9)
+        samples["raw python"].append(raw_python(size, budget))
+    out = {name: {**summary(s), "ops_per_s": statistics.median(s) * 1e9 / size}
+           for name, s in samples.items()}
+    return out
+
+
+def latency(client: Client, rds: Any, samples: int) -> dict[str, Any]:
+    key, value = os.urandom(16), os.urandom(MiB)
+    client.put(key, value)
+    buf = bytearray(MiB)
+    out: dict[str, Any] = {}
+    series: dict[str, Callable[[], object]] = {"kvpool get_into": lambda: client.get_into(key,
+                                                                                         buf),
+                                               "kvpool get": lambda: client.get(key)}
+    if rds is not None:
+        rds.set(key, value)
+        series["redis get"] = lambda: rds.get(key)
+    for name, fn in series.items():
+        times = []
+        for _ in range(samples):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        out[name] = {"p50": percentile(times, 0.5), "p99": percentile(times, 0.99)}
+    return out
+
+
+def key_ops(client: Client, samples: int) -> dict[str, Any]:
+    keys = [os.urandom(16) for _ in range(512)]
+    client.put_many(keys, [b"x" * 64] * 512)
+    out: dict[str, Any] = {}
+    ops: dict[str, Callable[[], object]] = {"exists_many(512)": lambda: client.exists_many(keys),
+                                            "lookup(512)": lambda: client.lookup(keys)}
+    for name, fn in ops.items():
+        times = []
+        for _ in range(samples):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        out[name] = {"p50": percentile(times, 0.5), "p99": percentile(times, 0.99)}
+    assert client.lookup(keys) == 512
+    return out
+
+
+def rss_at_full_tier(capacity_mib: int) -> dict[str, Any]:
+    node = start_node("--dram-capacity", f"{capacity_mib}MiB")
+    try:
+        with Client(node.url) as c:
+            value = os.urandom(4 * MiB)
+            for _ in range(int(capacity_mib * 1.5) // 4):
+                c.put(os.urandom(16), value)
+            stats = c.stats()
+        rss = psutil.Process(node.proc.pid).memory_info().rss
+    finally:
+        node.stop()
+    limit = capacity_mib * MiB * 1.10 + 150e6
+    return {"capacity_bytes": capacity_mib * MiB, "rss_bytes": rss, "limit_bytes": limit,
+            "used_bytes": stats["used_bytes"], "evictions": stats["evictions"],
+            "ok": rss <= limit}
+
+
+# -- report -------------------------------------------------------------------------------------
+
+
+def _ratio(series: dict[str, float], ref: float | None) -> str:
+    return f"{series['median'] / ref:.2f}x" if ref else ""
+
+
+def report(results: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=120)
+    iperf = results["iperf3_gbps"]["median"] if results.get("iperf3_gbps") else None
+    table = Table(title="kvpool single node, 127.0.0.1 (GB/s: median [min-max])")
+    for col in ("size", "series", "GB/s", "ops/s", "/iperf3", "/raw", "/redis"):
+        table.add_column(col, justify="right" if col not in ("series",) else "left")
+    for label, series in results["sizes"].items():
+        raw = series["raw python"]["median"]
+        for name, s in series.items():
+            redis_ref = None
+            if name.startswith("kvpool get") and "redis get" in series:
+                redis_ref = series["redis get"]["median"]
+            elif name.startswith("kvpool put") and "redis set" in series:
+                redis_ref = series["redis set"]["median"]
+            kv = name.startswith("kvpool")
+            table.add_row(label, name, f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]",
+                          f"{s['ops_per_s']:.0f}", _ratio(s, iperf) if kv else "",
+                          _ratio(s, raw) if kv else "", _ratio(s, redis_ref) if kv else "")
+        table.add_section()
+    console.print(table)
+    if iperf:
+        i = results["iperf3_gbps"]
+        console.print(f"iperf3 loopback (1 stream, -l 1M): {i['median']:.2f} GB/s "
+                      f"[{i['min']:.2f}-{i['max']:.2f}]")
+    for name, v in {**results["latency_1mib_get_ms"], **results["key_ops_512_ms"]}.items():
+        console.print(f"{name:>22}: p50 {v['p50']:.3f} ms  p99 {v['p99']:.3f} ms")
+    rss = results["rss"]
+    console.print(f"RSS at a full {rss['capacity_bytes'] >> 20} MiB DRAM tier: "
+                  f"{rss['rss_bytes'] / MiB:.0f} MiB (limit {rss['limit_bytes'] / MiB:.0f} MiB, "
+                  f"{'ok' if rss['ok'] else 'OVER'})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--mib-per-run", type=int, default=256, help="bytes moved per sample")
+    parser.add_argument("--max-size", type=int, default=16 * MiB)
+    parser.add_argument("--iperf-seconds", type=float, default=1.0)
+    parser.add_argument("--latency-samples", type=int, default=500)
+    parser.add_argument("--rss-capacity-mib", type=int, default=512)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/throughput.json"))
+    parser.add_argument("--quick", action="store_true", help="1 run, small budgets")
+    args = parser.parse_args()
+    if args.quick:
+        args.runs, args.mib_per_run, args.latency_samples = 1, 32, 50
+        args.rss_capacity_mib, args.max_size = 64, 4 * MiB
+    results = run(args)
+    results["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
+                          "platform": platform.platform(), "when": time.strftime("%F %T")}
+    report(results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
