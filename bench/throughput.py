@@ -262,7 +262,7 @@ def report(results: dict[str, Any]) -> None:
 
     console = Console(width=120)
     iperf = results["iperf3_gbps"]["median"] if results.get("iperf3_gbps") else None
-    table = Table(title="kvpool single node, 127.0.0.1 (GB/s: median [min-max])")
+    table = Table(title="kvpool single node, 127.0.0.1 (GB/s: median \\[min-max])")
     for col in ("size", "series", "GB/s", "ops/s", "/iperf3", "/raw", "/redis"):
         table.add_column(col, justify="right" if col not in ("series",) else "left")
     for label, series in results["sizes"].items():

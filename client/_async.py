@@ -72,6 +72,17 @@ def _key(key: Key) -> bytes:
     return bytes(key)
 
 
+def _join_keys(keys: Sequence[Key]) -> bytes:
+    """All keys as one validated 16*n byte blob: the body of a key-list frame."""
+    try:
+        blob = b"".join(keys)  # type: ignore[arg-type]  # fast path: all bytes-like
+    except TypeError:
+        return b"".join([_key(k) for k in keys])
+    if len(blob) != KEY_SIZE * len(keys) or any(n != KEY_SIZE for n in map(len, keys)):
+        return b"".join([_key(k) for k in keys])  # raises InvalidKeyError for the bad one
+    return blob
+
+
 def _ttl_ms(ttl: float | None) -> int:
     if ttl is None:
         return 0
@@ -83,6 +94,10 @@ def _ttl_ms(ttl: float | None) -> int:
 def _chunks(n: int, size: int) -> Iterator[range]:
     for start in range(0, n, size):
         yield range(start, min(n, start + size))
+
+
+def _blob_part(blob: bytes, part: range) -> bytes:
+    return blob[part.start * KEY_SIZE : part.stop * KEY_SIZE]
 
 
 class AsyncClient:
@@ -157,10 +172,10 @@ class AsyncClient:
 
     async def pin(self, key: Key) -> bool:
         """Never evict this chunk (TTL still applies); False if absent. Idempotent."""
-        return (await self._statuses(Op.PIN, [_key(key)]))[0] == Status.OK
+        return (await self._statuses(Op.PIN, _key(key)))[0] == Status.OK
 
     async def unpin(self, key: Key) -> bool:
-        return (await self._statuses(Op.UNPIN, [_key(key)]))[0] == Status.OK
+        return (await self._statuses(Op.UNPIN, _key(key)))[0] == Status.OK
 
     # -- batch API ------------------------------------------------------------------------
 
@@ -241,21 +256,21 @@ class AsyncClient:
         return [len(r) if r is not None else None for r in results]
 
     async def exists_many(self, keys: Sequence[Key]) -> list[bool]:
-        statuses = await self._statuses(Op.EXISTS, [_key(k) for k in keys])
+        statuses = await self._statuses(Op.EXISTS, _join_keys(keys))
         return [s == Status.OK for s in statuses]
 
     async def delete_many(self, keys: Sequence[Key]) -> list[bool]:
-        statuses = await self._statuses(Op.DELETE, [_key(k) for k in keys])
+        statuses = await self._statuses(Op.DELETE, _join_keys(keys))
         return [s == Status.OK for s in statuses]
 
     async def lookup(self, keys: Sequence[Key]) -> int:
         """How many leading ``keys`` (a prefix's chunk keys, in order) the node holds."""
-        bkeys = [_key(k) for k in keys]
+        blob = _join_keys(keys)
         conn = await self._connection()
         max_batch = int(self.server_info["max_batch"])
         present = 0
-        for part in _chunks(len(bkeys), max_batch):
-            reply = await self._call(conn, Op.LOOKUP, len(part), [b"".join(bkeys[i] for i in part)])
+        for part in _chunks(len(keys), max_batch):
+            reply = await self._call(conn, Op.LOOKUP, len(part), [_blob_part(blob, part)])
             n = decode_lookup(reply.body)
             present += n
             if n < len(part):
@@ -270,11 +285,11 @@ class AsyncClient:
 
     async def _get(self, keys: Sequence[Key], sinks: Sequence[memoryview] | None
                    ) -> list[memoryview | None]:
-        bkeys = [_key(k) for k in keys]
+        blob = _join_keys(keys)
         conn = await self._connection()
         max_batch = int(self.server_info["max_batch"])
-        parts = list(_chunks(len(bkeys), max_batch))
-        calls = [(conn, Op.GET, len(p), [b"".join(bkeys[i] for i in p)],
+        parts = list(_chunks(len(keys), max_batch))
+        calls = [(conn, Op.GET, len(p), [_blob_part(blob, p)],
                   [sinks[i] for i in p] if sinks is not None else None) for p in parts]
         replies = await self._gather(calls)
         out: list[memoryview | None] = []
@@ -288,9 +303,10 @@ class AsyncClient:
                     assert item.envelope is not None
                     raise BufferTooSmallError(
                         f"buffer of {len(sinks[i]) if sinks else 0} bytes is too small for the "
-                        f"{item.envelope.stored_len}-byte payload of {bkeys[i].hex()}")
+                        f"{item.envelope.stored_len}-byte payload of "
+                        f"{_blob_part(blob, range(i, i + 1)).hex()}")
                 if item.status == Status.CORRUPT:
-                    corrupt.append(bkeys[i])
+                    corrupt.append(_blob_part(blob, range(i, i + 1)))
                 out.append(None)
         if corrupt:
             self.num_corrupt += len(corrupt)
@@ -299,12 +315,12 @@ class AsyncClient:
             await self.delete_many(corrupt)
         return out
 
-    async def _statuses(self, op: Op, keys: list[bytes]) -> list[int]:
+    async def _statuses(self, op: Op, blob: bytes) -> list[int]:
         conn = await self._connection()
-        max_batch = int(self.server_info["max_batch"])
-        parts = list(_chunks(len(keys), max_batch))
+        count = len(blob) // KEY_SIZE
+        parts = list(_chunks(count, int(self.server_info["max_batch"])))
         replies = await self._gather(
-            [(conn, op, len(p), [b"".join(keys[i] for i in p)], None) for p in parts])
+            [(conn, op, len(p), [_blob_part(blob, p)], None) for p in parts])
         statuses: list[int] = []
         for part, reply in zip(parts, replies, strict=True):
             statuses += decode_statuses(reply.body, len(part))

@@ -8,6 +8,7 @@ until those buffers have been written out.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +49,7 @@ class Handlers:
         self.limits = limits
         self.stats = stats
         self.started_at = time.time()
-        self._table = {
+        self._table: dict[int, Callable[[Request], Reply]] = {
             Op.HELLO: self.hello,
             Op.PUT: self.put,
             Op.GET: self.get,
@@ -63,7 +64,7 @@ class Handlers:
     def handle(self, request: Request) -> Reply:
         header = request.header
         self.stats.count(header.op, header.count)
-        return self._table[Op(header.op)](request)
+        return self._table[header.op](request)
 
     # -- ops ------------------------------------------------------------------------------
 
