@@ -51,6 +51,8 @@ __all__ = [
 
 #: Client-side item status: the caller's buffer was smaller than the payload.
 TOO_SMALL = 255
+#: HELLO and STATS bodies are small JSON; a larger one is refused before it is read.
+MAX_CONTROL_BODY = 64 << 10
 
 _KNOWN_OPS = frozenset(int(op) for op in Op)
 
@@ -205,6 +207,10 @@ class RequestParser:
                 assert body is not None
                 self._ready.append(Request(header, keys=decode_keys(body, header.count)))
             else:
+                if header.body_len > MAX_CONTROL_BODY:
+                    raise FrameTooLargeError(
+                        f"{Op(header.op).name} body of {header.body_len} bytes exceeds "
+                        f"{MAX_CONTROL_BODY}")
                 body = yield Exact(header.body_len)
                 assert body is not None
                 self._ready.append(Request(header, body=body))

@@ -56,3 +56,22 @@ def test_healthz(node: NodeProcess) -> None:
 
     with urllib.request.urlopen(node.admin_url + "/healthz", timeout=5) as r:
         assert json.load(r)["status"] == "ok"
+
+
+def test_readme_documents_every_knob() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for cls in (ServerConfig, DramConfig):
+        for f in dataclasses.fields(cls):
+            assert f"`{f.metadata['env']}`" in readme, f.name
+
+
+def test_readme_example_runs(node: NodeProcess) -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    start = readme.index("```python\n") + len("```python\n")
+    code = readme[start : readme.index("```", start)]
+    code = code.replace("kvpool://127.0.0.1:7700", node.url)
+    exec(compile(code, "README.md", "exec"), {})

@@ -153,6 +153,7 @@ def hello() -> bytes:
     (FrameHeader(99, 1, 0, 0).pack(), UnknownOpcodeError),
     (FrameHeader(Op.GET, 1, 5000, 5000 * 16).pack(), FrameTooLargeError),
     (FrameHeader(Op.STATS, 1, 0, 1 << 40).pack(), FrameTooLargeError),
+    (FrameHeader(Op.HELLO, 1, 0, 1 << 20).pack(), FrameTooLargeError),  # no 1 MiB JSON
     (FrameHeader(Op.GET, 1, 2, 33).pack(), BadFrameError),  # key of the wrong length
     (FrameHeader(Op.PUT, 1, 1, 10).pack(), BadFrameError),  # body shorter than an item
     (FrameHeader(Op.PUT, 1, 1, 40).pack() + PutItemHeader(KEYS[0], 100).pack(), BadFrameError),
