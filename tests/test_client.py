@@ -191,3 +191,36 @@ def test_silent_node_times_out() -> None:
             c.get(rkey())
         assert time.monotonic() - start < 3
         c.close()
+
+
+def test_corrupt_value_is_a_miss_and_is_dropped(node: NodeProcess) -> None:
+    """A value whose payload fails its checksum never comes back as a hit."""
+    import socket
+
+    from kvpool.protocol.envelope import seal
+    from kvpool.protocol.frames import FrameHeader, Op, PutItemHeader, encode_frame, encode_json
+
+    k, payload = rkey(), bytearray(os.urandom(10_000))
+    envelope = seal(payload)
+    payload[5000] ^= 0xFF  # the header is valid (the node accepts it), the payload is not
+    with socket.create_connection((node.host, node.port), timeout=5) as s:
+        s.sendall(b"".join([*encode_frame(Op.HELLO, 1, [encode_json({"protocol": 1})]),
+                            *encode_frame(Op.PUT, 2, [PutItemHeader(k, 64 + len(payload)).pack(),
+                                                      envelope, payload], count=1)]))
+        replies = 0
+        data = b""
+        while replies < 2:
+            data += s.recv(65536)
+            while len(data) >= 24:
+                header = FrameHeader.unpack(data[:24])
+                if len(data) < 24 + header.body_len:
+                    break
+                assert header.status == 0
+                data = data[24 + header.body_len :]
+                replies += 1
+    with Client(node.url) as c:
+        assert c.exists(k)
+        assert c.get(k) is None
+        assert c.num_corrupt == 1
+        assert not c.exists(k)  # the client dropped it where it lay
+        assert c.get_into(k, bytearray(20_000)) is None
