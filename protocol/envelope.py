@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import xxhash
 from kvpool.protocol.errors import CorruptChunkError
@@ -66,8 +66,7 @@ def payload_checksum(payload: bytes | bytearray | memoryview) -> int:
     return int(xxhash.xxh3_64_intdigest(payload))
 
 
-@dataclass(frozen=True, slots=True)
-class EnvelopeHeader:
+class EnvelopeHeader(NamedTuple):
     """Decoded envelope header."""
 
     raw_len: int
@@ -107,7 +106,7 @@ class EnvelopeHeader:
             raise CorruptChunkError(
                 f"envelope header needs {ENVELOPE_HEADER_SIZE} bytes, got {len(buf)}"
             )
-        head = memoryview(buf)[: _HEADER.size]
+        head = bytes(buf[: _HEADER.size])
         (check,) = _CHECK.unpack_from(buf, _HEADER.size)
         if xxhash.xxh32_intdigest(head) != check:
             raise CorruptChunkError("envelope header checksum mismatch")
@@ -117,13 +116,16 @@ class EnvelopeHeader:
             raise CorruptChunkError(f"bad envelope magic {magic!r}")
         if version != ENVELOPE_VERSION:
             raise CorruptChunkError(f"unsupported envelope version {version}")
-        try:
-            codec_enum = Codec(codec)
-        except ValueError:
-            raise CorruptChunkError(f"unknown codec {codec}") from None
-        if codec_enum is Codec.RAW and raw_len != stored_len:
-            raise CorruptChunkError("raw codec with raw_len != stored_len")
-        return cls(raw_len, stored_len, checksum, num_tokens, chunk_index, bytes(fingerprint),
+        if codec == Codec.RAW:
+            if raw_len != stored_len:
+                raise CorruptChunkError("raw codec with raw_len != stored_len")
+            codec_enum = Codec.RAW
+        else:
+            try:
+                codec_enum = Codec(codec)
+            except ValueError:
+                raise CorruptChunkError(f"unknown codec {codec}") from None
+        return cls(raw_len, stored_len, checksum, num_tokens, chunk_index, fingerprint,
                    codec_enum, elem_size)
 
 

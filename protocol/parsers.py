@@ -55,6 +55,11 @@ TOO_SMALL = 255
 MAX_CONTROL_BODY = 64 << 10
 
 _KNOWN_OPS = frozenset(int(op) for op in Op)
+# needs asked for on every frame, made once (a plan never mutates a need)
+_FRAME_HEADER = Exact(FRAME_HEADER_SIZE)
+_PUT_ITEM = Exact(PUT_ITEM_SIZE)
+_GET_ITEM = Exact(GET_ITEM_SIZE)
+_ENVELOPE = Exact(ENVELOPE_HEADER_SIZE)
 
 
 class Reservation(Protocol):
@@ -157,7 +162,7 @@ class RequestParser:
         limits = self.limits
         while True:
             self._in_frame = False
-            raw = yield Exact(FRAME_HEADER_SIZE)
+            raw = yield _FRAME_HEADER
             self._in_frame = True
             assert raw is not None
             header = FrameHeader.unpack(raw)
@@ -176,7 +181,7 @@ class RequestParser:
                 for _ in range(header.count):
                     if remaining < PUT_ITEM_SIZE:
                         raise BadFrameError("PUT body shorter than its items")
-                    raw_item = yield Exact(PUT_ITEM_SIZE)
+                    raw_item = yield _PUT_ITEM
                     assert raw_item is not None
                     item = PutItemHeader.unpack(raw_item)
                     remaining -= PUT_ITEM_SIZE
@@ -271,7 +276,7 @@ class ReplyParser:
 
     def _plan(self) -> Plan:
         while True:
-            raw = yield Exact(FRAME_HEADER_SIZE)
+            raw = yield _FRAME_HEADER
             assert raw is not None
             header = FrameHeader.unpack(raw)
             if header.op == Op.GET and header.status == Status.OK:
@@ -280,7 +285,7 @@ class ReplyParser:
                 for index in range(header.count):
                     if remaining < GET_ITEM_SIZE:
                         raise BadFrameError("GET reply shorter than its items")
-                    raw_item = yield Exact(GET_ITEM_SIZE)
+                    raw_item = yield _GET_ITEM
                     assert raw_item is not None
                     item = GetItemHeader.unpack(raw_item)
                     remaining -= GET_ITEM_SIZE + item.value_len
@@ -309,7 +314,7 @@ class ReplyParser:
         if value_len < ENVELOPE_HEADER_SIZE:
             yield Skip(value_len)
             return GetResult(Status.CORRUPT)
-        raw_env = yield Exact(ENVELOPE_HEADER_SIZE)
+        raw_env = yield _ENVELOPE
         assert raw_env is not None
         rest = value_len - ENVELOPE_HEADER_SIZE
         try:

@@ -66,8 +66,9 @@ class StreamReader:
         self._direct = False
         self._plan = plan
         self._big: bytearray | None = None
-        self._need: Need = self._normalise(next(plan))
-        self._skip_empty()
+        self._need: Need = next(plan)
+        # plans start with a frame header: a small Exact that needs no normalising
+        assert type(self._need) is Exact and 0 < self._need.n <= _SMALL_EXACT
 
     # -- BufferedProtocol half ------------------------------------------------------------
 
@@ -116,57 +117,62 @@ class StreamReader:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _normalise(self, need: Need) -> Need:
-        if isinstance(need, Exact) and need.n > _SMALL_EXACT:
-            # a large Exact is served through a buffer of its own, handed over whole
-            self._big = bytearray(need.n)
-            return Into(memoryview(self._big))
-        return need
-
     def _advance(self, value: bytes | bytearray | None) -> None:
+        """Send the plan what it asked for; take its next non-empty need."""
         if self._big is not None:
             value, self._big = self._big, None
         self._filled = 0
-        self._need = self._normalise(self._plan.send(value))
-        self._skip_empty()
-
-    def _skip_empty(self) -> None:
-        while True:
-            need = self._need
-            if isinstance(need, Exact) and need.n == 0:
-                self._need = self._normalise(self._plan.send(b""))
-            elif (isinstance(need, Into) and len(need.view) == 0) or \
-                    (isinstance(need, Skip) and need.n == 0):
-                self._need = self._normalise(self._plan.send(None))
-            else:
-                return
+        plan = self._plan
+        need = plan.send(value)
+        while True:  # type() checks: isinstance() is measurably slower per frame here
+            kind = type(need)
+            if kind is Exact:
+                n = need.n  # type: ignore[union-attr]
+                if n > _SMALL_EXACT:
+                    self._big = bytearray(n)
+                    need = Into(memoryview(self._big))
+                elif n == 0:
+                    need = plan.send(b"")
+                    continue
+            elif kind is Into:
+                if not len(need.view):  # type: ignore[union-attr]
+                    need = plan.send(None)
+                    continue
+            elif need.n == 0:  # type: ignore[union-attr]
+                need = plan.send(None)
+                continue
+            self._need = need
+            return
 
     def _drain(self) -> None:
         mv = self._scratch_mv
         while self._start < self._end:
             need = self._need
             avail = self._end - self._start
-            if isinstance(need, Exact):
-                if avail < need.n:
+            kind = type(need)
+            if kind is Exact:
+                n = need.n  # type: ignore[union-attr]
+                if avail < n:
                     break
-                data = bytes(mv[self._start : self._start + need.n])
-                self._start += need.n
-                self._advance(data)
-            elif isinstance(need, Into):
-                k = min(avail, len(need.view) - self._filled)
-                piece = need.view[self._filled : self._filled + k]
+                start = self._start
+                self._start = start + n
+                self._advance(bytes(mv[start : start + n]))
+            elif kind is Into:
+                view = need.view  # type: ignore[union-attr]
+                k = min(avail, len(view) - self._filled)
+                piece = view[self._filled : self._filled + k]
                 piece[:] = mv[self._start : self._start + k]
                 self._start += k
                 self._filled += k
-                if need.on_fill is not None:
-                    need.on_fill(piece)
-                if self._filled == len(need.view):
+                if need.on_fill is not None:  # type: ignore[union-attr]
+                    need.on_fill(piece)  # type: ignore[union-attr]
+                if self._filled == len(view):
                     self._advance(None)
             else:
-                k = min(avail, need.n - self._filled)
+                k = min(avail, need.n - self._filled)  # type: ignore[union-attr]
                 self._start += k
                 self._filled += k
-                if self._filled == need.n:
+                if self._filled == need.n:  # type: ignore[union-attr]
                     self._advance(None)
         if self._start == self._end:
             self._start = self._end = 0
