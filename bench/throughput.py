@@ -291,6 +291,42 @@ def report(results: dict[str, Any]) -> None:
                   f"{'ok' if rss['ok'] else 'OVER'})")
 
 
+def markdown(results: dict[str, Any]) -> str:
+    """The README's table, from a results JSON."""
+    iperf = results["iperf3_gbps"]["median"] if results.get("iperf3_gbps") else None
+    lines = ["| size | series | GB/s median [min-max] | ops/s | ÷ iperf3 | ÷ raw Python "
+             "| ÷ Redis |", "|---|---|---|---|---|---|---|"]
+    for label, series in results["sizes"].items():
+        raw = series["raw python"]["median"]
+        for name, s in series.items():
+            kv = name.startswith("kvpool")
+            ref = None
+            if kv and "get" in name:
+                ref = series.get("redis get", {}).get("median")
+            elif kv:
+                ref = series.get("redis set", {}).get("median")
+            cells = [_ratio(s, iperf), _ratio(s, raw), _ratio(s, ref)] if kv else ["", "", ""]
+            lines.append(f"| {label} | {name} | {s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}] "
+                         f"| {s['ops_per_s']:.0f} | " + " | ".join(cells) + " |")
+    out = "\n".join(lines) + "\n\n"
+    if iperf:
+        i = results["iperf3_gbps"]
+        out += (f"iperf3 loopback, one stream, `-l 1M`: **{i['median']:.2f} GB/s** "
+                f"[{i['min']:.2f}-{i['max']:.2f}].\n\n")
+    out += "| latency | p50 ms | p99 ms |\n|---|---|---|\n"
+    for name, v in {**results["latency_1mib_get_ms"], **results["key_ops_512_ms"]}.items():
+        label = name if "(" in name else f"{name} (1 MiB)"
+        out += f"| {label} | {v['p50']:.3f} | {v['p99']:.3f} |\n"
+    rss = results["rss"]
+    out += (f"\nRSS of a node with a full {rss['capacity_bytes'] >> 20} MiB DRAM tier: "
+            f"{rss['rss_bytes'] / MiB:.0f} MiB (limit capacity x 1.10 + 150 MB = "
+            f"{rss['limit_bytes'] / MiB:.0f} MiB).\n")
+    m = results.get("machine", {})
+    out += (f"\nMeasured {m.get('when', '?')}, {m.get('cpus', '?')} CPUs, "
+            f"Python {m.get('python', '?')}.\n")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -302,7 +338,12 @@ def main() -> None:
     parser.add_argument("--rss-capacity-mib", type=int, default=512)
     parser.add_argument("--out", type=Path, default=Path("bench/results/throughput.json"))
     parser.add_argument("--quick", action="store_true", help="1 run, small budgets")
+    parser.add_argument("--markdown-from", type=Path, metavar="JSON",
+                        help="print the README table of an earlier run and exit")
     args = parser.parse_args()
+    if args.markdown_from:
+        print(markdown(json.loads(args.markdown_from.read_text())))
+        return
     if args.quick:
         args.runs, args.mib_per_run, args.latency_samples = 1, 32, 50
         args.rss_capacity_mib, args.max_size = 64, 4 * MiB
