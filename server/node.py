@@ -9,6 +9,7 @@ import signal
 
 import psutil
 from aiohttp import web
+from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.parsers import Limits
 from kvpool.server.admin import make_admin_app
 from kvpool.server.config import NodeConfig, format_size
@@ -35,8 +36,14 @@ class Node:
     def __init__(self, config: NodeConfig, *, dram: DramTier | None = None) -> None:
         self.config = config
         server = config.server
-        self.dram = dram or DramTier(resolve_dram_capacity(config),
-                                     default_ttl_s=config.dram.default_ttl_s or None)
+        if dram is None:
+            capacity = resolve_dram_capacity(config)
+            try:
+                dram = DramTier(capacity, default_ttl_s=config.dram.default_ttl_s or None)
+            except (MemoryError, ValueError) as exc:
+                raise ConfigError(f"DRAM tier of {format_size(capacity)}: {exc}; "
+                                  "lower --dram-capacity or --dram-fraction") from exc
+        self.dram = dram
         self.stats = NodeStats()
         self.limits = Limits(server.max_frame_bytes, server.max_batch, server.max_value_bytes)
         self.handlers = Handlers(server.node_id, self.dram, self.limits, self.stats)

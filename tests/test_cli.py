@@ -75,3 +75,8 @@ def test_readme_example_runs(node: NodeProcess) -> None:
     code = readme[start : readme.index("```", start)]
     code = code.replace("kvpool://127.0.0.1:7700", node.url)
     exec(compile(code, "README.md", "exec"), {})
+
+
+def test_impossible_dram_capacity_is_a_clear_error() -> None:
+    out = kvpool("serve", "--data-port", "0", "--admin-port", "0", "--dram-capacity", "100")
+    assert out.returncode == 2 and "DRAM tier" in out.stderr, out.stderr

@@ -35,7 +35,10 @@ class Arena:
         if capacity < ALIGN:
             raise ValueError(f"arena capacity must be at least {ALIGN} bytes")
         self.capacity = capacity
-        self._mmap = mmap.mmap(-1, capacity)
+        try:
+            self._mmap = mmap.mmap(-1, capacity)
+        except OSError as exc:  # e.g. vm.overcommit_memory=2 or a ulimit -v
+            raise MemoryError(f"cannot map a {capacity}-byte DRAM arena: {exc}") from exc
         self.view = memoryview(self._mmap)
         self._by_size: SortedList = SortedList([(capacity, 0)])
         self._by_start: dict[int, int] = {0: capacity}
