@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
 from kvpool.bench._procs import Proc, start_iperf3, start_node, start_redis
 from kvpool.client import Client
 

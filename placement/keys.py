@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import xxhash
+
 from kvpool.protocol.errors import ConfigError, InvalidKeyError
 from kvpool.protocol.frames import KEY_SIZE
 

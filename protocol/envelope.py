@@ -29,6 +29,7 @@ import struct
 from typing import NamedTuple
 
 import xxhash
+
 from kvpool.protocol.errors import CorruptChunkError
 
 __all__ = [

@@ -9,6 +9,7 @@ import signal
 
 import psutil
 from aiohttp import web
+
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.parsers import Limits
 from kvpool.server.admin import make_admin_app

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+
 from kvpool.client import Client
 from kvpool.protocol.envelope import seal
 from kvpool.protocol.errors import Status

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+
 from kvpool.client import (
     AsyncClient,
     BufferTooSmallError,

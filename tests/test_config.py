@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 import pytest
+
 from kvpool.protocol.errors import ConfigError
 from kvpool.server.config import add_arguments, load_config, parse_size
 

@@ -7,6 +7,7 @@ import os
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, seal
 from kvpool.tiers.arena import ALIGN, Arena
 from kvpool.tiers.dram import DramTier

@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 
 import pytest
+
 from kvpool.protocol.envelope import (
     ENVELOPE_HEADER_SIZE,
     Codec,

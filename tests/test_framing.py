@@ -8,6 +8,7 @@ import struct
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvpool.protocol.envelope import seal
 from kvpool.protocol.errors import (
     BadFrameError,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
+
 from kvpool.placement.keys import ChunkHasher, Namespace, key_from_hex, key_to_hex, pack_tokens
 from kvpool.protocol.errors import ConfigError, InvalidKeyError
 

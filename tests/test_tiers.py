@@ -1,14 +1,17 @@
-"""The Tier interface, run against every tier (DRAM today; SSD and S3 join this list)."""
+"""The Tier interface, run against every tier (DRAM and RocksDB today; S3 joins this list)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+
 from kvpool.protocol.envelope import seal
 from kvpool.tiers.base import Tier
 from kvpool.tiers.dram import DramTier
+from kvpool.tiers.rocksdb import RocksDbTier
 
 
 def chunk(n: int = 1000, index: int = 0) -> bytes:
@@ -16,14 +19,16 @@ def chunk(n: int = 1000, index: int = 0) -> bytes:
     return seal(payload, chunk_index=index) + payload
 
 
-TIERS: dict[str, Callable[[], Tier]] = {
-    "dram": lambda: DramTier(1 << 20),
+CAPACITY = 1 << 20
+TIERS: dict[str, Callable[[Path], Tier]] = {
+    "dram": lambda _path: DramTier(CAPACITY),
+    "ssd": lambda path: RocksDbTier(path / "ssd", CAPACITY),
 }
 
 
 @pytest.fixture(params=list(TIERS))
-def tier(request: pytest.FixtureRequest) -> Iterator[Tier]:
-    t = TIERS[request.param]()
+def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
+    t = TIERS[request.param](tmp_path)
     yield t
     close = getattr(t, "close", None)
     if close:
@@ -66,3 +71,18 @@ def test_stats_count(tier: Tier) -> None:
 def test_rejects_non_envelope(tier: Tier) -> None:
     assert not tier.put(b"x" * 16, b"not an envelope" * 10)
     assert tier.get(b"x" * 16) is None
+
+
+def test_capacity_and_eviction(tier: Tier) -> None:
+    keys = [bytes([i]) * 16 for i in range(10)]
+    for k in keys:
+        assert tier.put(k, chunk(CAPACITY // 4 - 8192))
+    s = tier.stats()
+    assert s.used_bytes <= CAPACITY and s.evictions >= 6
+    assert tier.contains(keys[-1]) and not tier.contains(keys[0])
+    assert sum(tier.contains(k) for k in keys) == s.num_objects <= 4
+
+
+def test_value_larger_than_capacity_is_refused(tier: Tier) -> None:
+    assert not tier.put(b"big" + bytes(13), chunk(CAPACITY + 1))
+    assert tier.stats().rejections == 1

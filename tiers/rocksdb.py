@@ -1,0 +1,204 @@
+"""SSD tier: chunks in a RocksDB database on local disk, through ``rocksdict``.
+
+Why rocksdict: ``rocksdb-py`` was evaluated and lacks compression, block-cache
+and column-family options, segfaults on an iterator after close, and ships no
+aarch64 wheels.
+
+Layout: the ``default`` column family maps key -> stored envelope (encoded by
+this tier's codec, see tiers/codec.py); the ``meta`` column family maps key ->
+``(stored_len, depth, written_at)``, written in the same WriteBatch, so that
+opening the database rebuilds the index and eviction order without reading a
+single value. RocksDB's own compression is off: values are compressed (or not)
+by our codec, and the envelope checksum is verified on every read.
+
+Eviction is least-recently-used (reads count; the order persisted across a
+restart is the write order), deepest chunk first at equal recency, by the
+*logical* bytes stored: RocksDB reclaims disk space later, in compaction.
+
+This class blocks (disk I/O) and, as measured here, rocksdict holds the GIL
+for tens to hundreds of milliseconds on a large ``put``: a node must not call
+it from its event loop's process (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import cast
+
+import rocksdict
+
+from kvpool.protocol.envelope import Codec, EnvelopeHeader
+from kvpool.protocol.errors import CorruptChunkError
+from kvpool.tiers.base import TierStats
+from kvpool.tiers.codec import decode, encode
+from kvpool.tiers.eviction import PrefixAwareLRU
+
+__all__ = ["RocksDbTier"]
+
+_META = struct.Struct("<QIQ")  # stored_len, depth, written_at (unix ms)
+_META_CF = "meta"
+
+
+def _options(write_buffer_bytes: int) -> rocksdict.Options:
+    opts = rocksdict.Options(raw_mode=True)
+    opts.create_if_missing(True)
+    opts.create_missing_column_families(True)
+    # values are 256 KiB-32 MiB and already compressed by our codec
+    opts.set_compression_type(rocksdict.DBCompressionType.none())
+    opts.set_write_buffer_size(write_buffer_bytes)
+    opts.set_max_write_buffer_number(4)
+    opts.set_target_file_size_base(256 << 20)
+    opts.set_level_compaction_dynamic_level_bytes(True)
+    opts.set_max_background_jobs(2)
+    opts.set_keep_log_file_num(2)
+    return opts
+
+
+class RocksDbTier:
+    """get / put / delete / contains / stats over a RocksDB directory."""
+
+    name = "ssd"
+
+    def __init__(self, path: str | Path, capacity_bytes: int, *, codec: Codec = Codec.LZ4,
+                 write_buffer_bytes: int = 64 << 20,
+                 clock: Callable[[], float] = time.time) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError("SSD tier capacity must be > 0")
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.codec = codec
+        self._clock = clock
+        opts = _options(write_buffer_bytes)
+        self._db = rocksdict.Rdict(str(self.path), opts,
+                                   column_families={_META_CF: _options(write_buffer_bytes)})
+        self._meta = self._db.get_column_family(_META_CF)
+        self._meta_handle = self._db.get_column_family_handle(_META_CF)
+        self._sizes: dict[bytes, int] = {}
+        self._depths: dict[bytes, int] = {}
+        self._lru = PrefixAwareLRU()
+        self._used = 0
+        self._stats = TierStats(self.name, capacity_bytes)
+        self.num_corrupt = 0
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        rows: list[tuple[int, int, bytes]] = []
+        for raw_key, raw in self._meta.items():
+            key = cast(bytes, raw_key)  # raw mode: keys and values are bytes
+            stored_len, depth, written_at = _META.unpack(cast(bytes, raw))
+            self._sizes[key] = stored_len
+            self._depths[key] = depth
+            self._used += stored_len
+            rows.append((written_at, -depth, key))
+        rows.sort()
+        for _, neg_depth, key in rows:
+            self._lru.touch([(key, -neg_depth)])
+
+    # -- the Tier interface ---------------------------------------------------------------
+
+    def get(self, key: bytes) -> bytes | None:
+        """The RAW envelope, checksum verified; None on a miss or a corrupt value."""
+        if key not in self._sizes:
+            self._stats.misses += 1
+            return None
+        # the list form releases the GIL while RocksDB reads
+        stored = cast(list[bytes | None], self._db.get([key]))[0]
+        if stored is None:  # index and database disagree: trust the database
+            self._forget(key)
+            self._stats.misses += 1
+            return None
+        try:
+            value = decode(stored)
+        except CorruptChunkError:
+            self.num_corrupt += 1
+            self.delete(key)
+            self._stats.misses += 1
+            return None
+        self._stats.hits += 1
+        self._lru.touch([(key, self._depths[key])])
+        return value
+
+    def put(self, key: bytes, value: bytes | bytearray | memoryview) -> bool:
+        """Store a RAW envelope, encoded with this tier's codec; False if it cannot fit."""
+        try:
+            header = EnvelopeHeader.unpack(value)
+        except CorruptChunkError:
+            return False
+        stored = encode(value, self.codec)
+        size = len(stored)
+        if size > self._stats.capacity_bytes:
+            self._stats.rejections += 1
+            return False
+        if key in self._sizes:
+            self._used -= self._sizes.pop(key)
+            self._lru.discard(key)
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        for victim in self._victims(size):
+            batch.delete(victim)
+            batch.delete(victim, self._meta_handle)
+        batch.put(key, stored)
+        written_at = int(self._clock() * 1000)
+        batch.put(key, _META.pack(size, header.chunk_index, written_at), self._meta_handle)
+        self._db.write(batch)
+        self._sizes[key] = size
+        self._depths[key] = header.chunk_index
+        self._used += size
+        self._lru.touch([(key, header.chunk_index)])
+        self._stats.insertions += 1
+        return True
+
+    def delete(self, key: bytes) -> bool:
+        if key not in self._sizes:
+            return False
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        batch.delete(key)
+        batch.delete(key, self._meta_handle)
+        self._db.write(batch)
+        self._forget(key)
+        return True
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._sizes
+
+    def stats(self) -> TierStats:
+        s = self._stats
+        s.num_objects = len(self._sizes)
+        s.used_bytes = self._used
+        s.allocated_bytes = self._used
+        return TierStats(**s.to_dict())
+
+    def keys(self) -> list[bytes]:
+        return list(self._sizes)
+
+    def close(self) -> None:
+        # the column-family handles keep the database (and its LOCK) alive: drop them first
+        del self._meta, self._meta_handle
+        self._db.close()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _victims(self, incoming: int) -> list[bytes]:
+        """Keys to evict so ``incoming`` bytes fit; removed from the index now."""
+        victims: list[bytes] = []
+        capacity = self._stats.capacity_bytes
+        for key in self._lru.candidates():
+            if self._used + incoming <= capacity:
+                break
+            victims.append(key)
+            self._used -= self._sizes[key]
+        for key in victims:
+            self._sizes.pop(key)
+            self._depths.pop(key)
+            self._lru.discard(key)
+        self._stats.evictions += len(victims)
+        return victims
+
+    def _forget(self, key: bytes) -> None:
+        size = self._sizes.pop(key, None)
+        if size is not None:
+            self._used -= size
+            self._depths.pop(key, None)
+            self._lru.discard(key)
