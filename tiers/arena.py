@@ -1,8 +1,11 @@
 """One preallocated memory arena and a best-fit extent allocator over it.
 
-The arena is a single anonymous ``mmap``: pages are committed by the kernel
-only when first written, so RSS tracks what is stored, not the capacity, and
-PUT payloads are received straight into it (no Python object per chunk).
+The arena is a single shared ``mmap`` of an anonymous memory file (``memfd``
+on Linux, an unlinked temp file elsewhere): pages are committed by the kernel
+only when first written, so RSS tracks what is stored, not the capacity; PUT
+payloads are received straight into it (no Python object per chunk); and the
+SSD worker process maps the same file (``fd``) to read and write chunks in
+place, with no copy through a pipe.
 Extents are aligned to ``ALIGN`` bytes; free extents coalesce with their
 neighbours, so a full cycle of alloc/free returns the arena to one extent.
 """
@@ -10,6 +13,9 @@ neighbours, so a full cycle of alloc/free returns the arena to one extent.
 from __future__ import annotations
 
 import mmap
+import os
+import sys
+import tempfile
 
 from sortedcontainers import SortedList
 
@@ -28,7 +34,7 @@ class Arena:
     """``alloc(n) -> offset | None`` and ``free(offset, n)`` over one mmap."""
 
     __slots__ = ("_by_end", "_by_size", "_by_start", "_mmap", "allocated_bytes", "capacity",
-                 "view")
+                 "fd", "view")
 
     def __init__(self, capacity: int) -> None:
         capacity = capacity // ALIGN * ALIGN
@@ -36,7 +42,8 @@ class Arena:
             raise ValueError(f"arena capacity must be at least {ALIGN} bytes")
         self.capacity = capacity
         try:
-            self._mmap = mmap.mmap(-1, capacity)
+            self.fd = _memory_file(capacity)
+            self._mmap = mmap.mmap(self.fd, capacity)
         except OSError as exc:  # e.g. vm.overcommit_memory=2 or a ulimit -v
             raise MemoryError(f"cannot map a {capacity}-byte DRAM arena: {exc}") from exc
         self.view = memoryview(self._mmap)
@@ -96,3 +103,15 @@ class Arena:
     def close(self) -> None:
         self.view.release()
         self._mmap.close()
+        os.close(self.fd)
+
+
+def _memory_file(size: int) -> int:
+    """A file descriptor of ``size`` bytes of memory, mode 0600, with no name."""
+    if sys.platform.startswith("linux"):
+        fd = os.memfd_create("kvpool-arena", os.MFD_CLOEXEC)
+    else:  # pragma: no cover - macOS: an unlinked file in the temp dir
+        fd, path = tempfile.mkstemp(prefix="kvpool-arena-")
+        os.unlink(path)
+    os.ftruncate(fd, size)
+    return fd

@@ -6,7 +6,7 @@ aarch64 wheels.
 
 Layout: the ``default`` column family maps key -> stored envelope (encoded by
 this tier's codec, see tiers/codec.py); the ``meta`` column family maps key ->
-``(stored_len, depth, written_at)``, written in the same WriteBatch, so that
+``(stored_len, value_len, depth, written_at)``, written in the same WriteBatch, so that
 opening the database rebuilds the index and eviction order without reading a
 single value. RocksDB's own compression is off: values are compressed (or not)
 by our codec, and the envelope checksum is verified on every read.
@@ -38,7 +38,7 @@ from kvpool.tiers.eviction import PrefixAwareLRU
 
 __all__ = ["RocksDbTier"]
 
-_META = struct.Struct("<QIQ")  # stored_len, depth, written_at (unix ms)
+_META = struct.Struct("<QQIQ")  # stored_len, value_len (RAW envelope), depth, written_at (ms)
 _META_CF = "meta"
 
 
@@ -77,7 +77,10 @@ class RocksDbTier:
         self._meta = self._db.get_column_family(_META_CF)
         self._meta_handle = self._db.get_column_family_handle(_META_CF)
         self._sizes: dict[bytes, int] = {}
+        self._value_lens: dict[bytes, int] = {}
         self._depths: dict[bytes, int] = {}
+        #: keys evicted by the last ``put`` (the node drops them from its own index)
+        self.last_evicted: list[bytes] = []
         self._lru = PrefixAwareLRU()
         self._used = 0
         self._stats = TierStats(self.name, capacity_bytes)
@@ -88,8 +91,9 @@ class RocksDbTier:
         rows: list[tuple[int, int, bytes]] = []
         for raw_key, raw in self._meta.items():
             key = cast(bytes, raw_key)  # raw mode: keys and values are bytes
-            stored_len, depth, written_at = _META.unpack(cast(bytes, raw))
+            stored_len, value_len, depth, written_at = _META.unpack(cast(bytes, raw))
             self._sizes[key] = stored_len
+            self._value_lens[key] = value_len
             self._depths[key] = depth
             self._used += stored_len
             rows.append((written_at, -depth, key))
@@ -132,18 +136,19 @@ class RocksDbTier:
         if size > self._stats.capacity_bytes:
             self._stats.rejections += 1
             return False
-        if key in self._sizes:
-            self._used -= self._sizes.pop(key)
-            self._lru.discard(key)
+        self._forget(key)
         batch = rocksdict.WriteBatch(raw_mode=True)
-        for victim in self._victims(size):
+        self.last_evicted = self._victims(size)
+        for victim in self.last_evicted:
             batch.delete(victim)
             batch.delete(victim, self._meta_handle)
         batch.put(key, stored)
         written_at = int(self._clock() * 1000)
-        batch.put(key, _META.pack(size, header.chunk_index, written_at), self._meta_handle)
+        batch.put(key, _META.pack(size, header.value_len, header.chunk_index, written_at),
+                  self._meta_handle)
         self._db.write(batch)
         self._sizes[key] = size
+        self._value_lens[key] = header.value_len
         self._depths[key] = header.chunk_index
         self._used += size
         self._lru.touch([(key, header.chunk_index)])
@@ -170,8 +175,9 @@ class RocksDbTier:
         s.allocated_bytes = self._used
         return TierStats(**s.to_dict())
 
-    def keys(self) -> list[bytes]:
-        return list(self._sizes)
+    def value_lens(self) -> dict[bytes, int]:
+        """Every key with the length of its RAW envelope (what a DRAM slot needs)."""
+        return dict(self._value_lens)
 
     def close(self) -> None:
         # the column-family handles keep the database (and its LOCK) alive: drop them first
@@ -191,6 +197,7 @@ class RocksDbTier:
             self._used -= self._sizes[key]
         for key in victims:
             self._sizes.pop(key)
+            self._value_lens.pop(key)
             self._depths.pop(key)
             self._lru.discard(key)
         self._stats.evictions += len(victims)
@@ -200,5 +207,6 @@ class RocksDbTier:
         size = self._sizes.pop(key, None)
         if size is not None:
             self._used -= size
+            self._value_lens.pop(key, None)
             self._depths.pop(key, None)
             self._lru.discard(key)

@@ -1,0 +1,228 @@
+"""The node's handle on its SSD tier: spawns the worker process and talks to it.
+
+Keeps the index the data path needs without any I/O: which keys are on SSD
+and the length of each RAW envelope (a DRAM slot is reserved with it before
+a promotion). The index is loaded from the worker at start-up (rebuilt by
+RocksDB from its metadata) and kept current from the replies: a PUT reply
+names the keys the worker evicted, a GET that misses or finds a corrupt
+value drops the key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpool.protocol.envelope import Codec
+from kvpool.protocol.errors import KvpoolError
+from kvpool.server.ssd_worker import REPLY, REQUEST, SsdOp, SsdStatus, decode_keys
+
+__all__ = ["SsdCounters", "SsdTier", "SsdUnavailableError"]
+
+log = logging.getLogger("kvpool.server.ssd")
+
+
+class SsdUnavailableError(KvpoolError):
+    """The SSD worker is not running (failed to start, or died)."""
+
+
+@dataclass(slots=True)
+class SsdCounters:
+    writes: int = 0
+    write_bytes: int = 0
+    refused: int = 0
+    shed: int = 0
+    reads: int = 0
+    read_bytes: int = 0
+    read_misses: int = 0
+    corrupt: int = 0
+    errors: int = 0
+    evicted: int = 0
+    pending_writes: int = 0
+    pending_write_bytes: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Replies(asyncio.Protocol):
+    def __init__(self, owner: SsdTier) -> None:
+        self._owner = owner
+        self._buf = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        while len(buf) >= REPLY.size:
+            request_id, status, length = REPLY.unpack_from(buf)
+            if len(buf) < REPLY.size + length:
+                break
+            payload = bytes(buf[REPLY.size : REPLY.size + length])
+            del buf[: REPLY.size + length]
+            self._owner._resolve(request_id, status, payload)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._owner._lost(exc)
+
+
+class SsdTier:
+    def __init__(self, path: Path, capacity_bytes: int, *, codec: Codec, arena_fd: int,
+                 arena_size: int, max_pending_bytes: int, start_timeout_s: float = 60.0) -> None:
+        self.path = path
+        self.start_timeout_s = start_timeout_s
+        self.capacity_bytes = capacity_bytes
+        self.codec = codec
+        self.max_pending_bytes = max_pending_bytes
+        self._arena_fd = arena_fd
+        self._arena_size = arena_size
+        self.index: dict[bytes, int] = {}
+        self.counters = SsdCounters()
+        self._proc: asyncio.subprocess.Process | None = None
+        self._stderr_task: asyncio.Task[None] | None = None
+        self._transport: asyncio.Transport | None = None
+        self._pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
+        self._next_id = 0
+        self.up = False
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Spawn the worker and load its index; SsdUnavailableError if it cannot start."""
+        parent, child = socket.socketpair()
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvpool.server.ssd_worker", "--path", str(self.path),
+            "--capacity", str(self.capacity_bytes), "--codec", str(int(self.codec)),
+            "--arena-fd", str(self._arena_fd), "--arena-size", str(self._arena_size),
+            "--sock-fd", str(child.fileno()),
+            pass_fds=(self._arena_fd, child.fileno()), stderr=asyncio.subprocess.PIPE)
+        child.close()
+        loop = asyncio.get_running_loop()
+        self._transport, _ = await loop.create_unix_connection(lambda: _Replies(self),
+                                                               sock=parent)
+        self.up = True
+        try:
+            async with asyncio.timeout(self.start_timeout_s):
+                _, payload = await self._call(SsdOp.KEYS)
+        except (SsdUnavailableError, TimeoutError) as exc:
+            why = str(exc) or type(exc).__name__
+            await self.stop()  # the worker has exited after this: its stderr is complete
+            if self._proc.stderr is not None:
+                err = (await self._proc.stderr.read()).decode(errors="replace").strip()
+                why = err or why
+            raise SsdUnavailableError(f"SSD tier at {self.path} did not start: {why}") from exc
+        self.index = decode_keys(payload)
+        self._stderr_task = asyncio.create_task(self._forward_stderr())
+
+    async def _forward_stderr(self) -> None:
+        assert self._proc is not None and self._proc.stderr is not None
+        while line := await self._proc.stderr.readline():
+            log.warning("%s", line.decode(errors="replace").rstrip())
+
+    async def stop(self) -> None:
+        self.up = False
+        if self._transport is not None:
+            self._transport.close()  # the worker exits on EOF
+        if self._proc is not None and self._proc.returncode is None:
+            try:
+                async with asyncio.timeout(30):
+                    await self._proc.wait()
+            except TimeoutError:
+                self._proc.kill()
+                await self._proc.wait()
+        if self._stderr_task is not None:
+            self._stderr_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._stderr_task
+
+    # -- operations -----------------------------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        return key in self.index
+
+    def can_write(self, nbytes: int) -> bool:
+        """Whether a write-behind of ``nbytes`` fits the pending budget (else: shed it)."""
+        c = self.counters
+        return self.up and c.pending_write_bytes + nbytes <= self.max_pending_bytes
+
+    async def write(self, key: bytes, offset: int, length: int) -> bool:
+        """Store arena[offset:offset+length]; the caller keeps that memory alive meanwhile."""
+        c = self.counters
+        c.pending_writes += 1
+        c.pending_write_bytes += length
+        try:
+            status, evicted = await self._call(SsdOp.PUT, key, offset, length)
+        finally:
+            c.pending_writes -= 1
+            c.pending_write_bytes -= length
+        for i in range(0, len(evicted), 16):
+            self.index.pop(evicted[i : i + 16], None)
+            c.evicted += 1
+        if status == SsdStatus.OK:
+            self.index[key] = length
+            c.writes += 1
+            c.write_bytes += length
+            return True
+        if status == SsdStatus.REFUSED:
+            c.refused += 1
+        else:
+            c.errors += 1
+        return False
+
+    async def read_into(self, key: bytes, offset: int, length: int) -> int:
+        """Read ``key`` into arena[offset:offset+length]; an SsdStatus."""
+        status, _ = await self._call(SsdOp.GET, key, offset, length)
+        c = self.counters
+        if status == SsdStatus.OK:
+            c.reads += 1
+            c.read_bytes += length
+        elif status in (SsdStatus.MISS, SsdStatus.CORRUPT, SsdStatus.SIZE):
+            self.index.pop(key, None)
+            if status == SsdStatus.CORRUPT:
+                c.corrupt += 1
+            else:
+                c.read_misses += 1
+        else:
+            c.errors += 1
+        return status
+
+    async def delete(self, key: bytes) -> None:
+        self.index.pop(key, None)
+        await self._call(SsdOp.DELETE, key)
+
+    async def worker_stats(self) -> dict[str, Any]:
+        _, payload = await self._call(SsdOp.STATS)
+        stats: dict[str, Any] = json.loads(payload)
+        return stats
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _call(self, op: int, key: bytes = bytes(16), offset: int = 0,
+              length: int = 0) -> asyncio.Future[tuple[int, bytes]]:
+        if not self.up or self._transport is None:
+            raise SsdUnavailableError("the SSD worker is not running")
+        self._next_id = (self._next_id + 1) & 0xFFFFFFFF
+        future: asyncio.Future[tuple[int, bytes]] = \
+            asyncio.get_running_loop().create_future()
+        self._pending[self._next_id] = future
+        self._transport.write(REQUEST.pack(op, self._next_id, key, offset, length))
+        return future
+
+    def _resolve(self, request_id: int, status: int, payload: bytes) -> None:
+        future = self._pending.pop(request_id, None)
+        if future is not None and not future.done():
+            future.set_result((status, payload))
+
+    def _lost(self, exc: Exception | None) -> None:
+        if self.up:
+            log.error("SSD worker connection lost (%s); serving from DRAM only", exc)
+        self.up = False
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(SsdUnavailableError("the SSD worker stopped"))

@@ -1,0 +1,95 @@
+"""The SSD worker process with a real RocksDB, moving bytes through the shared arena."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from kvpool.protocol.envelope import Codec, seal
+from kvpool.server.ssd import SsdTier, SsdUnavailableError
+from kvpool.server.ssd_worker import SsdStatus
+from kvpool.tiers.dram import DramTier
+
+
+def value_of(n: int, index: int = 0) -> bytes:
+    payload = os.urandom(n)
+    return seal(payload, chunk_index=index) + payload
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+@pytest.fixture
+def dram() -> DramTier:
+    return DramTier(8 << 20)
+
+
+def ssd_for(dram: DramTier, path: Path, capacity: int = 4 << 20) -> SsdTier:
+    return SsdTier(path, capacity, codec=Codec.LZ4, arena_fd=dram.arena.fd,
+                   arena_size=dram.arena.capacity, max_pending_bytes=16 << 20)
+
+
+@pytest.fixture
+async def ssd(dram: DramTier, tmp_path: Path) -> AsyncIterator[SsdTier]:
+    tier = ssd_for(dram, tmp_path)
+    await tier.start()
+    yield tier
+    await tier.stop()
+
+
+async def test_write_then_read_through_the_arena(dram: DramTier, ssd: SsdTier) -> None:
+    value = value_of(300_000)
+    assert dram.put(key(1), value)
+    (entry,) = dram.acquire_many([key(1)])
+    assert entry is not None
+    assert await ssd.write(key(1), entry.offset, entry.length)
+    dram.release(entry)
+    assert ssd.index == {key(1): len(value)}
+    slot = dram.reserve(key(1), len(value))
+    assert slot is not None
+    assert await ssd.read_into(key(1), slot.offset, len(value)) == SsdStatus.OK
+    assert bytes(slot.view) == value
+    slot.release()
+    assert await ssd.read_into(key(2), 0, 10) == SsdStatus.MISS
+
+
+async def test_index_survives_restart_and_tracks_evictions(dram: DramTier,
+                                                          tmp_path: Path) -> None:
+    ssd = ssd_for(dram, tmp_path, capacity=1 << 20)
+    await ssd.start()
+    for i in range(6):  # 6 x 300 KB of random bytes into a 1 MiB tier: 3 remain
+        assert dram.put(key(i), value_of(300_000, i))
+        (entry,) = dram.acquire_many([key(i)])
+        assert entry is not None
+        assert await ssd.write(key(i), entry.offset, entry.length)
+        dram.release(entry)
+    assert sorted(ssd.index) == [key(3), key(4), key(5)]
+    assert ssd.counters.evicted == 3
+    await ssd.stop()
+    again = ssd_for(dram, tmp_path, capacity=1 << 20)
+    await again.start()
+    assert sorted(again.index) == [key(3), key(4), key(5)]
+    stats = await again.worker_stats()
+    assert stats["num_objects"] == 3
+    await again.stop()
+
+
+async def test_worker_death_is_reported(dram: DramTier, ssd: SsdTier) -> None:
+    assert ssd._proc is not None
+    os.kill(ssd._proc.pid, signal.SIGKILL)
+    await ssd._proc.wait()
+    with pytest.raises(SsdUnavailableError):
+        await ssd.worker_stats()
+    assert not ssd.up
+
+
+async def test_second_worker_on_same_dir_fails_clearly(dram: DramTier, ssd: SsdTier,
+                                                       tmp_path: Path) -> None:
+    other = ssd_for(dram, tmp_path)
+    with pytest.raises(SsdUnavailableError, match="did not start"):
+        await other.start()
