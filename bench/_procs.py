@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -53,8 +54,10 @@ def _wait_port(port: int, proc: subprocess.Popen[str], timeout: float = 15.0) ->
 
 
 def start_node(*flags: str) -> Proc:
+    """A node with its data dir in a fresh temp dir (left for the OS to clean)."""
+    data_dir = tempfile.mkdtemp(prefix="kvpool-bench-")
     cmd = [sys.executable, "-m", "kvpool.server", "serve", "--data-port", "0", "--admin-port",
-           "0", "--log-level", "warning", *flags]
+           "0", "--log-level", "warning", "--data-dir", data_dir, *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     deadline = time.monotonic() + 30

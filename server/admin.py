@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -10,12 +10,13 @@ from aiohttp import web
 __all__ = ["make_admin_app"]
 
 
-def make_admin_app(node_id: str, snapshot: Callable[[], dict[str, Any]]) -> web.Application:
+def make_admin_app(node_id: str,
+                   snapshot: Callable[[], Awaitable[dict[str, Any]]]) -> web.Application:
     async def healthz(_request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "node_id": node_id})
 
     async def stats(_request: web.Request) -> web.Response:
-        return web.json_response(snapshot())
+        return web.json_response(await snapshot())
 
     app = web.Application()
     app.router.add_get("/healthz", healthz)

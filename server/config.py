@@ -24,8 +24,10 @@ __all__ = [
     "DramConfig",
     "NodeConfig",
     "ServerConfig",
+    "SsdConfig",
     "add_arguments",
     "format_size",
+    "knob_table",
     "load_config",
     "parse_size",
 ]
@@ -69,6 +71,8 @@ class ServerConfig:
                            flag="--admin-port", env="KVPOOL_ADMIN_PORT")
     node_id: str = knob("", "node name in stats and logs (default: host:data_port)",
                         flag="--node-id", env="KVPOOL_NODE_ID")
+    data_dir: str = knob("./kvpool-data", "directory of the node's on-disk tiers (SSD under ssd/)",
+                         flag="--data-dir", env="KVPOOL_DATA_DIR")
     max_value_bytes: int = knob(64 << 20, "largest value (envelope included) a PUT may carry",
                                 flag="--max-value", env="KVPOOL_MAX_VALUE", kind="size")
     max_batch: int = knob(4096, "most keys/items in one frame",
@@ -117,17 +121,56 @@ class DramConfig:
             raise ConfigError("default_ttl_s must be >= 0")
 
 
+SSD_CODECS = ("none", "lz4", "shuffle-lz4")
+
+
+@dataclass(frozen=True, slots=True)
+class SsdConfig:
+    enabled: bool = knob(True, "run the SSD tier (RocksDB in data_dir/ssd) below DRAM",
+                         flag="--ssd", env="KVPOOL_SSD", kind="bool")
+    capacity_bytes: int = knob(0, "SSD tier capacity (0 = capacity_fraction of free disk space)",
+                               flag="--ssd-capacity", env="KVPOOL_SSD_CAPACITY", kind="size")
+    capacity_fraction: float = knob(0.5, "share of free disk space used when capacity is 0",
+                                    flag="--ssd-fraction", env="KVPOOL_SSD_FRACTION")
+    codec: str = knob("lz4", "how chunks are stored on SSD: none, lz4 or shuffle-lz4",
+                      flag="--ssd-codec", env="KVPOOL_SSD_CODEC")
+    max_pending_bytes: int = knob(256 << 20, "write-behind budget; past it, SSD writes are shed",
+                                  flag="--ssd-max-pending", env="KVPOOL_SSD_MAX_PENDING",
+                                  kind="size")
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 0:
+            raise ConfigError("ssd capacity must be >= 0")
+        if not 0 < self.capacity_fraction <= 0.95:
+            raise ConfigError("ssd capacity_fraction must be in (0, 0.95]")
+        if self.codec not in SSD_CODECS:
+            raise ConfigError(f"ssd codec must be one of {', '.join(SSD_CODECS)}, "
+                              f"not {self.codec!r}")
+        if self.max_pending_bytes < 1 << 20:
+            raise ConfigError("ssd max_pending_bytes must be at least 1 MiB")
+
+
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     dram: DramConfig = field(default_factory=DramConfig)
+    ssd: SsdConfig = field(default_factory=SsdConfig)
 
 
-_SECTIONS: dict[str, type[Any]] = {"server": ServerConfig, "dram": DramConfig}
+_SECTIONS: dict[str, type[Any]] = {"server": ServerConfig, "dram": DramConfig, "ssd": SsdConfig}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
 def _convert(section: str, f: dataclasses.Field[Any], raw: Any, origin: str) -> Any:
     try:
+        if f.metadata.get("kind") == "bool":
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text not in _TRUE + _FALSE:
+                raise ValueError("expected true or false")
+            return text in _TRUE
         if f.metadata.get("kind") == "size":
             return parse_size(raw)
         if f.type in ("int", int):
@@ -139,19 +182,38 @@ def _convert(section: str, f: dataclasses.Field[Any], raw: Any, origin: str) -> 
         raise ConfigError(f"{origin}: bad value {raw!r} for {section}.{f.name}: {exc}") from None
 
 
+def knob_table() -> str:
+    """Every knob as Markdown table rows (the README's configuration table)."""
+    rows = []
+    for section, cls in _SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            default: Any = f.default
+            shown = format_size(default) if meta["kind"] == "size" and default else repr(default)
+            flag = f"{meta['flag']}/--no-{meta['flag'][2:]}" if meta["kind"] == "bool" \
+                else meta["flag"]
+            rows.append(f"| `{section}.{f.name}` | `{flag}` | `{meta['env']}` | {shown} "
+                        f"| {meta['help']} |")
+    return "\n".join(rows)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per knob; its help names the default and the environment variable."""
-    parser.add_argument("--config", metavar="FILE", help="TOML file with [server] and [dram] "
-                        "sections (env: KVPOOL_CONFIG)")
+    parser.add_argument("--config", metavar="FILE", help="TOML file with [server], [dram] "
+                        "and [ssd] sections (env: KVPOOL_CONFIG)")
     for section, cls in _SECTIONS.items():
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(cls):
             meta = f.metadata
             default: Any = f.default
             shown = format_size(default) if meta["kind"] == "size" and default else default
-            group.add_argument(meta["flag"], dest=f"{section}.{f.name}", default=None,
-                               metavar=f.name.upper(),
-                               help=f"{meta['help']} (default: {shown!r}; env: {meta['env']})")
+            helptext = f"{meta['help']} (default: {shown!r}; env: {meta['env']})"
+            if meta["kind"] == "bool":
+                group.add_argument(meta["flag"], dest=f"{section}.{f.name}", default=None,
+                                   action=argparse.BooleanOptionalAction, help=helptext)
+            else:
+                group.add_argument(meta["flag"], dest=f"{section}.{f.name}", default=None,
+                                   metavar=f.name.upper(), help=helptext)
 
 
 def load_config(

@@ -17,7 +17,7 @@ from typing import cast
 from kvpool.protocol.errors import BadFrameError, KvpoolError, status_for_error
 from kvpool.protocol.frames import Op, encode_error
 from kvpool.protocol.parsers import Request, RequestParser
-from kvpool.server.handlers import Handlers
+from kvpool.server.handlers import Handlers, Pending, Reply
 from kvpool.tiers.dram import Entry
 
 __all__ = ["NodeConnection"]
@@ -35,6 +35,7 @@ class NodeConnection(asyncio.BufferedProtocol):
         self._write_paused = False
         self._hello_done = False
         self._closing = False
+        self._tasks: set[asyncio.Task[None]] = set()
         self.peer = "?"
 
     # -- asyncio callbacks ----------------------------------------------------------------
@@ -111,14 +112,39 @@ class NodeConnection(asyncio.BufferedProtocol):
             log.exception("%s: internal error on %s", self.peer, Op(header.op).name)
             self._fail(header.op, header.request_id, exc)
             return False
-        transport.writelines(reply.buffers)
+        if isinstance(reply, Reply):
+            self._send(reply)
+        else:  # waits on the SSD tier; its reply goes out when ready, under its request id
+            task = asyncio.get_running_loop().create_task(self._finish(header.op,
+                                                                       header.request_id, reply))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return True
+
+    async def _finish(self, op: int, request_id: int, pending: Pending) -> None:
+        try:
+            reply = await pending
+        except KvpoolError as exc:
+            self._fail(op, request_id, exc)
+            return
+        except Exception as exc:
+            log.exception("%s: internal error on %s", self.peer, Op(op).name)
+            self._fail(op, request_id, exc)
+            return
+        self._send(reply)
+
+    def _send(self, reply: Reply) -> None:
+        if self._transport is None or self._closing:
+            for entry in reply.held:  # the client is gone: nothing will read these views
+                self._handlers.dram.release(entry)
+            return
+        self._transport.writelines(reply.buffers)
         if reply.held:
             if self._write_paused:
                 self._held.extend(reply.held)
             else:
                 for entry in reply.held:
                     self._handlers.dram.release(entry)
-        return True
 
     def _fail(self, op: int, request_id: int, exc: BaseException) -> None:
         """Reply with the error, then close this connection (and only this one)."""

@@ -1,15 +1,25 @@
-"""What each opcode does on a node: pure functions of a request and the tiers.
+"""What each opcode does on a node, over the DRAM tier and (if enabled) the SSD tier.
 
 A handler returns the reply as a list of buffers (values are arena
 memoryviews, never copied) plus the DRAM entries that must stay acquired
-until those buffers have been written out.
+until those buffers have been written out. A GET that must promote chunks
+from SSD returns a coroutine instead; the connection awaits it and writes
+the reply when it is ready (replies carry request ids, so order is free).
+
+Tiering: every chunk committed to DRAM is queued for a write-behind to SSD
+(skipped if the SSD already has that key: keys are content addresses), so
+that evicting it from DRAM later is a plain drop. Chunks with a TTL stay in
+DRAM only (the SSD tier keeps no expiry yet). A GET that misses DRAM but
+hits the SSD index reserves a DRAM slot, has the SSD worker fill it (and
+verify the checksum), commits it and serves it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvpool.protocol.errors import BadFrameError, Status, VersionMismatchError
@@ -25,12 +35,15 @@ from kvpool.protocol.frames import (
     encode_statuses,
 )
 from kvpool.protocol.parsers import Limits, Request
+from kvpool.server.ssd import SsdTier, SsdUnavailableError
+from kvpool.server.ssd_worker import SsdStatus
 from kvpool.server.stats import NodeStats
 from kvpool.tiers.dram import DramTier, Entry, Slot
 
-__all__ = ["Handlers", "Reply"]
+__all__ = ["Handlers", "Pending", "Reply"]
 
 Buffers = list[bytes | bytearray | memoryview]
+Pending = Coroutine[Any, Any, "Reply"]
 
 
 @dataclass(slots=True)
@@ -48,8 +61,10 @@ class Handlers:
         self.dram = dram
         self.limits = limits
         self.stats = stats
+        self.ssd: SsdTier | None = None
+        self.promotions = 0
         self.started_at = time.time()
-        self._table: dict[int, Callable[[Request], Reply]] = {
+        self._table: dict[int, Callable[[Request], Reply | Pending]] = {
             Op.HELLO: self.hello,
             Op.PUT: self.put,
             Op.GET: self.get,
@@ -61,7 +76,7 @@ class Handlers:
             Op.STATS: self.node_stats,
         }
 
-    def handle(self, request: Request) -> Reply:
+    def handle(self, request: Request) -> Reply | Pending:
         header = request.header
         self.stats.count(header.op, header.count)
         return self._table[header.op](request)
@@ -99,16 +114,55 @@ class Handlers:
             ttls.append(item.header.ttl_ms / 1000 if item.header.ttl_ms else None)
             pins.append(bool(item.header.flags & PUT_FLAG_PIN))
             self.stats.bytes_in += item.header.value_len
-        for i, ok in zip(where, self.dram.commit(slots, ttl_s=ttls, pin=pins), strict=True):
-            if not ok:
+        committed = self.dram.commit(slots, ttl_s=ttls, pin=pins)
+        for i, entry in zip(where, committed, strict=True):
+            if entry is None:
                 statuses[i] = Status.CORRUPT
+        self._write_behind([e for e in committed if e is not None])
         for status in statuses:
             if status != Status.OK:
                 self.stats.error(status)
         return self._reply(request, [encode_statuses(statuses)])
 
-    def get(self, request: Request) -> Reply:
+    def get(self, request: Request) -> Reply | Pending:
         entries = self.dram.acquire_many(request.keys)
+        ssd = self.ssd
+        if ssd is not None and ssd.up:
+            promote = [i for i, e in enumerate(entries)
+                       if e is None and request.keys[i] in ssd.index]
+            if promote:
+                return self._get_promoting(request, entries, promote)
+        return self._get_reply(request, entries)
+
+    async def _get_promoting(self, request: Request, entries: list[Entry | None],
+                             promote: Sequence[int]) -> Reply:
+        await asyncio.gather(*(self._promote(request.keys[i], entries, i) for i in promote))
+        return self._get_reply(request, entries)
+
+    async def _promote(self, key: bytes, entries: list[Entry | None], i: int) -> None:
+        """Read ``key`` from SSD into a fresh DRAM slot; on success ``entries[i]`` holds it."""
+        ssd = self.ssd
+        assert ssd is not None
+        value_len = ssd.index.get(key)
+        if value_len is None:
+            return
+        slot = self.dram.reserve(key, value_len)
+        if slot is None:
+            return
+        try:
+            status = await ssd.read_into(key, slot.offset, value_len)
+        except SsdUnavailableError:
+            status = SsdStatus.ERROR
+        if status != SsdStatus.OK:
+            slot.release()
+            return
+        (entry,) = self.dram.commit([slot])
+        if entry is not None:
+            self.dram.hold(entry)
+            entries[i] = entry
+            self.promotions += 1
+
+    def _get_reply(self, request: Request, entries: list[Entry | None]) -> Reply:
         dram = self.dram
         body: Buffers = []
         held: list[Entry] = []
@@ -129,17 +183,51 @@ class Handlers:
         return reply
 
     def exists(self, request: Request) -> Reply:
-        present = self.dram.contains_many(request.keys)
+        present = self._present(request.keys)
         return self._reply(request, [encode_statuses(
             [Status.OK if p else Status.NOT_FOUND for p in present])])
 
     def delete(self, request: Request) -> Reply:
         deleted = self.dram.delete_many(request.keys)
+        ssd = self.ssd
+        if ssd is not None and ssd.up:
+            for i, key in enumerate(request.keys):
+                if key in ssd.index:
+                    deleted[i] = True
+                    ssd.delete(key)
         return self._reply(request, [encode_statuses(
             [Status.OK if d else Status.NOT_FOUND for d in deleted])])
 
     def lookup(self, request: Request) -> Reply:
-        return self._reply(request, [encode_lookup_reply(self.dram.lookup(request.keys))])
+        present = self._present(request.keys)
+        num = present.index(False) if False in present else len(present)
+        return self._reply(request, [encode_lookup_reply(num)])
+
+    def _present(self, keys: Sequence[bytes]) -> list[bool]:
+        present = self.dram.contains_many(keys)
+        ssd = self.ssd
+        if ssd is not None and ssd.up:
+            index = ssd.index
+            present = [p or k in index for p, k in zip(present, keys, strict=True)]
+        return present
+
+    def _write_behind(self, entries: Sequence[Entry]) -> None:
+        ssd = self.ssd
+        if ssd is None or not ssd.up:
+            return
+        dram = self.dram
+        for entry in entries:
+            if entry.expires_at is not None:
+                # a chunk with a TTL lives in DRAM only, so it can never outlive its TTL
+                if entry.key in ssd.index:
+                    ssd.delete(entry.key)
+                continue
+            if entry.key in ssd.index:  # content-addressed: the SSD copy is the same bytes
+                continue
+            dram.hold(entry)
+            if not ssd.write(entry.key, entry.offset, entry.length,
+                             lambda _stored, e=entry: dram.release(e)):  # type: ignore[misc]
+                dram.release(entry)
 
     def pin(self, request: Request) -> Reply:
         return self._pin(request, True)
@@ -147,15 +235,21 @@ class Handlers:
     def unpin(self, request: Request) -> Reply:
         return self._pin(request, False)
 
-    def node_stats(self, request: Request) -> Reply:
+    def node_stats(self, request: Request) -> Pending:
         if request.body:
             raise BadFrameError("STATS takes no body")
-        return self._reply(request, [encode_json(self.snapshot())])
+        return self._stats_reply(request)
+
+    async def _stats_reply(self, request: Request) -> Reply:
+        return self._reply(request, [encode_json(await self.snapshot())])
 
     # -- helpers --------------------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, Any]:
+    async def snapshot(self) -> dict[str, Any]:
         dram = self.dram.stats()
+        tiers: dict[str, Any] = {"dram": dram.to_dict()}
+        if self.ssd is not None:
+            tiers["ssd"] = await self._ssd_stats(self.ssd)
         return {
             "node_id": self.node_id,
             "protocol": PROTOCOL_VERSION,
@@ -166,9 +260,27 @@ class Handlers:
             "hits": dram.hits,
             "misses": dram.misses,
             "evictions": dram.evictions,
-            "tiers": {"dram": dram.to_dict()},
+            "promotions": self.promotions,
+            "tiers": tiers,
             **self.stats.to_dict(),
         }
+
+    @staticmethod
+    async def _ssd_stats(ssd: SsdTier) -> dict[str, Any]:
+        info: dict[str, Any] = {"name": "ssd", "up": ssd.up, "capacity_bytes": ssd.capacity_bytes,
+                                "codec": ssd.codec.name.lower(), "num_objects": len(ssd.index),
+                                "raw_bytes": sum(ssd.index.values()), **asdict(ssd.counters)}
+        if ssd.up:
+            try:
+                async with asyncio.timeout(2):
+                    worker = await ssd.worker_stats()
+            except (SsdUnavailableError, TimeoutError):
+                info["worker"] = "no answer"
+            else:
+                for name in ("used_bytes", "hits", "misses", "insertions", "evictions",
+                             "rejections", "corrupt"):
+                    info[name] = worker.get(name)
+        return info
 
     def _pin(self, request: Request, pinned: bool) -> Reply:
         done = self.dram.pin_many(request.keys, pinned)

@@ -5,21 +5,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import signal
+from pathlib import Path
 
 import psutil
 from aiohttp import web
 
+from kvpool.protocol.envelope import Codec
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.parsers import Limits
 from kvpool.server.admin import make_admin_app
 from kvpool.server.config import NodeConfig, format_size
 from kvpool.server.connection import NodeConnection
 from kvpool.server.handlers import Handlers
+from kvpool.server.ssd import SsdTier, SsdUnavailableError
 from kvpool.server.stats import NodeStats
 from kvpool.tiers.dram import DramTier
 
-__all__ = ["Node", "resolve_dram_capacity", "run_node"]
+__all__ = ["Node", "resolve_dram_capacity", "resolve_ssd_capacity", "run_node"]
 
 log = logging.getLogger("kvpool.server")
 
@@ -29,6 +33,17 @@ def resolve_dram_capacity(config: NodeConfig) -> int:
     if config.dram.capacity_bytes:
         return config.dram.capacity_bytes
     return int(psutil.virtual_memory().available * config.dram.capacity_fraction)
+
+
+def resolve_ssd_capacity(config: NodeConfig, path: Path) -> int:
+    """The configured capacity, or ``capacity_fraction`` of the free space under ``path``."""
+    if config.ssd.capacity_bytes:
+        return config.ssd.capacity_bytes
+    path.mkdir(parents=True, exist_ok=True)
+    return int(shutil.disk_usage(path).free * config.ssd.capacity_fraction)
+
+
+_CODECS = {"none": Codec.RAW, "lz4": Codec.LZ4, "shuffle-lz4": Codec.SHUFFLE_LZ4}
 
 
 class Node:
@@ -49,6 +64,7 @@ class Node:
         self.limits = Limits(server.max_frame_bytes, server.max_batch, server.max_value_bytes)
         self.handlers = Handlers(server.node_id, self.dram, self.limits, self.stats)
         self.connections: set[NodeConnection] = set()
+        self.ssd: SsdTier | None = None
         self._server: asyncio.Server | None = None
         self._admin: web.AppRunner | None = None
         self._expiry_task: asyncio.Task[None] | None = None
@@ -58,6 +74,14 @@ class Node:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         server = self.config.server
+        if self.config.ssd.enabled:
+            path = Path(server.data_dir) / "ssd"
+            self.ssd = SsdTier(path, resolve_ssd_capacity(self.config, path),
+                               codec=_CODECS[self.config.ssd.codec], arena_fd=self.dram.arena.fd,
+                               arena_size=self.dram.arena.capacity,
+                               max_pending_bytes=self.config.ssd.max_pending_bytes)
+            await self.ssd.start()
+            self.handlers.ssd = self.ssd
         self._server = await loop.create_server(
             lambda: NodeConnection(self.handlers, self.connections),
             server.host, server.data_port, reuse_address=True)
@@ -97,11 +121,16 @@ class Node:
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
         if self._admin is not None:
             await self._admin.cleanup()
+        if self.ssd is not None:
+            await self.ssd.stop()
 
 
 async def _serve(config: NodeConfig) -> None:
     node = Node(config)
-    await node.start()
+    try:
+        await node.start()
+    except SsdUnavailableError as exc:
+        raise ConfigError(str(exc)) from exc
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -113,6 +142,11 @@ async def _serve(config: NodeConfig) -> None:
         f"{config.dram.capacity_fraction:.0%} of available memory"
     print(f"kvpool node {node.handlers.node_id}: DRAM tier {format_size(dram.capacity_bytes)} "
           f"({how})", flush=True)
+    if node.ssd is not None:
+        ssd = node.ssd
+        print(f"kvpool node {node.handlers.node_id}: SSD tier {format_size(ssd.capacity_bytes)}"
+              f" in {ssd.path} ({config.ssd.codec}), {len(ssd.index)} chunks on disk",
+              flush=True)
     print(f"kvpool: ready data={data_host}:{data_port} admin=http://{admin_host}:{admin_port}",
           flush=True)
     await stop.wait()

@@ -16,7 +16,8 @@ import json
 import logging
 import socket
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,6 @@ class SsdCounters:
     evicted: int = 0
     pending_writes: int = 0
     pending_write_bytes: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class _Replies(asyncio.Protocol):
@@ -145,34 +145,47 @@ class SsdTier:
     def contains(self, key: bytes) -> bool:
         return key in self.index
 
-    def can_write(self, nbytes: int) -> bool:
-        """Whether a write-behind of ``nbytes`` fits the pending budget (else: shed it)."""
-        c = self.counters
-        return self.up and c.pending_write_bytes + nbytes <= self.max_pending_bytes
+    def write(self, key: bytes, offset: int, length: int,
+              on_done: Callable[[bool], object]) -> bool:
+        """Queue a write-behind of arena[offset:offset+length] under ``key``.
 
-    async def write(self, key: bytes, offset: int, length: int) -> bool:
-        """Store arena[offset:offset+length]; the caller keeps that memory alive meanwhile."""
+        Returns False, counting a shed write, when the worker is down or the
+        pending budget is spent: a cache drops work rather than block or grow.
+        Otherwise the caller keeps that memory alive until ``on_done(stored)`` runs.
+        """
         c = self.counters
+        if not self.up or c.pending_write_bytes + length > self.max_pending_bytes:
+            c.shed += 1
+            return False
         c.pending_writes += 1
         c.pending_write_bytes += length
-        try:
-            status, evicted = await self._call(SsdOp.PUT, key, offset, length)
-        finally:
-            c.pending_writes -= 1
-            c.pending_write_bytes -= length
-        for i in range(0, len(evicted), 16):
-            self.index.pop(evicted[i : i + 16], None)
-            c.evicted += 1
-        if status == SsdStatus.OK:
-            self.index[key] = length
-            c.writes += 1
-            c.write_bytes += length
-            return True
-        if status == SsdStatus.REFUSED:
-            c.refused += 1
-        else:
+        future = self._call(SsdOp.PUT, key, offset, length)
+        future.add_done_callback(lambda f: self._written(f, key, length, on_done))
+        return True
+
+    def _written(self, future: asyncio.Future[tuple[int, bytes]], key: bytes, length: int,
+                 on_done: Callable[[bool], object]) -> None:
+        c = self.counters
+        c.pending_writes -= 1
+        c.pending_write_bytes -= length
+        stored = False
+        if future.cancelled() or future.exception() is not None:
             c.errors += 1
-        return False
+        else:
+            status, evicted = future.result()
+            for i in range(0, len(evicted), 16):
+                self.index.pop(evicted[i : i + 16], None)
+                c.evicted += 1
+            if status == SsdStatus.OK:
+                self.index[key] = length
+                c.writes += 1
+                c.write_bytes += length
+                stored = True
+            elif status == SsdStatus.REFUSED:
+                c.refused += 1
+            else:
+                c.errors += 1
+        on_done(stored)
 
     async def read_into(self, key: bytes, offset: int, length: int) -> int:
         """Read ``key`` into arena[offset:offset+length]; an SsdStatus."""
@@ -191,9 +204,15 @@ class SsdTier:
             c.errors += 1
         return status
 
-    async def delete(self, key: bytes) -> None:
+    def delete(self, key: bytes) -> None:
+        """Drop ``key`` from the index now and from disk soon (nobody waits for the disk)."""
         self.index.pop(key, None)
-        await self._call(SsdOp.DELETE, key)
+        if self.up:
+            self._call(SsdOp.DELETE, key).add_done_callback(self._count_failure)
+
+    def _count_failure(self, future: asyncio.Future[tuple[int, bytes]]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            self.counters.errors += 1
 
     async def worker_stats(self) -> dict[str, Any]:
         _, payload = await self._call(SsdOp.STATS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import tempfile
 import subprocess
 import sys
 import time
@@ -22,6 +23,8 @@ class NodeProcess:
     host: str
     port: int
     admin_url: str
+    data_dir: str
+    output: list[str]
 
     @property
     def url(self) -> str:
@@ -38,10 +41,16 @@ class NodeProcess:
         return self.proc.returncode
 
 
-def start_node(*flags: str, timeout: float = 20.0) -> NodeProcess:
-    """Run ``kvpool serve`` on free ports and wait for its ready line."""
+def start_node(*flags: str, data_dir: str | None = None, timeout: float = 30.0) -> NodeProcess:
+    """Run ``kvpool serve`` on free ports and wait for its ready line.
+
+    The node's data dir is a fresh temp dir unless one is given (to restart a node on it).
+    Its SSD tier gets 256 MiB unless the flags say otherwise.
+    """
+    data_dir = data_dir or tempfile.mkdtemp(prefix="kvpool-test-")
     cmd = [sys.executable, "-m", "kvpool.server", "serve", "--data-port", "0",
-           "--admin-port", "0", "--log-level", "warning", *flags]
+           "--admin-port", "0", "--log-level", "warning", "--data-dir", data_dir,
+           "--ssd-capacity", "256MiB", *flags]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
@@ -55,7 +64,7 @@ def start_node(*flags: str, timeout: float = 20.0) -> NodeProcess:
         lines.append(line)
         m = READY.search(line)
         if m:
-            return NodeProcess(proc, m.group(1), int(m.group(2)), m.group(3))
+            return NodeProcess(proc, m.group(1), int(m.group(2)), m.group(3), data_dir, lines)
     proc.kill()
     raise RuntimeError("node did not start:\n" + "".join(lines))
 
@@ -70,7 +79,7 @@ def node() -> Iterator[NodeProcess]:
 
 @pytest.fixture
 def small_node() -> Iterator[NodeProcess]:
-    """A fresh node with a tiny DRAM tier, for eviction and capacity tests."""
-    n = start_node("--dram-capacity", "1MiB", "--max-value", "512KiB")
+    """A fresh DRAM-only node with a tiny DRAM tier, for eviction and capacity tests."""
+    n = start_node("--dram-capacity", "1MiB", "--max-value", "512KiB", "--no-ssd")
     yield n
     n.stop()

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from kvpool.server.config import DramConfig, ServerConfig
+from kvpool.server.config import DramConfig, ServerConfig, SsdConfig
 
 from .conftest import NodeProcess, start_node
 
@@ -19,7 +19,7 @@ def kvpool(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_serve_help_documents_every_knob() -> None:
     out = kvpool("serve", "--help").stdout
-    for cls in (ServerConfig, DramConfig):
+    for cls in (ServerConfig, DramConfig, SsdConfig):
         for f in dataclasses.fields(cls):
             assert f.metadata["flag"] in out and f.metadata["env"] in out
 
@@ -62,7 +62,7 @@ def test_readme_documents_every_knob() -> None:
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    for cls in (ServerConfig, DramConfig):
+    for cls in (ServerConfig, DramConfig, SsdConfig):
         for f in dataclasses.fields(cls):
             assert f"`{f.metadata['env']}`" in readme, f.name
 
@@ -80,3 +80,12 @@ def test_readme_example_runs(node: NodeProcess) -> None:
 def test_impossible_dram_capacity_is_a_clear_error() -> None:
     out = kvpool("serve", "--data-port", "0", "--admin-port", "0", "--dram-capacity", "100")
     assert out.returncode == 2 and "DRAM tier" in out.stderr, out.stderr
+
+
+def test_readme_knob_table_is_current() -> None:
+    from pathlib import Path
+
+    from kvpool.server.config import knob_table
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert knob_table() in readme, "regenerate the README table from config.knob_table()"

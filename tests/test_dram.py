@@ -181,7 +181,7 @@ def test_invalid_envelope_rejected_on_commit() -> None:
     slot = tier.reserve(key(0), PAGE)
     assert slot is not None
     slot.view[:] = b"\0" * PAGE
-    assert tier.commit([slot]) == [False]
+    assert tier.commit([slot]) == [None]
     assert tier.arena.allocated_bytes == 0 and not tier.contains(key(0))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -22,6 +23,20 @@ def value_of(n: int, index: int = 0) -> bytes:
 
 def key(i: int) -> bytes:
     return i.to_bytes(16, "big")
+
+
+async def write(ssd: SsdTier, dram: DramTier, k: bytes) -> bool:
+    """Write-behind of a DRAM entry, holding it until the worker is done."""
+    (entry,) = dram.acquire_many([k])
+    assert entry is not None
+    done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+
+    def finished(stored: bool) -> None:
+        dram.release(entry)
+        done.set_result(stored)
+
+    assert ssd.write(k, entry.offset, entry.length, finished)
+    return await done
 
 
 @pytest.fixture
@@ -45,10 +60,7 @@ async def ssd(dram: DramTier, tmp_path: Path) -> AsyncIterator[SsdTier]:
 async def test_write_then_read_through_the_arena(dram: DramTier, ssd: SsdTier) -> None:
     value = value_of(300_000)
     assert dram.put(key(1), value)
-    (entry,) = dram.acquire_many([key(1)])
-    assert entry is not None
-    assert await ssd.write(key(1), entry.offset, entry.length)
-    dram.release(entry)
+    assert await write(ssd, dram, key(1))
     assert ssd.index == {key(1): len(value)}
     slot = dram.reserve(key(1), len(value))
     assert slot is not None
@@ -64,10 +76,7 @@ async def test_index_survives_restart_and_tracks_evictions(dram: DramTier,
     await ssd.start()
     for i in range(6):  # 6 x 300 KB of random bytes into a 1 MiB tier: 3 remain
         assert dram.put(key(i), value_of(300_000, i))
-        (entry,) = dram.acquire_many([key(i)])
-        assert entry is not None
-        assert await ssd.write(key(i), entry.offset, entry.length)
-        dram.release(entry)
+        assert await write(ssd, dram, key(i))
     assert sorted(ssd.index) == [key(3), key(4), key(5)]
     assert ssd.counters.evicted == 3
     await ssd.stop()
@@ -93,3 +102,27 @@ async def test_second_worker_on_same_dir_fails_clearly(dram: DramTier, ssd: SsdT
     other = ssd_for(dram, tmp_path)
     with pytest.raises(SsdUnavailableError, match="did not start"):
         await other.start()
+
+
+async def test_write_behind_sheds_past_its_budget(dram: DramTier, tmp_path: Path) -> None:
+    ssd = SsdTier(tmp_path, 8 << 20, codec=Codec.LZ4, arena_fd=dram.arena.fd,
+                  arena_size=dram.arena.capacity, max_pending_bytes=1 << 20)
+    await ssd.start()
+    results: list[bool] = []
+    all_done = asyncio.Event()
+
+    def finished(stored: bool) -> None:
+        results.append(stored)
+        if len(results) == 3:
+            all_done.set()
+
+    accepted = 0
+    for i in range(6):
+        dram.put(key(i), value_of(300_000))
+        (entry,) = dram.acquire_many([key(i)])
+        assert entry is not None
+        accepted += ssd.write(key(i), entry.offset, entry.length, finished)
+    assert accepted == 3 and ssd.counters.shed == 3  # 3 x 300 KB fit a 1 MiB budget
+    await asyncio.wait_for(all_done.wait(), 30)
+    assert results == [True] * 3 and ssd.counters.pending_write_bytes == 0
+    await ssd.stop()

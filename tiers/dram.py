@@ -99,9 +99,9 @@ class DramTier:
         return Slot(self, key, offset, nbytes)
 
     def commit(self, slots: Sequence[Slot], *, ttl_s: Sequence[float | None] | None = None,
-               pin: Sequence[bool] | None = None) -> list[bool]:
-        """Publish received slots under their keys; False for a slot that is not an envelope."""
-        ok: list[bool] = []
+               pin: Sequence[bool] | None = None) -> list[Entry | None]:
+        """Publish received slots under their keys; None for a slot that is not an envelope."""
+        ok: list[Entry | None] = []
         touched: list[tuple[bytes, int]] = []
         for i, slot in enumerate(slots):
             try:
@@ -110,7 +110,7 @@ class DramTier:
                     raise CorruptChunkError("envelope length does not match the value")
             except CorruptChunkError:
                 slot.release()
-                ok.append(False)
+                ok.append(None)
                 continue
             slot.committed = True
             slot.view.release()
@@ -122,7 +122,7 @@ class DramTier:
             self._insert(entry, ttl)
             if not entry.pinned:
                 touched.append((entry.key, depth))
-            ok.append(True)
+            ok.append(entry)
         self._lru.touch(touched)
         return ok
 
@@ -144,6 +144,10 @@ class DramTier:
                 touched.append((key, entry.depth))
         self._lru.touch(touched)
         return found
+
+    def hold(self, entry: Entry) -> None:
+        """Keep ``entry``'s memory alive (not a read: no stats, no recency) until release."""
+        entry.readers += 1
 
     def view(self, entry: Entry) -> memoryview:
         return self.arena.view[entry.offset : entry.offset + entry.length]
@@ -226,7 +230,7 @@ class DramTier:
         if slot is None:
             return False
         slot.view[:] = data
-        return self.commit([slot])[0]
+        return self.commit([slot])[0] is not None
 
     def delete(self, key: bytes) -> bool:
         return self.delete_many([key])[0]
