@@ -134,7 +134,8 @@ class SsdConfig:
                                     flag="--ssd-fraction", env="KVPOOL_SSD_FRACTION")
     codec: str = knob("lz4", "how chunks are stored on SSD: none, lz4 or shuffle-lz4",
                       flag="--ssd-codec", env="KVPOOL_SSD_CODEC")
-    max_pending_bytes: int = knob(256 << 20, "write-behind budget; past it, SSD writes are shed",
+    max_pending_bytes: int = knob(256 << 20, "write-behind budget (at most 1/4 of DRAM); past "
+                                  "it, SSD writes are shed",
                                   flag="--ssd-max-pending", env="KVPOOL_SSD_MAX_PENDING",
                                   kind="size")
 

@@ -36,7 +36,7 @@ from kvpool.protocol.frames import (
 )
 from kvpool.protocol.parsers import Limits, Request
 from kvpool.server.ssd import SsdTier, SsdUnavailableError
-from kvpool.server.ssd_worker import SsdStatus
+from kvpool.server.ssd_messages import SsdStatus
 from kvpool.server.stats import NodeStats
 from kvpool.tiers.dram import DramTier, Entry, Slot
 
@@ -213,8 +213,8 @@ class Handlers:
 
     def _write_behind(self, entries: Sequence[Entry]) -> None:
         ssd = self.ssd
-        if ssd is None or not ssd.up:
-            return
+        if ssd is None:
+            return  # (a worker that is down sheds, and counts, every write)
         dram = self.dram
         for entry in entries:
             if entry.expires_at is not None:

@@ -76,10 +76,12 @@ class Node:
         server = self.config.server
         if self.config.ssd.enabled:
             path = Path(server.data_dir) / "ssd"
+            # chunks waiting for their write-behind cannot be evicted: keep them to a
+            # quarter of DRAM so a PUT always finds room (the rest is shed and counted)
+            pending = min(self.config.ssd.max_pending_bytes, self.dram.arena.capacity // 4)
             self.ssd = SsdTier(path, resolve_ssd_capacity(self.config, path),
                                codec=_CODECS[self.config.ssd.codec], arena_fd=self.dram.arena.fd,
-                               arena_size=self.dram.arena.capacity,
-                               max_pending_bytes=self.config.ssd.max_pending_bytes)
+                               arena_size=self.dram.arena.capacity, max_pending_bytes=pending)
             await self.ssd.start()
             self.handlers.ssd = self.ssd
         self._server = await loop.create_server(

@@ -23,7 +23,7 @@ from typing import Any
 
 from kvpool.protocol.envelope import Codec
 from kvpool.protocol.errors import KvpoolError
-from kvpool.server.ssd_worker import REPLY, REQUEST, SsdOp, SsdStatus, decode_keys
+from kvpool.server.ssd_messages import REPLY, REQUEST, SsdOp, SsdStatus, decode_keys
 
 __all__ = ["SsdCounters", "SsdTier", "SsdUnavailableError"]
 

@@ -23,35 +23,14 @@ import json
 import mmap
 import os
 import socket
-import struct
 import sys
 from typing import Any
 
 from kvpool.protocol.envelope import Codec
+from kvpool.server.ssd_messages import KEY_LEN, REPLY, REQUEST, SsdOp, SsdStatus
 from kvpool.tiers.rocksdb import RocksDbTier
 
-__all__ = ["REPLY", "REQUEST", "SsdOp", "SsdStatus", "main"]
-
-REQUEST = struct.Struct("<B3xI16sQQ")
-REPLY = struct.Struct("<IB3xQ")
-_KEY_LEN = struct.Struct("<16sQ")
-
-
-class SsdOp:
-    PUT = 1  # write arena[offset:offset+length] (a RAW envelope) under key
-    GET = 2  # read key into arena[offset:offset+length]; length must be its value_len
-    DELETE = 3
-    KEYS = 4  # every key and its value_len: the node's index at start-up
-    STATS = 5
-
-
-class SsdStatus:
-    OK = 0
-    MISS = 1
-    REFUSED = 2  # not an envelope, or larger than the tier
-    CORRUPT = 3  # failed its checksum on disk: dropped
-    SIZE = 4  # the slot does not match the stored value's length
-    ERROR = 5
+__all__ = ["Worker", "main"]
 
 
 def _recv_exact(sock: socket.socket, buf: memoryview) -> bool:
@@ -87,7 +66,7 @@ class Worker:
         if op == SsdOp.DELETE:
             return (SsdStatus.OK if tier.delete(key) else SsdStatus.MISS), b""
         if op == SsdOp.KEYS:
-            return SsdStatus.OK, b"".join(_KEY_LEN.pack(k, n)
+            return SsdStatus.OK, b"".join(KEY_LEN.pack(k, n)
                                           for k, n in tier.value_lens().items())
         if op == SsdOp.STATS:
             stats: dict[str, Any] = tier.stats().to_dict()
@@ -105,10 +84,6 @@ class Worker:
                 print(f"kvpool ssd worker: {type(exc).__name__}: {exc}", file=sys.stderr)
                 status, payload = SsdStatus.ERROR, b""
             sock.sendall(REPLY.pack(request_id, status, len(payload)) + payload)
-
-
-def decode_keys(payload: bytes) -> dict[bytes, int]:
-    return {key: n for key, n in _KEY_LEN.iter_unpack(payload)}
 
 
 def main(argv: list[str] | None = None) -> int:

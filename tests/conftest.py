@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import re
 import signal
-import tempfile
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass

@@ -12,7 +12,7 @@ import pytest
 
 from kvpool.protocol.envelope import Codec, seal
 from kvpool.server.ssd import SsdTier, SsdUnavailableError
-from kvpool.server.ssd_worker import SsdStatus
+from kvpool.server.ssd_messages import SsdStatus
 from kvpool.tiers.dram import DramTier
 
 

@@ -1,0 +1,35 @@
+"""Messages between a node and its SSD worker (see server/ssd_worker.py for the protocol).
+
+Kept apart from the worker's entry point so that the node never imports it.
+"""
+
+from __future__ import annotations
+
+import struct
+
+__all__ = ["KEY_LEN", "REPLY", "REQUEST", "SsdOp", "SsdStatus", "decode_keys"]
+
+REQUEST = struct.Struct("<B3xI16sQQ")
+REPLY = struct.Struct("<IB3xQ")
+KEY_LEN = struct.Struct("<16sQ")
+
+
+class SsdOp:
+    PUT = 1  # write arena[offset:offset+length] (a RAW envelope) under key
+    GET = 2  # read key into arena[offset:offset+length]; length must be its value_len
+    DELETE = 3
+    KEYS = 4  # every key and its value_len: the node's index at start-up
+    STATS = 5
+
+
+class SsdStatus:
+    OK = 0
+    MISS = 1
+    REFUSED = 2  # not an envelope, or larger than the tier
+    CORRUPT = 3  # failed its checksum on disk: dropped
+    SIZE = 4  # the slot does not match the stored value's length
+    ERROR = 5
+
+
+def decode_keys(payload: bytes) -> dict[bytes, int]:
+    return {key: n for key, n in KEY_LEN.iter_unpack(payload)}

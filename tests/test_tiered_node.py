@@ -1,0 +1,187 @@
+"""A node with DRAM over the SSD tier, as a user runs it: real processes, real RocksDB."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from kvpool.client import Client
+from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, Codec
+from kvpool.tiers.rocksdb import RocksDbTier
+
+from .conftest import NodeProcess, start_node
+
+
+def rkey() -> bytes:
+    return os.urandom(16)
+
+
+def ssd_stats(c: Client) -> dict[str, Any]:
+    stats: dict[str, Any] = c.stats()["tiers"]["ssd"]
+    return stats
+
+
+def wait_for_writes(c: Client, n: int, timeout: float = 30) -> None:
+    """Write-behind is asynchronous: wait (bounded) until ``n`` chunks reached the SSD."""
+    deadline = time.monotonic() + timeout
+    while ssd_stats(c)["writes"] < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ssd_stats(c)["writes"] >= n, ssd_stats(c)
+
+
+def test_working_set_larger_than_dram_is_served_from_ssd() -> None:
+    node = start_node("--dram-capacity", "2MiB")
+    try:
+        with Client(node.url) as c:
+            keys = [rkey() for _ in range(40)]  # 40 x 200 KB = 4x the DRAM tier
+            values = [os.urandom(200_000) for _ in keys]
+            for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+                c.put(k, v)
+                wait_for_writes(c, i + 1)  # paced, so no write-behind is shed
+            assert c.lookup(keys) == 40 and all(c.exists_many(keys))
+            for k, v in zip(keys, values, strict=True):
+                assert c.get(k) == v
+            stats = c.stats()
+            assert stats["promotions"] > 0 and stats["evictions"] > 0
+            assert stats["tiers"]["ssd"]["num_objects"] == 40
+            assert stats["tiers"]["dram"]["allocated_bytes"] <= 2 << 20
+    finally:
+        assert node.stop() == 0
+
+
+def test_write_pressure_sheds_but_never_fails_or_corrupts() -> None:
+    node = start_node("--dram-capacity", "2MiB")
+    try:
+        with Client(node.url) as c:
+            keys = [rkey() for _ in range(60)]
+            values = [os.urandom(200_000) for _ in keys]
+            for k, v in zip(keys, values, strict=True):
+                c.put(k, v)  # as fast as the client goes: never a CapacityError
+            # one by one: a single GET frame can only return what fits in DRAM at once
+            got = [c.get(k) for k in keys]
+            assert all(g is None or g == v for g, v in zip(got, values, strict=True))
+            stats = ssd_stats(c)
+            served = sum(g is not None for g in got)
+            assert served >= stats["writes"] > 0
+            assert stats["pending_write_bytes"] <= (2 << 20) // 4
+    finally:
+        assert node.stop() == 0
+
+
+def test_kill_9_then_restart_serves_what_reached_the_ssd() -> None:
+    node = start_node("--dram-capacity", "8MiB")
+    with Client(node.url) as c:
+        keys = [rkey() for _ in range(20)]
+        values = [os.urandom(100_000) for _ in keys]
+        c.put_many(keys, values, chunk_indexes=range(20))  # type: ignore[arg-type]
+        wait_for_writes(c, 20)
+    node.proc.send_signal(signal.SIGKILL)
+    node.proc.wait(10)
+    restarted = start_node("--dram-capacity", "8MiB", data_dir=node.data_dir)
+    try:
+        assert any("20 chunks on disk" in line for line in restarted.output)
+        with Client(restarted.url) as c:
+            assert c.lookup(keys) == 20
+            assert c.get_many(keys) == values
+            assert c.num_corrupt == 0
+    finally:
+        assert restarted.stop() == 0
+
+
+def test_flipped_byte_on_disk_is_a_miss_never_bad_bytes(tmp_path: Path) -> None:
+    node = start_node("--dram-capacity", "8MiB", "--ssd-codec", "none")
+    k, v = rkey(), os.urandom(50_000)
+    with Client(node.url) as c:
+        c.put(k, v)
+        wait_for_writes(c, 1)
+    assert node.stop() == 0
+    db = RocksDbTier(Path(node.data_dir) / "ssd", 256 << 20, codec=Codec.RAW)
+    stored = bytearray(db._db.get(k))
+    stored[ENVELOPE_HEADER_SIZE + 777] ^= 0x01
+    db._db.put(k, bytes(stored))
+    db.close()
+    restarted = start_node("--dram-capacity", "8MiB", data_dir=node.data_dir)
+    try:
+        with Client(restarted.url) as c:
+            assert c.exists(k)  # the index cannot know until the bytes are read
+            assert c.get(k) is None
+            assert ssd_stats(c)["corrupt"] == 1
+            assert not c.exists(k)  # dropped where it lay
+    finally:
+        restarted.stop()
+
+
+def test_delete_removes_from_every_tier() -> None:
+    node = start_node("--dram-capacity", "8MiB")
+    try:
+        with Client(node.url) as c:
+            k = rkey()
+            c.put(k, b"x" * 1000)
+            wait_for_writes(c, 1)
+            assert c.delete(k)
+            assert not c.exists(k) and c.get(k) is None
+            assert ssd_stats(c)["num_objects"] == 0
+    finally:
+        node.stop()
+
+
+def test_ttl_chunks_stay_in_dram() -> None:
+    node = start_node("--dram-capacity", "8MiB")
+    try:
+        with Client(node.url) as c:
+            c.put(rkey(), b"x" * 1000, ttl=60)
+            c.put(rkey(), b"y" * 1000)
+            wait_for_writes(c, 1)
+            time.sleep(0.2)
+            assert ssd_stats(c)["writes"] == 1
+    finally:
+        node.stop()
+
+
+def test_node_keeps_serving_dram_when_the_ssd_worker_dies(node_with_ssd: NodeProcess) -> None:
+    with Client(node_with_ssd.url) as c:
+        k, v = rkey(), os.urandom(10_000)
+        c.put(k, v)
+        wait_for_writes(c, 1)
+        workers = [p for p in psutil.Process(node_with_ssd.proc.pid).children()
+                   if "ssd_worker" in " ".join(p.cmdline())]
+        assert len(workers) == 1
+        workers[0].kill()
+        workers[0].wait(10)
+        deadline = time.monotonic() + 10
+        while ssd_stats(c)["up"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not ssd_stats(c)["up"]
+        assert c.get(k) == v  # still in DRAM
+        k2 = rkey()
+        c.put(k2, b"after")
+        assert c.get(k2) == b"after"
+        assert ssd_stats(c)["shed"] >= 1  # its write-behind was dropped, not queued forever
+
+
+@pytest.fixture
+def node_with_ssd():  # type: ignore[no-untyped-def]
+    n = start_node("--dram-capacity", "8MiB")
+    yield n
+    assert n.stop() == 0
+
+
+def test_no_flags_runs_dram_and_ssd(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvpool.server", "serve", "--data-port", "0",
+                             "--admin-port", "0"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines = [proc.stdout.readline() for _ in range(3)]
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+    assert "DRAM tier" in lines[0] and "SSD tier" in lines[1], lines
+    assert (tmp_path / "kvpool-data" / "ssd").is_dir()
