@@ -3,7 +3,9 @@
     python -m kvpool.bench.throughput            # full run, ~2-3 minutes on 2 cores
     python -m kvpool.bench.throughput --quick    # smoke run
 
-Starts a kvpool node, ``redis-server`` and ``iperf3 -s`` on 127.0.0.1 and, for each
+Starts a kvpool node (DRAM only: ``--no-ssd``, this measures the data path; see
+``kvpool.bench.tiers`` for the SSD tier), ``redis-server`` and ``iperf3 -s`` on
+127.0.0.1 and, for each
 value size, interleaves the runs of every system so that machine noise hits them
 alike. Prints a table (median and min-max GB/s of ``--runs`` runs, ops/s, ratios)
 and writes JSON. Targets are the issue's: GET >= 0.85x iperf3, >= 1.0x raw Python,
@@ -121,7 +123,7 @@ def summary(samples: list[float]) -> dict[str, float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [s for s in SIZES if s <= args.max_size]
     budget = args.mib_per_run * MiB
-    node = start_node("--dram-capacity", "1536MiB", "--max-value", "64MiB")
+    node = start_node("--dram-capacity", "1536MiB", "--max-value", "64MiB", "--no-ssd")
     redis_proc = start_redis()
     iperf_proc = start_iperf3()
     procs: list[Proc | None] = [node, redis_proc, iperf_proc]
@@ -234,7 +236,7 @@ def key_ops(client: Client, samples: int) -> dict[str, Any]:
 
 
 def rss_at_full_tier(capacity_mib: int) -> dict[str, Any]:
-    node = start_node("--dram-capacity", f"{capacity_mib}MiB")
+    node = start_node("--dram-capacity", f"{capacity_mib}MiB", "--no-ssd")
     try:
         with Client(node.url) as c:
             value = os.urandom(4 * MiB)

@@ -132,7 +132,8 @@ class SsdConfig:
                                flag="--ssd-capacity", env="KVPOOL_SSD_CAPACITY", kind="size")
     capacity_fraction: float = knob(0.5, "share of free disk space used when capacity is 0",
                                     flag="--ssd-fraction", env="KVPOOL_SSD_FRACTION")
-    codec: str = knob("lz4", "how chunks are stored on SSD: none, lz4 or shuffle-lz4",
+    codec: str = knob("none", "how chunks are stored on SSD: none, lz4 or shuffle-lz4 "
+                      "(docs/tiers.md has the numbers behind the default)",
                       flag="--ssd-codec", env="KVPOOL_SSD_CODEC")
     max_pending_bytes: int = knob(256 << 20, "write-behind budget (at most 1/4 of DRAM); past "
                                   "it, SSD writes are shed",
