@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -65,6 +66,9 @@ def start_node(*flags: str) -> Proc:
         line = proc.stdout.readline()
         m = _READY.search(line)
         if m:
+            # keep reading its output: a full pipe would block the node mid-benchmark
+            threading.Thread(target=lambda: [None for _ in proc.stdout or ()],
+                             daemon=True).start()
             return Proc(proc, int(m.group(2)), f"kvpool://127.0.0.1:{m.group(2)}", m.group(3))
         if not line and proc.poll() is not None:
             break

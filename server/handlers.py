@@ -267,7 +267,8 @@ class Handlers:
 
     @staticmethod
     async def _ssd_stats(ssd: SsdTier) -> dict[str, Any]:
-        info: dict[str, Any] = {"name": "ssd", "up": ssd.up, "capacity_bytes": ssd.capacity_bytes,
+        info: dict[str, Any] = {"name": "ssd", "up": ssd.up, "full": ssd.full,
+                                "capacity_bytes": ssd.capacity_bytes,
                                 "codec": ssd.codec.name.lower(), "num_objects": len(ssd.index),
                                 "raw_bytes": sum(ssd.index.values()), **asdict(ssd.counters)}
         if ssd.up:

@@ -88,6 +88,8 @@ class SsdTier:
         self._pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
         self._next_id = 0
         self.up = False
+        #: set when the worker reported a full disk: writes are shed from then on
+        self.full: str | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -154,7 +156,8 @@ class SsdTier:
         Otherwise the caller keeps that memory alive until ``on_done(stored)`` runs.
         """
         c = self.counters
-        if not self.up or c.pending_write_bytes + length > self.max_pending_bytes:
+        if not self.up or self.full is not None or \
+                c.pending_write_bytes + length > self.max_pending_bytes:
             c.shed += 1
             return False
         c.pending_writes += 1
@@ -173,6 +176,12 @@ class SsdTier:
             c.errors += 1
         else:
             status, evicted = future.result()
+            if status == SsdStatus.FULL:
+                if self.full is None:
+                    self.full = evicted.decode(errors="replace")
+                    log.error("SSD tier at %s is full (%s): it keeps serving reads and "
+                              "refuses writes until the node restarts", self.path, self.full)
+                evicted = b""  # the payload is the reason, not evicted keys
             for i in range(0, len(evicted), 16):
                 self.index.pop(evicted[i : i + 16], None)
                 c.evicted += 1
@@ -181,7 +190,7 @@ class SsdTier:
                 c.writes += 1
                 c.write_bytes += length
                 stored = True
-            elif status == SsdStatus.REFUSED:
+            elif status in (SsdStatus.REFUSED, SsdStatus.FULL):
                 c.refused += 1
             else:
                 c.errors += 1

@@ -29,6 +29,7 @@ class SsdStatus:
     CORRUPT = 3  # failed its checksum on disk: dropped
     SIZE = 4  # the slot does not match the stored value's length
     ERROR = 5
+    FULL = 6  # the disk filled up: the tier serves reads and refuses writes
 
 
 def decode_keys(payload: bytes) -> dict[bytes, int]:

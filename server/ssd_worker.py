@@ -51,7 +51,10 @@ class Worker:
     def handle(self, op: int, key: bytes, offset: int, length: int) -> tuple[int, bytes]:
         tier = self.tier
         if op == SsdOp.PUT:
+            tier.last_evicted = []
             ok = tier.put(key, self.arena[offset : offset + length])
+            if not ok and tier.full is not None:
+                return SsdStatus.FULL, tier.full.encode()
             return (SsdStatus.OK if ok else SsdStatus.REFUSED), b"".join(tier.last_evicted)
         if op == SsdOp.GET:
             corrupt_before = tier.num_corrupt
@@ -71,6 +74,7 @@ class Worker:
         if op == SsdOp.STATS:
             stats: dict[str, Any] = tier.stats().to_dict()
             stats["corrupt"] = tier.num_corrupt
+            stats["full"] = tier.full
             return SsdStatus.OK, json.dumps(stats).encode()
         return SsdStatus.ERROR, b""
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,6 +42,12 @@ class NodeProcess:
         return self.proc.returncode
 
 
+def _drain(proc: subprocess.Popen[str], lines: list[str]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+
+
 def start_node(*flags: str, data_dir: str | None = None, timeout: float = 30.0) -> NodeProcess:
     """Run ``kvpool serve`` on free ports and wait for its ready line.
 
@@ -64,6 +71,8 @@ def start_node(*flags: str, data_dir: str | None = None, timeout: float = 30.0) 
         lines.append(line)
         m = READY.search(line)
         if m:
+            # keep draining its output (a full pipe would block the node) for tests to read
+            threading.Thread(target=_drain, args=(proc, lines), daemon=True).start()
             return NodeProcess(proc, m.group(1), int(m.group(2)), m.group(3), data_dir, lines)
     proc.kill()
     raise RuntimeError("node did not start:\n" + "".join(lines))

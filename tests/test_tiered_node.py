@@ -185,3 +185,43 @@ def test_no_flags_runs_dram_and_ssd(tmp_path: Path) -> None:
     proc.wait(30)
     assert "DRAM tier" in lines[0] and "SSD tier" in lines[1], lines
     assert (tmp_path / "kvpool-data" / "ssd").is_dir()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A 24 MiB filesystem (tmpfs) for the SSD tier to fill up."""
+    import subprocess
+
+    mnt = tmp_path / "small-disk"
+    mnt.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)],
+                            capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {result.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_disk_stops_ssd_admission_and_node_keeps_serving(small_disk: Path) -> None:
+    node = start_node("--dram-capacity", "128MiB", "--ssd-capacity", "1GiB",
+                      data_dir=str(small_disk))
+    try:
+        with Client(node.url) as c:
+            keys = [rkey() for _ in range(40)]  # 40 MiB: more than the 24 MiB disk
+            values = [os.urandom(1 << 20) for _ in keys]
+            deadline = time.monotonic() + 60
+            for k, v in zip(keys, values, strict=True):
+                c.put(k, v)
+                while (ssd_stats(c)["pending_writes"] and time.monotonic() < deadline):
+                    time.sleep(0.01)
+            stats = ssd_stats(c)
+            assert stats["full"] and "No space left" in stats["full"], stats
+            assert 0 < stats["writes"] < 40 and stats["refused"] >= 1
+            assert c.get_many(keys) == values  # every chunk still served from DRAM
+            k2 = rkey()
+            c.put(k2, b"after the disk filled up")
+            assert c.get(k2) == b"after the disk filled up"
+            assert ssd_stats(c)["shed"] >= 1  # no more writes are even sent
+    finally:
+        assert node.stop() == 0
+    assert any("is full" in line for line in node.output), node.output  # said once, in the log

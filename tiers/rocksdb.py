@@ -85,6 +85,16 @@ class RocksDbTier:
         self._used = 0
         self._stats = TierStats(self.name, capacity_bytes)
         self.num_corrupt = 0
+        #: why the tier stopped admitting writes (the disk filled up), or None
+        self.full: str | None = None
+        self._rebuild()
+
+    def _reset_index(self) -> None:
+        self._sizes.clear()
+        self._value_lens.clear()
+        self._depths.clear()
+        self._lru = PrefixAwareLRU()
+        self._used = 0
         self._rebuild()
 
     def _rebuild(self) -> None:
@@ -126,7 +136,15 @@ class RocksDbTier:
         return value
 
     def put(self, key: bytes, value: bytes | bytearray | memoryview) -> bool:
-        """Store a RAW envelope, encoded with this tier's codec; False if it cannot fit."""
+        """Store a RAW envelope, encoded with this tier's codec; False if it cannot fit.
+
+        After a write error (a full disk: RocksDB then refuses every write, even
+        deletes, until it is reopened) the tier is ``full``: it serves reads and
+        refuses writes.
+        """
+        if self.full is not None:
+            self._stats.rejections += 1
+            return False
         try:
             header = EnvelopeHeader.unpack(value)
         except CorruptChunkError:
@@ -146,7 +164,13 @@ class RocksDbTier:
         written_at = int(self._clock() * 1000)
         batch.put(key, _META.pack(size, header.value_len, header.chunk_index, written_at),
                   self._meta_handle)
-        self._db.write(batch)
+        try:
+            self._db.write(batch)
+        except Exception as exc:  # rocksdict raises plain Exception for RocksDB IO errors
+            self.full = str(exc)
+            self._stats.rejections += 1
+            self._reset_index()  # the victims were not deleted after all
+            return False
         self._sizes[key] = size
         self._value_lens[key] = header.value_len
         self._depths[key] = header.chunk_index
@@ -161,8 +185,11 @@ class RocksDbTier:
         batch = rocksdict.WriteBatch(raw_mode=True)
         batch.delete(key)
         batch.delete(key, self._meta_handle)
-        self._db.write(batch)
-        self._forget(key)
+        self._forget(key)  # unreachable from now on, even if a full disk refuses the delete
+        try:
+            self._db.write(batch)
+        except Exception as exc:
+            self.full = str(exc)
         return True
 
     def contains(self, key: bytes) -> bool:
@@ -182,7 +209,11 @@ class RocksDbTier:
     def close(self) -> None:
         # the column-family handles keep the database (and its LOCK) alive: drop them first
         del self._meta, self._meta_handle
-        self._db.close()
+        try:
+            self._db.close()
+        except Exception:
+            if self.full is None:  # after a write error RocksDB reports it again on close
+                raise
 
     # -- internals ------------------------------------------------------------------------
 
