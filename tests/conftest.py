@@ -78,6 +78,34 @@ def start_node(*flags: str, data_dir: str | None = None, timeout: float = 30.0) 
     raise RuntimeError("node did not start:\n" + "".join(lines))
 
 
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """A real S3 server (moto's) on 127.0.0.1 for the whole session."""
+    from moto.server import ThreadedMotoServer
+
+    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                        ("AWS_DEFAULT_REGION", "us-east-1")):
+        os.environ.setdefault(name, value)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str) -> str:
+    """A fresh bucket on the session's S3 server."""
+    import uuid
+
+    import boto3
+
+    name = f"kvpool-test-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(
+        Bucket=name)
+    return name
+
+
 @pytest.fixture(scope="module")
 def node() -> Iterator[NodeProcess]:
     """One node per test module: 64 MiB DRAM tier."""

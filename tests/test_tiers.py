@@ -1,4 +1,4 @@
-"""The Tier interface, run against every tier (DRAM and RocksDB today; S3 joins this list)."""
+"""The Tier interface, run against every tier: DRAM, RocksDB (SSD) and S3 (a real local server)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from kvpool.protocol.envelope import seal
 from kvpool.tiers.base import Tier
 from kvpool.tiers.dram import DramTier
 from kvpool.tiers.rocksdb import RocksDbTier
+from kvpool.tiers.s3 import S3Tier
 
 
 def chunk(n: int = 1000, index: int = 0) -> bytes:
@@ -26,9 +27,15 @@ TIERS: dict[str, Callable[[Path], Tier]] = {
 }
 
 
-@pytest.fixture(params=list(TIERS))
+@pytest.fixture(params=[*TIERS, "s3"])
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
-    t = TIERS[request.param](tmp_path)
+    if request.param == "s3":
+        endpoint = request.getfixturevalue("s3_endpoint")
+        bucket = request.getfixturevalue("s3_bucket")
+        t: Tier = S3Tier(bucket, endpoint_url=endpoint, region="us-east-1",
+                         capacity_bytes=CAPACITY)
+    else:
+        t = TIERS[request.param](tmp_path)
     yield t
     close = getattr(t, "close", None)
     if close:

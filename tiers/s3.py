@@ -1,0 +1,243 @@
+"""S3 tier: chunks as objects in a bucket shared by every node of a cluster.
+
+Object names are ``<prefix>/<first 2 hex chars>/<32 hex chars of the key>``
+(the 2-char fan-out spreads keys over S3's partitions). Values are envelopes
+encoded with this tier's codec; the envelope's xxh3 checksum is verified on
+every read, so boto3's own per-request CRC checksums are switched off
+(``request_checksum_calculation="when_required"``): they cost 10-30% here and
+would check the same bytes a second time.
+
+Presence without a HEAD per key: the tier keeps an index of the keys it knows
+to be in the bucket — those it wrote, and those a paged LIST found
+(``load_index``, which a node runs in the background at start-up). ``contains``
+answers from the index alone; ``get`` goes to S3 even for a key the index
+lacks (another node may have written it since), so only a GET miss pays the
+round trip.
+
+Every call has a deadline (connect and read timeouts) and botocore's
+"standard" retries with exponential back-off; an error is counted, logged at
+most once per ``log_interval_s``, and reported as a miss or a refused write:
+an unreachable S3 never raises into the caller and never blocks it for longer
+than the deadline. The calls block: a node runs them off its event loop.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import boto3
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from kvpool.protocol.envelope import Codec, EnvelopeHeader
+from kvpool.protocol.errors import CorruptChunkError
+from kvpool.tiers.base import TierStats
+from kvpool.tiers.codec import decode, encode
+from kvpool.tiers.eviction import PrefixAwareLRU
+
+__all__ = ["S3Tier", "object_name"]
+
+log = logging.getLogger("kvpool.tiers.s3")
+
+_NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
+
+
+def object_name(prefix: str, key: bytes) -> str:
+    hex_key = key.hex()
+    return f"{prefix}/{hex_key[:2]}/{hex_key}" if prefix else f"{hex_key[:2]}/{hex_key}"
+
+
+class S3Tier:
+    """get / put / delete / contains / stats over one bucket and prefix."""
+
+    name = "s3"
+
+    def __init__(self, bucket: str, *, prefix: str = "kvpool", endpoint_url: str | None = None,
+                 region: str | None = None, capacity_bytes: int = 0,
+                 codec: Codec = Codec.SHUFFLE_LZ4, elem_size: int = 2,
+                 multipart_threshold: int = 16 << 20, connect_timeout_s: float = 2.0,
+                 read_timeout_s: float = 10.0, max_attempts: int = 3,
+                 log_interval_s: float = 30.0, client: Any = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.codec = codec
+        self.elem_size = elem_size
+        config = Config(
+            connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
+            retries={"mode": "standard", "max_attempts": max_attempts},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            max_pool_connections=16)
+        # credentials come from the standard AWS chain (env, profile, instance role)
+        self._s3 = client or boto3.client("s3", endpoint_url=endpoint_url, region_name=region,
+                                          config=config)
+        self._transfer = TransferConfig(multipart_threshold=multipart_threshold,
+                                        multipart_chunksize=max(5 << 20, multipart_threshold // 2),
+                                        use_threads=False)
+        self._lock = threading.Lock()  # the index is shared by the node's worker threads
+        self._sizes: dict[bytes, int] = {}
+        self._depths: dict[bytes, int] = {}
+        self._lru = PrefixAwareLRU()
+        self._used = 0
+        self._stats = TierStats(self.name, capacity_bytes)
+        self._clock = clock
+        self._log_interval = log_interval_s
+        self._last_log = -1e18
+        self.num_errors = 0
+        self.num_corrupt = 0
+        self.last_error: str | None = None
+
+    # -- the Tier interface ---------------------------------------------------------------
+
+    def get(self, key: bytes) -> bytes | None:
+        """The RAW envelope, checksum verified; None on a miss, a corrupt value or an error."""
+        try:
+            response = self._s3.get_object(Bucket=self.bucket,
+                                           Key=object_name(self.prefix, key))
+            stored = response["Body"].read()
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in _NOT_FOUND:
+                self._forget(key)
+            else:
+                self._error("GET", exc)
+            self._stats.misses += 1
+            return None
+        except BotoCoreError as exc:
+            self._error("GET", exc)
+            self._stats.misses += 1
+            return None
+        try:
+            value = decode(stored)
+        except CorruptChunkError:
+            self.num_corrupt += 1
+            self.delete(key)
+            self._stats.misses += 1
+            return None
+        self._stats.hits += 1
+        with self._lock:
+            if key not in self._sizes:
+                self._remember(key, len(stored), EnvelopeHeader.unpack(value).chunk_index)
+            else:
+                self._lru.touch([(key, self._depths[key])])
+        return value
+
+    def put(self, key: bytes, value: bytes | bytearray | memoryview) -> bool:
+        """Upload a RAW envelope (multipart above the threshold); False if refused or failed."""
+        try:
+            header = EnvelopeHeader.unpack(value)
+        except CorruptChunkError:
+            return False
+        stored = encode(value, self.codec, elem_size=self.elem_size)
+        capacity = self._stats.capacity_bytes
+        if capacity and len(stored) > capacity:
+            self._stats.rejections += 1
+            return False
+        try:
+            self._s3.upload_fileobj(io.BytesIO(stored), self.bucket,
+                                    object_name(self.prefix, key), Config=self._transfer)
+        except (BotoCoreError, ClientError) as exc:
+            self._error("PUT", exc)
+            self._stats.rejections += 1
+            return False
+        with self._lock:
+            self._forget_locked(key)
+            self._remember(key, len(stored), header.chunk_index)
+            victims = self._victims() if capacity else []
+        for victim in victims:
+            self._delete_object(victim)
+        self._stats.insertions += 1
+        return True
+
+    def delete(self, key: bytes) -> bool:
+        with self._lock:
+            known = key in self._sizes
+            self._forget_locked(key)
+        self._delete_object(key)
+        return known
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._sizes
+
+    def stats(self) -> TierStats:
+        s = self._stats
+        s.num_objects = len(self._sizes)
+        s.used_bytes = s.allocated_bytes = self._used
+        return TierStats(**s.to_dict())
+
+    # -- index ----------------------------------------------------------------------------
+
+    def load_index(self, page_size: int = 1000) -> int:
+        """LIST the prefix (paged) and add every chunk object to the index; how many."""
+        paginator = self._s3.get_paginator("list_objects_v2")
+        found = 0
+        prefix = f"{self.prefix}/" if self.prefix else ""
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix,
+                                           PaginationConfig={"PageSize": page_size}):
+                with self._lock:
+                    for obj in page.get("Contents", ()):
+                        try:
+                            key = bytes.fromhex(obj["Key"].rsplit("/", 1)[-1])
+                        except ValueError:
+                            continue
+                        if len(key) == 16 and key not in self._sizes:
+                            self._remember(key, int(obj["Size"]), 0)
+                            found += 1
+        except (BotoCoreError, ClientError) as exc:
+            self._error("LIST", exc)
+        return found
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _remember(self, key: bytes, size: int, depth: int) -> None:
+        self._sizes[key] = size
+        self._depths[key] = depth
+        self._used += size
+        self._lru.touch([(key, depth)])
+
+    def _forget(self, key: bytes) -> None:
+        with self._lock:
+            self._forget_locked(key)
+
+    def _forget_locked(self, key: bytes) -> None:
+        size = self._sizes.pop(key, None)
+        if size is not None:
+            self._used -= size
+            self._depths.pop(key, None)
+            self._lru.discard(key)
+
+    def _victims(self) -> list[bytes]:
+        victims = []
+        for key in self._lru.candidates():
+            if self._used <= self._stats.capacity_bytes:
+                break
+            victims.append(key)
+            self._used -= self._sizes[key]
+        for key in victims:
+            del self._sizes[key]
+            del self._depths[key]
+            self._lru.discard(key)
+        self._stats.evictions += len(victims)
+        return victims
+
+    def _delete_object(self, key: bytes) -> None:
+        try:
+            self._s3.delete_object(Bucket=self.bucket, Key=object_name(self.prefix, key))
+        except (BotoCoreError, ClientError) as exc:
+            self._error("DELETE", exc)
+
+    def _error(self, op: str, exc: Exception) -> None:
+        self.num_errors += 1
+        self.last_error = f"{op}: {exc}"
+        now = self._clock()
+        if now - self._last_log >= self._log_interval:
+            self._last_log = now
+            log.warning("S3 %s on bucket %s failed (%d errors so far): %s", op, self.bucket,
+                        self.num_errors, exc)
