@@ -23,6 +23,7 @@ from kvpool.protocol.errors import ConfigError
 __all__ = [
     "DramConfig",
     "NodeConfig",
+    "S3Config",
     "ServerConfig",
     "SsdConfig",
     "add_arguments",
@@ -153,13 +154,48 @@ class SsdConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class S3Config:
+    bucket: str = knob("", "S3 bucket shared by the cluster ('' = no S3 tier); credentials come "
+                       "from the standard AWS chain", flag="--s3-bucket", env="KVPOOL_S3_BUCKET")
+    prefix: str = knob("kvpool", "object name prefix: <prefix>/<2 hex>/<32 hex key>",
+                       flag="--s3-prefix", env="KVPOOL_S3_PREFIX")
+    endpoint_url: str = knob("", "S3 endpoint for MinIO, SeaweedFS, Ceph ('' = AWS)",
+                             flag="--s3-endpoint", env="KVPOOL_S3_ENDPOINT")
+    region: str = knob("", "S3 region ('' = from the AWS config chain)",
+                       flag="--s3-region", env="KVPOOL_S3_REGION")
+    codec: str = knob("shuffle-lz4", "how chunks are stored in S3: none, lz4 or shuffle-lz4",
+                      flag="--s3-codec", env="KVPOOL_S3_CODEC")
+    max_pending_bytes: int = knob(256 << 20, "upload budget; past it, S3 write-behind is shed",
+                                  flag="--s3-max-pending", env="KVPOOL_S3_MAX_PENDING",
+                                  kind="size")
+    relist_interval_s: float = knob(60.0, "seconds between LISTs that find other nodes' chunks",
+                                    flag="--s3-relist", env="KVPOOL_S3_RELIST")
+
+    def __post_init__(self) -> None:
+        if self.codec not in SSD_CODECS:
+            raise ConfigError(f"s3 codec must be one of {', '.join(SSD_CODECS)}, "
+                              f"not {self.codec!r}")
+        if self.max_pending_bytes < 1 << 20:
+            raise ConfigError("s3 max_pending_bytes must be at least 1 MiB")
+        if self.relist_interval_s <= 0:
+            raise ConfigError("s3 relist_interval_s must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
 class NodeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     dram: DramConfig = field(default_factory=DramConfig)
     ssd: SsdConfig = field(default_factory=SsdConfig)
+    s3: S3Config = field(default_factory=S3Config)
+
+    def __post_init__(self) -> None:
+        if self.s3.bucket and not self.ssd.enabled:
+            raise ConfigError("the S3 tier runs in the SSD tier's worker: it needs the SSD tier "
+                              "(drop --no-ssd)")
 
 
-_SECTIONS: dict[str, type[Any]] = {"server": ServerConfig, "dram": DramConfig, "ssd": SsdConfig}
+_SECTIONS: dict[str, type[Any]] = {"server": ServerConfig, "dram": DramConfig, "ssd": SsdConfig,
+                                   "s3": S3Config}
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -201,8 +237,8 @@ def knob_table() -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per knob; its help names the default and the environment variable."""
-    parser.add_argument("--config", metavar="FILE", help="TOML file with [server], [dram] "
-                        "and [ssd] sections (env: KVPOOL_CONFIG)")
+    parser.add_argument("--config", metavar="FILE", help="TOML file with [server], [dram], "
+                        "[ssd] and [s3] sections (env: KVPOOL_CONFIG)")
     for section, cls in _SECTIONS.items():
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(cls):

@@ -129,7 +129,8 @@ class Handlers:
         ssd = self.ssd
         if ssd is not None and ssd.up:
             promote = [i for i, e in enumerate(entries)
-                       if e is None and request.keys[i] in ssd.index]
+                       if e is None and (request.keys[i] in ssd.index
+                                         or request.keys[i] in ssd.s3_index)]
             if promote:
                 return self._get_promoting(request, entries, promote)
         return self._get_reply(request, entries)
@@ -145,6 +146,7 @@ class Handlers:
         assert ssd is not None
         value_len = ssd.index.get(key)
         if value_len is None:
+            await self._promote_from_s3(key, entries, i)
             return
         slot = self.dram.reserve(key, value_len)
         if slot is None:
@@ -161,6 +163,29 @@ class Handlers:
             self.dram.hold(entry)
             entries[i] = entry
             self.promotions += 1
+
+    async def _promote_from_s3(self, key: bytes, entries: list[Entry | None], i: int) -> None:
+        """Fetch ``key`` from S3 (the worker verifies it), into DRAM, then behind to SSD."""
+        ssd = self.ssd
+        assert ssd is not None
+        try:
+            value_len = await ssd.fetch(key)
+            if value_len is None:
+                return
+            slot = self.dram.reserve(key, value_len)
+            if slot is None:
+                return
+            if not await ssd.copy(key, slot.offset, value_len):
+                slot.release()
+                return
+        except SsdUnavailableError:
+            return
+        (entry,) = self.dram.commit([slot])
+        if entry is not None:
+            self.dram.hold(entry)
+            entries[i] = entry
+            self.promotions += 1
+            self._write_behind([entry])
 
     def _get_reply(self, request: Request, entries: list[Entry | None]) -> Reply:
         dram = self.dram
@@ -192,7 +217,7 @@ class Handlers:
         ssd = self.ssd
         if ssd is not None and ssd.up:
             for i, key in enumerate(request.keys):
-                if key in ssd.index:
+                if key in ssd.index or key in ssd.s3_index:
                     deleted[i] = True
                     ssd.delete(key)
         return self._reply(request, [encode_statuses(
@@ -207,8 +232,9 @@ class Handlers:
         present = self.dram.contains_many(keys)
         ssd = self.ssd
         if ssd is not None and ssd.up:
-            index = ssd.index
-            present = [p or k in index for p, k in zip(present, keys, strict=True)]
+            index, s3_index = ssd.index, ssd.s3_index
+            present = [p or k in index or k in s3_index
+                       for p, k in zip(present, keys, strict=True)]
         return present
 
     def _write_behind(self, entries: Sequence[Entry]) -> None:
@@ -250,6 +276,9 @@ class Handlers:
         tiers: dict[str, Any] = {"dram": dram.to_dict()}
         if self.ssd is not None:
             tiers["ssd"] = await self._ssd_stats(self.ssd)
+            s3 = tiers["ssd"].pop("s3", None)
+            if s3 is not None:
+                tiers["s3"] = {"name": "s3", "keys_known": len(self.ssd.s3_index), **s3}
         return {
             "node_id": self.node_id,
             "protocol": PROTOCOL_VERSION,
@@ -279,8 +308,9 @@ class Handlers:
                 info["worker"] = "no answer"
             else:
                 for name in ("used_bytes", "hits", "misses", "insertions", "evictions",
-                             "rejections", "corrupt"):
-                    info[name] = worker.get(name)
+                             "rejections", "corrupt", "s3"):
+                    if name in worker:
+                        info[name] = worker[name]
         return info
 
     def _pin(self, request: Request, pinned: bool) -> Reply:

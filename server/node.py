@@ -79,9 +79,18 @@ class Node:
             # chunks waiting for their write-behind cannot be evicted: keep them to a
             # quarter of DRAM so a PUT always finds room (the rest is shed and counted)
             pending = min(self.config.ssd.max_pending_bytes, self.dram.arena.capacity // 4)
+            s3 = self.config.s3
+            s3_args = None
+            if s3.bucket:
+                s3_args = ["--s3-bucket", s3.bucket, "--s3-prefix", s3.prefix,
+                           "--s3-endpoint", s3.endpoint_url, "--s3-region", s3.region,
+                           "--s3-codec", str(int(_CODECS[s3.codec])),
+                           "--s3-max-pending", str(s3.max_pending_bytes),
+                           "--s3-relist", str(s3.relist_interval_s)]
             self.ssd = SsdTier(path, resolve_ssd_capacity(self.config, path),
                                codec=_CODECS[self.config.ssd.codec], arena_fd=self.dram.arena.fd,
-                               arena_size=self.dram.arena.capacity, max_pending_bytes=pending)
+                               arena_size=self.dram.arena.capacity, max_pending_bytes=pending,
+                               s3_args=s3_args)
             await self.ssd.start()
             self.handlers.ssd = self.ssd
         self._server = await loop.create_server(
@@ -149,6 +158,10 @@ async def _serve(config: NodeConfig) -> None:
         print(f"kvpool node {node.handlers.node_id}: SSD tier {format_size(ssd.capacity_bytes)}"
               f" in {ssd.path} ({config.ssd.codec}), {len(ssd.index)} chunks on disk",
               flush=True)
+    if config.s3.bucket:
+        where = config.s3.endpoint_url or "AWS"
+        print(f"kvpool node {node.handlers.node_id}: S3 tier s3://{config.s3.bucket}/"
+              f"{config.s3.prefix} at {where} ({config.s3.codec})", flush=True)
     print(f"kvpool: ready data={data_host}:{data_port} admin=http://{admin_host}:{admin_port}",
           flush=True)
     await stop.wait()

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import socket
+import struct
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from kvpool.protocol.errors import KvpoolError
 from kvpool.server.ssd_messages import REPLY, REQUEST, SsdOp, SsdStatus, decode_keys
 
 __all__ = ["SsdCounters", "SsdTier", "SsdUnavailableError"]
+
+_U64 = struct.Struct("<Q")
 
 log = logging.getLogger("kvpool.server.ssd")
 
@@ -72,8 +75,16 @@ class _Replies(asyncio.Protocol):
 
 class SsdTier:
     def __init__(self, path: Path, capacity_bytes: int, *, codec: Codec, arena_fd: int,
-                 arena_size: int, max_pending_bytes: int, start_timeout_s: float = 60.0) -> None:
+                 arena_size: int, max_pending_bytes: int, start_timeout_s: float = 60.0,
+                 s3_args: list[str] | None = None, s3_poll_s: float = 1.0) -> None:
         self.path = path
+        #: worker flags for the S3 tier (``--s3-bucket`` ...), None for no S3
+        self.s3_args = s3_args
+        #: keys the worker knows to be in S3 (its writes, its LISTs), mirrored every s3_poll_s
+        self.s3_index: set[bytes] = set()
+        self._s3_log_pos = 0
+        self._s3_poll_s = s3_poll_s
+        self._s3_task: asyncio.Task[None] | None = None
         self.start_timeout_s = start_timeout_s
         self.capacity_bytes = capacity_bytes
         self.codec = codec
@@ -101,7 +112,7 @@ class SsdTier:
             sys.executable, "-m", "kvpool.server.ssd_worker", "--path", str(self.path),
             "--capacity", str(self.capacity_bytes), "--codec", str(int(self.codec)),
             "--arena-fd", str(self._arena_fd), "--arena-size", str(self._arena_size),
-            "--sock-fd", str(child.fileno()),
+            "--sock-fd", str(child.fileno()), *(self.s3_args or ()),
             pass_fds=(self._arena_fd, child.fileno()), stderr=asyncio.subprocess.PIPE)
         child.close()
         loop = asyncio.get_running_loop()
@@ -120,6 +131,24 @@ class SsdTier:
             raise SsdUnavailableError(f"SSD tier at {self.path} did not start: {why}") from exc
         self.index = decode_keys(payload)
         self._stderr_task = asyncio.create_task(self._forward_stderr())
+        if self.s3_args:
+            self._s3_task = asyncio.create_task(self._poll_s3_keys())
+
+    async def _poll_s3_keys(self) -> None:
+        while self.up:
+            with contextlib.suppress(SsdUnavailableError):
+                await self.refresh_s3_index()
+            await asyncio.sleep(self._s3_poll_s)
+
+    async def refresh_s3_index(self) -> None:
+        """Pull the keys the worker learned to be in S3 since the last call."""
+        while True:
+            _, payload = await self._call(SsdOp.S3_KEYS, offset=self._s3_log_pos)
+            for i in range(0, len(payload), 16):
+                self.s3_index.add(payload[i : i + 16])
+            self._s3_log_pos += len(payload) // 16
+            if len(payload) < 65536 * 16:
+                return
 
     async def _forward_stderr(self) -> None:
         assert self._proc is not None and self._proc.stderr is not None
@@ -137,10 +166,11 @@ class SsdTier:
             except TimeoutError:
                 self._proc.kill()
                 await self._proc.wait()
-        if self._stderr_task is not None:
-            self._stderr_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._stderr_task
+        for task in (self._stderr_task, self._s3_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     # -- operations -----------------------------------------------------------------------
 
@@ -213,9 +243,27 @@ class SsdTier:
             c.errors += 1
         return status
 
+    async def fetch(self, key: bytes) -> int | None:
+        """Have the worker fetch ``key`` from S3; the RAW value's length, or None."""
+        status, payload = await self._call(SsdOp.FETCH, key)
+        if status == SsdStatus.OK:
+            (value_len,) = _U64.unpack(payload)
+            self.s3_index.add(key)
+            return int(value_len)
+        self.s3_index.discard(key)
+        if status == SsdStatus.CORRUPT:
+            self.counters.corrupt += 1
+        return None
+
+    async def copy(self, key: bytes, offset: int, length: int) -> bool:
+        """Copy a fetched value into arena[offset:offset+length]."""
+        status, _ = await self._call(SsdOp.COPY, key, offset, length)
+        return status == SsdStatus.OK
+
     def delete(self, key: bytes) -> None:
-        """Drop ``key`` from the index now and from disk soon (nobody waits for the disk)."""
+        """Drop ``key`` from the indexes now and from disk and S3 soon (nobody waits)."""
         self.index.pop(key, None)
+        self.s3_index.discard(key)
         if self.up:
             self._call(SsdOp.DELETE, key).add_done_callback(self._count_failure)
 

@@ -20,6 +20,9 @@ class SsdOp:
     DELETE = 3
     KEYS = 4  # every key and its value_len: the node's index at start-up
     STATS = 5
+    FETCH = 6  # fetch key from S3 into the worker; reply length = its value_len
+    COPY = 7  # copy a fetched value into arena[offset:offset+length]
+    S3_KEYS = 8  # keys known to be in S3, from position ``offset`` of the worker's log
 
 
 class SsdStatus:

@@ -1,4 +1,4 @@
-"""The SSD worker: a child process that owns the RocksDB tier.
+"""The cold-tier worker: a child process that owns the RocksDB (SSD) tier and the S3 tier.
 
 rocksdict holds the GIL for tens to hundreds of milliseconds on a large
 ``put`` (measured here: up to 300 ms with 16 MiB values), so RocksDB cannot
@@ -10,10 +10,16 @@ messages over a socketpair:
     request  (40 bytes)  op u8 | 3 pad | request_id u32 | key 16 | offset u64 | length u64
     reply    (16 bytes)  request_id u32 | status u8 | 3 pad | length u64, then ``length``
                          payload bytes for KEYS (n x (key 16 | value_len u64)),
-                         STATS (JSON) and PUT (n x 16-byte keys it evicted)
+                         STATS (JSON), PUT (n x 16-byte keys it evicted), FETCH
+                         (value_len u64) and S3_KEYS (n x 16-byte keys)
 
-Requests are served one at a time, in order. The worker exits when the node's
-end of the socket closes, so it never outlives its node.
+SSD requests are served one at a time, in order, on the main thread. S3 work
+(write-behind uploads of what was written to SSD, FETCH of chunks only S3
+has, deletes, a LIST at start-up and every ``--s3-relist`` seconds) runs on a
+pool of 4 threads, so a slow S3 never delays the SSD; FETCH replies may come
+out of order. A fetched value waits in the worker until the node has reserved
+a DRAM slot of its size and sends COPY. The worker exits when the node's end
+of the socket closes, so it never outlives its node.
 """
 
 from __future__ import annotations
@@ -23,14 +29,21 @@ import json
 import mmap
 import os
 import socket
+import struct
 import sys
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvpool.protocol.envelope import Codec
 from kvpool.server.ssd_messages import KEY_LEN, REPLY, REQUEST, SsdOp, SsdStatus
 from kvpool.tiers.rocksdb import RocksDbTier
+from kvpool.tiers.s3 import S3Tier
 
 __all__ = ["Worker", "main"]
+
+_U64 = struct.Struct("<Q")
 
 
 def _recv_exact(sock: socket.socket, buf: memoryview) -> bool:
@@ -44,15 +57,94 @@ def _recv_exact(sock: socket.socket, buf: memoryview) -> bool:
 
 
 class Worker:
-    def __init__(self, tier: RocksDbTier, arena: memoryview) -> None:
+    """Serves the node's requests: SSD ops on this thread, S3 ops on a small pool."""
+
+    def __init__(self, tier: RocksDbTier, arena: memoryview, s3: S3Tier | None = None,
+                 s3_max_pending_bytes: int = 256 << 20, relist_interval_s: float = 60.0) -> None:
         self.tier = tier
         self.arena = arena
+        self.s3 = s3
+        self._send_lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvpool-s3")
+        self._s3_lock = threading.Lock()
+        self._s3_pending = 0
+        self._s3_max_pending = s3_max_pending_bytes
+        self.s3_log: list[bytes] = []  # keys known to be in S3, in the order we learned them
+        self._s3_logged: set[bytes] = set()
+        self.s3_shed = 0
+        self._staged: OrderedDict[bytes, bytes] = OrderedDict()  # fetched, not yet copied
+        self._relist_interval = relist_interval_s
+        self._stop = threading.Event()
 
-    def handle(self, op: int, key: bytes, offset: int, length: int) -> tuple[int, bytes]:
+    # -- S3 -------------------------------------------------------------------------------
+
+    def start_s3(self) -> None:
+        if self.s3 is not None:
+            threading.Thread(target=self._relist_forever, daemon=True).start()
+
+    def _relist_forever(self) -> None:
+        assert self.s3 is not None
+        while not self._stop.is_set():
+            before = self.s3.stats().num_objects
+            self.s3.load_index()
+            if self.s3.stats().num_objects != before:
+                self._log_s3_keys(self.s3.keys())
+            self._stop.wait(self._relist_interval)
+
+    def _log_s3_keys(self, keys: list[bytes]) -> None:
+        with self._s3_lock:
+            for key in keys:
+                if key not in self._s3_logged:
+                    self._s3_logged.add(key)
+                    self.s3_log.append(key)
+
+    def _upload(self, key: bytes, value: bytes) -> None:
+        assert self.s3 is not None
+        try:
+            if self.s3.put(key, value):
+                self._log_s3_keys([key])
+        finally:
+            with self._s3_lock:
+                self._s3_pending -= len(value)
+
+    def _write_behind_s3(self, key: bytes, view: memoryview) -> None:
+        if self.s3 is None or self.s3.contains(key):
+            return
+        with self._s3_lock:
+            if self._s3_pending + len(view) > self._s3_max_pending:
+                self.s3_shed += 1
+                return
+            self._s3_pending += len(view)
+        # a copy: the node reuses the arena slot as soon as this PUT is answered
+        self._pool.submit(self._upload, key, bytes(view))
+
+    def _fetch(self, request_id: int, key: bytes) -> None:
+        assert self.s3 is not None
+        corrupt_before = self.s3.num_corrupt
+        value = self.s3.get(key)
+        if value is None:
+            status = SsdStatus.CORRUPT if self.s3.num_corrupt > corrupt_before else SsdStatus.MISS
+            self._reply(request_id, status, b"")
+            return
+        with self._s3_lock:
+            self._staged[key] = value
+            while len(self._staged) > 64:  # a node that never copies cannot grow us
+                self._staged.popitem(last=False)
+        self._log_s3_keys([key])
+        self._reply(request_id, SsdStatus.OK, _U64.pack(len(value)))
+
+    # -- requests -------------------------------------------------------------------------
+
+    def handle(self, request_id: int, op: int, key: bytes, offset: int,
+               length: int) -> tuple[int, bytes] | None:
+        """The reply, or None when a pool thread will send it."""
         tier = self.tier
         if op == SsdOp.PUT:
             tier.last_evicted = []
-            ok = tier.put(key, self.arena[offset : offset + length])
+            view = self.arena[offset : offset + length]
+            ok = tier.put(key, view)
+            self._write_behind_s3(key, view)
             if not ok and tier.full is not None:
                 return SsdStatus.FULL, tier.full.encode()
             return (SsdStatus.OK if ok else SsdStatus.REFUSED), b"".join(tier.last_evicted)
@@ -66,28 +158,66 @@ class Worker:
                 return SsdStatus.SIZE, b""
             self.arena[offset : offset + length] = value
             return SsdStatus.OK, b""
+        if op == SsdOp.FETCH:
+            if self.s3 is None:
+                return SsdStatus.MISS, b""
+            self._pool.submit(self._fetch, request_id, key)
+            return None
+        if op == SsdOp.COPY:
+            with self._s3_lock:
+                value = self._staged.pop(key, None)
+            if value is None:
+                return SsdStatus.MISS, b""
+            if len(value) != length:
+                return SsdStatus.SIZE, b""
+            self.arena[offset : offset + length] = value
+            return SsdStatus.OK, b""
         if op == SsdOp.DELETE:
-            return (SsdStatus.OK if tier.delete(key) else SsdStatus.MISS), b""
+            found = tier.delete(key)
+            if self.s3 is not None:
+                self._pool.submit(self.s3.delete, key)
+            return (SsdStatus.OK if found else SsdStatus.MISS), b""
         if op == SsdOp.KEYS:
             return SsdStatus.OK, b"".join(KEY_LEN.pack(k, n)
                                           for k, n in tier.value_lens().items())
+        if op == SsdOp.S3_KEYS:
+            with self._s3_lock:
+                keys = self.s3_log[offset : offset + 65536]
+            return SsdStatus.OK, b"".join(keys)
         if op == SsdOp.STATS:
             stats: dict[str, Any] = tier.stats().to_dict()
             stats["corrupt"] = tier.num_corrupt
             stats["full"] = tier.full
+            if self.s3 is not None:
+                s3 = self.s3.stats().to_dict()
+                s3.update(errors=self.s3.num_errors, corrupt=self.s3.num_corrupt,
+                          last_error=self.s3.last_error, shed=self.s3_shed,
+                          pending_bytes=self._s3_pending)
+                stats["s3"] = s3
             return SsdStatus.OK, json.dumps(stats).encode()
         return SsdStatus.ERROR, b""
 
+    def _reply(self, request_id: int, status: int, payload: bytes) -> None:
+        assert self._sock is not None
+        with self._send_lock:  # pool threads reply too
+            self._sock.sendall(REPLY.pack(request_id, status, len(payload)) + payload)
+
     def serve(self, sock: socket.socket) -> None:
+        self._sock = sock
         header = memoryview(bytearray(REQUEST.size))
-        while _recv_exact(sock, header):
-            op, request_id, key, offset, length = REQUEST.unpack(header)
-            try:
-                status, payload = self.handle(op, key, offset, length)
-            except Exception as exc:  # keep serving; the node counts the error
-                print(f"kvpool ssd worker: {type(exc).__name__}: {exc}", file=sys.stderr)
-                status, payload = SsdStatus.ERROR, b""
-            sock.sendall(REPLY.pack(request_id, status, len(payload)) + payload)
+        try:
+            while _recv_exact(sock, header):
+                op, request_id, key, offset, length = REQUEST.unpack(header)
+                try:
+                    result = self.handle(request_id, op, key, offset, length)
+                except Exception as exc:  # keep serving; the node counts the error
+                    print(f"kvpool ssd worker: {type(exc).__name__}: {exc}", file=sys.stderr)
+                    result = SsdStatus.ERROR, b""
+                if result is not None:
+                    self._reply(request_id, *result)
+        finally:
+            self._stop.set()
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,6 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arena-size", type=int, required=True)
     parser.add_argument("--sock-fd", type=int, required=True)
     parser.add_argument("--nice", type=int, default=5)
+    parser.add_argument("--s3-bucket", default="")
+    parser.add_argument("--s3-prefix", default="kvpool")
+    parser.add_argument("--s3-endpoint", default="")
+    parser.add_argument("--s3-region", default="")
+    parser.add_argument("--s3-codec", type=int, default=int(Codec.SHUFFLE_LZ4))
+    parser.add_argument("--s3-max-pending", type=int, default=256 << 20)
+    parser.add_argument("--s3-relist", type=float, default=60.0)
     args = parser.parse_args(argv)
     # background work: on a busy machine the node's event loop should win the CPU
     os.nice(args.nice)
@@ -113,8 +250,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvpool ssd worker: cannot open {args.path}: {exc}", file=sys.stderr)
         return 2
     arena = memoryview(arena_map)
+    s3 = None
+    if args.s3_bucket:
+        s3 = S3Tier(args.s3_bucket, prefix=args.s3_prefix, endpoint_url=args.s3_endpoint or None,
+                    region=args.s3_region or None, codec=Codec(args.s3_codec))
+    worker = Worker(tier, arena, s3, args.s3_max_pending, args.s3_relist)
+    worker.start_s3()
     try:
-        Worker(tier, arena).serve(sock)
+        worker.serve(sock)
     finally:
         tier.close()
     return 0

@@ -165,6 +165,10 @@ class S3Tier:
     def contains(self, key: bytes) -> bool:
         return key in self._sizes
 
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._sizes)
+
     def stats(self) -> TierStats:
         s = self._stats
         s.num_objects = len(self._sizes)

@@ -1,0 +1,96 @@
+"""Nodes with an S3 tier: a chunk survives the loss of the node that wrote it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import time
+from typing import Any
+
+import boto3
+import psutil
+
+from kvpool.client import Client
+
+from .conftest import start_node
+
+
+def tier_stats(c: Client, tier: str) -> dict[str, Any]:
+    stats: dict[str, Any] = c.stats()["tiers"].get(tier, {})
+    return stats
+
+
+def wait_until(check: Any, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert check()
+
+
+def test_chunk_survives_the_node_that_wrote_it(s3_endpoint: str, s3_bucket: str) -> None:
+    s3_flags = ("--s3-bucket", s3_bucket, "--s3-endpoint", s3_endpoint, "--s3-region",
+                "us-east-1")
+    writer = start_node("--dram-capacity", "16MiB", *s3_flags)
+    keys = [os.urandom(16) for _ in range(10)]
+    values = [os.urandom(300_000) for _ in keys]
+    with Client(writer.url) as c:
+        c.put_many(keys, values, chunk_indexes=range(10))  # type: ignore[arg-type]
+        wait_until(lambda: tier_stats(c, "s3").get("insertions", 0) >= 10)
+    worker = psutil.Process(writer.proc.pid).children()
+    writer.proc.send_signal(signal.SIGKILL)  # the writer and its disk are gone
+    writer.proc.wait(10)
+    _, alive = psutil.wait_procs(worker, timeout=30)
+    assert not alive  # its SSD worker never outlives it
+    shutil.rmtree(writer.data_dir)
+    reader = start_node("--dram-capacity", "16MiB", *s3_flags)
+    try:
+        with Client(reader.url) as c:
+            wait_until(lambda: c.lookup(keys) == 10)  # its LIST found them
+            assert c.get_many(keys) == values
+            assert c.stats()["promotions"] == 10
+            wait_until(lambda: tier_stats(c, "ssd")["writes"] >= 10)  # and now on its SSD
+            assert c.delete(keys[0])
+            wait_until(lambda: boto3.client("s3", endpoint_url=s3_endpoint).list_objects_v2(
+                Bucket=s3_bucket)["KeyCount"] == 9)
+    finally:
+        assert reader.stop() == 0
+
+
+def test_s3_outage_does_not_touch_dram_and_ssd_and_recovers() -> None:
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+
+    def s3_up() -> ThreadedMotoServer:
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
+            Bucket="kvpool-outage")
+        return server
+
+    server = s3_up()
+    node = start_node("--dram-capacity", "16MiB", "--s3-bucket", "kvpool-outage",
+                      "--s3-endpoint", endpoint, "--s3-region", "us-east-1")
+    try:
+        with Client(node.url) as c:
+            c.put(os.urandom(16), os.urandom(100_000))
+            wait_until(lambda: tier_stats(c, "s3").get("insertions", 0) >= 1)
+            server.stop()
+            keys = [os.urandom(16) for _ in range(5)]
+            values = [os.urandom(100_000) for _ in keys]
+            c.put_many(keys, values)
+            assert c.get_many(keys) == values  # DRAM, unaffected
+            wait_until(lambda: tier_stats(c, "ssd")["writes"] >= 6)  # SSD, unaffected
+            wait_until(lambda: tier_stats(c, "s3").get("errors", 0) >= 1, timeout=60)
+            server = s3_up()  # S3 is back: nothing to restart on the node
+            k = os.urandom(16)
+            c.put(k, b"after the outage")
+            wait_until(lambda: tier_stats(c, "s3").get("insertions", 0) >= 2, timeout=60)
+    finally:
+        node.stop()
+        server.stop()
