@@ -48,7 +48,8 @@ def _drain(proc: subprocess.Popen[str], lines: list[str]) -> None:
         lines.append(line)
 
 
-def start_node(*flags: str, data_dir: str | None = None, timeout: float = 30.0) -> NodeProcess:
+def start_node(*flags: str, data_dir: str | None = None, timeout: float = 30.0,
+               env: dict[str, str] | None = None) -> NodeProcess:
     """Run ``kvpool serve`` on free ports and wait for its ready line.
 
     The node's data dir is a fresh temp dir unless one is given (to restart a node on it).
@@ -58,7 +59,8 @@ def start_node(*flags: str, data_dir: str | None = None, timeout: float = 30.0) 
     cmd = [sys.executable, "-m", "kvpool.server", "serve", "--data-port", "0",
            "--admin-port", "0", "--log-level", "warning", "--data-dir", data_dir,
            "--ssd-capacity", "256MiB", *flags]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")},
+           **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
     deadline = time.monotonic() + timeout
