@@ -28,6 +28,7 @@ from kvpool.protocol.frames import (
     PUT_FLAG_PIN,
     Op,
     PutItemHeader,
+    Tier,
     decode_json,
     decode_lookup,
     decode_statuses,
@@ -41,6 +42,7 @@ log = logging.getLogger("kvpool.client")
 
 Key = bytes | str
 DEFAULT_PORT = 7700
+_TIER_NAMES = {int(t): t.name.lower() for t in Tier}
 
 
 def parse_url(url: str) -> tuple[str, int]:
@@ -265,17 +267,21 @@ class AsyncClient:
 
     async def lookup(self, keys: Sequence[Key]) -> int:
         """How many leading ``keys`` (a prefix's chunk keys, in order) the node holds."""
+        return len(await self.lookup_tiers(keys))
+
+    async def lookup_tiers(self, keys: Sequence[Key]) -> list[str]:
+        """The tier ("dram", "ssd" or "s3") of each leading key the node holds, in order."""
         blob = _join_keys(keys)
         conn = await self._connection()
         max_batch = int(self.server_info["max_batch"])
-        present = 0
+        tiers: list[str] = []
         for part in _chunks(len(keys), max_batch):
             reply = await self._call(conn, Op.LOOKUP, len(part), [_blob_part(blob, part)])
-            n = decode_lookup(reply.body)
-            present += n
-            if n < len(part):
+            found = decode_lookup(reply.body)
+            tiers += [_TIER_NAMES.get(t, "?") for t in found]
+            if len(found) < len(part):
                 break
-        return present
+        return tiers
 
     async def stats(self) -> dict[str, Any]:
         conn = await self._connection()

@@ -112,6 +112,9 @@ class Client:
     def lookup(self, keys: Sequence[Key]) -> int:
         return self._run(self._async.lookup(keys))
 
+    def lookup_tiers(self, keys: Sequence[Key]) -> list[str]:
+        return self._run(self._async.lookup_tiers(keys))
+
     def pin(self, key: Key) -> bool:
         return self._run(self._async.pin(key))
 

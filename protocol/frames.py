@@ -20,7 +20,7 @@ Reply bodies (status OK):
     HELLO, STATS  JSON object
     GET           count x (GET item header (16 bytes) || value if found)
     PUT, EXISTS, DELETE, PIN, UNPIN  count x 1-byte Status
-    LOOKUP        u32 number of leading keys present
+    LOOKUP        u32 number of leading keys present, then one Tier byte per such key
 A reply with a status other than OK carries a UTF-8 message as its body.
 Encoders return lists of buffers so large values are never concatenated.
 """
@@ -49,6 +49,7 @@ __all__ = [
     "GetItemHeader",
     "Op",
     "PutItemHeader",
+    "Tier",
     "decode_json",
     "decode_keys",
     "decode_lookup",
@@ -211,15 +212,27 @@ def decode_statuses(body: bytes | bytearray | memoryview, count: int) -> list[in
     return list(bytes(body))
 
 
-def encode_lookup_reply(num_present: int) -> bytes:
-    return _U32.pack(num_present)
+class Tier(enum.IntEnum):
+    """Where a node holds a chunk, as LOOKUP reports it."""
+
+    DRAM = 1
+    SSD = 2
+    S3 = 3
 
 
-def decode_lookup(body: bytes | bytearray | memoryview) -> int:
-    if len(body) != _U32.size:
-        raise BadFrameError(f"LOOKUP reply must be 4 bytes, got {len(body)}")
-    (n,) = _U32.unpack(body)
-    return int(n)
+def encode_lookup_reply(tiers: Sequence[int]) -> bytes:
+    """The number of leading keys present, then the tier of each of them."""
+    return _U32.pack(len(tiers)) + bytes(tiers)
+
+
+def decode_lookup(body: bytes | bytearray | memoryview) -> list[int]:
+    """The tier of each leading key present (its length is the number present)."""
+    if len(body) < _U32.size:
+        raise BadFrameError(f"LOOKUP reply must be at least 4 bytes, got {len(body)}")
+    (n,) = _U32.unpack_from(body)
+    if len(body) != _U32.size + n:
+        raise BadFrameError(f"LOOKUP reply for {n} keys must be {4 + n} bytes, got {len(body)}")
+    return list(bytes(body[_U32.size :]))
 
 
 def encode_json(obj: dict[str, Any]) -> bytes:

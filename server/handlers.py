@@ -28,6 +28,7 @@ from kvpool.protocol.frames import (
     PUT_FLAG_PIN,
     GetItemHeader,
     Op,
+    Tier,
     decode_json,
     encode_frame,
     encode_json,
@@ -224,9 +225,19 @@ class Handlers:
             [Status.OK if d else Status.NOT_FOUND for d in deleted])])
 
     def lookup(self, request: Request) -> Reply:
-        present = self._present(request.keys)
-        num = present.index(False) if False in present else len(present)
-        return self._reply(request, [encode_lookup_reply(num)])
+        now_in_dram = self.dram.contains_many(request.keys)
+        ssd = self.ssd
+        tiers: list[int] = []
+        for key, in_dram in zip(request.keys, now_in_dram, strict=True):
+            if in_dram:
+                tiers.append(Tier.DRAM)
+            elif ssd is not None and ssd.up and key in ssd.index:
+                tiers.append(Tier.SSD)
+            elif ssd is not None and ssd.up and key in ssd.s3_index:
+                tiers.append(Tier.S3)
+            else:
+                break
+        return self._reply(request, [encode_lookup_reply(tiers)])
 
     def _present(self, keys: Sequence[bytes]) -> list[bool]:
         present = self.dram.contains_many(keys)

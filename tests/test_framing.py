@@ -24,6 +24,7 @@ from kvpool.protocol.frames import (
     GetItemHeader,
     Op,
     PutItemHeader,
+    decode_lookup,
     encode_error,
     encode_frame,
     encode_json,
@@ -102,7 +103,7 @@ def reply_stream(payloads: list[bytes]) -> bytes:
         body += [GetItemHeader(Status.OK, len(env) + len(p)).pack(), env, p]
     return b"".join([
         *encode_frame(Op.GET, 7, body, count=len(payloads)),
-        *encode_frame(Op.LOOKUP, 8, [encode_lookup_reply(2)], count=1),
+        *encode_frame(Op.LOOKUP, 8, [encode_lookup_reply([1, 2])], count=1),
         *encode_error(Op.GET, 9, Status.VALUE_TOO_LARGE, "too big"),
     ])
 
@@ -118,7 +119,8 @@ def test_reply_stream_split_at_every_byte() -> None:
         assert bytes(get.items[0].payload) == b"hello"
         assert bytes(get.items[2].payload) == payloads[2]
         assert get.items[2].envelope.chunk_index == 1
-        assert struct.unpack("<I", lookup.body)[0] == 2
+        assert struct.unpack_from("<I", lookup.body)[0] == 2
+        assert decode_lookup(lookup.body) == [1, 2]
         assert err.header.status == Status.VALUE_TOO_LARGE and bytes(err.body) == b"too big"
 
 

@@ -48,6 +48,7 @@ def test_chunk_survives_the_node_that_wrote_it(s3_endpoint: str, s3_bucket: str)
     try:
         with Client(reader.url) as c:
             wait_until(lambda: c.lookup(keys) == 10)  # its LIST found them
+            assert c.lookup_tiers(keys) == ["s3"] * 10
             assert c.get_many(keys) == values
             assert c.stats()["promotions"] == 10
             wait_until(lambda: tier_stats(c, "ssd")["writes"] >= 10)  # and now on its SSD

@@ -45,6 +45,8 @@ def test_working_set_larger_than_dram_is_served_from_ssd() -> None:
                 c.put(k, v)
                 wait_for_writes(c, i + 1)  # paced, so no write-behind is shed
             assert c.lookup(keys) == 40 and all(c.exists_many(keys))
+            tiers = c.lookup_tiers(keys)
+            assert tiers[0] == "ssd" and tiers[-1] == "dram"  # the oldest left DRAM
             for k, v in zip(keys, values, strict=True):
                 assert c.get(k) == v
             stats = c.stats()
