@@ -129,9 +129,10 @@ class Handlers:
         entries = self.dram.acquire_many(request.keys)
         ssd = self.ssd
         if ssd is not None and ssd.up:
+            # with S3, a miss everywhere else asks S3 too: another node may have written the
+            # chunk since our last LIST (EXISTS/LOOKUP never pay that round trip)
             promote = [i for i, e in enumerate(entries)
-                       if e is None and (request.keys[i] in ssd.index
-                                         or request.keys[i] in ssd.s3_index)]
+                       if e is None and (request.keys[i] in ssd.index or ssd.has_s3)]
             if promote:
                 return self._get_promoting(request, entries, promote)
         return self._get_reply(request, entries)
@@ -147,7 +148,8 @@ class Handlers:
         assert ssd is not None
         value_len = ssd.index.get(key)
         if value_len is None:
-            await self._promote_from_s3(key, entries, i)
+            if ssd.has_s3:
+                await self._promote_from_s3(key, entries, i)
             return
         slot = self.dram.reserve(key, value_len)
         if slot is None:
@@ -168,7 +170,7 @@ class Handlers:
     async def _promote_from_s3(self, key: bytes, entries: list[Entry | None], i: int) -> None:
         """Fetch ``key`` from S3 (the worker verifies it), into DRAM, then behind to SSD."""
         ssd = self.ssd
-        assert ssd is not None
+        assert ssd is not None and ssd.has_s3
         try:
             value_len = await ssd.fetch(key)
             if value_len is None:

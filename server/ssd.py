@@ -177,6 +177,10 @@ class SsdTier:
     def contains(self, key: bytes) -> bool:
         return key in self.index
 
+    @property
+    def has_s3(self) -> bool:
+        return bool(self.s3_args)
+
     def write(self, key: bytes, offset: int, length: int,
               on_done: Callable[[bool], object]) -> bool:
         """Queue a write-behind of arena[offset:offset+length] under ``key``.

@@ -13,6 +13,8 @@ import boto3
 import psutil
 
 from kvpool.client import Client
+from kvpool.protocol.envelope import seal
+from kvpool.tiers.s3 import object_name
 
 from .conftest import start_node
 
@@ -50,11 +52,17 @@ def test_chunk_survives_the_node_that_wrote_it(s3_endpoint: str, s3_bucket: str)
             wait_until(lambda: c.lookup(keys) == 10)  # its LIST found them
             assert c.lookup_tiers(keys) == ["s3"] * 10
             assert c.get_many(keys) == values
-            assert c.stats()["promotions"] == 10
+            later = os.urandom(16)  # written by another node after this one's LIST
+            boto3.client("s3", endpoint_url=s3_endpoint).put_object(
+                Bucket=s3_bucket, Key=object_name("kvpool", later),
+                Body=seal(b"late chunk") + b"late chunk")
+            assert c.lookup([later]) == 0  # LOOKUP stays local: no round trip to S3
+            assert c.get(later) == b"late chunk"  # a GET miss asks S3
+            assert c.stats()["promotions"] == 11
             wait_until(lambda: tier_stats(c, "ssd")["writes"] >= 10)  # and now on its SSD
             assert c.delete(keys[0])
             wait_until(lambda: boto3.client("s3", endpoint_url=s3_endpoint).list_objects_v2(
-                Bucket=s3_bucket)["KeyCount"] == 9)
+                Bucket=s3_bucket)["KeyCount"] == 10)  # 9 left + the late one
     finally:
         assert reader.stop() == 0
 
