@@ -163,7 +163,8 @@ class S3Config:
                              flag="--s3-endpoint", env="KVPOOL_S3_ENDPOINT")
     region: str = knob("", "S3 region ('' = from the AWS config chain)",
                        flag="--s3-region", env="KVPOOL_S3_REGION")
-    codec: str = knob("shuffle-lz4", "how chunks are stored in S3: none, lz4 or shuffle-lz4",
+    codec: str = knob("none", "how chunks are stored in S3: none, lz4 or shuffle-lz4 "
+                      "(docs/tiers.md has the numbers behind the default)",
                       flag="--s3-codec", env="KVPOOL_S3_CODEC")
     max_pending_bytes: int = knob(256 << 20, "upload budget; past it, S3 write-behind is shed",
                                   flag="--s3-max-pending", env="KVPOOL_S3_MAX_PENDING",

@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--s3-prefix", default="kvpool")
     parser.add_argument("--s3-endpoint", default="")
     parser.add_argument("--s3-region", default="")
-    parser.add_argument("--s3-codec", type=int, default=int(Codec.SHUFFLE_LZ4))
+    parser.add_argument("--s3-codec", type=int, default=int(Codec.RAW))
     parser.add_argument("--s3-max-pending", type=int, default=256 << 20)
     parser.add_argument("--s3-relist", type=float, default=60.0)
     args = parser.parse_args(argv)

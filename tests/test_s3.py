@@ -34,7 +34,7 @@ def s3(endpoint: str):  # type: ignore[no-untyped-def]
 
 
 def test_object_names_and_codec(s3_endpoint: str, s3_bucket: str) -> None:
-    tier = tier_for(s3_endpoint, s3_bucket, prefix="cache/v1")
+    tier = tier_for(s3_endpoint, s3_bucket, prefix="cache/v1", codec=Codec.SHUFFLE_LZ4)
     value = kv_value()
     assert tier.put(key(0xAB), value)
     name = object_name("cache/v1", key(0xAB))

@@ -10,7 +10,10 @@ KV tensors whose exponents repeat.
 
 from __future__ import annotations
 
+from typing import Any
+
 import lz4.block
+import numpy as np
 
 from kvpool.protocol.envelope import (
     ENVELOPE_HEADER_SIZE,
@@ -25,28 +28,41 @@ __all__ = ["decode", "encode", "shuffle", "unshuffle"]
 Buffer = bytes | bytearray | memoryview
 
 
+# Byte planes are cut with shifts on an unsigned view of the elements: a numpy
+# transpose of (n, 2) bytes copies byte by byte and measured slower than slicing.
+_UINT: dict[int, np.dtype[Any]] = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+
+
 def shuffle(data: Buffer, elem_size: int) -> bytes:
     """Group byte i of every element: ``b0 b0' .. b1 b1' ..``; a tail shorter
     than one element is kept as is at the end."""
-    raw = bytes(data)
+    raw = np.frombuffer(data, dtype=np.uint8)
     if elem_size <= 1:
-        return raw
+        return raw.tobytes()
     body = len(raw) - len(raw) % elem_size
-    return b"".join(raw[i:body:elem_size] for i in range(elem_size)) + raw[body:]
+    dtype = _UINT.get(elem_size)
+    if dtype is None:
+        planes = raw[:body].reshape(-1, elem_size).T
+    else:
+        values = raw[:body].view(dtype)
+        planes = np.stack([(values >> (8 * i)).astype(np.uint8) for i in range(elem_size)])
+    return planes.tobytes() + raw[body:].tobytes()
 
 
-def unshuffle(data: Buffer, elem_size: int) -> bytearray:
-    raw = bytes(data)
-    out = bytearray(len(raw))
+def unshuffle(data: Buffer, elem_size: int) -> bytes:
+    raw = np.frombuffer(data, dtype=np.uint8)
     if elem_size <= 1:
-        out[:] = raw
-        return out
+        return raw.tobytes()
     body = len(raw) - len(raw) % elem_size
-    n = body // elem_size
-    for i in range(elem_size):
-        out[i:body:elem_size] = raw[i * n : (i + 1) * n]
-    out[body:] = raw[body:]
-    return out
+    planes = raw[:body].reshape(elem_size, -1)
+    dtype = _UINT.get(elem_size)
+    if dtype is None:
+        return planes.T.tobytes() + raw[body:].tobytes()
+    values = planes[0].astype(dtype)
+    for i in range(1, elem_size):
+        values |= planes[i].astype(dtype) << (8 * i)
+    out: bytes = values.tobytes()
+    return out + raw[body:].tobytes()
 
 
 def encode(value: Buffer, codec: Codec, elem_size: int = 2) -> bytes:

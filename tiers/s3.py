@@ -60,7 +60,7 @@ class S3Tier:
 
     def __init__(self, bucket: str, *, prefix: str = "kvpool", endpoint_url: str | None = None,
                  region: str | None = None, capacity_bytes: int = 0,
-                 codec: Codec = Codec.SHUFFLE_LZ4, elem_size: int = 2,
+                 codec: Codec = Codec.RAW, elem_size: int = 2,
                  multipart_threshold: int = 16 << 20, connect_timeout_s: float = 2.0,
                  read_timeout_s: float = 10.0, max_attempts: int = 3,
                  log_interval_s: float = 30.0, client: Any = None,
