@@ -44,6 +44,10 @@ from kvpool.tiers.s3 import S3Tier
 __all__ = ["Worker", "main"]
 
 _U64 = struct.Struct("<Q")
+#: fetched S3 values waiting for the node's COPY, at most (oldest dropped first)
+MAX_STAGED_BYTES = 256 << 20
+#: FETCHes queued or running at once; past it a FETCH is answered MISS at once
+MAX_FETCHES = 64
 
 
 def _recv_exact(sock: socket.socket, buf: memoryview) -> bool:
@@ -74,6 +78,9 @@ class Worker:
         self._s3_logged: set[bytes] = set()
         self.s3_shed = 0
         self._staged: OrderedDict[bytes, bytes] = OrderedDict()  # fetched, not yet copied
+        self._staged_bytes = 0
+        self._fetches = 0  # FETCHes queued or running on the pool
+        self.fetch_shed = 0
         self._relist_interval = relist_interval_s
         self._stop = threading.Event()
 
@@ -120,6 +127,13 @@ class Worker:
         self._pool.submit(self._upload, key, bytes(view))
 
     def _fetch(self, request_id: int, key: bytes) -> None:
+        try:
+            self._fetch_one(request_id, key)
+        finally:
+            with self._s3_lock:
+                self._fetches -= 1
+
+    def _fetch_one(self, request_id: int, key: bytes) -> None:
         assert self.s3 is not None
         corrupt_before = self.s3.num_corrupt
         value = self.s3.get(key)
@@ -128,9 +142,13 @@ class Worker:
             self._reply(request_id, status, b"")
             return
         with self._s3_lock:
+            old = self._staged.pop(key, None)
+            self._staged_bytes += len(value) - (len(old) if old is not None else 0)
             self._staged[key] = value
-            while len(self._staged) > 64:  # a node that never copies cannot grow us
-                self._staged.popitem(last=False)
+            # a node that fetches and never copies cannot grow us without bound
+            while self._staged_bytes > MAX_STAGED_BYTES and len(self._staged) > 1:
+                _, dropped = self._staged.popitem(last=False)
+                self._staged_bytes -= len(dropped)
         self._log_s3_keys([key])
         self._reply(request_id, SsdStatus.OK, _U64.pack(len(value)))
 
@@ -161,11 +179,18 @@ class Worker:
         if op == SsdOp.FETCH:
             if self.s3 is None:
                 return SsdStatus.MISS, b""
+            with self._s3_lock:
+                if self._fetches >= MAX_FETCHES:  # a flood of misses: answer, do not queue
+                    self.fetch_shed += 1
+                    return SsdStatus.MISS, b""
+                self._fetches += 1
             self._pool.submit(self._fetch, request_id, key)
             return None
         if op == SsdOp.COPY:
             with self._s3_lock:
                 value = self._staged.pop(key, None)
+                if value is not None:
+                    self._staged_bytes -= len(value)
             if value is None:
                 return SsdStatus.MISS, b""
             if len(value) != length:
@@ -192,7 +217,8 @@ class Worker:
                 s3 = self.s3.stats().to_dict()
                 s3.update(errors=self.s3.num_errors, corrupt=self.s3.num_corrupt,
                           last_error=self.s3.last_error, shed=self.s3_shed,
-                          pending_bytes=self._s3_pending)
+                          pending_bytes=self._s3_pending, fetches=self._fetches,
+                          fetch_shed=self.fetch_shed, staged_bytes=self._staged_bytes)
                 stats["s3"] = s3
             return SsdStatus.OK, json.dumps(stats).encode()
         return SsdStatus.ERROR, b""

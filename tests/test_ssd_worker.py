@@ -126,3 +126,31 @@ async def test_write_behind_sheds_past_its_budget(dram: DramTier, tmp_path: Path
     await asyncio.wait_for(all_done.wait(), 30)
     assert results == [True] * 3 and ssd.counters.pending_write_bytes == 0
     await ssd.stop()
+
+
+def test_worker_bounds_fetched_values_and_queued_fetches(
+        tmp_path: Path, s3_endpoint: str, s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from kvpool.server import ssd_worker
+    from kvpool.server.ssd_messages import SsdOp
+    from kvpool.tiers.rocksdb import RocksDbTier
+    from kvpool.tiers.s3 import S3Tier
+
+    monkeypatch.setattr(ssd_worker, "MAX_STAGED_BYTES", 1 << 20)
+    monkeypatch.setattr(ssd_worker, "MAX_FETCHES", 0)
+    s3 = S3Tier(s3_bucket, endpoint_url=s3_endpoint, region="us-east-1")
+    for i in range(4):
+        assert s3.put(key(i), value_of(400_000))
+    worker = ssd_worker.Worker(RocksDbTier(tmp_path, 1 << 20), memoryview(bytearray(16)), s3)
+    node_end, worker_end = socket.socketpair()
+    worker._sock = worker_end
+    for i in range(4):  # fetched, never copied: the oldest are dropped past 1 MiB
+        worker._fetch_one(i, key(i))
+    assert worker._staged_bytes <= 1 << 20 and len(worker._staged) == 2
+    assert list(worker._staged) == [key(2), key(3)]
+    # with no room for another FETCH, it is answered MISS at once instead of queued
+    assert worker.handle(9, SsdOp.FETCH, key(0), 0, 0) == (SsdStatus.MISS, b"")
+    assert worker.fetch_shed == 1
+    node_end.close()
+    worker_end.close()
