@@ -13,6 +13,7 @@ from kvpool.protocol.errors import (
     KvpoolConnectionError,
     KvpoolError,
     KvpoolTimeoutError,
+    NotDurableError,
     ValueTooLargeError,
 )
 
@@ -26,6 +27,7 @@ __all__ = [
     "KvpoolConnectionError",
     "KvpoolError",
     "KvpoolTimeoutError",
+    "NotDurableError",
     "ValueTooLargeError",
     "parse_url",
 ]

@@ -18,6 +18,7 @@ from kvpool.protocol.errors import (
     InvalidKeyError,
     KvpoolConnectionError,
     KvpoolTimeoutError,
+    NotDurableError,
     Status,
     ValueTooLargeError,
     error_for_status,
@@ -227,12 +228,19 @@ class AsyncClient:
             frames.append((frame_keys, body))
         replies = await self._gather([(conn, Op.PUT, len(k), b, None) for k, b in frames])
         failed: list[bytes] = []
+        not_durable: list[bytes] = []
         for (fkeys, _), reply in zip(frames, replies, strict=True):
             for key, status in zip(fkeys, decode_statuses(reply.body, len(fkeys)), strict=True):
                 if status == Status.NO_CAPACITY:
                     failed.append(key)
+                elif status == Status.UNAVAILABLE:
+                    not_durable.append(key)
                 elif status != Status.OK:
                     raise error_for_status(status, f"PUT of {key.hex()} refused")
+        if not_durable:
+            raise NotDurableError(
+                f"{len(not_durable)} of {len(bkeys)} values are cached but not in S3 (the node "
+                f"runs write-through): {', '.join(k.hex() for k in not_durable[:4])}")
         if failed:
             raise CapacityError(f"node had no room for {len(failed)} of {len(bkeys)} values "
                                 "(everything left is pinned or being read)", failed)

@@ -16,7 +16,8 @@ wire travel as a :class:`Status` code and are rebuilt on the other side by
     │   └── VersionMismatchError HELLO with a protocol version we do not speak
     ├── RequestError             the node understood the request and refused it
     │   ├── ValueTooLargeError   one value larger than the node's maximum
-    │   └── CapacityError        no room even after eviction (e.g. all pinned)
+    │   ├── CapacityError        no room even after eviction (e.g. all pinned)
+    │   └── NotDurableError      write-through on, and S3 did not take the chunk
     ├── CorruptChunkError        envelope invalid or checksum mismatch
     ├── BufferTooSmallError      get_into buffer smaller than the stored payload
     ├── KvpoolConnectionError    cannot reach the node / connection lost
@@ -39,6 +40,7 @@ __all__ = [
     "KvpoolConnectionError",
     "KvpoolError",
     "KvpoolTimeoutError",
+    "NotDurableError",
     "ProtocolError",
     "RequestError",
     "ServerError",
@@ -65,6 +67,7 @@ class Status(enum.IntEnum):
     CORRUPT = 8
     FRAME_TOO_LARGE = 9
     INTERNAL = 10
+    UNAVAILABLE = 11
 
 
 class KvpoolError(Exception):
@@ -115,6 +118,13 @@ class CapacityError(RequestError):
         self.failed_keys: list[bytes] = failed_keys or []
 
 
+class NotDurableError(RequestError):
+    """The node runs S3 write-through and could not get the chunk into S3.
+
+    The chunk is cached (DRAM, SSD) but not durable; retry, or treat it as lost.
+    """
+
+
 class CorruptChunkError(KvpoolError):
     """A stored chunk failed envelope validation or its checksum."""
 
@@ -145,6 +155,7 @@ _ERROR_FOR_STATUS: dict[Status, type[KvpoolError]] = {
     Status.CORRUPT: CorruptChunkError,
     Status.FRAME_TOO_LARGE: FrameTooLargeError,
     Status.INTERNAL: ServerError,
+    Status.UNAVAILABLE: NotDurableError,
 }
 
 _STATUS_FOR_ERROR: dict[type[KvpoolError], Status] = {

@@ -171,6 +171,10 @@ class S3Config:
                                   kind="size")
     relist_interval_s: float = knob(60.0, "seconds between LISTs that find other nodes' chunks",
                                     flag="--s3-relist", env="KVPOOL_S3_RELIST")
+    write_through: bool = knob(False, "acknowledge a PUT only once S3 has the chunk (else "
+                               "NotDurableError); chunks with a TTL are never written to S3",
+                               flag="--s3-write-through", env="KVPOOL_S3_WRITE_THROUGH",
+                               kind="bool")
 
     def __post_init__(self) -> None:
         if self.codec not in SSD_CODECS:

@@ -63,6 +63,8 @@ class Handlers:
         self.limits = limits
         self.stats = stats
         self.ssd: SsdTier | None = None
+        #: acknowledge PUTs only once S3 has them (needs an SSD tier with S3)
+        self.write_through = False
         self.promotions = 0
         self.started_at = time.time()
         self._table: dict[int, Callable[[Request], Reply | Pending]] = {
@@ -99,7 +101,7 @@ class Handlers:
         }
         return self._reply(request, [encode_json(info)])
 
-    def put(self, request: Request) -> Reply:
+    def put(self, request: Request) -> Reply | Pending:
         statuses = [Status.OK] * len(request.items)
         slots: list[Slot] = []
         where: list[int] = []
@@ -119,7 +121,41 @@ class Handlers:
         for i, entry in zip(where, committed, strict=True):
             if entry is None:
                 statuses[i] = Status.CORRUPT
+        if self.write_through and self.ssd is not None and self.ssd.has_s3:
+            durable = [(i, e) for i, e in zip(where, committed, strict=True)
+                       if e is not None and e.expires_at is None]
+            if durable:
+                return self._put_through(request, statuses, durable)
         self._write_behind([e for e in committed if e is not None])
+        return self._put_reply(request, statuses)
+
+    async def _put_through(self, request: Request, statuses: list[Status],
+                           durable: Sequence[tuple[int, Entry]]) -> Reply:
+        """Write-through: answer once S3 has every chunk (NOT_DURABLE for those it has not)."""
+        ssd = self.ssd
+        assert ssd is not None
+        loop = asyncio.get_running_loop()
+        waits: list[tuple[int, asyncio.Future[bool]]] = []
+        for i, entry in durable:
+            if entry.key in ssd.s3_index:
+                continue
+            done: asyncio.Future[bool] = loop.create_future()
+            self.dram.hold(entry)
+
+            def finished(stored: bool, e: Entry = entry, f: asyncio.Future[bool] = done) -> None:
+                self.dram.release(e)
+                if not f.done():
+                    f.set_result(stored)
+
+            if not ssd.write(entry.key, entry.offset, entry.length, finished, durable=True):
+                finished(False)
+            waits.append((i, done))
+        for i, done in waits:
+            if not await done:
+                statuses[i] = Status.UNAVAILABLE
+        return self._put_reply(request, statuses)
+
+    def _put_reply(self, request: Request, statuses: Sequence[Status]) -> Reply:
         for status in statuses:
             if status != Status.OK:
                 self.stats.error(status)

@@ -93,6 +93,7 @@ class Node:
                                s3_args=s3_args)
             await self.ssd.start()
             self.handlers.ssd = self.ssd
+            self.handlers.write_through = s3.write_through and bool(s3.bucket)
         self._server = await loop.create_server(
             lambda: NodeConnection(self.handlers, self.connections),
             server.host, server.data_port, reuse_address=True)

@@ -182,12 +182,13 @@ class SsdTier:
         return bool(self.s3_args)
 
     def write(self, key: bytes, offset: int, length: int,
-              on_done: Callable[[bool], object]) -> bool:
+              on_done: Callable[[bool], object], *, durable: bool = False) -> bool:
         """Queue a write-behind of arena[offset:offset+length] under ``key``.
 
         Returns False, counting a shed write, when the worker is down or the
         pending budget is spent: a cache drops work rather than block or grow.
         Otherwise the caller keeps that memory alive until ``on_done(stored)`` runs.
+        ``durable``: also upload to S3 before answering; ``stored`` then means "in S3".
         """
         c = self.counters
         if not self.up or self.full is not None or \
@@ -196,12 +197,12 @@ class SsdTier:
             return False
         c.pending_writes += 1
         c.pending_write_bytes += length
-        future = self._call(SsdOp.PUT, key, offset, length)
-        future.add_done_callback(lambda f: self._written(f, key, length, on_done))
+        future = self._call(SsdOp.PUT_DURABLE if durable else SsdOp.PUT, key, offset, length)
+        future.add_done_callback(lambda f: self._written(f, key, length, on_done, durable))
         return True
 
     def _written(self, future: asyncio.Future[tuple[int, bytes]], key: bytes, length: int,
-                 on_done: Callable[[bool], object]) -> None:
+                 on_done: Callable[[bool], object], durable: bool = False) -> None:
         c = self.counters
         c.pending_writes -= 1
         c.pending_write_bytes -= length
@@ -221,6 +222,8 @@ class SsdTier:
                 c.evicted += 1
             if status == SsdStatus.OK:
                 self.index[key] = length
+                if durable:
+                    self.s3_index.add(key)
                 c.writes += 1
                 c.write_bytes += length
                 stored = True

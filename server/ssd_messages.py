@@ -23,6 +23,7 @@ class SsdOp:
     FETCH = 6  # fetch key from S3 into the worker; reply length = its value_len
     COPY = 7  # copy a fetched value into arena[offset:offset+length]
     S3_KEYS = 8  # keys known to be in S3, from position ``offset`` of the worker's log
+    PUT_DURABLE = 9  # as PUT, then upload to S3 and reply only once S3 has it
 
 
 class SsdStatus:

@@ -115,6 +115,14 @@ class Worker:
             with self._s3_lock:
                 self._s3_pending -= len(value)
 
+    def _upload_durable(self, request_id: int, key: bytes, value: bytes, evicted: bytes) -> None:
+        assert self.s3 is not None
+        if self.s3.put(key, value):
+            self._log_s3_keys([key])
+            self._reply(request_id, SsdStatus.OK, evicted)
+        else:
+            self._reply(request_id, SsdStatus.ERROR, b"")
+
     def _write_behind_s3(self, key: bytes, view: memoryview) -> None:
         if self.s3 is None or self.s3.contains(key):
             return
@@ -158,6 +166,17 @@ class Worker:
                length: int) -> tuple[int, bytes] | None:
         """The reply, or None when a pool thread will send it."""
         tier = self.tier
+        if op == SsdOp.PUT_DURABLE:
+            tier.last_evicted = []
+            view = self.arena[offset : offset + length]
+            tier.put(key, view)  # a full SSD does not matter here: S3 is what makes it durable
+            evicted = b"".join(tier.last_evicted)
+            if self.s3 is None:
+                return SsdStatus.ERROR, b""
+            if self.s3.contains(key):
+                return SsdStatus.OK, evicted
+            self._pool.submit(self._upload_durable, request_id, key, bytes(view), evicted)
+            return None
         if op == SsdOp.PUT:
             tier.last_evicted = []
             view = self.arena[offset : offset + length]

@@ -11,6 +11,7 @@ from typing import Any
 
 import boto3
 import psutil
+import pytest
 
 from kvpool.client import Client
 from kvpool.protocol.envelope import seal
@@ -100,6 +101,39 @@ def test_s3_outage_does_not_touch_dram_and_ssd_and_recovers() -> None:
             k = os.urandom(16)
             c.put(k, b"after the outage")
             wait_until(lambda: tier_stats(c, "s3").get("insertions", 0) >= 2, timeout=60)
+    finally:
+        node.stop()
+        server.stop()
+
+
+def test_write_through_acknowledges_only_what_s3_holds() -> None:
+    from moto.server import ThreadedMotoServer
+
+    from kvpool.client import NotDurableError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    s3.create_bucket(Bucket="kvpool-through")
+    node = start_node("--dram-capacity", "16MiB", "--s3-bucket", "kvpool-through",
+                      "--s3-endpoint", endpoint, "--s3-region", "us-east-1",
+                      "--s3-write-through")
+    try:
+        with Client(node.url, timeout=60) as c:
+            keys = [os.urandom(16) for _ in range(3)]
+            c.put_many(keys, [os.urandom(50_000) for _ in keys])
+            names = {o["Key"] for o in s3.list_objects_v2(Bucket="kvpool-through")["Contents"]}
+            assert names == {object_name("kvpool", k) for k in keys}  # no waiting needed
+            server.stop()
+            k = os.urandom(16)
+            with pytest.raises(NotDurableError) as info:
+                c.put(k, b"while S3 is down")
+            assert k.hex() in str(info.value)
+            assert c.get(k) == b"while S3 is down"  # cached all the same
     finally:
         node.stop()
         server.stop()
