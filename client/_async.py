@@ -266,8 +266,25 @@ class AsyncClient:
         return [len(r) if r is not None else None for r in results]
 
     async def exists_many(self, keys: Sequence[Key]) -> list[bool]:
-        statuses = await self._statuses(Op.EXISTS, _join_keys(keys))
-        return [s == Status.OK for s in statuses]
+        return [t is not None for t in await self.exists_tiers(keys)]
+
+    async def exists_tiers(self, keys: Sequence[Key]) -> list[str | None]:
+        """The tier ("dram", "ssd", "s3") holding each key, None where none does."""
+        blob = _join_keys(keys)
+        conn = await self._connection()
+        parts = list(_chunks(len(keys), int(self.server_info["max_batch"])))
+        replies = await self._gather(
+            [(conn, Op.EXISTS, len(p), [_blob_part(blob, p)], None) for p in parts])
+        tiers: list[str | None] = []
+        for part, reply in zip(parts, replies, strict=True):
+            body = bytes(reply.body)  # statuses, then one tier byte per key
+            statuses = decode_statuses(body[: len(part)], len(part))
+            codes = body[len(part) :]
+            if len(codes) != len(part):
+                raise error_for_status(Status.BAD_FRAME, "EXISTS reply without tiers")
+            tiers += [_TIER_NAMES.get(c, "?") if s == Status.OK else None
+                      for s, c in zip(statuses, codes, strict=True)]
+        return tiers
 
     async def delete_many(self, keys: Sequence[Key]) -> list[bool]:
         statuses = await self._statuses(Op.DELETE, _join_keys(keys))

@@ -103,6 +103,9 @@ class Client:
     def exists_many(self, keys: Sequence[Key]) -> list[bool]:
         return self._run(self._async.exists_many(keys))
 
+    def exists_tiers(self, keys: Sequence[Key]) -> list[str | None]:
+        return self._run(self._async.exists_tiers(keys))
+
     def delete(self, key: Key) -> bool:
         return self._run(self._async.delete(key))
 

@@ -19,7 +19,8 @@ Request bodies:
 Reply bodies (status OK):
     HELLO, STATS  JSON object
     GET           count x (GET item header (16 bytes) || value if found)
-    PUT, EXISTS, DELETE, PIN, UNPIN  count x 1-byte Status
+    PUT, DELETE, PIN, UNPIN  count x 1-byte Status
+    EXISTS        count x 1-byte Status, then count x 1-byte Tier (0 = absent)
     LOOKUP        u32 number of leading keys present, then one Tier byte per such key
 A reply with a status other than OK carries a UTF-8 message as its body.
 Encoders return lists of buffers so large values are never concatenated.

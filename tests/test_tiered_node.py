@@ -47,6 +47,7 @@ def test_working_set_larger_than_dram_is_served_from_ssd() -> None:
             assert c.lookup(keys) == 40 and all(c.exists_many(keys))
             tiers = c.lookup_tiers(keys)
             assert tiers[0] == "ssd" and tiers[-1] == "dram"  # the oldest left DRAM
+            assert c.exists_tiers([keys[0], keys[-1], rkey()]) == ["ssd", "dram", None]
             for k, v in zip(keys, values, strict=True):
                 assert c.get(k) == v
             stats = c.stats()
