@@ -266,25 +266,26 @@ class AsyncClient:
         return [len(r) if r is not None else None for r in results]
 
     async def exists_many(self, keys: Sequence[Key]) -> list[bool]:
-        return [t is not None for t in await self.exists_tiers(keys)]
+        return [code != 0 for code in await self._exists(keys)]
 
     async def exists_tiers(self, keys: Sequence[Key]) -> list[str | None]:
         """The tier ("dram", "ssd", "s3") holding each key, None where none does."""
+        return [_TIER_NAMES.get(code, "?") if code else None for code in await self._exists(keys)]
+
+    async def _exists(self, keys: Sequence[Key]) -> bytes:
+        """One tier code per key, 0 where absent (the EXISTS reply's second half)."""
         blob = _join_keys(keys)
         conn = await self._connection()
         parts = list(_chunks(len(keys), int(self.server_info["max_batch"])))
         replies = await self._gather(
             [(conn, Op.EXISTS, len(p), [_blob_part(blob, p)], None) for p in parts])
-        tiers: list[str | None] = []
+        codes = bytearray()
         for part, reply in zip(parts, replies, strict=True):
-            body = bytes(reply.body)  # statuses, then one tier byte per key
-            statuses = decode_statuses(body[: len(part)], len(part))
-            codes = body[len(part) :]
-            if len(codes) != len(part):
-                raise error_for_status(Status.BAD_FRAME, "EXISTS reply without tiers")
-            tiers += [_TIER_NAMES.get(c, "?") if s == Status.OK else None
-                      for s, c in zip(statuses, codes, strict=True)]
-        return tiers
+            body = reply.body  # count statuses, then count tier codes
+            if len(body) != 2 * len(part):
+                raise error_for_status(Status.BAD_FRAME, "EXISTS reply of the wrong size")
+            codes += body[len(part) :]
+        return bytes(codes)
 
     async def delete_many(self, keys: Sequence[Key]) -> list[bool]:
         statuses = await self._statuses(Op.DELETE, _join_keys(keys))

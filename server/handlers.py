@@ -44,6 +44,7 @@ from kvpool.tiers.dram import DramTier, Entry, Slot
 __all__ = ["Handlers", "Pending", "Reply"]
 
 Buffers = list[bytes | bytearray | memoryview]
+_STATUS_OF_TIER = bytes([Status.NOT_FOUND] + [Status.OK] * 255)
 Pending = Coroutine[Any, Any, "Reply"]
 
 
@@ -247,9 +248,10 @@ class Handlers:
         return reply
 
     def exists(self, request: Request) -> Reply:
-        tiers = self._tiers(request.keys)
-        statuses = [Status.OK if t else Status.NOT_FOUND for t in tiers]
-        return self._reply(request, [encode_statuses(statuses), bytes(tiers)])
+        tiers = bytes(self._tiers(request.keys))
+        # statuses: OK (0) where a tier holds the key, NOT_FOUND (1) where none does
+        statuses = tiers.translate(_STATUS_OF_TIER)
+        return self._reply(request, [statuses, tiers])
 
     def delete(self, request: Request) -> Reply:
         deleted = self.dram.delete_many(request.keys)

@@ -77,22 +77,50 @@ def test_write_pressure_sheds_but_never_fails_or_corrupts() -> None:
         assert node.stop() == 0
 
 
-def test_kill_9_then_restart_serves_what_reached_the_ssd() -> None:
+def test_kill_9_under_write_load_then_restart() -> None:
+    """Acknowledged by the SSD before the kill: served intact. Anything else: intact or a miss."""
+    import threading
+
     node = start_node("--dram-capacity", "8MiB")
     with Client(node.url) as c:
         keys = [rkey() for _ in range(20)]
         values = [os.urandom(100_000) for _ in keys]
         c.put_many(keys, values, chunk_indexes=range(20))  # type: ignore[arg-type]
-        wait_for_writes(c, 20)
-    node.proc.send_signal(signal.SIGKILL)
+        wait_for_writes(c, 20)  # these 20 the SSD tier has acknowledged
+    written: dict[bytes, bytes] = {}
+    stop = threading.Event()
+
+    def writer() -> None:
+        try:
+            with Client(node.url, timeout=5) as w:
+                while not stop.is_set():
+                    k, v = rkey(), os.urandom(200_000)
+                    written[k] = v
+                    w.put(k, v)
+        except Exception:  # the node is killed under it
+            pass
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while len(written) < 30 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    node.proc.send_signal(signal.SIGKILL)  # mid-stream
     node.proc.wait(10)
+    stop.set()
+    thread.join(30)
+    assert len(written) >= 30
     restarted = start_node("--dram-capacity", "8MiB", data_dir=node.data_dir)
     try:
-        assert any("20 chunks on disk" in line for line in restarted.output)
         with Client(restarted.url) as c:
-            assert c.lookup(keys) == 20
             assert c.get_many(keys) == values
+            survivors = 0
+            for k, v in written.items():
+                got = c.get(k)
+                assert got is None or got == v  # never bytes that were not written
+                survivors += got is not None
             assert c.num_corrupt == 0
+            assert survivors > 0
     finally:
         assert restarted.stop() == 0
 
