@@ -123,6 +123,40 @@ def bench_ssd(total_mib: int, runs: int) -> list[dict[str, Any]]:
     return rows
 
 
+SSD_VARIANTS: dict[str, dict[str, Any]] = {
+    "default (64 MiB write buffers)": {},
+    "256 MiB write buffers": {"write_buffer_bytes": 256 * MiB},
+    "blob files": {"blob_files": True},
+}
+
+
+def bench_ssd_options(total_mib: int, runs: int) -> list[dict[str, Any]]:
+    """RocksDB options across value sizes: the numbers behind the tier's defaults."""
+    rows = []
+    for size in (256 << 10, 4 * MiB, 32 * MiB):
+        payload = os.urandom(size)
+        value = seal(payload) + payload
+        for variant, options in SSD_VARIANTS.items():
+            writes, reads = [], []
+            for _ in range(runs):
+                with tempfile.TemporaryDirectory(prefix="kvpool-bench-ssdopt-") as path:
+                    tier = RocksDbTier(path, 8 * total_mib * MiB, codec=Codec.RAW, **options)
+                    keys = [os.urandom(16) for _ in range(max(4, total_mib * MiB // size))]
+                    t = time.perf_counter()
+                    for k in keys:
+                        tier.put(k, value)
+                    writes.append(len(keys) * size / (time.perf_counter() - t) / 1e6)
+                    t = time.perf_counter()
+                    for k in keys:
+                        assert tier.get(k) is not None
+                    reads.append(len(keys) * size / (time.perf_counter() - t) / 1e6)
+                    tier.close()
+            rows.append({"value": f"{size >> 10} KiB" if size < MiB else f"{size >> 20} MiB",
+                         "options": variant, "write_mb_s": statistics.median(writes),
+                         "read_mb_s": statistics.median(reads)})
+    return rows
+
+
 def bench_s3(total_mib: int, runs: int) -> dict[str, Any]:
     """S3Tier PUT/GET MB/s against a local S3 server: SeaweedFS if installed, else moto's."""
     import boto3
@@ -270,6 +304,11 @@ def report(results: dict[str, Any]) -> str:
     for r in results["ssd"]:
         lines.append(f"| {r['value']} | {r['codec']} | {r['data']} | {r['write_mb_s']:.0f} | "
                      f"{r['read_mb_s']:.0f} |")
+    lines += ["", "RocksDB options (random bytes, codec none):", "",
+              "| value | options | write MB/s | read MB/s |", "|---|---|---|---|"]
+    for r in results["ssd_options"]:
+        lines.append(f"| {r['value']} | {r['options']} | {r['write_mb_s']:.0f} | "
+                     f"{r['read_mb_s']:.0f} |")
     lines += ["", f"S3 tier (S3Tier, one thread, against {results['s3']['server']}):", "",
               "| value | codec | data | PUT MB/s | GET MB/s |", "|---|---|---|---|---|"]
     for r in results["s3"]["rows"]:
@@ -300,6 +339,7 @@ def main() -> None:
     results = {
         "codecs": bench_codecs(runs, 256),
         "ssd": bench_ssd(32 if args.quick else 256, 1 if args.quick else 3),
+        "ssd_options": bench_ssd_options(32 if args.quick else 128, 1 if args.quick else 3),
         "s3": bench_s3(16 if args.quick else 64, 1 if args.quick else 3),
         "dram_hit": bench_dram_hit_under_demotion(100 if args.quick else 1000),
         "working_set": bench_working_set(16 if args.quick else 64, 4),

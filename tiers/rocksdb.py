@@ -42,7 +42,7 @@ _META = struct.Struct("<QQIQ")  # stored_len, value_len (RAW envelope), depth, w
 _META_CF = "meta"
 
 
-def _options(write_buffer_bytes: int) -> rocksdict.Options:
+def _options(write_buffer_bytes: int, blob_files: bool = False) -> rocksdict.Options:
     opts = rocksdict.Options(raw_mode=True)
     opts.create_if_missing(True)
     opts.create_missing_column_families(True)
@@ -54,6 +54,9 @@ def _options(write_buffer_bytes: int) -> rocksdict.Options:
     opts.set_level_compaction_dynamic_level_bytes(True)
     opts.set_max_background_jobs(2)
     opts.set_keep_log_file_num(2)
+    if blob_files:  # measured slower to read (docs/tiers.md); kept for the benchmark
+        opts.set_enable_blob_files(True)
+        opts.set_min_blob_size(0)
     return opts
 
 
@@ -63,7 +66,7 @@ class RocksDbTier:
     name = "ssd"
 
     def __init__(self, path: str | Path, capacity_bytes: int, *, codec: Codec = Codec.LZ4,
-                 write_buffer_bytes: int = 64 << 20,
+                 write_buffer_bytes: int = 64 << 20, blob_files: bool = False,
                  clock: Callable[[], float] = time.time) -> None:
         if capacity_bytes <= 0:
             raise ValueError("SSD tier capacity must be > 0")
@@ -71,7 +74,7 @@ class RocksDbTier:
         self.path.mkdir(parents=True, exist_ok=True)
         self.codec = codec
         self._clock = clock
-        opts = _options(write_buffer_bytes)
+        opts = _options(write_buffer_bytes, blob_files)
         self._db = rocksdict.Rdict(str(self.path), opts,
                                    column_families={_META_CF: _options(write_buffer_bytes)})
         self._meta = self._db.get_column_family(_META_CF)
