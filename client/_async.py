@@ -10,6 +10,7 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 from kvpool.client._connection import Buffer, Connection
+from kvpool.placement.keys import key_from_hex
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, ZERO_FINGERPRINT, seal
 from kvpool.protocol.errors import (
     BufferTooSmallError,
@@ -62,12 +63,7 @@ def parse_url(url: str) -> tuple[str, int]:
 
 def _key(key: Key) -> bytes:
     if isinstance(key, str):
-        if len(key) != 2 * KEY_SIZE:
-            raise InvalidKeyError(f"a hex key is {2 * KEY_SIZE} characters, got {len(key)}")
-        try:
-            return bytes.fromhex(key)
-        except ValueError:
-            raise InvalidKeyError(f"not a hex key: {key!r}") from None
+        return key_from_hex(key)
     if not isinstance(key, bytes | bytearray | memoryview):
         raise InvalidKeyError(f"a key is bytes or a hex str, got {type(key).__name__}")
     if len(key) != KEY_SIZE:

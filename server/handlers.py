@@ -198,11 +198,7 @@ class Handlers:
         if status != SsdStatus.OK:
             slot.release()
             return
-        (entry,) = self.dram.commit([slot])
-        if entry is not None:
-            self.dram.hold(entry)
-            entries[i] = entry
-            self.promotions += 1
+        self._publish(slot, entries, i)
 
     async def _promote_from_s3(self, key: bytes, entries: list[Entry | None], i: int) -> None:
         """Fetch ``key`` from S3 (the worker verifies it), into DRAM, then behind to SSD."""
@@ -220,12 +216,18 @@ class Handlers:
                 return
         except SsdUnavailableError:
             return
+        entry = self._publish(slot, entries, i)
+        if entry is not None:
+            self._write_behind([entry])
+
+    def _publish(self, slot: Slot, entries: list[Entry | None], i: int) -> Entry | None:
+        """Commit a promoted slot to DRAM and hold it for the reply being built."""
         (entry,) = self.dram.commit([slot])
         if entry is not None:
             self.dram.hold(entry)
             entries[i] = entry
             self.promotions += 1
-            self._write_behind([entry])
+        return entry
 
     def _get_reply(self, request: Request, entries: list[Entry | None]) -> Reply:
         dram = self.dram
