@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, Codec, EnvelopeHeader, seal
@@ -27,7 +27,7 @@ def envelope(payload: bytes) -> bytes:
 
 
 @given(st.binary(max_size=300), st.integers(1, 8))
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_shuffle_roundtrip(data: bytes, elem: int) -> None:
     assert bytes(unshuffle(shuffle(data, elem), elem)) == data
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, seal
@@ -46,7 +46,7 @@ def test_arena_coalesces_back_to_one_extent() -> None:
 
 
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 8 * PAGE)), max_size=200))
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_arena_never_overlaps(ops: list[tuple[bool, int]]) -> None:
     arena = Arena(32 * PAGE)
     live: dict[int, int] = {}

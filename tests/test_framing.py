@@ -6,7 +6,7 @@ import os
 import struct
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool.protocol.envelope import seal
@@ -80,7 +80,7 @@ def test_request_stream_split_at_every_byte() -> None:
 
 
 @given(st.lists(st.integers(min_value=1, max_value=5000), min_size=1, max_size=60))
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_request_stream_random_pieces(sizes: list[int]) -> None:
     stream = request_stream()
     parser = RequestParser()
