@@ -113,6 +113,16 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def latency_ms(fn: Callable[[], object], samples: int) -> dict[str, float]:
+    """p50 and p99 of ``samples`` calls, in milliseconds."""
+    times = []
+    for _ in range(samples):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return {"p50": percentile(times, 0.5), "p99": percentile(times, 0.99)}
+
+
 def summary(samples: list[float]) -> dict[str, float]:
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples)}
 
@@ -209,12 +219,7 @@ def latency(client: Client, rds: Any, samples: int) -> dict[str, Any]:
         rds.set(key, value)
         series["redis get"] = lambda: rds.get(key)
     for name, fn in series.items():
-        times = []
-        for _ in range(samples):
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-        out[name] = {"p50": percentile(times, 0.5), "p99": percentile(times, 0.99)}
+        out[name] = latency_ms(fn, samples)
     return out
 
 
@@ -225,12 +230,7 @@ def key_ops(client: Client, samples: int) -> dict[str, Any]:
     ops: dict[str, Callable[[], object]] = {"exists_many(512)": lambda: client.exists_many(keys),
                                             "lookup(512)": lambda: client.lookup(keys)}
     for name, fn in ops.items():
-        times = []
-        for _ in range(samples):
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-        out[name] = {"p50": percentile(times, 0.5), "p99": percentile(times, 0.99)}
+        out[name] = latency_ms(fn, samples)
     assert client.lookup(keys) == 512
     return out
 

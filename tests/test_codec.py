@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -13,13 +12,11 @@ from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, Codec, EnvelopeHeader
 from kvpool.protocol.errors import CorruptChunkError
 from kvpool.tiers.codec import decode, encode, shuffle, unshuffle
 
+from .kvdata import bf16_like
+
 
 def kv_like(n: int = 50_000) -> bytes:
-    """bf16 values with a narrow exponent range, like K/V activations: the high bytes
-    (sign, exponent) repeat, the low bytes (mantissa) are noise."""
-    rng = np.random.default_rng(0)
-    fp32 = rng.normal(0, 0.5, n).astype(np.float32)
-    return (fp32.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+    return bf16_like(n)
 
 
 def envelope(payload: bytes) -> bytes:

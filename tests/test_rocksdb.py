@@ -5,22 +5,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, Codec, seal
+from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, Codec
 from kvpool.tiers.rocksdb import RocksDbTier
 
-
-def kv_chunk(index: int = 0, n: int = 40_000) -> bytes:
-    rng = np.random.default_rng(index)
-    payload = (rng.normal(0, 0.5, n).astype(np.float32).view(np.uint32) >> 16).astype(
-        np.uint16).tobytes()
-    return seal(payload, chunk_index=index) + payload
+from .kvdata import key, kv_envelope
 
 
-def key(i: int) -> bytes:
-    return i.to_bytes(16, "big")
+def kv_chunk(index: int = 0) -> bytes:
+    return kv_envelope(40_000, index)
 
 
 def test_restart_serves_what_was_on_disk(tmp_path: Path) -> None:

@@ -7,22 +7,16 @@ import socket
 import time
 
 import boto3
-import numpy as np
 import pytest
 
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, Codec, EnvelopeHeader, seal
 from kvpool.tiers.s3 import S3Tier, object_name
 
+from .kvdata import key, kv_envelope
+
 
 def kv_value(n: int = 60_000, index: int = 0) -> bytes:
-    rng = np.random.default_rng(index)
-    payload = (rng.normal(0, 0.5, n).astype(np.float32).view(np.uint32) >> 16).astype(
-        np.uint16).tobytes()
-    return seal(payload, chunk_index=index) + payload
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(16, "big")
+    return kv_envelope(n, index)
 
 
 def tier_for(endpoint: str, bucket: str, **kwargs: object) -> S3Tier:
