@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import cast
 
 from kvpool.protocol.errors import KvpoolConnectionError, KvpoolError, KvpoolTimeoutError
-from kvpool.protocol.frames import FrameHeader, Op
+from kvpool.protocol.frames import Op, pack_frame_header
 from kvpool.protocol.parsers import Reply, ReplyParser
 
 __all__ = ["Connection"]
@@ -70,7 +70,7 @@ class Connection(asyncio.BufferedProtocol):
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Reply] = loop.create_future()
         self._pending[request_id] = _Pending(future, sinks, op, loop.time() + self._timeout)
-        self._transport.writelines([FrameHeader(op, request_id, count, body_len).pack(), *body])
+        self._transport.writelines([pack_frame_header(op, request_id, count, body_len), *body])
         if self._watchdog is None:
             self._watchdog = loop.call_later(self._check_interval, self._check_deadlines)
         return future

@@ -186,14 +186,15 @@ def encode_frame(
 ) -> list[bytes | bytearray | memoryview]:
     """Header followed by the body buffers, as a list for ``writelines``."""
     body_len = sum(len(b) if type(b) is bytes else memoryview(b).nbytes for b in body)
-    return [_FRAME.pack(FRAME_MAGIC, op, status, request_id, count, epoch, body_len), *body]
+    return [pack_frame_header(op, request_id, count, body_len, status=status, epoch=epoch),
+            *body]
 
 
 def encode_keys_request(op: int, request_id: int, keys: Sequence[bytes]) -> list[bytes]:
     body = b"".join(keys)
     if len(body) != KEY_SIZE * len(keys):
         raise BadFrameError("every key must be 16 bytes")
-    return [FrameHeader(op, request_id, len(keys), len(body)).pack(), body]
+    return [pack_frame_header(op, request_id, len(keys), len(body)), body]
 
 
 def decode_keys(body: bytes | bytearray | memoryview, count: int) -> list[bytes]:
@@ -252,4 +253,4 @@ def decode_json(body: bytes | bytearray | memoryview) -> dict[str, Any]:
 
 def encode_error(op: int, request_id: int, status: int, message: str) -> list[bytes]:
     body = message.encode("utf-8", "replace")[:4096]
-    return [FrameHeader(op, request_id, 0, len(body), status).pack(), body]
+    return [pack_frame_header(op, request_id, 0, len(body), status=status), body]

@@ -26,7 +26,6 @@ from kvpool.protocol.errors import BadFrameError, Status, VersionMismatchError
 from kvpool.protocol.frames import (
     PROTOCOL_VERSION,
     PUT_FLAG_PIN,
-    GetItemHeader,
     Op,
     Tier,
     decode_json,
@@ -34,6 +33,7 @@ from kvpool.protocol.frames import (
     encode_json,
     encode_lookup_reply,
     encode_statuses,
+    pack_get_item,
 )
 from kvpool.protocol.parsers import Limits, Request
 from kvpool.server.ssd import SsdTier, SsdUnavailableError
@@ -234,12 +234,12 @@ class Handlers:
         body: Buffers = []
         held: list[Entry] = []
         num_bytes = 0
-        miss = GetItemHeader(Status.NOT_FOUND, 0).pack()
+        miss = pack_get_item(Status.NOT_FOUND, 0)
         for entry in entries:
             if entry is None:
                 body.append(miss)
                 continue
-            body.append(GetItemHeader(Status.OK, entry.length).pack())
+            body.append(pack_get_item(Status.OK, entry.length))
             body.append(dram.view(entry))
             held.append(entry)
             num_bytes += entry.length

@@ -57,7 +57,6 @@ class Slot:
             self.committed = True
             self.view.release()
             self._tier.arena.free(self.offset, self.length)
-            self._tier.num_reserved -= 1
 
 
 class DramTier:
@@ -75,7 +74,6 @@ class DramTier:
         self._expiry: list[tuple[float, int, Entry]] = []
         self._seq = itertools.count()
         self._stats = TierStats(self.name, self.arena.capacity)
-        self.num_reserved = 0
         self._used_bytes = 0
 
     # -- zero-copy data path --------------------------------------------------------------
@@ -95,7 +93,6 @@ class DramTier:
             self._remove(victim)
             self._stats.evictions += 1
             offset = arena.alloc(nbytes)
-        self.num_reserved += 1
         return Slot(self, key, offset, nbytes)
 
     def commit(self, slots: Sequence[Slot], *, ttl_s: Sequence[float | None] | None = None,
@@ -114,7 +111,6 @@ class DramTier:
                 continue
             slot.committed = True
             slot.view.release()
-            self.num_reserved -= 1
             ttl = ttl_s[i] if ttl_s is not None else None
             depth = header.chunk_index
             entry = Entry(slot.key, slot.offset, slot.length, depth,
