@@ -174,9 +174,6 @@ class SsdTier:
 
     # -- operations -----------------------------------------------------------------------
 
-    def contains(self, key: bytes) -> bool:
-        return key in self.index
-
     @property
     def has_s3(self) -> bool:
         return bool(self.s3_args)
