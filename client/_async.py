@@ -1,106 +1,81 @@
-"""The async SDK core. The sync :class:`kvpool.client.Client` is a facade over this."""
+"""The async SDK core: one node or a cluster. The sync :class:`kvpool.client.Client` wraps it.
+
+Give it one node URL or a list of seeds. On connect it says HELLO to the
+first seed that answers; a standalone node is used directly, a cluster node
+hands over the cluster map, and from then on the client routes by itself:
+each key goes to the nodes of its preference list (owners, then
+fallbacks), batches are split by node and sent in parallel, one pipelined
+connection pool per node.
+
+- reads go to the first live owner; on a miss or a failure, to the next one,
+  until ``replication`` nodes have answered;
+- writes go to the first ``replication`` live nodes of the list (so to a
+  fallback while an owner is down);
+- EXISTS/lookups ask the first ``replication`` live nodes at once and keep the
+  fastest tier; DELETE, PIN and UNPIN go to every live node of the list;
+- a node that fails is marked down with exponential back-off; a reply from a
+  newer map epoch triggers a map refresh, and WRONG_OWNER a refresh and retry.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, Sequence
+import random
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import Any, cast
-from urllib.parse import urlsplit
+from typing import Any, TypeVar, cast
 
-from kvpool.client._connection import Buffer, Connection
-from kvpool.placement.keys import key_from_hex
-from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, ZERO_FINGERPRINT, seal
+import numpy as np
+import numpy.typing as npt
+
+from kvpool.client._connection import Buffer
+from kvpool.client._node import (
+    DEFAULT_PORT,
+    Key,
+    NodeClient,
+    _ttl_ms,
+    join_keys,
+    key_bytes,
+    parse_url,
+)
+from kvpool.client._routing import Pick, pick
+from kvpool.placement.cluster_map import ClusterMap
+from kvpool.placement.ring import key_positions
+from kvpool.protocol.envelope import ZERO_FINGERPRINT
 from kvpool.protocol.errors import (
-    BufferTooSmallError,
     CapacityError,
     ConfigError,
-    InvalidKeyError,
     KvpoolConnectionError,
-    KvpoolTimeoutError,
+    KvpoolError,
     NotDurableError,
     Status,
-    ValueTooLargeError,
+    WrongOwnerError,
     error_for_status,
 )
-from kvpool.protocol.frames import (
-    KEY_SIZE,
-    PROTOCOL_VERSION,
-    PUT_FLAG_PIN,
-    Op,
-    PutItemHeader,
-    Tier,
-    decode_json,
-    decode_lookup,
-    decode_statuses,
-    encode_json,
-)
-from kvpool.protocol.parsers import TOO_SMALL, Reply
+from kvpool.protocol.frames import KEY_SIZE, PUT_FLAG_PIN, Op, Tier
 
 __all__ = ["AsyncClient", "Key", "parse_url"]
 
 log = logging.getLogger("kvpool.client")
 
-Key = bytes | str
-DEFAULT_PORT = 7700
+T = TypeVar("T")
 _TIER_NAMES = {int(t): t.name.lower() for t in Tier}
+#: map refreshes a single call may wait for before giving up on WRONG_OWNER
+_MAX_REFRESHES = 3
+_CLUSTER_FIELDS = ("epoch", "replication", "fallbacks", "nodes")
 
 
-def parse_url(url: str) -> tuple[str, int]:
-    """``kvpool://host:port`` (or ``host:port``) -> (host, port)."""
-    parts = urlsplit(url if "://" in url else f"kvpool://{url}")
-    if parts.scheme != "kvpool":
-        raise ConfigError(f"node URL must start with kvpool://, got {url!r}")
-    try:
-        port = parts.port or DEFAULT_PORT
-    except ValueError:
-        raise ConfigError(f"bad port in node URL {url!r}") from None
-    if not parts.hostname:
-        raise ConfigError(f"no host in node URL {url!r}")
-    return parts.hostname, port
-
-
-def _key(key: Key) -> bytes:
-    if isinstance(key, str):
-        return key_from_hex(key)
-    if not isinstance(key, bytes | bytearray | memoryview):
-        raise InvalidKeyError(f"a key is bytes or a hex str, got {type(key).__name__}")
-    if len(key) != KEY_SIZE:
-        raise InvalidKeyError(f"a key is {KEY_SIZE} bytes, got {len(key)}")
-    return bytes(key)
-
-
-def _join_keys(keys: Sequence[Key]) -> bytes:
-    """All keys as one validated 16*n byte blob: the body of a key-list frame."""
-    try:
-        blob = b"".join(keys)  # type: ignore[arg-type]  # fast path: all bytes-like
-    except TypeError:
-        return b"".join([_key(k) for k in keys])
-    if len(blob) != KEY_SIZE * len(keys) or any(n != KEY_SIZE for n in map(len, keys)):
-        return b"".join([_key(k) for k in keys])  # raises InvalidKeyError for the bad one
-    return blob
-
-
-def _ttl_ms(ttl: float | None) -> int:
-    if ttl is None:
-        return 0
-    if ttl <= 0:
-        raise ValueError("ttl must be > 0 seconds (or None for the node default)")
-    return max(1, min(int(ttl * 1000), 0xFFFFFFFF))
-
-
-def _chunks(n: int, size: int) -> Iterator[range]:
-    for start in range(0, n, size):
-        yield range(start, min(n, start + size))
-
-
-def _blob_part(blob: bytes, part: range) -> bytes:
-    return blob[part.start * KEY_SIZE : part.stop * KEY_SIZE]
+def _rows_blob(blob: bytes, rows: npt.NDArray[np.intp]) -> bytes:
+    """The keys at ``rows`` (increasing batch positions, as picks give them)."""
+    if len(rows) * KEY_SIZE == len(blob) and (len(rows) < 2 or rows[-1] == len(rows) - 1):
+        return blob
+    keys = np.frombuffer(blob, dtype="V16")
+    return keys[rows].tobytes()
 
 
 class AsyncClient:
-    """Async client of one kvpool node.
+    """Async client of one kvpool node or a cluster (see the module docstring).
 
     Values are stored inside a checksummed envelope; every read is verified
     as it arrives. A value that fails verification is treated as a **miss**
@@ -108,34 +83,86 @@ class AsyncClient:
     the node so the next writer replaces it.
     """
 
-    def __init__(self, url: str = f"kvpool://127.0.0.1:{DEFAULT_PORT}", *, pool_size: int = 2,
-                 timeout: float = 10.0, connect_timeout: float = 5.0,
+    def __init__(self, url: str | Sequence[str] = f"kvpool://127.0.0.1:{DEFAULT_PORT}", *,
+                 pool_size: int = 2, timeout: float = 10.0, connect_timeout: float = 5.0,
                  client_name: str = "kvpool-python") -> None:
         if pool_size < 1:
             raise ConfigError("pool_size must be >= 1")
         if timeout <= 0 or connect_timeout <= 0:
             raise ConfigError("timeouts must be > 0 seconds")
-        self.host, self.port = parse_url(url)
+        urls = [url] if isinstance(url, str) else list(url)
+        if not urls:
+            raise ConfigError("give at least one node URL")
+        self.seeds = [parse_url(u) for u in urls]
+        self.host, self.port = self.seeds[0]
+        self._settings: dict[str, Any] = {"pool_size": pool_size, "timeout": timeout,
+                                          "connect_timeout": connect_timeout,
+                                          "client_name": client_name}
         self.timeout = timeout
-        self.connect_timeout = connect_timeout
-        self.client_name = client_name
-        self._slots: list[Connection | None] = [None] * pool_size
-        self._connecting: dict[int, asyncio.Future[Connection]] = {}
-        self._next_slot = 0
-        self.server_info: dict[str, Any] = {}
-        self.num_corrupt = 0
+        #: the node of a standalone deployment (None in cluster mode)
+        self._single: NodeClient | None = None
+        #: cluster mode: the map, and a NodeClient per node of it
+        self.map: ClusterMap | None = None
+        self._nodes: dict[str, NodeClient] = {}
+        self._ring_nodes: list[NodeClient] = []
+        self._connect_lock = asyncio.Lock()
+        self._refreshing: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self._num_corrupt_gone = 0
 
     # -- lifecycle ------------------------------------------------------------------------
 
+    @property
+    def server_info(self) -> dict[str, Any]:
+        """What the (first) node said in HELLO: limits, protocol, node id, epoch."""
+        node = self._single or next(iter(self._nodes.values()), None)
+        return node.server_info if node is not None else {}
+
+    @property
+    def num_corrupt(self) -> int:
+        nodes = [self._single] if self._single else list(self._nodes.values())
+        return self._num_corrupt_gone + sum(n.num_corrupt for n in nodes if n is not None)
+
+    @property
+    def epoch(self) -> int:
+        """The cluster-map epoch this client routes by (0 = standalone node)."""
+        return self.map.epoch if self.map is not None else 0
+
+    def _connected(self) -> bool:
+        return self._single is not None or self.map is not None
+
     async def connect(self) -> None:
-        """Open the first connection now (otherwise the first call does)."""
-        await self._connection()
+        """Reach the first seed that answers (otherwise the first call does)."""
+        if self._connected():
+            return
+        async with self._connect_lock:
+            if self._connected():  # another task connected while this one waited
+                return
+            error: KvpoolError | None = None
+            for host, port in self.seeds:
+                node = NodeClient(host, port, **self._settings)
+                try:
+                    await node.connect()
+                    if not node.server_info.get("cluster"):
+                        self._single = node
+                        return
+                    cmap = await self._fetch_map(node)
+                except KvpoolConnectionError as exc:
+                    node.close()
+                    error = exc
+                    continue
+                self._install(cmap, seed=node)
+                return
+            assert error is not None
+            raise error
 
     async def close(self) -> None:
-        for i, conn in enumerate(self._slots):
-            if conn is not None:
-                conn.close()
-            self._slots[i] = None
+        for task in list(self._background):
+            task.cancel()
+        if self._single is not None:
+            self._single.close()
+        for node in self._nodes.values():
+            node.close()
 
     async def __aenter__(self) -> AsyncClient:
         await self.connect()
@@ -150,7 +177,7 @@ class AsyncClient:
     async def put(self, key: Key, value: Buffer, *, ttl: float | None = None, pin: bool = False,
                   chunk_index: int = 0, num_tokens: int = 0,
                   fingerprint: bytes = ZERO_FINGERPRINT) -> None:
-        """Store ``value``. Raises CapacityError if the node has no room even after eviction."""
+        """Store ``value``. Raises CapacityError if no owner has room even after eviction."""
         await self.put_many([key], [value], ttl=ttl, pin=pin, chunk_indexes=[chunk_index],
                             num_tokens=num_tokens, fingerprint=fingerprint)
 
@@ -171,10 +198,10 @@ class AsyncClient:
 
     async def pin(self, key: Key) -> bool:
         """Never evict this chunk (TTL still applies); False if absent. Idempotent."""
-        return (await self._statuses(Op.PIN, _key(key)))[0] == Status.OK
+        return (await self._statuses(Op.PIN, key_bytes(key)))[0]
 
     async def unpin(self, key: Key) -> bool:
-        return (await self._statuses(Op.UNPIN, _key(key)))[0] == Status.OK
+        return (await self._statuses(Op.UNPIN, key_bytes(key)))[0]
 
     # -- batch API ------------------------------------------------------------------------
 
@@ -182,68 +209,41 @@ class AsyncClient:
                        ttl: float | None = None, pin: bool = False,
                        chunk_indexes: Sequence[int] | None = None, num_tokens: int = 0,
                        fingerprint: bytes = ZERO_FINGERPRINT) -> None:
-        """Store several values in as few frames as the node's limits allow.
+        """Store several values, on ``replication`` nodes each in a cluster.
 
         ``chunk_indexes`` (default 0) is each chunk's depth in its prefix; the
         node evicts deeper chunks first at equal recency. Raises CapacityError
-        naming the keys that did not fit (the others are stored).
+        naming the keys no node had room for (the others are stored).
         """
         if len(keys) != len(values):
             raise ValueError("put_many needs as many values as keys")
         if chunk_indexes is not None and len(chunk_indexes) != len(keys):
             raise ValueError("put_many needs one chunk index per key")
-        bkeys = [_key(k) for k in keys]
+        bkeys = [key_bytes(k) for k in keys]
         ttl_ms = _ttl_ms(ttl)
         flags = PUT_FLAG_PIN if pin else 0
-        conn = await self._connection()
-        max_value = int(self.server_info["max_value_bytes"])
-        max_frame = int(self.server_info["max_frame_bytes"])
-        max_batch = int(self.server_info["max_batch"])
-        frames: list[tuple[list[bytes], list[Buffer]]] = []
-        frame_keys: list[bytes] = []
-        body: list[Buffer] = []
-        frame_bytes = 0
-        for i, (key, value) in enumerate(zip(bkeys, values, strict=True)):
-            payload = memoryview(value).cast("B")
-            value_len = ENVELOPE_HEADER_SIZE + payload.nbytes
-            if value_len > max_value:
-                raise ValueTooLargeError(
-                    f"value of {payload.nbytes} bytes (+{ENVELOPE_HEADER_SIZE} envelope) exceeds "
-                    f"the node's max_value_bytes {max_value}")
-            item_bytes = 32 + value_len
-            if frame_keys and (len(frame_keys) == max_batch
-                               or frame_bytes + item_bytes > max_frame):
-                frames.append((frame_keys, body))
-                frame_keys, body, frame_bytes = [], [], 0
-            envelope = seal(payload, chunk_index=chunk_indexes[i] if chunk_indexes else 0,
+        await self.connect()
+        if self._single is not None:
+            statuses = await self._single.put(bkeys, values, ttl_ms=ttl_ms, flags=flags,
+                                              chunk_indexes=chunk_indexes,
+                                              num_tokens=num_tokens, fingerprint=fingerprint)
+            self._raise_put_errors(bkeys, statuses, [s == Status.OK for s in statuses])
+            return
+
+        def send(node: NodeClient, rows: npt.NDArray[np.intp]) -> Awaitable[list[int]]:
+            return node.put([bkeys[i] for i in rows], [values[i] for i in rows],
+                            ttl_ms=ttl_ms, flags=flags,
+                            chunk_indexes=[chunk_indexes[i] for i in rows]
+                            if chunk_indexes is not None else None,
                             num_tokens=num_tokens, fingerprint=fingerprint)
-            body += [PutItemHeader(key, value_len, ttl_ms, flags).pack(), envelope, payload]
-            frame_keys.append(key)
-            frame_bytes += item_bytes
-        if frame_keys:
-            frames.append((frame_keys, body))
-        replies = await self._gather([(conn, Op.PUT, len(k), b, None) for k, b in frames])
-        failed: list[bytes] = []
-        not_durable: list[bytes] = []
-        for (fkeys, _), reply in zip(frames, replies, strict=True):
-            for key, status in zip(fkeys, decode_statuses(reply.body, len(fkeys)), strict=True):
-                if status == Status.NO_CAPACITY:
-                    failed.append(key)
-                elif status == Status.UNAVAILABLE:
-                    not_durable.append(key)
-                elif status != Status.OK:
-                    raise error_for_status(status, f"PUT of {key.hex()} refused")
-        if not_durable:
-            raise NotDurableError(
-                f"{len(not_durable)} of {len(bkeys)} values are cached but not in S3 (the node "
-                f"runs write-through): {', '.join(k.hex() for k in not_durable[:4])}")
-        if failed:
-            raise CapacityError(f"node had no room for {len(failed)} of {len(bkeys)} values "
-                                "(everything left is pinned or being read)", failed)
+
+        answers = await self._fan_out(b"".join(bkeys), send, per_row="owners")
+        best = [min(a, key=lambda s: (s != Status.OK, s)) if a else -1 for a in answers]
+        self._raise_put_errors(bkeys, best, [Status.OK in a for a in answers])
 
     async def get_many(self, keys: Sequence[Key]) -> list[bytearray | None]:
         """Payloads as new bytearrays (None for misses), in key order."""
-        results = await self._get(keys, None)
+        results = await self._get(join_keys(keys), None)
         # with no caller sinks the parser receives each payload into a bytearray of its own
         return [cast(bytearray, r.obj) if r is not None else None for r in results]
 
@@ -258,154 +258,275 @@ class AsyncClient:
             if view.readonly:
                 raise ValueError("get_into needs a writable buffer")
             sinks.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
-        results = await self._get(keys, sinks)
+        results = await self._get(join_keys(keys), sinks)
         return [len(r) if r is not None else None for r in results]
 
     async def exists_many(self, keys: Sequence[Key]) -> list[bool]:
-        return [code != 0 for code in await self._exists(keys)]
+        return [code != 0 for code in await self._exists(join_keys(keys))]
 
     async def exists_tiers(self, keys: Sequence[Key]) -> list[str | None]:
         """The tier ("dram", "ssd", "s3") holding each key, None where none does."""
-        return [_TIER_NAMES.get(code, "?") if code else None for code in await self._exists(keys)]
-
-    async def _exists(self, keys: Sequence[Key]) -> bytes:
-        """One tier code per key, 0 where absent (the EXISTS reply's second half)."""
-        blob = _join_keys(keys)
-        conn = await self._connection()
-        parts = list(_chunks(len(keys), int(self.server_info["max_batch"])))
-        replies = await self._gather(
-            [(conn, Op.EXISTS, len(p), [_blob_part(blob, p)], None) for p in parts])
-        codes = bytearray()
-        for part, reply in zip(parts, replies, strict=True):
-            body = reply.body  # count statuses, then count tier codes
-            if len(body) != 2 * len(part):
-                raise error_for_status(Status.BAD_FRAME, "EXISTS reply of the wrong size")
-            codes += body[len(part) :]
-        return bytes(codes)
+        codes = await self._exists(join_keys(keys))
+        return [_TIER_NAMES.get(code, "?") if code else None for code in codes]
 
     async def delete_many(self, keys: Sequence[Key]) -> list[bool]:
-        statuses = await self._statuses(Op.DELETE, _join_keys(keys))
-        return [s == Status.OK for s in statuses]
+        return await self._statuses(Op.DELETE, join_keys(keys))
 
     async def lookup(self, keys: Sequence[Key]) -> int:
-        """How many leading ``keys`` (a prefix's chunk keys, in order) the node holds."""
+        """How many leading ``keys`` (a prefix's chunk keys, in order) the pool holds."""
         return len(await self.lookup_tiers(keys))
 
     async def lookup_tiers(self, keys: Sequence[Key]) -> list[str]:
-        """The tier ("dram", "ssd" or "s3") of each leading key the node holds, in order."""
-        blob = _join_keys(keys)
-        conn = await self._connection()
-        max_batch = int(self.server_info["max_batch"])
-        tiers: list[str] = []
-        for part in _chunks(len(keys), max_batch):
-            reply = await self._call(conn, Op.LOOKUP, len(part), [_blob_part(blob, part)])
-            found = decode_lookup(reply.body)
-            tiers += [_TIER_NAMES.get(t, "?") for t in found]
-            if len(found) < len(part):
-                break
-        return tiers
+        """The tier ("dram", "ssd" or "s3") of each leading key held anywhere, in order.
+
+        One round trip: against a cluster, every owner is asked in parallel.
+        """
+        blob = join_keys(keys)
+        await self.connect()
+        if self._single is not None:
+            codes: Sequence[int] = await self._single.lookup(blob)
+        else:
+            codes = await self._exists(blob)
+            codes = codes[: codes.index(0)] if 0 in codes else codes
+        return [_TIER_NAMES.get(t, "?") for t in codes]
 
     async def stats(self) -> dict[str, Any]:
-        conn = await self._connection()
-        return decode_json((await self._call(conn, Op.STATS, 0, [])).body)
+        """A standalone node's counters; for a cluster, ``{"epoch", "nodes": {id: counters}}``."""
+        await self.connect()
+        if self._single is not None:
+            return await self._single.json_op(Op.STATS)
+        nodes = list(self._nodes.values())
+        answers = await asyncio.gather(*(n.json_op(Op.STATS) for n in nodes),
+                                       return_exceptions=True)
+        out: dict[str, Any] = {}
+        for node, answer in zip(nodes, answers, strict=True):
+            if isinstance(answer, KvpoolError):
+                out[node.node_id] = {"error": str(answer)}
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                out[node.node_id] = answer
+        return {"epoch": self.epoch, "nodes": out}
 
-    # -- internals ------------------------------------------------------------------------
+    async def cluster_map(self) -> dict[str, Any]:
+        """The map as a node serves it (a one-node map for a standalone node)."""
+        await self.connect()
+        if self._single is not None:
+            return await self._single.json_op(Op.CLUSTER)
+        assert self.map is not None
+        return self.map.to_dict()
 
-    async def _get(self, keys: Sequence[Key], sinks: Sequence[memoryview] | None
+    # -- ops over one node or the cluster -------------------------------------------------
+
+    async def _get(self, blob: bytes, sinks: Sequence[memoryview] | None
                    ) -> list[memoryview | None]:
-        blob = _join_keys(keys)
-        conn = await self._connection()
-        max_batch = int(self.server_info["max_batch"])
-        parts = list(_chunks(len(keys), max_batch))
-        calls = [(conn, Op.GET, len(p), [_blob_part(blob, p)],
-                  [sinks[i] for i in p] if sinks is not None else None) for p in parts]
-        replies = await self._gather(calls)
-        out: list[memoryview | None] = []
-        corrupt: list[bytes] = []
-        for part, reply in zip(parts, replies, strict=True):
-            for i, item in zip(part, reply.items, strict=True):
-                if item.status == Status.OK:
-                    out.append(item.payload)
-                    continue
-                if item.status == TOO_SMALL:
-                    assert item.envelope is not None
-                    raise BufferTooSmallError(
-                        f"buffer of {len(sinks[i]) if sinks else 0} bytes is too small for the "
-                        f"{item.envelope.stored_len}-byte payload of "
-                        f"{_blob_part(blob, range(i, i + 1)).hex()}")
-                if item.status == Status.CORRUPT:
-                    corrupt.append(_blob_part(blob, range(i, i + 1)))
-                out.append(None)
-        if corrupt:
-            self.num_corrupt += len(corrupt)
-            log.warning("dropping %d corrupt chunk(s) (treated as misses): %s", len(corrupt),
-                        ", ".join(k.hex() for k in corrupt[:4]))
-            await self.delete_many(corrupt)
-        return out
+        await self.connect()
+        if self._single is not None:
+            return await self._single.get(blob, sinks)
+        n = len(blob) // KEY_SIZE
+        results: list[memoryview | None] = [None] * n
 
-    async def _statuses(self, op: Op, blob: bytes) -> list[int]:
-        conn = await self._connection()
-        count = len(blob) // KEY_SIZE
-        parts = list(_chunks(count, int(self.server_info["max_batch"])))
-        replies = await self._gather(
-            [(conn, op, len(p), [_blob_part(blob, p)], None) for p in parts])
-        statuses: list[int] = []
-        for part, reply in zip(parts, replies, strict=True):
-            statuses += decode_statuses(reply.body, len(part))
-        return statuses
+        def send(node: NodeClient, rows: npt.NDArray[np.intp]
+                 ) -> Awaitable[list[memoryview | None]]:
+            return node.get(_rows_blob(blob, rows),
+                            [sinks[i] for i in rows] if sinks is not None else None)
 
-    async def _gather(self, calls: Sequence[tuple[Connection, int, int, Sequence[Buffer],
-                                                  Sequence[memoryview | None] | None]]
-                      ) -> list[Reply]:
-        if len(calls) == 1:
-            return [await self._call(*calls[0])]
-        return list(await asyncio.gather(*(self._call(*c) for c in calls)))
+        def found(row: int, view: memoryview | None) -> bool:
+            if view is not None:
+                results[row] = view
+            return view is not None
 
-    async def _call(self, conn: Connection, op: int, count: int, body: Sequence[Buffer],
-                    sinks: Sequence[memoryview | None] | None = None) -> Reply:
-        reply = await conn.send(op, count, body, sinks)  # the connection enforces the deadline
-        status = reply.header.status
-        if status != Status.OK:
-            raise error_for_status(status, bytes(reply.body).decode("utf-8", "replace"))
-        return reply
+        await self._fan_out(blob, send, per_row="owners", enough=found, sequential=True)
+        return results
 
-    async def _connection(self) -> Connection:
-        slot = self._next_slot
-        self._next_slot = (slot + 1) % len(self._slots)
-        conn = self._slots[slot]
-        if conn is not None and conn.is_open:
-            return conn
-        connecting = self._connecting.get(slot)
-        if connecting is None:
-            connecting = asyncio.ensure_future(self._open())
-            self._connecting[slot] = connecting
-            try:
-                conn = await connecting
-                self._slots[slot] = conn
-            finally:
-                del self._connecting[slot]
-            return conn
-        return await asyncio.shield(connecting)
+    async def _exists(self, blob: bytes) -> bytes:
+        """The fastest tier code holding each key, 0 where none does."""
+        await self.connect()
+        if self._single is not None:
+            return await self._single.exists(blob)
 
-    async def _open(self) -> Connection:
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(
-                    lambda: Connection(self.timeout, f"{self.host}:{self.port}"),
-                    self.host, self.port)
-        except TimeoutError:
-            raise KvpoolTimeoutError(
-                f"connecting to {self.host}:{self.port} took longer than {self.connect_timeout}s"
-            ) from None
-        except OSError as exc:
+        def send(node: NodeClient, rows: npt.NDArray[np.intp]) -> Awaitable[bytes]:
+            return node.exists(_rows_blob(blob, rows))
+
+        answers = await self._fan_out(blob, send, per_row="owners")
+        return bytes(min((c for c in a if c), default=0) for a in answers)
+
+    async def _statuses(self, op: Op, blob: bytes) -> list[bool]:
+        """DELETE/PIN/UNPIN: True where some node did it."""
+        await self.connect()
+        if self._single is not None:
+            return [s == Status.OK for s in await self._single.statuses(op, blob)]
+
+        def send(node: NodeClient, rows: npt.NDArray[np.intp]) -> Awaitable[list[int]]:
+            return node.statuses(op, _rows_blob(blob, rows))
+
+        answers = await self._fan_out(blob, send, per_row="all")
+        return [Status.OK in a for a in answers]
+
+    # -- cluster routing ------------------------------------------------------------------
+
+    async def _fan_out(self, blob: bytes,
+                       send: Callable[[NodeClient, npt.NDArray[np.intp]], Awaitable[Sequence[T]]],
+                       *, per_row: int | str, enough: Callable[[int, T], bool] | None = None,
+                       sequential: bool = False) -> list[list[T]]:
+        """Send each key to nodes of its preference list; every node's answer for each key.
+
+        ``per_row``: how many nodes answer for a key ("owners": the replication
+        factor; "all": the whole list, at once). A key is done when ``enough``
+        says so of an answer (``enough(row, answer)``), when ``per_row`` nodes
+        have answered, or when its list is used up. ``sequential`` asks one
+        node per key per round (reads stop at the first hit); otherwise all
+        the nodes still needed are asked at once. Nodes that fail are marked
+        down and the key moves on down its list; WRONG_OWNER refreshes the
+        map and starts over the keys not done.
+        """
+        n = len(blob) // KEY_SIZE
+        answers: list[list[T]] = [[] for _ in range(n)]
+        done = np.zeros(n, dtype=bool)
+        refreshes = 0
+        while True:
+            cmap = self.map
+            assert cmap is not None
+            table = cmap.ring.owner_indexes(key_positions(blob), cmap.width)
+            tried = np.zeros(table.shape, dtype=bool)
+            width = table.shape[1]
+            count = {"owners": cmap.num_owners, "all": width}.get(str(per_row), per_row)
+            assert isinstance(count, int)
+            stale: int | None = None
+            for _ in range(width):
+                rows = np.flatnonzero(~done & ~tried.all(axis=1))
+                if not len(rows):
+                    break
+                live = np.array([node.live for node in self._ring_nodes], dtype=bool)
+                if sequential or per_row == "owners":
+                    # ask as many more as are still needed: replication minus answers so far
+                    need = np.array([count - len(answers[r]) for r in rows])
+                    picks: list[Pick] = []
+                    for k in range(1 if sequential else max(need, default=0)):
+                        picks += pick(table, tried, live, rows[need > k])
+                else:
+                    picks = pick(table, tried, live, rows, count)
+                if not picks:
+                    break
+                nodes = [self._ring_nodes[p.node] for p in picks]
+                outcomes = await asyncio.gather(*(send(node, p.rows)
+                                                  for node, p in zip(nodes, picks, strict=True)),
+                                                return_exceptions=True)
+                for node, p, outcome in zip(nodes, picks, outcomes, strict=True):
+                    if isinstance(outcome, WrongOwnerError):
+                        stale = max(stale or 0, outcome.epoch)
+                        continue
+                    if isinstance(outcome, KvpoolConnectionError):
+                        node.mark_down()
+                        continue
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                    for row, answer in zip(p.rows.tolist(), outcome, strict=True):
+                        answers[row].append(answer)
+                        if (enough is not None and enough(row, answer)) or (
+                                per_row != "all" and len(answers[row]) >= count):
+                            done[row] = True
+                if stale is not None:
+                    break
+            if stale is None or refreshes >= _MAX_REFRESHES:
+                break
+            refreshes += 1
+            await self._refresh(min_epoch=stale)
+        unanswered = [i for i in range(n) if not answers[i]]
+        if unanswered:
             raise KvpoolConnectionError(
-                f"cannot connect to kvpool node {self.host}:{self.port}: {exc}") from exc
-        hello = encode_json({"protocol": PROTOCOL_VERSION, "client": self.client_name})
+                f"no node of the preference list answered for {len(unanswered)} of {n} keys "
+                f"(e.g. {_rows_blob(blob, np.array(unanswered[:1])).hex()}); "
+                f"nodes down: {[x.node_id for x in self._ring_nodes if not x.live]}")
+        return answers
+
+    # -- cluster map ----------------------------------------------------------------------
+
+    @staticmethod
+    async def _fetch_map(node: NodeClient) -> ClusterMap:
+        data = await node.json_op(Op.CLUSTER)
+        return ClusterMap.from_dict({k: data[k] for k in _CLUSTER_FIELDS if k in data})
+
+    def _install(self, cmap: ClusterMap, seed: NodeClient | None = None) -> None:
+        old = self._nodes
+        nodes: dict[str, NodeClient] = {}
+        for info in cmap.nodes:
+            address = info.data_address
+            node = old.get(info.id)
+            if node is None or (node.host, node.port) != address:
+                if seed is not None and (seed.host, seed.port) == address:
+                    node, seed = seed, None
+                    node.node_id = info.id
+                else:
+                    node = NodeClient(*address, node_id=info.id, **self._settings)
+            node.epoch = cmap.epoch
+            node.on_newer_epoch = self._on_newer_epoch
+            nodes[info.id] = node
+        for node_id, node in old.items():
+            if nodes.get(node_id) is not node:
+                self._num_corrupt_gone += node.num_corrupt
+                node.close()
+        if seed is not None:
+            seed.close()
+        self.map = cmap
+        self._nodes = nodes
+        self._ring_nodes = [nodes[i] for i in cmap.ring.nodes]
+        log.info("kvpool cluster map epoch %d: %d nodes, replication %d", cmap.epoch,
+                 len(cmap.nodes), cmap.replication)
+
+    def _on_newer_epoch(self, epoch: int) -> None:
+        if self.map is not None and epoch > self.map.epoch and self._refreshing is None:
+            task = asyncio.get_running_loop().create_task(self._refresh(min_epoch=epoch))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _refresh(self, min_epoch: int = 0) -> None:
+        """Fetch the map from a few live nodes; install the newest one (single-flight)."""
+        if self._refreshing is not None:
+            await asyncio.shield(self._refreshing)
+            return
+        self._refreshing = asyncio.get_running_loop().create_task(self._do_refresh(min_epoch))
         try:
-            reply = await self._call(conn, Op.HELLO, 0, [hello])
-        except BaseException:
-            conn.close()
-            raise
-        self.server_info = decode_json(reply.body)
-        return conn
+            await asyncio.shield(self._refreshing)
+        finally:
+            self._refreshing = None
+
+    async def _do_refresh(self, min_epoch: int) -> None:
+        nodes = [n for n in self._nodes.values() if n.live]
+        random.shuffle(nodes)
+        maps = await asyncio.gather(*(self._fetch_map(n) for n in nodes[:3]),
+                                    return_exceptions=True)
+        good = [m for m in maps if isinstance(m, ClusterMap)]
+        if not good:
+            log.warning("kvpool: no node answered a cluster map refresh")
+            return
+        newest = max(good, key=lambda m: m.epoch)
+        if self.map is None or newest.epoch > self.map.epoch:
+            self._install(newest)
+        elif newest.epoch < min_epoch:
+            log.info("kvpool: asked for map epoch >= %d, nodes gave %d", min_epoch,
+                     newest.epoch)
+
+    # -- errors ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _raise_put_errors(bkeys: Sequence[bytes], statuses: Sequence[int],
+                          stored: Sequence[bool]) -> None:
+        failed: list[bytes] = []
+        not_durable: list[bytes] = []
+        for key, status, ok in zip(bkeys, statuses, stored, strict=True):
+            if ok:
+                continue
+            if status == Status.NO_CAPACITY:
+                failed.append(key)
+            elif status == Status.UNAVAILABLE:
+                not_durable.append(key)
+            else:
+                raise error_for_status(status, f"PUT of {key.hex()} refused")
+        if not_durable:
+            raise NotDurableError(
+                f"{len(not_durable)} of {len(bkeys)} values are cached but not in S3 (the node "
+                f"runs write-through): {', '.join(k.hex() for k in not_durable[:4])}")
+        if failed:
+            raise CapacityError(f"no room for {len(failed)} of {len(bkeys)} values "
+                                "(everything left is pinned or being read)", failed)

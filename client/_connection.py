@@ -60,7 +60,8 @@ class Connection(asyncio.BufferedProtocol):
         return len(self._pending)
 
     def send(self, op: int, count: int, body: Sequence[Buffer],
-             sinks: Sequence[memoryview | None] | None = None) -> asyncio.Future[Reply]:
+             sinks: Sequence[memoryview | None] | None = None, *,
+             epoch: int = 0) -> asyncio.Future[Reply]:
         """Write one request frame; the future resolves with its reply."""
         if self._lost is not None or self._transport is None:
             raise self._lost or KvpoolConnectionError("connection is not open")
@@ -70,7 +71,8 @@ class Connection(asyncio.BufferedProtocol):
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Reply] = loop.create_future()
         self._pending[request_id] = _Pending(future, sinks, op, loop.time() + self._timeout)
-        self._transport.writelines([pack_frame_header(op, request_id, count, body_len), *body])
+        self._transport.writelines(
+            [pack_frame_header(op, request_id, count, body_len, epoch=epoch), *body])
         if self._watchdog is None:
             self._watchdog = loop.call_later(self._check_interval, self._check_deadlines)
         return future

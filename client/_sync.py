@@ -14,8 +14,9 @@ from collections.abc import Coroutine, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
-from kvpool.client._async import DEFAULT_PORT, AsyncClient, Key
+from kvpool.client._async import AsyncClient
 from kvpool.client._connection import Buffer
+from kvpool.client._node import DEFAULT_PORT, Key
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
 
 __all__ = ["Client"]
@@ -32,9 +33,10 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 
 class Client:
-    """Blocking client of one kvpool node; see :class:`AsyncClient` for semantics."""
+    """Blocking client of one kvpool node or a cluster; see :class:`AsyncClient`."""
 
-    def __init__(self, url: str = f"kvpool://127.0.0.1:{DEFAULT_PORT}", **kwargs: Any) -> None:
+    def __init__(self, url: str | Sequence[str] = f"kvpool://127.0.0.1:{DEFAULT_PORT}",
+                 **kwargs: Any) -> None:
         self._async = AsyncClient(url, **kwargs)
         self._loop = _new_loop()
         self._lock = threading.Lock()
@@ -53,6 +55,11 @@ class Client:
     @property
     def num_corrupt(self) -> int:
         return self._async.num_corrupt
+
+    @property
+    def epoch(self) -> int:
+        """The cluster-map epoch this client routes by (0 = standalone node)."""
+        return self._async.epoch
 
     def connect(self) -> None:
         self._run(self._async.connect())
@@ -126,3 +133,6 @@ class Client:
 
     def stats(self) -> dict[str, Any]:
         return self._run(self._async.stats())
+
+    def cluster_map(self) -> dict[str, Any]:
+        return self._run(self._async.cluster_map())

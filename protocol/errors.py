@@ -17,6 +17,7 @@ wire travel as a :class:`Status` code and are rebuilt on the other side by
     ├── RequestError             the node understood the request and refused it
     │   ├── ValueTooLargeError   one value larger than the node's maximum
     │   ├── CapacityError        no room even after eviction (e.g. all pinned)
+    │   ├── WrongOwnerError      the node does not own a key under its (newer) cluster map
     │   └── NotDurableError      write-through on, and S3 did not take the chunk
     ├── CorruptChunkError        envelope invalid or checksum mismatch
     ├── BufferTooSmallError      get_into buffer smaller than the stored payload
@@ -48,6 +49,7 @@ __all__ = [
     "UnknownOpcodeError",
     "ValueTooLargeError",
     "VersionMismatchError",
+    "WrongOwnerError",
     "error_for_status",
     "status_for_error",
 ]
@@ -68,6 +70,7 @@ class Status(enum.IntEnum):
     FRAME_TOO_LARGE = 9
     INTERNAL = 10
     UNAVAILABLE = 11
+    WRONG_OWNER = 12
 
 
 class KvpoolError(Exception):
@@ -125,6 +128,18 @@ class NotDurableError(RequestError):
     """
 
 
+class WrongOwnerError(RequestError):
+    """The request was routed with an older cluster map than the node's.
+
+    The reply's frame header carries the node's epoch; the client refreshes
+    its map and sends the keys to their owners. Users rarely see this error:
+    the SDK retries on it.
+    """
+
+    #: the node's cluster-map epoch, from the reply header
+    epoch: int = 0
+
+
 class CorruptChunkError(KvpoolError):
     """A stored chunk failed envelope validation or its checksum."""
 
@@ -156,6 +171,7 @@ _ERROR_FOR_STATUS: dict[Status, type[KvpoolError]] = {
     Status.FRAME_TOO_LARGE: FrameTooLargeError,
     Status.INTERNAL: ServerError,
     Status.UNAVAILABLE: NotDurableError,
+    Status.WRONG_OWNER: WrongOwnerError,
 }
 
 _STATUS_FOR_ERROR: dict[type[KvpoolError], Status] = {

@@ -15,14 +15,18 @@ Request bodies:
     HELLO         JSON {"protocol": int, "client": str, "token"?: str, "tenant"?: str}
     PUT           count x (PUT item header (32 bytes) || value)
     GET, EXISTS, DELETE, LOOKUP, PIN, UNPIN   count x 16-byte key
-    STATS         empty
+    STATS, CLUSTER  empty
 Reply bodies (status OK):
     HELLO, STATS  JSON object
+    CLUSTER       JSON object: the node's cluster map (placement.cluster_map.ClusterMap.to_dict)
     GET           count x (GET item header (16 bytes) || value if found)
     PUT, DELETE, PIN, UNPIN  count x 1-byte Status
     EXISTS        count x 1-byte Status, then count x 1-byte Tier (0 = absent)
     LOOKUP        u32 number of leading keys present, then one Tier byte per such key
 A reply with a status other than OK carries a UTF-8 message as its body.
+Every reply carries the node's cluster-map epoch; a request whose epoch is
+older than the node's, for a key the node does not accept under its map,
+gets WRONG_OWNER (and nothing is done; the connection stays open).
 Encoders return lists of buffers so large values are never concatenated.
 """
 
@@ -81,6 +85,7 @@ class Op(enum.IntEnum):
     PIN = 7
     UNPIN = 8
     STATS = 9
+    CLUSTER = 10
 
 
 #: Ops whose request body is exactly ``count`` keys.
@@ -251,6 +256,7 @@ def decode_json(body: bytes | bytearray | memoryview) -> dict[str, Any]:
     return obj
 
 
-def encode_error(op: int, request_id: int, status: int, message: str) -> list[bytes]:
+def encode_error(op: int, request_id: int, status: int, message: str, *,
+                 epoch: int = 0) -> list[bytes]:
     body = message.encode("utf-8", "replace")[:4096]
-    return [pack_frame_header(op, request_id, 0, len(body), status=status), body]
+    return [pack_frame_header(op, request_id, 0, len(body), status=status, epoch=epoch), body]

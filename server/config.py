@@ -21,6 +21,7 @@ from typing import Any
 from kvpool.protocol.errors import ConfigError
 
 __all__ = [
+    "ClusterConfig",
     "DramConfig",
     "NodeConfig",
     "S3Config",
@@ -187,11 +188,31 @@ class S3Config:
 
 
 @dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    file: str = knob("", "static cluster map (TOML: epoch, replication, [[nodes]]); re-read on "
+                     "SIGHUP ('' = standalone unless --peers)",
+                     flag="--cluster-file", env="KVPOOL_CLUSTER_FILE")
+    peers: str = knob("", "static cluster as host:port,host:port,... of every node's data port "
+                      "(this one included; admin port = data port + 1)",
+                      flag="--peers", env="KVPOOL_PEERS")
+    replication: int = knob(1, "copies of each chunk when the cluster comes from --peers (a "
+                            "cluster file sets its own)",
+                            flag="--replication", env="KVPOOL_REPLICATION")
+
+    def __post_init__(self) -> None:
+        if self.file and self.peers:
+            raise ConfigError("set --cluster-file or --peers, not both")
+        if self.replication < 1:
+            raise ConfigError("replication must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
 class NodeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     dram: DramConfig = field(default_factory=DramConfig)
     ssd: SsdConfig = field(default_factory=SsdConfig)
     s3: S3Config = field(default_factory=S3Config)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
         if self.s3.bucket and not self.ssd.enabled:
@@ -200,7 +221,7 @@ class NodeConfig:
 
 
 _SECTIONS: dict[str, type[Any]] = {"server": ServerConfig, "dram": DramConfig, "ssd": SsdConfig,
-                                   "s3": S3Config}
+                                   "s3": S3Config, "cluster": ClusterConfig}
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -243,7 +264,7 @@ def knob_table() -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per knob; its help names the default and the environment variable."""
     parser.add_argument("--config", metavar="FILE", help="TOML file with [server], [dram], "
-                        "[ssd] and [s3] sections (env: KVPOOL_CONFIG)")
+                        "[ssd], [s3] and [cluster] sections (env: KVPOOL_CONFIG)")
     for section, cls in _SECTIONS.items():
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(cls):

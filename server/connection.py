@@ -154,7 +154,8 @@ class NodeConnection(asyncio.BufferedProtocol):
             self._handlers.stats.protocol_errors += 1
         log.info("%s: closing connection: %s: %s", self.peer, type(exc).__name__, exc)
         if self._transport is not None and not self._closing:
-            self._transport.writelines(encode_error(op, request_id, status, str(exc)))
+            self._transport.writelines(encode_error(op, request_id, status, str(exc),
+                                                    epoch=self._handlers.epoch))
         self.close()
         self._parser.abort()
 

@@ -29,6 +29,7 @@ from kvpool.protocol.frames import (
     Op,
     Tier,
     decode_json,
+    encode_error,
     encode_frame,
     encode_json,
     encode_lookup_reply,
@@ -36,6 +37,7 @@ from kvpool.protocol.frames import (
     pack_get_item,
 )
 from kvpool.protocol.parsers import Limits, Request
+from kvpool.server.membership import Membership
 from kvpool.server.ssd import SsdTier, SsdUnavailableError
 from kvpool.server.ssd_messages import SsdStatus
 from kvpool.server.stats import NodeStats
@@ -45,6 +47,8 @@ __all__ = ["Handlers", "Pending", "Reply"]
 
 Buffers = list[bytes | bytearray | memoryview]
 _STATUS_OF_TIER = bytes([Status.NOT_FOUND] + [Status.OK] * 255)
+#: ops whose keys are placed by the cluster map (a stale client may have sent them astray)
+_ROUTED_OPS = frozenset({Op.PUT, Op.GET, Op.EXISTS, Op.DELETE, Op.LOOKUP, Op.PIN, Op.UNPIN})
 Pending = Coroutine[Any, Any, "Reply"]
 
 
@@ -58,8 +62,13 @@ class Reply:
 class Handlers:
     """Dispatch table from opcode to handler, shared by every connection of a node."""
 
-    def __init__(self, node_id: str, dram: DramTier, limits: Limits, stats: NodeStats) -> None:
+    def __init__(self, node_id: str, dram: DramTier, limits: Limits, stats: NodeStats,
+                 membership: Membership | None = None) -> None:
         self.node_id = node_id
+        self.membership = membership or Membership()
+        #: where the node listens, for the map a standalone node serves (set by the Node)
+        self.addresses: tuple[tuple[str, int], tuple[str, int]] = (("", 0), ("", 0))
+        self.wrong_owner = 0
         self.dram = dram
         self.limits = limits
         self.stats = stats
@@ -78,12 +87,40 @@ class Handlers:
             Op.PIN: self.pin,
             Op.UNPIN: self.unpin,
             Op.STATS: self.node_stats,
+            Op.CLUSTER: self.cluster,
         }
+
+    @property
+    def epoch(self) -> int:
+        return self.membership.epoch
 
     def handle(self, request: Request) -> Reply | Pending:
         header = request.header
         self.stats.count(header.op, header.count)
+        if header.epoch < self.membership.epoch and header.op in _ROUTED_OPS:
+            keys = request.keys if header.op != Op.PUT else [i.header.key for i in request.items]
+            if not self.membership.accepts(keys):
+                return self._wrong_owner(request)
         return self._table[header.op](request)
+
+    def _wrong_owner(self, request: Request) -> Reply:
+        """Refuse the whole frame (nothing is done); the client refreshes its map."""
+        for item in request.items:  # PUT values already received into DRAM slots
+            if isinstance(item.reservation, Slot):
+                item.reservation.release()
+        self.wrong_owner += 1
+        header = request.header
+        message = (f"node {self.node_id} does not own every key under cluster map epoch "
+                   f"{self.epoch} (request epoch {header.epoch})")
+        body: Buffers = [*encode_error(header.op, header.request_id, Status.WRONG_OWNER, message,
+                                       epoch=self.epoch)]
+        return Reply(body)
+
+    def cluster(self, request: Request) -> Reply:
+        if request.body:
+            raise BadFrameError("CLUSTER takes no body")
+        data, admin = self.addresses
+        return self._reply(request, [encode_json(self.membership.to_dict(data, admin))])
 
     # -- ops ------------------------------------------------------------------------------
 
@@ -99,6 +136,8 @@ class Handlers:
             "max_value_bytes": self.limits.max_value_bytes,
             "max_batch": self.limits.max_batch,
             "max_frame_bytes": self.limits.max_frame_bytes,
+            "epoch": self.epoch,
+            "cluster": self.membership.map is not None,
         }
         return self._reply(request, [encode_json(info)])
 
@@ -334,6 +373,8 @@ class Handlers:
             "misses": dram.misses,
             "evictions": dram.evictions,
             "promotions": self.promotions,
+            "cluster_epoch": self.epoch,
+            "wrong_owner": self.wrong_owner,
             "tiers": tiers,
             **self.stats.to_dict(),
         }
@@ -362,10 +403,10 @@ class Handlers:
         return self._reply(request, [encode_statuses(
             [Status.OK if d else Status.NOT_FOUND for d in done])])
 
-    @staticmethod
-    def _reply(request: Request, body: Buffers) -> Reply:
+    def _reply(self, request: Request, body: Buffers) -> Reply:
         header = request.header
         count = header.count if header.op != Op.LOOKUP else 1
-        if header.op in (Op.HELLO, Op.STATS):
+        if header.op in (Op.HELLO, Op.STATS, Op.CLUSTER):
             count = 0
-        return Reply(encode_frame(header.op, header.request_id, body, count=count))
+        return Reply(encode_frame(header.op, header.request_id, body, count=count,
+                                  epoch=self.membership.epoch))

@@ -19,6 +19,7 @@ from kvpool.server.admin import make_admin_app
 from kvpool.server.config import NodeConfig, format_size
 from kvpool.server.connection import NodeConnection
 from kvpool.server.handlers import Handlers
+from kvpool.server.membership import Membership, StaticSource
 from kvpool.server.ssd import SsdTier, SsdUnavailableError
 from kvpool.server.stats import NodeStats
 from kvpool.tiers.dram import DramTier
@@ -62,7 +63,14 @@ class Node:
         self.dram = dram
         self.stats = NodeStats()
         self.limits = Limits(server.max_frame_bytes, server.max_batch, server.max_value_bytes)
-        self.handlers = Handlers(server.node_id, self.dram, self.limits, self.stats)
+        cluster = config.cluster
+        source = None
+        if cluster.file or cluster.peers:
+            source = StaticSource(file=cluster.file, peers=cluster.peers,
+                                  replication=cluster.replication)
+        self.membership = Membership(source)
+        self.handlers = Handlers(server.node_id, self.dram, self.limits, self.stats,
+                                 self.membership)
         self.connections: set[NodeConnection] = set()
         self.ssd: SsdTier | None = None
         self._server: asyncio.Server | None = None
@@ -98,14 +106,23 @@ class Node:
             lambda: NodeConnection(self.handlers, self.connections),
             server.host, server.data_port, reuse_address=True)
         self.data_address = self._server.sockets[0].getsockname()[:2]
-        self.handlers.node_id = server.node_id or f"{self.data_address[0]}:{self.data_address[1]}"
-        self._admin = web.AppRunner(make_admin_app(self.handlers.node_id, self.handlers.snapshot),
-                                    access_log=None)
+        try:
+            self.handlers.node_id = self.membership.resolve_self(server.node_id,
+                                                                 self.data_address)
+        except ConfigError:
+            self._server.close()
+            raise
+        self._admin = web.AppRunner(make_admin_app(self.handlers.node_id, self.handlers.snapshot,
+                                                   self.cluster_info), access_log=None)
         await self._admin.setup()
         site = web.TCPSite(self._admin, server.host, server.admin_port, reuse_address=True)
         await site.start()
         self.admin_address = tuple(self._admin.addresses[0][:2])
+        self.handlers.addresses = (self.data_address, self.admin_address)
         self._expiry_task = asyncio.create_task(self._expire_loop())
+
+    def cluster_info(self) -> dict[str, object]:
+        return self.membership.to_dict(self.data_address, self.admin_address)
 
     async def _expire_loop(self) -> None:
         interval = self.config.server.expire_interval_s
@@ -147,6 +164,7 @@ async def _serve(config: NodeConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, node.membership.reload)
     data_host, data_port = node.data_address
     admin_host, admin_port = node.admin_address
     dram = node.dram.stats()
@@ -163,6 +181,12 @@ async def _serve(config: NodeConfig) -> None:
         where = config.s3.endpoint_url or "AWS"
         print(f"kvpool node {node.handlers.node_id}: S3 tier s3://{config.s3.bucket}/"
               f"{config.s3.prefix} at {where} ({config.s3.codec})", flush=True)
+    cmap = node.membership.map
+    if cmap is not None:
+        assert node.membership.source is not None
+        print(f"kvpool node {node.handlers.node_id}: cluster epoch {cmap.epoch}, "
+              f"{len(cmap.nodes)} nodes, replication {cmap.replication} "
+              f"({node.membership.source.describe()}; SIGHUP reloads)", flush=True)
     print(f"kvpool: ready data={data_host}:{data_port} admin=http://{admin_host}:{admin_port}",
           flush=True)
     await stop.wait()

@@ -56,6 +56,8 @@ def test_sizes(text: str, expected: int) -> None:
     (["--dram-fraction", "2"], {}, "capacity_fraction"),
     (["--log-level", "loud"], {}, "log level"),
     (["--max-value", "2GiB"], {}, "max_frame_bytes"),
+    (["--peers", "h:1"], {"KVPOOL_CLUSTER_FILE": "c.toml"}, "not both"),
+    (["--replication", "0"], {}, "replication"),
 ])
 def test_bad_values(argv: list[str], env: dict[str, str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -67,7 +69,7 @@ def test_bad_file(tmp_path: Path) -> None:
     toml.write_text("[server]\nport = 1\n")
     with pytest.raises(ConfigError, match=r"unknown key server\.port"):
         load_config(parse("--config", str(toml)), env={})
-    toml.write_text("[cluster]\nx = 1\n")
+    toml.write_text("[clusters]\nx = 1\n")
     with pytest.raises(ConfigError, match="unknown section"):
         load_config(parse("--config", str(toml)), env={})
     with pytest.raises(ConfigError, match="cannot read"):

@@ -1,0 +1,338 @@
+"""One node's connections and the per-node half of every op (the router is in ``_async``).
+
+:class:`NodeClient` speaks the wire protocol to one node: a small pool of
+pipelined connections, batches split by the node's limits, reads checksummed
+as they arrive. It returns raw per-key outcomes (statuses, tier codes,
+payload views); :class:`kvpool.client.AsyncClient` turns them into the
+public API, for one node or many.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvpool.client._connection import Buffer, Connection
+from kvpool.placement.keys import key_from_hex
+from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, seal
+from kvpool.protocol.errors import (
+    BufferTooSmallError,
+    ConfigError,
+    InvalidKeyError,
+    KvpoolConnectionError,
+    KvpoolTimeoutError,
+    Status,
+    ValueTooLargeError,
+    WrongOwnerError,
+    error_for_status,
+)
+from kvpool.protocol.frames import (
+    KEY_SIZE,
+    PROTOCOL_VERSION,
+    Op,
+    PutItemHeader,
+    Tier,
+    decode_json,
+    decode_lookup,
+    decode_statuses,
+    encode_json,
+)
+from kvpool.protocol.parsers import TOO_SMALL, Reply
+
+__all__ = ["DEFAULT_PORT", "Key", "NodeClient", "join_keys", "key_bytes", "parse_url"]
+
+log = logging.getLogger("kvpool.client")
+
+Key = bytes | str
+DEFAULT_PORT = 7700
+_TIER_NAMES = {int(t): t.name.lower() for t in Tier}
+
+
+def parse_url(url: str) -> tuple[str, int]:
+    """``kvpool://host:port`` (or ``host:port``) -> (host, port)."""
+    parts = urlsplit(url if "://" in url else f"kvpool://{url}")
+    if parts.scheme != "kvpool":
+        raise ConfigError(f"node URL must start with kvpool://, got {url!r}")
+    try:
+        port = parts.port or DEFAULT_PORT
+    except ValueError:
+        raise ConfigError(f"bad port in node URL {url!r}") from None
+    if not parts.hostname:
+        raise ConfigError(f"no host in node URL {url!r}")
+    return parts.hostname, port
+
+
+def key_bytes(key: Key) -> bytes:
+    if isinstance(key, str):
+        return key_from_hex(key)
+    if not isinstance(key, bytes | bytearray | memoryview):
+        raise InvalidKeyError(f"a key is bytes or a hex str, got {type(key).__name__}")
+    if len(key) != KEY_SIZE:
+        raise InvalidKeyError(f"a key is {KEY_SIZE} bytes, got {len(key)}")
+    return bytes(key)
+
+
+def join_keys(keys: Sequence[Key]) -> bytes:
+    """All keys as one validated 16*n byte blob: the body of a key-list frame."""
+    try:
+        blob = b"".join(keys)  # type: ignore[arg-type]  # fast path: all bytes-like
+    except TypeError:
+        return b"".join([key_bytes(k) for k in keys])
+    if len(blob) != KEY_SIZE * len(keys) or any(n != KEY_SIZE for n in map(len, keys)):
+        return b"".join([key_bytes(k) for k in keys])  # raises InvalidKeyError for the bad one
+    return blob
+
+
+def _ttl_ms(ttl: float | None) -> int:
+    if ttl is None:
+        return 0
+    if ttl <= 0:
+        raise ValueError("ttl must be > 0 seconds (or None for the node default)")
+    return max(1, min(int(ttl * 1000), 0xFFFFFFFF))
+
+
+def _chunks(n: int, size: int) -> Iterator[range]:
+    for start in range(0, n, size):
+        yield range(start, min(n, start + size))
+
+
+def _blob_part(blob: bytes, part: range) -> bytes:
+    return blob[part.start * KEY_SIZE : part.stop * KEY_SIZE]
+
+
+class NodeClient:
+    """Connections to one node, its limits, and whether it is reachable right now.
+
+    A node that fails a connect, a call or a deadline is *down* for a back-off
+    period (0.25 s, doubling up to 30 s); :attr:`live` turns true again after
+    it, and the next call probes the node.
+    """
+
+    BACKOFF_START_S = 0.25
+    BACKOFF_MAX_S = 30.0
+
+    def __init__(self, host: str, port: int, *, node_id: str = "", pool_size: int = 2,
+                 timeout: float = 10.0, connect_timeout: float = 5.0,
+                 client_name: str = "kvpool-python") -> None:
+        self.host, self.port = host, port
+        self.node_id = node_id or f"{host}:{port}"
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.client_name = client_name
+        self._slots: list[Connection | None] = [None] * pool_size
+        self._connecting: dict[int, asyncio.Future[Connection]] = {}
+        self._next_slot = 0
+        self.server_info: dict[str, Any] = {}
+        #: the cluster-map epoch requests are routed with (0 = standalone)
+        self.epoch = 0
+        #: called with a reply's epoch when it is newer than :attr:`epoch`
+        self.on_newer_epoch: Callable[[int], None] | None = None
+        self.num_corrupt = 0
+        self.failures = 0
+        self.down_until = 0.0
+
+    # -- health ---------------------------------------------------------------------------
+
+    @property
+    def live(self) -> bool:
+        return self.failures == 0 or time.monotonic() >= self.down_until
+
+    def mark_down(self) -> None:
+        self.failures += 1
+        backoff = min(self.BACKOFF_MAX_S, self.BACKOFF_START_S * 2 ** (self.failures - 1))
+        self.down_until = time.monotonic() + backoff
+        log.info("kvpool node %s marked down for %.2fs (%d failures in a row)", self.node_id,
+                 backoff, self.failures)
+        self.close()
+
+    def close(self) -> None:
+        for i, conn in enumerate(self._slots):
+            if conn is not None:
+                conn.close()
+            self._slots[i] = None
+
+    async def connect(self) -> None:
+        await self._connection()
+
+    # -- ops: raw per-key outcomes --------------------------------------------------------
+
+    async def put(self, bkeys: Sequence[bytes], values: Sequence[Buffer], *, ttl_ms: int,
+                  flags: int, chunk_indexes: Sequence[int] | None, num_tokens: int,
+                  fingerprint: bytes) -> list[int]:
+        """One Status per key, in as few frames as the node's limits allow."""
+        conn = await self._connection()
+        max_value = int(self.server_info["max_value_bytes"])
+        max_frame = int(self.server_info["max_frame_bytes"])
+        max_batch = int(self.server_info["max_batch"])
+        frames: list[tuple[int, list[Buffer]]] = []
+        count = 0
+        body: list[Buffer] = []
+        frame_bytes = 0
+        for i, (key, value) in enumerate(zip(bkeys, values, strict=True)):
+            payload = memoryview(value).cast("B")
+            value_len = ENVELOPE_HEADER_SIZE + payload.nbytes
+            if value_len > max_value:
+                raise ValueTooLargeError(
+                    f"value of {payload.nbytes} bytes (+{ENVELOPE_HEADER_SIZE} envelope) exceeds "
+                    f"the node's max_value_bytes {max_value}")
+            item_bytes = 32 + value_len
+            if count and (count == max_batch or frame_bytes + item_bytes > max_frame):
+                frames.append((count, body))
+                count, body, frame_bytes = 0, [], 0
+            envelope = seal(payload, chunk_index=chunk_indexes[i] if chunk_indexes else 0,
+                            num_tokens=num_tokens, fingerprint=fingerprint)
+            body += [PutItemHeader(key, value_len, ttl_ms, flags).pack(), envelope, payload]
+            count += 1
+            frame_bytes += item_bytes
+        if count:
+            frames.append((count, body))
+        replies = await self._gather([(conn, Op.PUT, n, b, None) for n, b in frames])
+        statuses: list[int] = []
+        for (n, _), reply in zip(frames, replies, strict=True):
+            statuses += decode_statuses(reply.body, n)
+        return statuses
+
+    async def get(self, blob: bytes, sinks: Sequence[memoryview] | None
+                  ) -> list[memoryview | None]:
+        """Payload views (None for misses and corrupt chunks, which are deleted here)."""
+        conn = await self._connection()
+        max_batch = int(self.server_info["max_batch"])
+        parts = list(_chunks(len(blob) // KEY_SIZE, max_batch))
+        calls = [(conn, Op.GET, len(p), [_blob_part(blob, p)],
+                  [sinks[i] for i in p] if sinks is not None else None) for p in parts]
+        replies = await self._gather(calls)
+        out: list[memoryview | None] = []
+        corrupt: list[bytes] = []
+        for part, reply in zip(parts, replies, strict=True):
+            for i, item in zip(part, reply.items, strict=True):
+                if item.status == Status.OK:
+                    out.append(item.payload)
+                    continue
+                if item.status == TOO_SMALL:
+                    assert item.envelope is not None
+                    raise BufferTooSmallError(
+                        f"buffer of {len(sinks[i]) if sinks else 0} bytes is too small for the "
+                        f"{item.envelope.stored_len}-byte payload of "
+                        f"{_blob_part(blob, range(i, i + 1)).hex()}")
+                if item.status == Status.CORRUPT:
+                    corrupt.append(_blob_part(blob, range(i, i + 1)))
+                out.append(None)
+        if corrupt:
+            self.num_corrupt += len(corrupt)
+            log.warning("dropping %d corrupt chunk(s) on %s (treated as misses): %s",
+                        len(corrupt), self.node_id, ", ".join(k.hex() for k in corrupt[:4]))
+            await self.statuses(Op.DELETE, b"".join(corrupt))
+        return out
+
+    async def exists(self, blob: bytes) -> bytes:
+        """One tier code per key, 0 where absent (the EXISTS reply's second half)."""
+        conn = await self._connection()
+        count = len(blob) // KEY_SIZE
+        parts = list(_chunks(count, int(self.server_info["max_batch"])))
+        replies = await self._gather(
+            [(conn, Op.EXISTS, len(p), [_blob_part(blob, p)], None) for p in parts])
+        codes = bytearray()
+        for part, reply in zip(parts, replies, strict=True):
+            body = reply.body  # count statuses, then count tier codes
+            if len(body) != 2 * len(part):
+                raise error_for_status(Status.BAD_FRAME, "EXISTS reply of the wrong size")
+            codes += body[len(part) :]
+        return bytes(codes)
+
+    async def lookup(self, blob: bytes) -> list[int]:
+        """Tier codes of the leading keys the node holds (LOOKUP stops at the first miss)."""
+        conn = await self._connection()
+        max_batch = int(self.server_info["max_batch"])
+        tiers: list[int] = []
+        for part in _chunks(len(blob) // KEY_SIZE, max_batch):
+            reply = await self._call(conn, Op.LOOKUP, len(part), [_blob_part(blob, part)])
+            found = decode_lookup(reply.body)
+            tiers += found
+            if len(found) < len(part):
+                break
+        return tiers
+
+    async def statuses(self, op: Op, blob: bytes) -> list[int]:
+        conn = await self._connection()
+        count = len(blob) // KEY_SIZE
+        parts = list(_chunks(count, int(self.server_info["max_batch"])))
+        replies = await self._gather(
+            [(conn, op, len(p), [_blob_part(blob, p)], None) for p in parts])
+        statuses: list[int] = []
+        for part, reply in zip(parts, replies, strict=True):
+            statuses += decode_statuses(reply.body, len(part))
+        return statuses
+
+    async def json_op(self, op: Op) -> dict[str, Any]:
+        """STATS or CLUSTER: an empty request, a JSON reply."""
+        conn = await self._connection()
+        return decode_json((await self._call(conn, op, 0, [])).body)
+
+    # -- internals ------------------------------------------------------------------------
+
+    async def _gather(self, calls: Sequence[tuple[Connection, int, int, Sequence[Buffer],
+                                                  Sequence[memoryview | None] | None]]
+                      ) -> list[Reply]:
+        if len(calls) == 1:
+            return [await self._call(*calls[0])]
+        return list(await asyncio.gather(*(self._call(*c) for c in calls)))
+
+    async def _call(self, conn: Connection, op: int, count: int, body: Sequence[Buffer],
+                    sinks: Sequence[memoryview | None] | None = None) -> Reply:
+        # the connection enforces the deadline
+        reply = await conn.send(op, count, body, sinks, epoch=self.epoch)
+        header = reply.header
+        if header.epoch > self.epoch and self.on_newer_epoch is not None:
+            self.on_newer_epoch(header.epoch)
+        if header.status != Status.OK:
+            error = error_for_status(header.status, bytes(reply.body).decode("utf-8", "replace"))
+            if isinstance(error, WrongOwnerError):
+                error.epoch = header.epoch
+            raise error
+        self.failures = 0
+        return reply
+
+    async def _connection(self) -> Connection:
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % len(self._slots)
+        conn = self._slots[slot]
+        if conn is not None and conn.is_open:
+            return conn
+        connecting = self._connecting.get(slot)
+        if connecting is None:
+            connecting = asyncio.ensure_future(self._open())
+            self._connecting[slot] = connecting
+            try:
+                conn = await connecting
+                self._slots[slot] = conn
+            finally:
+                del self._connecting[slot]
+            return conn
+        return await asyncio.shield(connecting)
+
+    async def _open(self) -> Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: Connection(self.timeout, f"{self.host}:{self.port}"),
+                    self.host, self.port)
+        except TimeoutError:
+            raise KvpoolTimeoutError(
+                f"connecting to {self.host}:{self.port} took longer than {self.connect_timeout}s"
+            ) from None
+        except OSError as exc:
+            raise KvpoolConnectionError(
+                f"cannot connect to kvpool node {self.host}:{self.port}: {exc}") from exc
+        hello = encode_json({"protocol": PROTOCOL_VERSION, "client": self.client_name})
+        try:
+            reply = await self._call(conn, Op.HELLO, 0, [hello])
+        except BaseException:
+            conn.close()
+            raise
+        self.server_info = decode_json(reply.body)
+        return conn

@@ -1,0 +1,208 @@
+"""The cluster map: who is in the cluster, and so who owns which key. Pure.
+
+A map is an epoch, a replication factor and a list of nodes (id, data
+address, admin address, weight, state). Nodes and clients that hold maps
+of the same epoch place every key the same way. Where a map comes from
+(a static file, etcd) is the server's business; this module only parses,
+validates, serialises and places.
+
+Placement: the ring holds the nodes that are ``up`` (``draining`` and
+``down`` nodes own nothing). The *owners* of a key are the first
+``replication`` nodes of its preference list; the next ``fallbacks`` nodes
+take writes while an owner is unreachable. A node accepts a key that is
+anywhere in those first ``replication + fallbacks`` places.
+"""
+
+from __future__ import annotations
+
+import enum
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from kvpool.placement.ring import Ring, key_positions
+from kvpool.protocol.errors import ConfigError
+
+__all__ = ["ClusterMap", "NodeInfo", "NodeState", "parse_address"]
+
+
+class NodeState(enum.StrEnum):
+    UP = "up"
+    DRAINING = "draining"
+    DOWN = "down"
+
+
+def parse_address(text: str, what: str = "address") -> tuple[str, int]:
+    """``host:port`` -> (host, port), with a clear error."""
+    host, sep, port = str(text).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{what} must be host:port, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    id: str
+    data: str  #: host:port of the binary data port, as clients reach it
+    admin: str = ""  #: host:port of the admin HTTP port ("" if unknown)
+    weight: float = 1.0
+    state: NodeState = NodeState.UP
+
+    def __post_init__(self) -> None:
+        if not self.id or not isinstance(self.id, str):
+            raise ConfigError("every node needs a non-empty string id")
+        parse_address(self.data, f"node {self.id!r} data address")
+        if self.admin:
+            parse_address(self.admin, f"node {self.id!r} admin address")
+        if not isinstance(self.weight, int | float) or not self.weight > 0:
+            raise ConfigError(f"node {self.id!r}: weight must be > 0, got {self.weight!r}")
+        try:
+            object.__setattr__(self, "state", NodeState(self.state))
+        except ValueError:
+            raise ConfigError(f"node {self.id!r}: state must be one of "
+                              f"{[s.value for s in NodeState]}, got {self.state!r}") from None
+
+    @property
+    def data_address(self) -> tuple[str, int]:
+        return parse_address(self.data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "data": self.data, "admin": self.admin, "weight": self.weight,
+                "state": self.state.value}
+
+
+_NODE_FIELDS = {"id", "data", "admin", "weight", "state"}
+_MAP_FIELDS = {"epoch", "replication", "fallbacks", "nodes"}
+
+
+@dataclass(frozen=True)
+class ClusterMap:
+    epoch: int
+    nodes: tuple[NodeInfo, ...]
+    replication: int = 1
+    fallbacks: int = 1
+    by_id: Mapping[str, NodeInfo] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.epoch, int) or self.epoch < 1:
+            raise ConfigError(f"cluster epoch must be an integer >= 1, got {self.epoch!r}")
+        if not isinstance(self.replication, int) or self.replication < 1:
+            raise ConfigError(f"replication must be an integer >= 1, got {self.replication!r}")
+        if not isinstance(self.fallbacks, int) or self.fallbacks < 0:
+            raise ConfigError(f"fallbacks must be an integer >= 0, got {self.fallbacks!r}")
+        if not self.nodes:
+            raise ConfigError("a cluster map needs at least one node")
+        ids = [n.id for n in self.nodes]
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"node ids must be unique, got {ids}")
+        datas = [n.data for n in self.nodes]
+        if len(set(datas)) != len(datas):
+            raise ConfigError(f"node data addresses must be unique, got {datas}")
+        if not any(n.state == NodeState.UP for n in self.nodes):
+            raise ConfigError("a cluster map needs at least one node in state 'up'")
+        object.__setattr__(self, "by_id", {n.id: n for n in self.nodes})
+
+    # -- placement ------------------------------------------------------------------------
+
+    @property
+    def width(self) -> int:
+        """How many places of a key's preference list take its reads and writes."""
+        return min(self.replication + self.fallbacks, len(self.ring))
+
+    @property
+    def num_owners(self) -> int:
+        return min(self.replication, len(self.ring))
+
+    @cached_property
+    def ring(self) -> Ring:
+        up = {n.id: n.weight for n in self.nodes if n.state == NodeState.UP}
+        return Ring(up, width=self.replication + self.fallbacks)
+
+    def preference(self, keys: bytes | Sequence[bytes]) -> list[list[str]]:
+        """For each key, its owners then its fallbacks (``width`` node ids)."""
+        return self.ring.owners_many(keys, self.width)
+
+    def accepts(self, node_id: str, keys: bytes | Sequence[bytes]) -> bool:
+        """True if ``node_id`` is among the first ``width`` places of every key."""
+        ring = self.ring
+        if node_id not in ring.weights:
+            return False
+        if len(ring) <= self.width:
+            return True
+        index = ring.nodes.index(node_id)
+        table = ring.owner_indexes(key_positions(keys), self.width)
+        return bool((table == index).any(axis=1).all())
+
+    # -- (de)serialisation ----------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "replication": self.replication,
+                "fallbacks": self.fallbacks, "nodes": [n.to_dict() for n in self.nodes]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, epoch: int | None = None) -> ClusterMap:
+        if not isinstance(data, Mapping):
+            raise ConfigError("a cluster map must be a table/object")
+        unknown = set(data) - _MAP_FIELDS
+        if unknown:
+            raise ConfigError(f"unknown cluster map field(s) {sorted(unknown)}; "
+                              f"known: {sorted(_MAP_FIELDS)}")
+        raw_nodes = data.get("nodes")
+        if not isinstance(raw_nodes, list):
+            raise ConfigError("a cluster map needs a list of nodes ([[nodes]] in TOML)")
+        nodes = []
+        for raw in raw_nodes:
+            if not isinstance(raw, Mapping):
+                raise ConfigError("each node must be a table/object")
+            bad = set(raw) - _NODE_FIELDS
+            if bad:
+                raise ConfigError(f"unknown node field(s) {sorted(bad)}; known: "
+                                  f"{sorted(_NODE_FIELDS)}")
+            if "id" not in raw or "data" not in raw:
+                raise ConfigError(f"every node needs 'id' and 'data', got {dict(raw)}")
+            nodes.append(NodeInfo(**raw))
+        return cls(epoch=data.get("epoch", 1) if epoch is None else epoch, nodes=tuple(nodes),
+                   replication=data.get("replication", 1), fallbacks=data.get("fallbacks", 1))
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> ClusterMap:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as exc:
+            raise ConfigError(f"cannot read cluster file {path}: {exc}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"cluster file {path} is not valid TOML: {exc}") from exc
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_peers(cls, peers: str, *, epoch: int = 1, replication: int = 1,
+                   fallbacks: int = 1) -> ClusterMap:
+        """``host:port,host:port,...`` (data ports): ids are the addresses, admin = port+1."""
+        nodes = []
+        for part in filter(None, (p.strip() for p in peers.split(","))):
+            host, port = parse_address(part, "each --peers entry")
+            nodes.append(NodeInfo(id=part, data=part, admin=f"{host}:{port + 1}"))
+        return cls(epoch=epoch, nodes=tuple(nodes), replication=replication,
+                   fallbacks=fallbacks)
+
+    def to_toml(self) -> str:
+        lines = [f"epoch = {self.epoch}", f"replication = {self.replication}",
+                 f"fallbacks = {self.fallbacks}"]
+        for n in self.nodes:
+            lines += ["", "[[nodes]]", f'id = "{n.id}"', f'data = "{n.data}"',
+                      f'admin = "{n.admin}"', f"weight = {n.weight}", f'state = "{n.state}"']
+        return "\n".join(lines) + "\n"
+
+    def with_epoch(self, epoch: int) -> ClusterMap:
+        return replace(self, epoch=epoch)
+
+    def node_for_address(self, host: str, port: int) -> NodeInfo | None:
+        for n in self.nodes:
+            if n.data_address == (host, port):
+                return n
+        return None
+

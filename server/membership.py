@@ -1,0 +1,139 @@
+"""A node's view of the cluster: the current map, which entry is this node, and its source.
+
+A node runs standalone (no map: epoch 0, it owns every key) or with a map
+from one of two sources behind :class:`MapSource`:
+
+- :class:`StaticSource`: a TOML file (``--cluster-file``) or ``--peers``;
+  the node reads it again on SIGHUP. The epoch is the file's.
+- ``etcd`` (:mod:`kvpool.server.etcd`): the map lives in etcd; the epoch is
+  etcd's revision.
+
+The data path asks :meth:`Membership.accepts` only for requests routed with
+an older epoch than the node's, so a steady-state cluster pays nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from kvpool.placement.cluster_map import ClusterMap, NodeInfo
+from kvpool.protocol.errors import ConfigError
+
+__all__ = ["MapSource", "Membership", "StaticSource"]
+
+log = logging.getLogger("kvpool.server")
+
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+class MapSource(Protocol):
+    """Where the map comes from. ``load`` gives the current map (and may block briefly)."""
+
+    def load(self) -> ClusterMap: ...
+
+    def describe(self) -> str: ...
+
+
+class StaticSource:
+    """A fixed map from a TOML file (re-read by :meth:`load`) or a ``--peers`` list."""
+
+    def __init__(self, *, file: str = "", peers: str = "", replication: int = 1) -> None:
+        if bool(file) == bool(peers):
+            raise ConfigError("a static cluster needs exactly one of --cluster-file or --peers")
+        self.file = file
+        self.peers = peers
+        self.replication = replication
+
+    def load(self) -> ClusterMap:
+        if self.file:
+            return ClusterMap.from_toml(Path(self.file))
+        return ClusterMap.from_peers(self.peers, replication=self.replication)
+
+    def describe(self) -> str:
+        return f"static file {self.file}" if self.file else f"static peers {self.peers}"
+
+
+class Membership:
+    """The node's current map and its own id in it."""
+
+    def __init__(self, source: MapSource | None = None) -> None:
+        self.source = source
+        self.map: ClusterMap | None = source.load() if source is not None else None
+        self.node_id = ""
+        self.listeners: list[Callable[[ClusterMap], None]] = []
+
+    @property
+    def epoch(self) -> int:
+        return self.map.epoch if self.map is not None else 0
+
+    def resolve_self(self, node_id: str, data_address: tuple[str, int]) -> str:
+        """Find this node's entry: by ``node_id`` if set, else by its data address."""
+        cmap = self.map
+        if cmap is None:
+            self.node_id = node_id or f"{data_address[0]}:{data_address[1]}"
+            return self.node_id
+        if node_id:
+            if node_id not in cmap.by_id:
+                raise ConfigError(f"--node-id {node_id!r} is not in the cluster map "
+                                  f"(ids: {sorted(cmap.by_id)})")
+            self.node_id = node_id
+            return node_id
+        host, port = data_address
+        matches = [n for n in cmap.nodes if n.data_address[1] == port
+                   and (n.data_address[0] == host or host in _WILDCARD_HOSTS)]
+        if len(matches) != 1:
+            raise ConfigError(
+                f"cannot tell which cluster-map entry is this node (data address {host}:{port}"
+                f" matches {len(matches)}); set --node-id")
+        self.node_id = matches[0].id
+        return self.node_id
+
+    def accepts(self, keys: Sequence[bytes]) -> bool:
+        """True if this node takes reads and writes of every key under the current map."""
+        cmap = self.map
+        return cmap is None or not keys or cmap.accepts(self.node_id, keys)
+
+    def reload(self) -> bool:
+        """Read the source again; True if the map changed."""
+        if self.source is None:
+            return False
+        try:
+            new = self.source.load()
+        except ConfigError as exc:
+            log.error("cluster map reload from %s failed; keeping epoch %d: %s",
+                      self.source.describe(), self.epoch, exc)
+            return False
+        return self.install(new)
+
+    def install(self, new: ClusterMap) -> bool:
+        old = self.map
+        if old is not None and new == old:
+            return False
+        if self.node_id and self.node_id not in new.by_id:
+            log.warning("cluster map epoch %d no longer lists this node (%s)", new.epoch,
+                        self.node_id)
+        if old is not None and new.epoch < old.epoch:
+            log.warning("cluster map epoch went back from %d to %d", old.epoch, new.epoch)
+        self.map = new
+        log.info("cluster map epoch %d: %d nodes, replication %d", new.epoch, len(new.nodes),
+                 new.replication)
+        for listener in self.listeners:
+            listener(new)
+        return True
+
+    def me(self) -> NodeInfo | None:
+        return self.map.by_id.get(self.node_id) if self.map is not None else None
+
+    def to_dict(self, data_address: tuple[str, int], admin_address: tuple[str, int]
+                ) -> dict[str, Any]:
+        """The map as served by ``GET /v1/cluster`` and the CLUSTER op."""
+        if self.map is not None:
+            return {**self.map.to_dict(), "node_id": self.node_id,
+                    "source": self.source.describe() if self.source else ""}
+        me = {"id": self.node_id, "data": f"{data_address[0]}:{data_address[1]}",
+              "admin": f"{admin_address[0]}:{admin_address[1]}", "weight": 1.0, "state": "up"}
+        return {"epoch": 0, "replication": 1, "fallbacks": 0, "nodes": [me],
+                "node_id": self.node_id, "source": "standalone"}

@@ -1,0 +1,174 @@
+"""The hash ring and the cluster map: balance, minimal movement, placement rules, parsing."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.placement.cluster_map import ClusterMap, NodeInfo, NodeState
+from kvpool.placement.ring import Ring, key_positions
+from kvpool.protocol.errors import ConfigError, InvalidKeyError
+
+NUM_KEYS = 1_000_000
+node_ids = st.lists(st.text(min_size=1, max_size=24), min_size=8, max_size=8, unique=True)
+
+
+def random_positions(seed: int, n: int = NUM_KEYS) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 2**64 - 1, size=n, dtype=np.uint64,
+                                                endpoint=True)
+
+
+def primary(ring: Ring, positions: np.ndarray) -> np.ndarray:
+    """The id of each position's first owner."""
+    return np.array(ring.nodes, dtype=object)[ring.owner_indexes(positions, 1)[:, 0]]
+
+
+@settings(max_examples=8, deadline=None)
+@given(ids=node_ids, seed=st.integers(0, 2**32))
+def test_eight_equal_nodes_are_balanced_within_10_percent(ids: list[str], seed: int) -> None:
+    ring = Ring(dict.fromkeys(ids, 1.0))
+    counts = np.bincount(ring.owner_indexes(random_positions(seed), 1)[:, 0], minlength=8)
+    assert counts.sum() == NUM_KEYS
+    assert counts.max() / counts.mean() <= 1.10
+
+
+@settings(max_examples=6, deadline=None)
+@given(ids=st.lists(st.text(min_size=1, max_size=24), min_size=3, max_size=12, unique=True),
+       seed=st.integers(0, 2**32), data=st.data())
+def test_join_and_leave_move_only_about_one_nth(ids: list[str], seed: int,
+                                                data: st.DataObject) -> None:
+    joiner = data.draw(st.text(min_size=1, max_size=24).filter(lambda s: s not in ids))
+    positions = random_positions(seed, 300_000)
+    before = Ring(dict.fromkeys(ids, 1.0))
+    after_join = Ring(dict.fromkeys([*ids, joiner], 1.0))
+    leaver = ids[data.draw(st.integers(0, len(ids) - 1))]
+    after_leave = Ring({i: 1.0 for i in ids if i != leaver})
+    old = primary(before, positions)
+
+    new = primary(after_join, positions)
+    moved = old != new
+    assert moved.mean() <= 1.15 / (len(ids) + 1)
+    assert (new[moved] == joiner).all(), "a key moved between two nodes that both stayed"
+
+    new = primary(after_leave, positions)
+    moved = old != new
+    assert moved.mean() <= 1.15 / len(ids)
+    assert (old[moved] == leaver).all(), "a key moved between two nodes that both stayed"
+
+
+def test_weights_set_the_share() -> None:
+    ring = Ring({"small": 1.0, "big": 3.0})
+    counts = np.bincount(ring.owner_indexes(random_positions(7, 400_000), 1)[:, 0], minlength=2)
+    share = dict(zip(ring.nodes, counts / counts.sum(), strict=True))
+    assert share["big"] == pytest.approx(0.75, abs=0.03)
+
+
+def test_owners_are_distinct_clockwise_and_stable() -> None:
+    ring = Ring({f"n{i}": 1.0 for i in range(5)}, width=3)
+    keys = [os.urandom(16) for _ in range(2000)]
+    for key, owners in zip(keys, ring.owners_many(keys, 3), strict=True):
+        assert len(set(owners)) == 3
+        assert ring.owners(key, 1) == owners[:1]
+        # the first owner holds the first point at or after the key's position
+        pos = int.from_bytes(key[:8], "big")
+        at = int(np.searchsorted(ring.positions, np.uint64(pos), side="left")) % ring.num_points
+        assert ring.owners_many([ring_point_key(int(ring.positions[at]))], 1)[0] == owners[:1]
+    # the same ids give the same ring in any order, in any process
+    again = Ring({f"n{i}": 1.0 for i in reversed(range(5))}, width=3)
+    assert again.owners_many(keys, 3) == ring.owners_many(keys, 3)
+
+
+def ring_point_key(position: int) -> bytes:
+    return position.to_bytes(8, "big") + bytes(8)
+
+
+def test_wraps_past_the_last_point() -> None:
+    ring = Ring({"a": 1.0, "b": 1.0}, width=2)
+    last = int(ring.positions[-1])
+    first_owner = ring.owners(ring_point_key(int(ring.positions[0])), 1)
+    assert ring.owners(ring_point_key(last + 1), 1) == first_owner
+    assert ring.owners(ring_point_key(2**64 - 1), 1) == first_owner
+
+
+def test_width_is_capped_by_node_count_and_checked() -> None:
+    ring = Ring({"a": 1.0, "b": 1.0}, width=5)
+    assert ring.width == 2
+    with pytest.raises(ValueError, match="r must be"):
+        ring.owners(bytes(16), 3)
+
+
+@pytest.mark.parametrize("weights", [{}, {"a": 0.0}, {"a": -1.0}])
+def test_bad_rings_are_refused(weights: dict[str, float]) -> None:
+    with pytest.raises(ConfigError):
+        Ring(weights)
+
+
+def test_key_positions_checks_lengths() -> None:
+    assert key_positions(bytes(range(16)) * 2).tolist() == [int.from_bytes(bytes(range(8)),
+                                                                           "big")] * 2
+    with pytest.raises(InvalidKeyError):
+        key_positions(bytes(17))
+    with pytest.raises(InvalidKeyError):
+        key_positions([bytes(15), bytes(17)])
+
+
+# -- cluster map ------------------------------------------------------------------------
+
+
+def three_nodes(**kw: object) -> ClusterMap:
+    nodes = tuple(NodeInfo(id=f"n{i}", data=f"127.0.0.1:{7700 + 2 * i}",
+                           admin=f"127.0.0.1:{7701 + 2 * i}") for i in range(3))
+    return ClusterMap(epoch=3, nodes=nodes, **kw)  # type: ignore[arg-type]
+
+
+def test_map_round_trips_through_dict_and_toml(tmp_path: Path) -> None:
+    cmap = three_nodes(replication=2)
+    assert ClusterMap.from_dict(cmap.to_dict()) == cmap
+    path = tmp_path / "cluster.toml"
+    path.write_text(cmap.to_toml())
+    assert ClusterMap.from_toml(path) == cmap
+
+
+def test_peers_form() -> None:
+    cmap = ClusterMap.from_peers("127.0.0.1:7700, 127.0.0.1:7710", replication=2)
+    assert [n.id for n in cmap.nodes] == ["127.0.0.1:7700", "127.0.0.1:7710"]
+    assert cmap.nodes[1].admin == "127.0.0.1:7711"
+    assert cmap.epoch == 1 and cmap.replication == 2
+
+
+def test_only_up_nodes_own_keys_and_accepts_follows_the_preference_list() -> None:
+    keys = [os.urandom(16) for _ in range(500)]
+    cmap = three_nodes(replication=1, fallbacks=0)
+    prefs = cmap.preference(keys)
+    for key, pref in zip(keys, prefs, strict=True):
+        assert len(pref) == 1
+        assert cmap.accepts(pref[0], [key])
+        assert not any(cmap.accepts(n, [key]) for n in ("n0", "n1", "n2") if n != pref[0])
+    draining = ClusterMap(epoch=4, nodes=(*cmap.nodes[:2], NodeInfo(
+        id="n2", data="127.0.0.1:7704", state=NodeState.DRAINING)))
+    assert {p[0] for p in draining.preference(keys)} == {"n0", "n1"}
+    assert not draining.accepts("n2", keys[:1])
+    assert not cmap.accepts("nobody", keys[:1])
+
+
+@pytest.mark.parametrize(("data", "match"), [
+    ({"epoch": 1, "nodes": []}, "at least one node"),
+    ({"epoch": 0, "nodes": [{"id": "a", "data": "h:1"}]}, "epoch"),
+    ({"epoch": 1, "replication": 0, "nodes": [{"id": "a", "data": "h:1"}]}, "replication"),
+    ({"epoch": 1, "nodes": [{"id": "a", "data": "h:1"}, {"id": "a", "data": "h:2"}]}, "unique"),
+    ({"epoch": 1, "nodes": [{"id": "a", "data": "h:1"}, {"id": "b", "data": "h:1"}]}, "unique"),
+    ({"epoch": 1, "nodes": [{"id": "a", "data": "nohost"}]}, "host:port"),
+    ({"epoch": 1, "nodes": [{"id": "a", "data": "h:1", "weight": 0}]}, "weight"),
+    ({"epoch": 1, "nodes": [{"id": "a", "data": "h:1", "state": "gone"}]}, "state"),
+    ({"epoch": 1, "nodes": [{"id": "a", "data": "h:1", "state": "down"}]}, "'up'"),
+    ({"epoch": 1, "nodes": [{"id": "a", "data": "h:1", "colour": "red"}]}, "unknown node"),
+    ({"epoch": 1, "nodez": []}, "unknown cluster map"),
+])
+def test_bad_maps_are_refused_with_clear_errors(data: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        ClusterMap.from_dict(data)
