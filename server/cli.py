@@ -1,4 +1,5 @@
-"""The ``kvpool`` command: ``serve`` runs a node, ``stats`` shows one node's counters."""
+"""The ``kvpool`` command: ``serve`` runs a node, ``stats`` shows one node's counters,
+``cluster up`` runs a local cluster of node processes."""
 
 from __future__ import annotations
 
@@ -57,6 +58,39 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster_up(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from kvpool.server.local_cluster import LocalCluster
+
+    serve_args = [a for a in args.serve_args if a != "--"]
+    if args.dram_capacity:
+        serve_args = ["--dram-capacity", args.dram_capacity, *serve_args]
+    cluster = LocalCluster(args.nodes, replication=args.replication, data_dir=args.data_dir,
+                           base_port=args.base_port, serve_args=serve_args,
+                           log_level=args.log_level)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"kvpool: starting {args.nodes} nodes (replication {args.replication}) in "
+          f"{cluster.data_dir}", flush=True)
+    with cluster:
+        for node in cluster.nodes:
+            print(f"  {node.node_id}  data={node.seed}  admin={node.admin_url}  "
+                  f"dir={node.data_dir}", flush=True)
+        print(f"kvpool: cluster ready seeds={','.join(cluster.seeds)}", flush=True)
+        print("kvpool: Ctrl-C stops every node", flush=True)
+        while not stop.wait(0.5):
+            for node in cluster.nodes:
+                if node.proc is not None and node.proc.poll() is not None and not stop.is_set():
+                    print(f"kvpool: node {node.node_id} exited with {node.proc.returncode}:\n"
+                          + "".join(node.output[-20:]), file=sys.stderr, flush=True)
+                    stop.set()
+    print("kvpool: cluster stopped", flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool", description="kvpool: a KV-cache store for "
                                      "LLM inference.")
@@ -72,6 +106,27 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="print raw JSON")
     stats.add_argument("--timeout", type=float, default=5.0, help="seconds")
     stats.set_defaults(func=_stats)
+    cluster = sub.add_parser("cluster", help="local clusters (cluster up)")
+    csub = cluster.add_subparsers(dest="cluster_command", required=True)
+    up = csub.add_parser(
+        "up", help="run N node processes on 127.0.0.1 until Ctrl-C",
+        description="Start N kvpool nodes on 127.0.0.1 with their own ports and data dirs, "
+        "sharing one static cluster file; print the seed list; stop them all on Ctrl-C. "
+        "Arguments after -- go to every `kvpool serve`.")
+    up.add_argument("--nodes", type=int, default=3, help="number of nodes (default: 3)")
+    up.add_argument("--replication", type=int, default=2,
+                    help="copies of each chunk (default: 2)")
+    up.add_argument("--base-port", type=int, default=7700,
+                    help="node i gets data port BASE+2i and admin port BASE+2i+1 "
+                    "(default: 7700; 0 = any free ports)")
+    up.add_argument("--data-dir", default="./kvpool-cluster",
+                    help="parent of the nodes' data dirs and of cluster.toml")
+    up.add_argument("--dram-capacity", default="512MiB",
+                    help="DRAM tier of each node (default: 512MiB)")
+    up.add_argument("--log-level", default="warning", help="nodes' log level")
+    up.add_argument("serve_args", nargs=argparse.REMAINDER,
+                    help="-- then flags for every node, e.g. -- --no-ssd")
+    up.set_defaults(func=_cluster_up)
     return parser
 
 

@@ -1,0 +1,196 @@
+"""A cluster of real node processes on 127.0.0.1: ``kvpool cluster up`` and the tests use it.
+
+Each node is a ``kvpool serve`` process with its own ports and data dir,
+all reading one static cluster file (``<data_dir>/cluster.toml``) written
+before they start. Nodes can be killed (SIGKILL) and restarted on the same
+ports and data dir, which is what the failover tests do.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from kvpool.placement.cluster_map import ClusterMap, NodeInfo
+from kvpool.protocol.errors import ConfigError
+
+__all__ = ["LocalCluster", "LocalNode", "free_ports"]
+
+READY = re.compile(r"kvpool: ready data=(\S+):(\d+) admin=(\S+)")
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Ports the kernel says are free now (a small race remains until a node binds them)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class LocalNode:
+    node_id: str
+    data_port: int
+    admin_port: int
+    data_dir: Path
+    proc: subprocess.Popen[str] | None = None
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def seed(self) -> str:
+        return f"127.0.0.1:{self.data_port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class LocalCluster:
+    """``nodes`` node processes sharing one static map. Use as a context manager."""
+
+    def __init__(self, nodes: int = 3, *, replication: int = 2, fallbacks: int = 1,
+                 data_dir: str | Path,
+                 base_port: int = 0, serve_args: Sequence[str] = (), log_level: str = "warning",
+                 startup_timeout: float = 60.0) -> None:
+        if nodes < 1:
+            raise ConfigError("a cluster needs at least one node")
+        if not 1 <= replication <= nodes:
+            raise ConfigError(f"replication must be in 1..{nodes}")
+        self.data_dir = Path(data_dir)
+        ports = free_ports(2 * nodes) if base_port == 0 else \
+            list(range(base_port, base_port + 2 * nodes))
+        self.nodes = [LocalNode(f"n{i}", ports[2 * i], ports[2 * i + 1], self.data_dir / f"n{i}")
+                      for i in range(nodes)]
+        self.map = ClusterMap(epoch=1, replication=replication, fallbacks=fallbacks, nodes=tuple(
+            NodeInfo(id=n.node_id, data=n.seed, admin=f"127.0.0.1:{n.admin_port}")
+            for n in self.nodes))
+        self.map_file = self.data_dir / "cluster.toml"
+        self.serve_args = list(serve_args)
+        self.log_level = log_level
+        self.startup_timeout = startup_timeout
+
+    @property
+    def seeds(self) -> list[str]:
+        return [n.seed for n in self.nodes]
+
+    def start(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.write_map(self.map)
+        for node in self.nodes:
+            self._spawn(node)
+        for node in self.nodes:
+            self._wait_ready(node)
+
+    def write_map(self, cmap: ClusterMap) -> None:
+        """Write the static map; :meth:`reload` makes running nodes read it."""
+        tmp = self.map_file.with_suffix(".tmp")
+        tmp.write_text(cmap.to_toml())
+        os.replace(tmp, self.map_file)
+        self.map = cmap
+
+    def reload(self) -> None:
+        """SIGHUP every running node: they re-read the cluster file."""
+        for node in self.nodes:
+            if node.running:
+                assert node.proc is not None
+                node.proc.send_signal(signal.SIGHUP)
+
+    def kill(self, index: int) -> None:
+        """SIGKILL one node (no goodbye, as in a crash)."""
+        proc = self.nodes[index].proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+    def restart(self, index: int) -> None:
+        node = self.nodes[index]
+        self.kill(index)
+        self._spawn(node)
+        self._wait_ready(node)
+
+    def stop(self, timeout: float = 10.0) -> list[int | None]:
+        """SIGTERM every node, wait, SIGKILL stragglers; the exit codes."""
+        for node in self.nodes:
+            if node.running:
+                assert node.proc is not None
+                node.proc.send_signal(signal.SIGTERM)
+        codes: list[int | None] = []
+        for node in self.nodes:
+            if node.proc is None:
+                codes.append(None)
+                continue
+            try:
+                node.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                node.proc.kill()
+                node.proc.wait(timeout)
+            codes.append(node.proc.returncode)
+        return codes
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _spawn(self, node: LocalNode) -> None:
+        node.data_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "kvpool.server", "serve", "--cluster-file",
+               str(self.map_file), "--node-id", node.node_id, "--host", "127.0.0.1",
+               "--data-port", str(node.data_port), "--admin-port", str(node.admin_port),
+               "--data-dir", str(node.data_dir), "--log-level", self.log_level,
+               *self.serve_args]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+        node.output = []
+        node.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env)
+
+    def _wait_ready(self, node: LocalNode) -> None:
+        proc = node.proc
+        assert proc is not None and proc.stdout is not None
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            node.output.append(line)
+            if READY.search(line):
+                # keep draining its output (a full pipe would block the node)
+                threading.Thread(target=_drain, args=(proc, node.output), daemon=True).start()
+                return
+        proc.kill()
+        raise ConfigError(f"node {node.node_id} did not start:\n" + "".join(node.output))
+
+
+def _drain(proc: subprocess.Popen[str], lines: list[str]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)

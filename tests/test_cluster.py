@@ -1,0 +1,253 @@
+"""Clusters of real node processes on 127.0.0.1: routing, replication, failover, map changes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from kvpool.client import AsyncClient, Client
+from kvpool.client._node import NodeClient
+from kvpool.placement.cluster_map import ClusterMap, NodeInfo, NodeState
+from kvpool.placement.keys import ChunkHasher, Namespace
+from kvpool.protocol.errors import WrongOwnerError
+from kvpool.protocol.frames import Op
+from kvpool.server.local_cluster import LocalCluster
+
+FAST = ["--no-ssd", "--dram-capacity", "64MiB"]
+
+
+def value_for(key: bytes, size: int = 4096) -> bytes:
+    """A value that can be recomputed from its key: any wrong byte is caught."""
+    seed = xxhash.xxh3_128(key).digest()
+    return (seed * (size // 16 + 1))[:size]
+
+
+def admin_json(url: str) -> dict[str, object]:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        data: dict[str, object] = json.load(response)
+        return data
+
+
+async def node_exists(cluster: LocalCluster, index: int, keys: list[bytes]) -> bytes:
+    """Ask one node directly (at the current epoch) which of ``keys`` it holds."""
+    node = cluster.nodes[index]
+    direct = NodeClient("127.0.0.1", node.data_port)
+    direct.epoch = cluster.map.epoch
+    try:
+        return await direct.exists(b"".join(keys))
+    finally:
+        direct.close()
+
+
+@pytest.fixture(scope="module")
+def cluster3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with LocalCluster(3, replication=2, data_dir=tmp_path_factory.mktemp("c3"),
+                      serve_args=FAST) as c:
+        yield c
+
+
+def test_every_node_serves_the_same_map(cluster3: LocalCluster) -> None:
+    maps = [admin_json(f"{n.admin_url}/v1/cluster") for n in cluster3.nodes]
+    for node, served in zip(cluster3.nodes, maps, strict=True):
+        assert served["node_id"] == node.node_id
+        fields = {k: v for k, v in served.items() if k not in ("node_id", "source")}
+        assert ClusterMap.from_dict(fields) == cluster3.map
+
+
+async def test_writes_land_on_their_owners_and_another_seed_reads_them(
+        cluster3: LocalCluster) -> None:
+    keys = [os.urandom(16) for _ in range(300)]
+    async with AsyncClient(cluster3.seeds[0]) as writer:
+        assert writer.epoch == 1
+        await writer.put_many(keys, [value_for(k) for k in keys])
+    # a client that only knows the last node reads every value back
+    async with AsyncClient(f"kvpool://{cluster3.seeds[2]}") as reader:
+        got = await reader.get_many(keys)
+        assert [bytes(v) if v is not None else None for v in got] == [value_for(k) for k in keys]
+        assert await reader.lookup(keys) == len(keys)
+        assert set(await reader.exists_tiers(keys)) == {"dram"}
+    # each key is on exactly its two owners: the batch was split by owner
+    owners = cluster3.map.preference(keys)
+    for i, node in enumerate(cluster3.nodes):
+        held = await node_exists(cluster3, i, keys)
+        expected = [node.node_id in o[:2] for o in owners]
+        assert [code != 0 for code in held] == expected
+        assert 0 < sum(expected) < len(keys)
+
+
+def test_sync_client_and_cluster_stats(cluster3: LocalCluster) -> None:
+    keys = [os.urandom(16) for _ in range(40)]
+    with Client(cluster3.seeds) as c:
+        c.put_many(keys, [value_for(k, 100) for k in keys])
+        assert c.get(keys[0]) == value_for(keys[0], 100)
+        assert c.delete_many(keys[:10]) == [True] * 10
+        assert c.exists_many(keys[:12]) == [False] * 10 + [True] * 2
+        assert c.pin(keys[20]) and c.unpin(keys[20])
+        stats = c.stats()
+        assert stats["epoch"] == 1
+        assert set(stats["nodes"]) == {"n0", "n1", "n2"}
+        assert all(s["num_objects"] > 0 for s in stats["nodes"].values())
+
+
+async def test_cluster_lookup_of_a_prompt_prefix(cluster3: LocalCluster) -> None:
+    hasher = ChunkHasher(Namespace(model="test-model", dtype="bfloat16", num_layers=2,
+                                   num_kv_heads=4, head_dim=64, chunk_tokens=16))
+    tokens = list(range(1000, 1000 + 16 * 40))
+    keys = hasher.keys(tokens)
+    async with AsyncClient(cluster3.seeds) as c:
+        await c.put_many(keys[:25], [value_for(k, 64) for k in keys[:25]],
+                         chunk_indexes=list(range(25)))
+        assert await c.lookup(keys) == 25
+        assert await c.lookup_tiers(keys) == ["dram"] * 25
+        await c.delete(keys[10])
+        assert await c.lookup(keys) == 10
+
+
+async def test_kill_9_under_load_with_replication_2(tmp_path: Path) -> None:
+    """Mixed load; one node is SIGKILLed, then restarted: no errors, no wrong or lost bytes."""
+    with LocalCluster(3, replication=2, data_dir=tmp_path, serve_args=FAST) as cluster:
+        written: dict[bytes, bytes] = {}
+        errors: list[BaseException] = []
+        misses = wrong = reads = 0
+        stop = asyncio.Event()
+
+        async def worker(client: AsyncClient, seed: int) -> None:
+            nonlocal misses, wrong, reads
+            rng = random.Random(seed)
+            while not stop.is_set():
+                try:
+                    if rng.random() < 0.4 or len(written) < 50:
+                        keys = [rng.randbytes(16) for _ in range(8)] if len(written) < 6000 \
+                            else rng.sample(list(written), 8)  # bounded: no evictions
+                        await client.put_many(keys, [value_for(k) for k in keys])
+                        written.update((k, value_for(k)) for k in keys)
+                    else:
+                        keys = rng.sample(list(written), 16)
+                        for key, got in zip(keys, await client.get_many(keys), strict=True):
+                            reads += 1
+                            if got is None:
+                                misses += 1
+                            elif bytes(got) != written[key]:
+                                wrong += 1
+                except Exception as exc:  # every error is a failure here
+                    errors.append(exc)
+                    return
+
+        async with AsyncClient(cluster.seeds, timeout=5) as client:
+            tasks = [asyncio.create_task(worker(client, s)) for s in range(4)]
+            await asyncio.sleep(1.0)
+            cluster.kill(1)
+            await asyncio.sleep(1.5)
+            before_restart = reads
+            await asyncio.to_thread(cluster.restart, 1)
+            # the restarted node comes back into use once the client's back-off (<= 5 s) ends
+            n1_requests = 0
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                n1 = admin_json(f"{cluster.nodes[1].admin_url}/v1/stats")
+                requests = n1["requests"]
+                assert isinstance(requests, dict)
+                n1_requests = requests["get"] + requests["put"]
+                if n1_requests > 0 and reads > before_restart + 1000:
+                    break
+            stop.set()
+            await asyncio.gather(*tasks)
+            assert errors == []
+            assert wrong == 0 and client.num_corrupt == 0
+            # every acknowledged chunk had a copy on a node that stayed up
+            assert misses == 0, f"{misses} of {reads} reads missed"
+            assert reads > before_restart > 0
+            assert n1_requests > 0, "the restarted node never got requests again"
+
+
+async def test_map_change_races_requests_through_wrong_owner(tmp_path: Path) -> None:
+    """A client on an old map gets WRONG_OWNER, refreshes, and its calls still succeed."""
+    with LocalCluster(4, replication=1, fallbacks=0, data_dir=tmp_path,
+                      serve_args=FAST) as cluster:
+        keys = [os.urandom(16) for _ in range(200)]
+        async with AsyncClient(cluster.seeds[0]) as old:
+            await old.put_many(keys, [value_for(k) for k in keys])
+            # take n3 out: epoch 2 gives its keys to the others
+            nodes = list(cluster.map.nodes)
+            nodes[3] = NodeInfo(id="n3", data=nodes[3].data, admin=nodes[3].admin,
+                                state=NodeState.DOWN)
+            cluster.write_map(ClusterMap(epoch=2, replication=1, fallbacks=0,
+                                         nodes=tuple(nodes)))
+            cluster.reload()
+            for _ in range(100):  # SIGHUP is asynchronous: wait for every node to see epoch 2
+                if all(admin_json(f"{n.admin_url}/v1/cluster")["epoch"] == 2
+                       for n in cluster.nodes):
+                    break
+                await asyncio.sleep(0.05)
+
+            # straight to the protocol: n3 refuses a key it owned, and keeps the connection
+            moved = [k for k, o in zip(keys, ClusterMap.from_dict(
+                {**cluster.map.to_dict(), "epoch": 1,
+                 "nodes": [dict(n.to_dict(), state="up") for n in nodes]}).preference(keys),
+                strict=True) if o[0] == "n3"]
+            assert moved
+            direct = NodeClient("127.0.0.1", cluster.nodes[3].data_port)
+            direct.epoch = 1
+            with pytest.raises(WrongOwnerError) as caught:
+                await direct.get(moved[0], None)
+            assert caught.value.epoch == 2
+            direct.epoch = 2
+            assert await direct.json_op(Op.CLUSTER)
+            direct.close()
+
+            # the old client's writes and reads still succeed, routed by the new map
+            assert old.epoch == 1
+            fresh = [os.urandom(16) for _ in range(200)]
+            await old.put_many(fresh, [value_for(k) for k in fresh])
+            assert old.epoch == 2
+            got = await old.get_many(fresh)
+            assert [bytes(v) if v else None for v in got] == [value_for(k) for k in fresh]
+            held = await node_exists(cluster, 3, fresh)
+            assert not any(held), "a new write went to the node that left"
+            stats = admin_json(f"{cluster.nodes[3].admin_url}/v1/stats")
+            assert isinstance(stats["wrong_owner"], int) and stats["wrong_owner"] >= 1
+
+
+def test_kvpool_cluster_up_command(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpool.server", "cluster", "up", "--nodes", "2",
+         "--replication", "2", "--base-port", "0", "--data-dir", str(tmp_path),
+         "--dram-capacity", "32MiB", "--", "--no-ssd"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    seeds = None
+    lines = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and seeds is None:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"cluster ready seeds=(\S+)", line)
+        seeds = m.group(1).split(",") if m else None
+    try:
+        assert seeds is not None and len(seeds) == 2, "".join(lines)
+        with Client(seeds) as c:
+            c.put(bytes(16), b"hello cluster")
+            assert c.epoch == 1
+        with Client(seeds[1]) as c:
+            assert c.get(bytes(16)) == b"hello cluster"
+        assert (tmp_path / "cluster.toml").exists()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert "cluster stopped" in out
