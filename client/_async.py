@@ -262,11 +262,11 @@ class AsyncClient:
         return [len(r) if r is not None else None for r in results]
 
     async def exists_many(self, keys: Sequence[Key]) -> list[bool]:
-        return [code != 0 for code in await self._exists(join_keys(keys))]
+        return [code != 0 for code in await self.exists_codes(join_keys(keys))]
 
     async def exists_tiers(self, keys: Sequence[Key]) -> list[str | None]:
         """The tier ("dram", "ssd", "s3") holding each key, None where none does."""
-        codes = await self._exists(join_keys(keys))
+        codes = await self.exists_codes(join_keys(keys))
         return [_TIER_NAMES.get(code, "?") if code else None for code in codes]
 
     async def delete_many(self, keys: Sequence[Key]) -> list[bool]:
@@ -286,7 +286,7 @@ class AsyncClient:
         if self._single is not None:
             codes: Sequence[int] = await self._single.lookup(blob)
         else:
-            codes = await self._exists(blob)
+            codes = await self.exists_codes(blob)
             codes = codes[: codes.index(0)] if 0 in codes else codes
         return [_TIER_NAMES.get(t, "?") for t in codes]
 
@@ -339,8 +339,12 @@ class AsyncClient:
         await self._fan_out(blob, send, per_row="owners", enough=found, sequential=True)
         return results
 
-    async def _exists(self, blob: bytes) -> bytes:
-        """The fastest tier code holding each key, 0 where none does."""
+    async def exists_codes(self, keys: bytes | Sequence[Key]) -> bytes:
+        """The fastest tier holding each key as a ``Tier`` code, 0 where none does.
+
+        ``keys`` may be one blob of 16-byte keys. (The raw form of ``exists_tiers``.)
+        """
+        blob = keys if isinstance(keys, bytes) else join_keys(keys)
         await self.connect()
         if self._single is not None:
             return await self._single.exists(blob)

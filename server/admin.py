@@ -1,17 +1,67 @@
-"""The admin HTTP API (aiohttp): ``GET /healthz``, ``GET /v1/stats``, ``GET /v1/cluster``."""
+"""The admin HTTP API (aiohttp).
+
+``GET /healthz``, ``GET /v1/stats``, ``GET /v1/cluster``, and ``POST
+/v1/lookup``: how many leading tokens of a prompt the whole cluster holds,
+for callers that are not Python. Errors are JSON with one shape:
+``{"error": {"type": "bad_request", "message": "..."}}``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import json
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
 
-__all__ = ["make_admin_app"]
+from kvpool.placement.keys import ChunkHasher, Namespace, key_from_hex
+from kvpool.protocol.errors import ConfigError, InvalidKeyError, KvpoolError
+from kvpool.protocol.frames import Tier
+
+__all__ = ["MAX_LOOKUP_TOKENS", "make_admin_app"]
+
+#: the most tokens (or keys) one lookup may carry: 4M tokens is ~16 MiB of JSON
+MAX_LOOKUP_TOKENS = 1 << 22
+_TIER_NAMES = {int(t): t.name.lower() for t in Tier}
+
+LookupFn = Callable[[Sequence[bytes]], Awaitable[list[int]]]
+
+
+def _error(status: int, kind: str, message: str) -> web.Response:
+    return web.json_response({"error": {"type": kind, "message": message}}, status=status)
+
+
+def _parse_lookup(body: Any) -> tuple[list[bytes], int | None]:
+    """The keys to look up, and the chunk size when the request gave tokens."""
+    if not isinstance(body, dict):
+        raise ConfigError("the body must be a JSON object with 'keys' or 'namespace'+'tokens'")
+    if "keys" in body:
+        if set(body) != {"keys"}:
+            raise ConfigError("give either 'keys' alone or 'namespace' and 'tokens'")
+        keys = body["keys"]
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise ConfigError("'keys' must be a list of 32-hex-character strings")
+        if len(keys) > MAX_LOOKUP_TOKENS:
+            raise ConfigError(f"at most {MAX_LOOKUP_TOKENS} keys per lookup")
+        return [key_from_hex(k) for k in keys], None
+    if set(body) != {"namespace", "tokens"}:
+        raise ConfigError("give either 'keys' alone or 'namespace' and 'tokens'")
+    ns, tokens = body["namespace"], body["tokens"]
+    if not isinstance(ns, dict):
+        raise ConfigError("'namespace' must be an object of Namespace fields")
+    if not isinstance(tokens, list) or len(tokens) > MAX_LOOKUP_TOKENS:
+        raise ConfigError(f"'tokens' must be a list of at most {MAX_LOOKUP_TOKENS} token ids")
+    if not all(type(t) is int and 0 <= t < 1 << 32 for t in tokens):
+        raise ConfigError("every token must be an integer in [0, 2**32)")
+    try:
+        namespace = Namespace(**ns)
+    except TypeError as exc:
+        raise ConfigError(f"bad namespace: {exc}") from None
+    return ChunkHasher(namespace).keys(tokens), namespace.chunk_tokens
 
 
 def make_admin_app(node_id: str, snapshot: Callable[[], Awaitable[dict[str, Any]]],
-                   cluster: Callable[[], dict[str, Any]]) -> web.Application:
+                   cluster: Callable[[], dict[str, Any]], lookup: LookupFn) -> web.Application:
     async def healthz(_request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "node_id": node_id})
 
@@ -21,8 +71,30 @@ def make_admin_app(node_id: str, snapshot: Callable[[], Awaitable[dict[str, Any]
     async def cluster_map(_request: web.Request) -> web.Response:
         return web.json_response(cluster())
 
-    app = web.Application()
-    app.router.add_get("/v1/cluster", cluster_map)
+    async def lookup_route(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return _error(400, "bad_request", f"the body is not JSON: {exc}")
+        try:
+            keys, chunk_tokens = _parse_lookup(body)
+        except (ConfigError, InvalidKeyError) as exc:
+            return _error(400, "bad_request", str(exc))
+        try:
+            tiers = await lookup(keys) if keys else []
+        except KvpoolError as exc:
+            return _error(503, "unavailable", f"{type(exc).__name__}: {exc}")
+        reply: dict[str, Any] = {"num_chunks": len(tiers),
+                                 "tiers": [_TIER_NAMES.get(t, "?") for t in tiers],
+                                 "keys": [k.hex() for k in keys[: len(tiers)]]}
+        if chunk_tokens is not None:
+            reply["num_tokens"] = len(tiers) * chunk_tokens
+            reply["chunk_tokens"] = chunk_tokens
+        return web.json_response(reply)
+
+    app = web.Application(client_max_size=64 << 20)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/stats", stats)
+    app.router.add_get("/v1/cluster", cluster_map)
+    app.router.add_post("/v1/lookup", lookup_route)
     return app

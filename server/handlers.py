@@ -289,7 +289,7 @@ class Handlers:
         return reply
 
     def exists(self, request: Request) -> Reply:
-        tiers = bytes(self._tiers(request.keys))
+        tiers = bytes(self.tiers(request.keys))
         # statuses: OK (0) where a tier holds the key, NOT_FOUND (1) where none does
         statuses = tiers.translate(_STATUS_OF_TIER)
         return self._reply(request, [statuses, tiers])
@@ -306,11 +306,11 @@ class Handlers:
             [Status.OK if d else Status.NOT_FOUND for d in deleted])])
 
     def lookup(self, request: Request) -> Reply:
-        tiers = self._tiers(request.keys)
+        tiers = self.tiers(request.keys)
         num = tiers.index(0) if 0 in tiers else len(tiers)
         return self._reply(request, [encode_lookup_reply(tiers[:num])])
 
-    def _tiers(self, keys: Sequence[bytes]) -> list[int]:
+    def tiers(self, keys: Sequence[bytes]) -> list[int]:
         """The fastest tier holding each key (a Tier), 0 where none does. No I/O."""
         in_dram = self.dram.contains_many(keys)
         ssd = self.ssd

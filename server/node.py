@@ -7,11 +7,13 @@ import contextlib
 import logging
 import shutil
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
 from aiohttp import web
 
+from kvpool.client import AsyncClient
 from kvpool.protocol.envelope import Codec
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.parsers import Limits
@@ -73,6 +75,7 @@ class Node:
                                  self.membership)
         self.connections: set[NodeConnection] = set()
         self.ssd: SsdTier | None = None
+        self._peers: AsyncClient | None = None
         self._server: asyncio.Server | None = None
         self._admin: web.AppRunner | None = None
         self._expiry_task: asyncio.Task[None] | None = None
@@ -113,7 +116,8 @@ class Node:
             self._server.close()
             raise
         self._admin = web.AppRunner(make_admin_app(self.handlers.node_id, self.handlers.snapshot,
-                                                   self.cluster_info), access_log=None)
+                                                   self.cluster_info, self.lookup),
+                                    access_log=None)
         await self._admin.setup()
         site = web.TCPSite(self._admin, server.host, server.admin_port, reuse_address=True)
         await site.start()
@@ -123,6 +127,18 @@ class Node:
 
     def cluster_info(self) -> dict[str, object]:
         return self.membership.to_dict(self.data_address, self.admin_address)
+
+    async def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """Tier codes of the leading ``keys`` held anywhere in the cluster (admin lookups)."""
+        if self.membership.map is None:
+            tiers = self.handlers.tiers(keys)
+            return tiers[: tiers.index(0)] if 0 in tiers else tiers
+        if self._peers is None:
+            # the node asks its peers as any client would: through the SDK, seeded by itself
+            host, port = self.data_address
+            self._peers = AsyncClient(f"kvpool://{host}:{port}", client_name="kvpool-node")
+        codes = await self._peers.exists_codes(keys)
+        return list(codes[: codes.index(0)] if 0 in codes else codes)
 
     async def _expire_loop(self) -> None:
         interval = self.config.server.expire_interval_s
@@ -150,6 +166,8 @@ class Node:
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
         if self._admin is not None:
             await self._admin.cleanup()
+        if self._peers is not None:
+            await self._peers.close()
         if self.ssd is not None:
             await self.ssd.stop()
 

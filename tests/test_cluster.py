@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,8 @@ from kvpool.placement.keys import ChunkHasher, Namespace
 from kvpool.protocol.errors import WrongOwnerError
 from kvpool.protocol.frames import Op
 from kvpool.server.local_cluster import LocalCluster
+
+from .conftest import NodeProcess
 
 FAST = ["--no-ssd", "--dram-capacity", "64MiB"]
 
@@ -114,6 +117,42 @@ async def test_cluster_lookup_of_a_prompt_prefix(cluster3: LocalCluster) -> None
         assert await c.lookup_tiers(keys) == ["dram"] * 25
         await c.delete(keys[10])
         assert await c.lookup(keys) == 10
+
+
+def post_json(url: str, body: object) -> tuple[int, dict[str, object]]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
+
+
+def test_admin_lookup_answers_for_the_whole_cluster(cluster3: LocalCluster) -> None:
+    ns = {"model": "admin-lookup", "dtype": "bfloat16", "num_layers": 2, "num_kv_heads": 4,
+          "head_dim": 64, "chunk_tokens": 16}
+    tokens = [7] * 16 * 30 + [8] * 5  # 30 full chunks and a partial one
+    keys = ChunkHasher(Namespace(**ns)).keys(tokens)  # type: ignore[arg-type]
+    with Client(cluster3.seeds) as c:
+        c.put_many(keys[:12], [value_for(k, 64) for k in keys[:12]])
+    for node in cluster3.nodes:  # every node gives the same cluster-wide answer
+        status, reply = post_json(f"{node.admin_url}/v1/lookup",
+                                  {"namespace": ns, "tokens": tokens})
+        assert status == 200, reply
+        assert reply["num_tokens"] == 12 * 16 and reply["num_chunks"] == 12
+        assert reply["tiers"] == ["dram"] * 12
+        assert reply["keys"] == [k.hex() for k in keys[:12]]
+    status, reply = post_json(f"{cluster3.nodes[1].admin_url}/v1/lookup",
+                              {"keys": [k.hex() for k in keys]})
+    assert status == 200 and reply["num_chunks"] == 12 and "num_tokens" not in reply
+    for bad in ([1, 2], {"keys": ["zz"]}, {"keys": [], "tokens": []},
+                {"namespace": {"model": "m"}, "tokens": [1]},
+                {"namespace": ns, "tokens": [-1]}, {"namespace": ns, "tokens": "abc"}):
+        status, reply = post_json(f"{cluster3.nodes[0].admin_url}/v1/lookup", bad)
+        assert status == 400, (bad, reply)
+        error = reply["error"]
+        assert isinstance(error, dict) and error["type"] == "bad_request" and error["message"]
 
 
 async def test_kill_9_under_load_with_replication_2(tmp_path: Path) -> None:
@@ -251,3 +290,13 @@ def test_kvpool_cluster_up_command(tmp_path: Path) -> None:
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out
     assert "cluster stopped" in out
+
+
+def test_admin_lookup_on_a_standalone_node(node: NodeProcess) -> None:
+    keys = [os.urandom(16) for _ in range(5)]
+    with Client(node.url) as c:
+        assert c.epoch == 0
+        c.put_many(keys[:3], [b"x"] * 3)
+        assert c.cluster_map()["nodes"][0]["data"] == f"{node.host}:{node.port}"
+    status, reply = post_json(f"{node.admin_url}/v1/lookup", {"keys": [k.hex() for k in keys]})
+    assert status == 200 and reply["num_chunks"] == 3
