@@ -39,7 +39,7 @@ from kvpool.client._node import (
     key_bytes,
     parse_url,
 )
-from kvpool.client._routing import Pick, pick
+from kvpool.client._routing import pick
 from kvpool.placement.cluster_map import ClusterMap
 from kvpool.placement.ring import key_positions
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
@@ -237,9 +237,17 @@ class AsyncClient:
                             if chunk_indexes is not None else None,
                             num_tokens=num_tokens, fingerprint=fingerprint)
 
-        answers = await self._fan_out(b"".join(bkeys), send, per_row="owners")
-        best = [min(a, key=lambda s: (s != Status.OK, s)) if a else -1 for a in answers]
-        self._raise_put_errors(bkeys, best, [Status.OK in a for a in answers])
+        n = len(bkeys)
+        stored = np.zeros(n, dtype=bool)
+        refused = np.full(n, Status.OK, dtype=np.int16)  # a status other than OK, if any
+
+        def absorb(rows: npt.NDArray[np.intp], statuses: list[int]) -> None:
+            arr = np.array(statuses, dtype=np.int16)
+            stored[rows] |= arr == Status.OK
+            refused[rows] = np.where(arr != Status.OK, arr, refused[rows])
+
+        await self._fan_out(b"".join(bkeys), send, absorb, per_row="owners")
+        self._raise_put_errors(bkeys, refused.tolist(), stored.tolist())
 
     async def get_many(self, keys: Sequence[Key]) -> list[bytearray | None]:
         """Payloads as new bytearrays (None for misses), in key order."""
@@ -331,12 +339,16 @@ class AsyncClient:
             return node.get(_rows_blob(blob, rows),
                             [sinks[i] for i in rows] if sinks is not None else None)
 
-        def found(row: int, view: memoryview | None) -> bool:
-            if view is not None:
-                results[row] = view
-            return view is not None
+        def absorb(rows: npt.NDArray[np.intp], views: list[memoryview | None]
+                   ) -> npt.NDArray[np.bool_]:
+            hit = np.zeros(len(rows), dtype=bool)
+            for j, (row, view) in enumerate(zip(rows.tolist(), views, strict=True)):
+                if view is not None:
+                    results[row] = view
+                    hit[j] = True
+            return hit  # a hit ends the key's search
 
-        await self._fan_out(blob, send, per_row="owners", enough=found, sequential=True)
+        await self._fan_out(blob, send, absorb, per_row="owners", sequential=True)
         return results
 
     async def exists_codes(self, keys: bytes | Sequence[Key]) -> bytes:
@@ -352,8 +364,16 @@ class AsyncClient:
         def send(node: NodeClient, rows: npt.NDArray[np.intp]) -> Awaitable[bytes]:
             return node.exists(_rows_blob(blob, rows))
 
-        answers = await self._fan_out(blob, send, per_row="owners")
-        return bytes(min((c for c in a if c), default=0) for a in answers)
+        absent = 255
+        best = np.full(len(blob) // KEY_SIZE, absent, dtype=np.uint8)
+
+        def absorb(rows: npt.NDArray[np.intp], codes: bytes) -> None:
+            arr = np.frombuffer(codes, dtype=np.uint8)
+            best[rows] = np.minimum(best[rows], np.where(arr == 0, absent, arr))
+
+        await self._fan_out(blob, send, absorb, per_row="owners")
+        best[best == absent] = 0
+        return best.tobytes()
 
     async def _statuses(self, op: Op, blob: bytes) -> list[bool]:
         """DELETE/PIN/UNPIN: True where some node did it."""
@@ -364,52 +384,59 @@ class AsyncClient:
         def send(node: NodeClient, rows: npt.NDArray[np.intp]) -> Awaitable[list[int]]:
             return node.statuses(op, _rows_blob(blob, rows))
 
-        answers = await self._fan_out(blob, send, per_row="all")
-        return [Status.OK in a for a in answers]
+        done = np.zeros(len(blob) // KEY_SIZE, dtype=bool)
+
+        def absorb(rows: npt.NDArray[np.intp], statuses: list[int]) -> None:
+            done[rows] |= np.array(statuses) == Status.OK
+
+        await self._fan_out(blob, send, absorb, per_row="all")
+        return done.tolist()
 
     # -- cluster routing ------------------------------------------------------------------
 
     async def _fan_out(self, blob: bytes,
-                       send: Callable[[NodeClient, npt.NDArray[np.intp]], Awaitable[Sequence[T]]],
-                       *, per_row: int | str, enough: Callable[[int, T], bool] | None = None,
-                       sequential: bool = False) -> list[list[T]]:
-        """Send each key to nodes of its preference list; every node's answer for each key.
+                       send: Callable[[NodeClient, npt.NDArray[np.intp]], Awaitable[T]],
+                       absorb: Callable[[npt.NDArray[np.intp], T], npt.NDArray[np.bool_] | None],
+                       *, per_row: str, sequential: bool = False) -> None:
+        """Send each key to nodes of its preference list and hand every answer to ``absorb``.
 
-        ``per_row``: how many nodes answer for a key ("owners": the replication
-        factor; "all": the whole list, at once). A key is done when ``enough``
-        says so of an answer (``enough(row, answer)``), when ``per_row`` nodes
-        have answered, or when its list is used up. ``sequential`` asks one
-        node per key per round (reads stop at the first hit); otherwise all
-        the nodes still needed are asked at once. Nodes that fail are marked
-        down and the key moves on down its list; WRONG_OWNER refreshes the
-        map and starts over the keys not done.
+        ``send(node, rows)`` asks one node about the keys at batch positions
+        ``rows``; ``absorb(rows, answer)`` takes its answer and may return a
+        mask of keys that need no more answers (a GET hit). ``per_row``: how
+        many nodes answer for a key ("owners": the replication factor; "all":
+        the whole list, at once). ``sequential`` asks one node per key per
+        round (reads stop at the first hit); otherwise all the nodes still
+        needed are asked at once. Nodes that fail are marked down and the key
+        moves on down its list; WRONG_OWNER refreshes the map and starts over
+        the keys not done. Raises KvpoolConnectionError for keys no node
+        answered for.
         """
         n = len(blob) // KEY_SIZE
-        answers: list[list[T]] = [[] for _ in range(n)]
+        answered = np.zeros(n, dtype=np.intp)
         done = np.zeros(n, dtype=bool)
+        positions = key_positions(blob)
         refreshes = 0
         while True:
             cmap = self.map
             assert cmap is not None
-            table = cmap.ring.owner_indexes(key_positions(blob), cmap.width)
+            table = cmap.ring.owner_indexes(positions, cmap.width)
             tried = np.zeros(table.shape, dtype=bool)
             width = table.shape[1]
-            count = {"owners": cmap.num_owners, "all": width}.get(str(per_row), per_row)
-            assert isinstance(count, int)
+            count = width if per_row == "all" else cmap.num_owners
             stale: int | None = None
             for _ in range(width):
                 rows = np.flatnonzero(~done & ~tried.all(axis=1))
                 if not len(rows):
                     break
                 live = np.array([node.live for node in self._ring_nodes], dtype=bool)
-                if sequential or per_row == "owners":
-                    # ask as many more as are still needed: replication minus answers so far
-                    need = np.array([count - len(answers[r]) for r in rows])
-                    picks: list[Pick] = []
-                    for k in range(1 if sequential else max(need, default=0)):
-                        picks += pick(table, tried, live, rows[need > k])
+                if sequential:
+                    picks = pick(table, tried, live, rows)
                 else:
-                    picks = pick(table, tried, live, rows, count)
+                    # ask as many more nodes as are still needed
+                    need = count - answered[rows]
+                    picks = []
+                    for k in range(int(need.max())):
+                        picks += pick(table, tried, live, rows[need > k])
                 if not picks:
                     break
                 nodes = [self._ring_nodes[p.node] for p in picks]
@@ -425,24 +452,23 @@ class AsyncClient:
                         continue
                     if isinstance(outcome, BaseException):
                         raise outcome
-                    for row, answer in zip(p.rows.tolist(), outcome, strict=True):
-                        answers[row].append(answer)
-                        if (enough is not None and enough(row, answer)) or (
-                                per_row != "all" and len(answers[row]) >= count):
-                            done[row] = True
+                    finished = absorb(p.rows, outcome)
+                    answered[p.rows] += 1
+                    if finished is not None:
+                        done[p.rows[finished]] = True
+                done |= answered >= count
                 if stale is not None:
                     break
             if stale is None or refreshes >= _MAX_REFRESHES:
                 break
             refreshes += 1
             await self._refresh(min_epoch=stale)
-        unanswered = [i for i in range(n) if not answers[i]]
-        if unanswered:
+        unanswered = np.flatnonzero(answered == 0)
+        if len(unanswered):
             raise KvpoolConnectionError(
                 f"no node of the preference list answered for {len(unanswered)} of {n} keys "
-                f"(e.g. {_rows_blob(blob, np.array(unanswered[:1])).hex()}); "
+                f"(e.g. {_rows_blob(blob, unanswered[:1]).hex()}); "
                 f"nodes down: {[x.node_id for x in self._ring_nodes if not x.live]}")
-        return answers
 
     # -- cluster map ----------------------------------------------------------------------
 

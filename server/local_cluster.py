@@ -66,14 +66,21 @@ class LocalNode:
 
 
 class LocalCluster:
-    """``nodes`` node processes sharing one static map. Use as a context manager."""
+    """``nodes`` node processes sharing one static map. Use as a context manager.
+
+    ``standalone=True`` runs a single node without a map (the baseline of
+    the cluster benchmarks).
+    """
 
     def __init__(self, nodes: int = 3, *, replication: int = 2, fallbacks: int = 1,
-                 data_dir: str | Path,
+                 data_dir: str | Path, standalone: bool = False,
                  base_port: int = 0, serve_args: Sequence[str] = (), log_level: str = "warning",
                  startup_timeout: float = 60.0) -> None:
         if nodes < 1:
             raise ConfigError("a cluster needs at least one node")
+        if standalone and nodes != 1:
+            raise ConfigError("only a single node can run standalone (without a map)")
+        self.standalone = standalone
         if not 1 <= replication <= nodes:
             raise ConfigError(f"replication must be in 1..{nodes}")
         self.data_dir = Path(data_dir)
@@ -163,8 +170,9 @@ class LocalCluster:
 
     def _spawn(self, node: LocalNode) -> None:
         node.data_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "kvpool.server", "serve", "--cluster-file",
-               str(self.map_file), "--node-id", node.node_id, "--host", "127.0.0.1",
+        cluster = [] if self.standalone else ["--cluster-file", str(self.map_file),
+                                              "--node-id", node.node_id]
+        cmd = [sys.executable, "-m", "kvpool.server", "serve", *cluster, "--host", "127.0.0.1",
                "--data-port", str(node.data_port), "--admin-port", str(node.admin_port),
                "--data-dir", str(node.data_dir), "--log-level", self.log_level,
                *self.serve_args]
