@@ -4,6 +4,9 @@
    present) through ``AsyncClient.lookup_tiers``: a 3-node cluster
    (replication 1 and 2: every owner asked at once, one round trip) versus
    one standalone node (one LOOKUP frame). p50/p99 over many calls.
+   "1 node, cluster map" is the same node with a one-node map: the client
+   routes (ring, picks, fan-out) but talks to one process, which separates
+   the cost of routing from the cost of more processes sharing the cores.
 2. GET throughput with 2 client processes (``get_many_into``, 8 x 1 MiB
    per call, preallocated buffers) against a 3-node cluster and against
    one node, same run, same data. On a 2-core machine this shows whether
@@ -100,6 +103,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as tmp:
         setups = {"1 node": LocalCluster(1, replication=1, data_dir=f"{tmp}/one",
                                          serve_args=NODE_ARGS, standalone=True),
+                  "1 node, cluster map": LocalCluster(1, replication=1, data_dir=f"{tmp}/map1",
+                                                      serve_args=NODE_ARGS),
                   "3 nodes r=1": LocalCluster(3, replication=1, data_dir=f"{tmp}/r1",
                                               serve_args=NODE_ARGS),
                   "3 nodes r=2": LocalCluster(3, replication=2, data_dir=f"{tmp}/r2",

@@ -7,12 +7,14 @@ each key goes to the nodes of its preference list (owners, then
 fallbacks), batches are split by node and sent in parallel, one pipelined
 connection pool per node.
 
-- reads go to the first live owner; on a miss or a failure, to the next one,
-  until ``replication`` nodes have answered;
+- reads go to the first live owner; on a miss or a failure, to the next node
+  of the list (owners, then fallbacks: a node that just lost a key to a
+  joining node is its first fallback), then to draining nodes;
 - writes go to the first ``replication`` live nodes of the list (so to a
   fallback while an owner is down);
-- EXISTS/lookups ask the first ``replication`` live nodes at once and keep the
-  fastest tier; DELETE, PIN and UNPIN go to every live node of the list;
+- EXISTS/lookups ask every live node of the list at once (and draining nodes
+  for what they did not find) and keep the fastest tier; DELETE, PIN and
+  UNPIN go to every live node of the list;
 - a node that fails is marked down with exponential back-off; a reply from a
   newer map epoch triggers a map refresh, and WRONG_OWNER a refresh and retry.
 """
@@ -40,7 +42,7 @@ from kvpool.client._node import (
     parse_url,
 )
 from kvpool.client._routing import pick
-from kvpool.placement.cluster_map import ClusterMap
+from kvpool.placement.cluster_map import ClusterMap, NodeState
 from kvpool.placement.ring import key_positions
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
 from kvpool.protocol.errors import (
@@ -348,7 +350,18 @@ class AsyncClient:
                     hit[j] = True
             return hit  # a hit ends the key's search
 
-        await self._fan_out(blob, send, absorb, per_row="owners", sequential=True)
+        await self._fan_out(blob, send, absorb, per_row="all", sequential=True)
+        missing = np.array([i for i, r in enumerate(results) if r is None], dtype=np.intp)
+        for node in self._draining():  # a chunk may still sit on the node that is moving out
+            if not len(missing):
+                break
+            try:
+                views = await send(node, missing)
+            except KvpoolConnectionError:
+                node.mark_down()
+                continue
+            hit = absorb(missing, views)
+            missing = missing[~hit]
         return results
 
     async def exists_codes(self, keys: bytes | Sequence[Key]) -> bytes:
@@ -371,7 +384,15 @@ class AsyncClient:
             arr = np.frombuffer(codes, dtype=np.uint8)
             best[rows] = np.minimum(best[rows], np.where(arr == 0, absent, arr))
 
-        await self._fan_out(blob, send, absorb, per_row="owners")
+        await self._fan_out(blob, send, absorb, per_row="all")
+        for node in self._draining():
+            missing = np.flatnonzero(best == absent)
+            if not len(missing):
+                break
+            try:
+                absorb(missing, await send(node, missing))
+            except KvpoolConnectionError:
+                node.mark_down()
         best[best == absent] = 0
         return best.tobytes()
 
@@ -469,6 +490,14 @@ class AsyncClient:
                 f"no node of the preference list answered for {len(unanswered)} of {n} keys "
                 f"(e.g. {_rows_blob(blob, unanswered[:1]).hex()}); "
                 f"nodes down: {[x.node_id for x in self._ring_nodes if not x.live]}")
+
+    def _draining(self) -> list[NodeClient]:
+        """Live nodes the map marks draining: they own nothing but may still hold chunks."""
+        cmap = self.map
+        if cmap is None:
+            return []
+        return [self._nodes[n.id] for n in cmap.nodes
+                if n.state == NodeState.DRAINING and self._nodes[n.id].live]
 
     # -- cluster map ----------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """The admin HTTP API (aiohttp).
 
-``GET /healthz``, ``GET /v1/stats``, ``GET /v1/cluster``, and ``POST
-/v1/lookup``: how many leading tokens of a prompt the whole cluster holds,
-for callers that are not Python. Errors are JSON with one shape:
+``GET /healthz``, ``GET /v1/stats``, ``GET /v1/cluster``, ``POST
+/v1/cluster/join|drain|remove`` (etcd clusters), and ``POST /v1/lookup``:
+how many leading tokens of a prompt the whole cluster holds, for callers
+that are not Python. Errors are JSON with one shape:
 ``{"error": {"type": "bad_request", "message": "..."}}``.
 """
 
@@ -14,9 +15,11 @@ from typing import Any
 
 from aiohttp import web
 
+from kvpool.placement.cluster_map import ClusterMap
 from kvpool.placement.keys import ChunkHasher, Namespace, key_from_hex
 from kvpool.protocol.errors import ConfigError, InvalidKeyError, KvpoolError
 from kvpool.protocol.frames import Tier
+from kvpool.server.membership import StaticMapError
 
 __all__ = ["MAX_LOOKUP_TOKENS", "make_admin_app"]
 
@@ -60,8 +63,12 @@ def _parse_lookup(body: Any) -> tuple[list[bytes], int | None]:
     return ChunkHasher(namespace).keys(tokens), namespace.chunk_tokens
 
 
+ChangeFn = Callable[[str, str, dict[str, Any]], Awaitable[ClusterMap]]
+
+
 def make_admin_app(node_id: str, snapshot: Callable[[], Awaitable[dict[str, Any]]],
-                   cluster: Callable[[], dict[str, Any]], lookup: LookupFn) -> web.Application:
+                   cluster: Callable[[], dict[str, Any]], lookup: LookupFn,
+                   change: ChangeFn) -> web.Application:
     async def healthz(_request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "node_id": node_id})
 
@@ -92,9 +99,32 @@ def make_admin_app(node_id: str, snapshot: Callable[[], Awaitable[dict[str, Any]
             reply["chunk_tokens"] = chunk_tokens
         return web.json_response(reply)
 
+    async def change_route(request: web.Request) -> web.Response:
+        action = request.match_info["action"]
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return _error(400, "bad_request", f"the body is not JSON: {exc}")
+        if not isinstance(body, dict) or not isinstance(body.get("id"), str) or not body["id"]:
+            return _error(400, "bad_request", 'the body must be {"id": "<node id>", ...}')
+        fields = {k: v for k, v in body.items() if k in ("data", "admin", "weight")}
+        extra = set(body) - {"id", *fields}
+        if extra:
+            return _error(400, "bad_request", f"unknown field(s) {sorted(extra)}")
+        try:
+            new = await change(action, body["id"], fields)
+        except StaticMapError as exc:
+            return _error(409, "static_map", str(exc))
+        except ConfigError as exc:
+            return _error(400, "bad_request", str(exc))
+        except KvpoolError as exc:
+            return _error(503, "unavailable", f"{type(exc).__name__}: {exc}")
+        return web.json_response(new.to_dict())
+
     app = web.Application(client_max_size=64 << 20)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/stats", stats)
     app.router.add_get("/v1/cluster", cluster_map)
     app.router.add_post("/v1/lookup", lookup_route)
+    app.router.add_post(r"/v1/cluster/{action:join|drain|remove}", change_route)
     return app

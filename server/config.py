@@ -71,8 +71,11 @@ class ServerConfig:
                           flag="--data-port", env="KVPOOL_DATA_PORT")
     admin_port: int = knob(7701, "HTTP admin port: /healthz, /v1/stats (0 = pick a free one)",
                            flag="--admin-port", env="KVPOOL_ADMIN_PORT")
-    node_id: str = knob("", "node name in stats and logs (default: host:data_port)",
-                        flag="--node-id", env="KVPOOL_NODE_ID")
+    node_id: str = knob("", "node name in stats, logs and the cluster map (default: "
+                        "host:data_port)", flag="--node-id", env="KVPOOL_NODE_ID")
+    advertise_host: str = knob("", "host name or address clients and peers reach this node "
+                               "by ('' = --host; a wildcard --host advertises the hostname)",
+                               flag="--advertise-host", env="KVPOOL_ADVERTISE_HOST")
     data_dir: str = knob("./kvpool-data", "directory of the node's on-disk tiers (SSD under ssd/)",
                          flag="--data-dir", env="KVPOOL_DATA_DIR")
     max_value_bytes: int = knob(64 << 20, "largest value (envelope included) a PUT may carry",
@@ -195,13 +198,31 @@ class ClusterConfig:
     peers: str = knob("", "static cluster as host:port,host:port,... of every node's data port "
                       "(this one included; admin port = data port + 1)",
                       flag="--peers", env="KVPOOL_PEERS")
-    replication: int = knob(1, "copies of each chunk when the cluster comes from --peers (a "
-                            "cluster file sets its own)",
+    replication: int = knob(1, "copies of each chunk for a cluster from --peers, or for a new "
+                            "etcd cluster (a cluster file, or etcd once set up, has its own)",
                             flag="--replication", env="KVPOOL_REPLICATION")
+    etcd: str = knob("", "etcd endpoints (http://host:2379,...): the cluster map lives in etcd "
+                     "and changes through POST /v1/cluster/join|drain|remove",
+                     flag="--etcd", env="KVPOOL_ETCD")
+    etcd_prefix: str = knob("/kvpool/default", "etcd key prefix of this cluster",
+                            flag="--etcd-prefix", env="KVPOOL_ETCD_PREFIX")
+    lease_ttl_s: float = knob(5.0, "seconds without keep-alive before etcd marks a node down",
+                              flag="--etcd-lease-ttl", env="KVPOOL_ETCD_LEASE_TTL")
+    auto_join: bool = knob(True, "with etcd: a node not yet in the map adds itself (up) when it "
+                           "first registers", flag="--auto-join", env="KVPOOL_AUTO_JOIN",
+                           kind="bool")
+
+    drain_rate_bytes: int = knob(256 << 20, "bytes per second a draining node hands to the new "
+                                 "owners", flag="--drain-rate", env="KVPOOL_DRAIN_RATE",
+                                 kind="size")
 
     def __post_init__(self) -> None:
-        if self.file and self.peers:
-            raise ConfigError("set --cluster-file or --peers, not both")
+        if self.drain_rate_bytes < 1 << 20:
+            raise ConfigError("drain_rate_bytes must be at least 1 MiB/s")
+        if sum(map(bool, (self.file, self.peers, self.etcd))) > 1:
+            raise ConfigError("set one of --cluster-file, --peers or --etcd, not both")
+        if self.lease_ttl_s < 1:
+            raise ConfigError("etcd lease_ttl_s must be >= 1 second")
         if self.replication < 1:
             raise ConfigError("replication must be >= 1")
 

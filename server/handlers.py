@@ -69,6 +69,8 @@ class Handlers:
         #: where the node listens, for the map a standalone node serves (set by the Node)
         self.addresses: tuple[tuple[str, int], tuple[str, int]] = (("", 0), ("", 0))
         self.wrong_owner = 0
+        #: more sections of the stats snapshot (name -> function giving a JSON-able value)
+        self.extra_stats: dict[str, Callable[[], Any]] = {}
         self.dram = dram
         self.limits = limits
         self.stats = stats
@@ -377,6 +379,7 @@ class Handlers:
             "wrong_owner": self.wrong_owner,
             "tiers": tiers,
             **self.stats.to_dict(),
+            **{name: fn() for name, fn in self.extra_stats.items()},
         }
 
     @staticmethod

@@ -22,23 +22,39 @@ from typing import Any, Protocol
 from kvpool.placement.cluster_map import ClusterMap, NodeInfo
 from kvpool.protocol.errors import ConfigError
 
-__all__ = ["MapSource", "Membership", "StaticSource"]
+__all__ = ["MapSource", "Membership", "StaticMapError", "StaticSource"]
 
 log = logging.getLogger("kvpool.server")
 
-_WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+class StaticMapError(ConfigError):
+    """A change asked of a map that only its file (or flags) can change."""
 
 
 class MapSource(Protocol):
-    """Where the map comes from. ``load`` gives the current map (and may block briefly)."""
+    """Where the map comes from.
 
-    def load(self) -> ClusterMap: ...
+    ``start`` returns the first map once this node is known by its entry
+    (``me``: id, advertised data and admin addresses) and may keep feeding
+    later maps to ``install``; ``reload`` (SIGHUP) reads the source again;
+    ``change`` applies an admin request (join, drain, remove).
+    """
+
+    async def start(self, me: NodeInfo, install: Callable[[ClusterMap], object]) -> ClusterMap:
+        ...
+
+    async def stop(self) -> None: ...
+
+    def reload(self) -> ClusterMap | None: ...
+
+    async def change(self, action: str, node_id: str,
+                     fields: dict[str, Any] | None = None) -> ClusterMap: ...
 
     def describe(self) -> str: ...
 
 
 class StaticSource:
-    """A fixed map from a TOML file (re-read by :meth:`load`) or a ``--peers`` list."""
+    """A fixed map from a TOML file (re-read on SIGHUP) or a ``--peers`` list."""
 
     def __init__(self, *, file: str = "", peers: str = "", replication: int = 1) -> None:
         if bool(file) == bool(peers):
@@ -52,6 +68,20 @@ class StaticSource:
             return ClusterMap.from_toml(Path(self.file))
         return ClusterMap.from_peers(self.peers, replication=self.replication)
 
+    async def start(self, me: NodeInfo, install: Callable[[ClusterMap], object]) -> ClusterMap:
+        return self.load()
+
+    async def stop(self) -> None:
+        return None
+
+    def reload(self) -> ClusterMap | None:
+        return self.load()
+
+    async def change(self, action: str, node_id: str,
+                     fields: dict[str, Any] | None = None) -> ClusterMap:
+        raise StaticMapError(f"this node's cluster map is {self.describe()}: edit it and send "
+                          "SIGHUP to every node (join/drain/remove need the etcd source)")
+
     def describe(self) -> str:
         return f"static file {self.file}" if self.file else f"static peers {self.peers}"
 
@@ -61,16 +91,31 @@ class Membership:
 
     def __init__(self, source: MapSource | None = None) -> None:
         self.source = source
-        self.map: ClusterMap | None = source.load() if source is not None else None
+        self.map: ClusterMap | None = None
         self.node_id = ""
         self.listeners: list[Callable[[ClusterMap], None]] = []
+
+    async def start(self, node_id: str, data: tuple[str, int], admin: tuple[str, int]) -> None:
+        """Load the first map and find this node in it (``data``/``admin``: advertised)."""
+        if self.source is None:
+            self.resolve_self(node_id, data)
+            return
+        me = NodeInfo(id=node_id or f"{data[0]}:{data[1]}", data=f"{data[0]}:{data[1]}",
+                      admin=f"{admin[0]}:{admin[1]}")
+        self.map = await self.source.start(me, self.install)
+        self.resolve_self(node_id if node_id or me.id not in self.map.by_id else me.id, data)
+
+    async def stop(self) -> None:
+        if self.source is not None:
+            await self.source.stop()
 
     @property
     def epoch(self) -> int:
         return self.map.epoch if self.map is not None else 0
 
     def resolve_self(self, node_id: str, data_address: tuple[str, int]) -> str:
-        """Find this node's entry: by ``node_id`` if set, else by its data address."""
+        """Find this node's entry: by ``node_id`` if set, else by its data address
+        (or by its port alone, if only one entry has that port)."""
         cmap = self.map
         if cmap is None:
             self.node_id = node_id or f"{data_address[0]}:{data_address[1]}"
@@ -82,8 +127,8 @@ class Membership:
             self.node_id = node_id
             return node_id
         host, port = data_address
-        matches = [n for n in cmap.nodes if n.data_address[1] == port
-                   and (n.data_address[0] == host or host in _WILDCARD_HOSTS)]
+        matches = [n for n in cmap.nodes if n.data_address == (host, port)] or \
+            [n for n in cmap.nodes if n.data_address[1] == port]
         if len(matches) != 1:
             raise ConfigError(
                 f"cannot tell which cluster-map entry is this node (data address {host}:{port}"
@@ -101,12 +146,12 @@ class Membership:
         if self.source is None:
             return False
         try:
-            new = self.source.load()
+            new = self.source.reload()
         except ConfigError as exc:
             log.error("cluster map reload from %s failed; keeping epoch %d: %s",
                       self.source.describe(), self.epoch, exc)
             return False
-        return self.install(new)
+        return new is not None and self.install(new)
 
     def install(self, new: ClusterMap) -> bool:
         old = self.map
@@ -126,6 +171,13 @@ class Membership:
 
     def me(self) -> NodeInfo | None:
         return self.map.by_id.get(self.node_id) if self.map is not None else None
+
+    async def change(self, action: str, node_id: str,
+                     fields: dict[str, Any] | None = None) -> ClusterMap:
+        """An admin change (join, drain, remove) through the source."""
+        if self.source is None:
+            raise StaticMapError("this node runs standalone: there is no cluster to change")
+        return await self.source.change(action, node_id, fields)
 
     def to_dict(self, data_address: tuple[str, int], admin_address: tuple[str, int]
                 ) -> dict[str, Any]:

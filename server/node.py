@@ -7,6 +7,7 @@ import contextlib
 import logging
 import shutil
 import signal
+import socket
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,14 +15,17 @@ import psutil
 from aiohttp import web
 
 from kvpool.client import AsyncClient
+from kvpool.placement.cluster_map import ClusterMap, NodeState
 from kvpool.protocol.envelope import Codec
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.parsers import Limits
 from kvpool.server.admin import make_admin_app
 from kvpool.server.config import NodeConfig, format_size
 from kvpool.server.connection import NodeConnection
+from kvpool.server.etcd import EtcdSource
 from kvpool.server.handlers import Handlers
-from kvpool.server.membership import Membership, StaticSource
+from kvpool.server.handoff import Handoff
+from kvpool.server.membership import MapSource, Membership, StaticSource
 from kvpool.server.ssd import SsdTier, SsdUnavailableError
 from kvpool.server.stats import NodeStats
 from kvpool.tiers.dram import DramTier
@@ -66,8 +70,12 @@ class Node:
         self.stats = NodeStats()
         self.limits = Limits(server.max_frame_bytes, server.max_batch, server.max_value_bytes)
         cluster = config.cluster
-        source = None
-        if cluster.file or cluster.peers:
+        source: MapSource | None = None
+        if cluster.etcd:
+            source = EtcdSource(cluster.etcd, prefix=cluster.etcd_prefix,
+                                lease_ttl_s=cluster.lease_ttl_s, auto_join=cluster.auto_join,
+                                replication=cluster.replication)
+        elif cluster.file or cluster.peers:
             source = StaticSource(file=cluster.file, peers=cluster.peers,
                                   replication=cluster.replication)
         self.membership = Membership(source)
@@ -76,6 +84,7 @@ class Node:
         self.connections: set[NodeConnection] = set()
         self.ssd: SsdTier | None = None
         self._peers: AsyncClient | None = None
+        self.handoff: Handoff | None = None
         self._server: asyncio.Server | None = None
         self._admin: web.AppRunner | None = None
         self._expiry_task: asyncio.Task[None] | None = None
@@ -105,25 +114,56 @@ class Node:
             await self.ssd.start()
             self.handlers.ssd = self.ssd
             self.handlers.write_through = s3.write_through and bool(s3.bucket)
+        # bind both ports first (port 0 picks one), join the cluster under the addresses
+        # they got, and only then serve: no client sees a node that has no map yet
         self._server = await loop.create_server(
             lambda: NodeConnection(self.handlers, self.connections),
-            server.host, server.data_port, reuse_address=True)
+            server.host, server.data_port, reuse_address=True, start_serving=False)
         self.data_address = self._server.sockets[0].getsockname()[:2]
+        family = socket.AF_INET6 if ":" in server.host else socket.AF_INET
+        admin_sock = socket.create_server((server.host, server.admin_port), family=family)
+        self.admin_address = admin_sock.getsockname()[:2]
+        self.handlers.addresses = (self.data_address, self.admin_address)
         try:
-            self.handlers.node_id = self.membership.resolve_self(server.node_id,
-                                                                 self.data_address)
-        except ConfigError:
+            await self.membership.start(server.node_id, self._advertised(self.data_address),
+                                        self._advertised(self.admin_address))
+        except BaseException:
             self._server.close()
+            admin_sock.close()
             raise
+        self.handlers.node_id = self.membership.node_id
+        host, port = self._advertised(self.data_address)
+        self.handoff = Handoff(self.dram, f"kvpool://{host}:{port}",
+                               rate_bytes_s=self.config.cluster.drain_rate_bytes,
+                               leave=lambda: self.membership.change("remove",
+                                                                    self.membership.node_id))
+        self.handlers.extra_stats["drain"] = self.handoff_progress
+        self.membership.listeners.append(self._map_changed)
+        self._map_changed(self.membership.map)
         self._admin = web.AppRunner(make_admin_app(self.handlers.node_id, self.handlers.snapshot,
-                                                   self.cluster_info, self.lookup),
+                                                   self.cluster_info, self.lookup,
+                                                   self.membership.change),
                                     access_log=None)
         await self._admin.setup()
-        site = web.TCPSite(self._admin, server.host, server.admin_port, reuse_address=True)
-        await site.start()
-        self.admin_address = tuple(self._admin.addresses[0][:2])
-        self.handlers.addresses = (self.data_address, self.admin_address)
+        await web.SockSite(self._admin, admin_sock).start()
+        await self._server.start_serving()
         self._expiry_task = asyncio.create_task(self._expire_loop())
+
+    def _map_changed(self, cmap: ClusterMap | None) -> None:
+        me = cmap.by_id.get(self.membership.node_id) if cmap is not None else None
+        if me is not None and me.state == NodeState.DRAINING and self.handoff is not None \
+                and self.handoff.progress.state in ("idle", "failed"):
+            self.handoff.start()
+
+    def handoff_progress(self) -> dict[str, object]:
+        return self.handoff.progress.to_dict() if self.handoff is not None else {}
+
+    def _advertised(self, address: tuple[str, int]) -> tuple[str, int]:
+        """The address peers and clients reach a bound socket by."""
+        host = self.config.server.advertise_host or address[0]
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
+        return host, address[1]
 
     def cluster_info(self) -> dict[str, object]:
         return self.membership.to_dict(self.data_address, self.admin_address)
@@ -168,6 +208,9 @@ class Node:
             await self._admin.cleanup()
         if self._peers is not None:
             await self._peers.close()
+        if self.handoff is not None:
+            await self.handoff.stop()
+        await self.membership.stop()
         if self.ssd is not None:
             await self.ssd.stop()
 

@@ -155,6 +155,10 @@ class DramTier:
 
     # -- key operations -------------------------------------------------------------------
 
+    def keys(self) -> list[bytes]:
+        """A snapshot of the keys held now (live or not yet swept)."""
+        return list(self._index)
+
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         now = self._clock()
         return [self._live(key, now) is not None for key in keys]

@@ -1,0 +1,308 @@
+"""Cluster membership in etcd, through its v3 JSON gateway (aiohttp; no client library).
+
+Why the gateway: the maintained Python etcd3 clients pin old grpcio/protobuf
+versions or are unmaintained; the gateway is part of every etcd server
+since 3.3, is a handful of JSON calls (range, put, txn, lease grant and
+keep-alive, watch as a stream of JSON lines), and aiohttp is already a
+dependency of the node.
+
+Keys, under ``prefix`` (default ``/kvpool/default``)::
+
+    <prefix>/config        {"replication": r, "fallbacks": f}     created once
+    <prefix>/nodes/<id>    {"id", "data", "admin", "weight", "state"}   the map entries
+    <prefix>/alive/<id>    the same entry, attached to the node's lease
+
+``nodes/*`` is the map: it changes only through transactions (a node's
+first registration with ``auto_join``, and the admin ``join``, ``drain``
+and ``remove`` requests). ``alive/*`` says who is running: a node keeps its
+lease alive every ``lease_ttl_s / 3``; when a node dies, its lease expires
+and etcd deletes its ``alive`` key, and every map built from then on shows
+that node as ``down`` (it owns nothing; its keys move to the next nodes of
+the ring). The epoch of a map is the etcd revision it was read at. Nodes
+watch the prefix and re-read the map on every change; clients follow
+through the nodes (every reply carries the node's epoch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from kvpool.placement.cluster_map import ClusterMap, NodeInfo, NodeState
+from kvpool.protocol.errors import ConfigError, KvpoolConnectionError
+
+__all__ = ["EtcdSource"]
+
+log = logging.getLogger("kvpool.server")
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def _unb64(text: str) -> str:
+    return base64.b64decode(text).decode()
+
+
+def _prefix_end(prefix: str) -> str:
+    """The range end covering every key that starts with ``prefix``."""
+    raw = prefix.encode()
+    return base64.b64encode(raw[:-1] + bytes([raw[-1] + 1])).decode()
+
+
+class EtcdSource:
+    """The cluster map kept in etcd (see the module docstring)."""
+
+    def __init__(self, endpoints: str, *, prefix: str = "/kvpool/default",
+                 lease_ttl_s: float = 5.0, auto_join: bool = True, replication: int = 1,
+                 timeout_s: float = 5.0) -> None:
+        self.endpoints = [e.strip().rstrip("/") for e in endpoints.split(",") if e.strip()]
+        if not self.endpoints:
+            raise ConfigError("--etcd needs at least one endpoint URL (http://host:2379)")
+        for e in self.endpoints:
+            if not e.startswith(("http://", "https://")):
+                raise ConfigError(f"etcd endpoint must be an http(s) URL, got {e!r}")
+        self.prefix = prefix.rstrip("/")
+        if not self.prefix.startswith("/"):
+            raise ConfigError(f"etcd prefix must start with '/', got {prefix!r}")
+        self.lease_ttl_s = lease_ttl_s
+        self.auto_join = auto_join
+        self.replication = replication
+        self.timeout_s = timeout_s
+        self._session: aiohttp.ClientSession | None = None
+        self._lease = 0
+        self._me: NodeInfo | None = None
+        self._install: Callable[[ClusterMap], object] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._endpoint = 0
+        self.current: ClusterMap | None = None
+
+    def describe(self) -> str:
+        return f"etcd {','.join(self.endpoints)} prefix {self.prefix}"
+
+    # -- the gateway ----------------------------------------------------------------------
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One JSON call, trying each endpoint once; KvpoolConnectionError if none answers."""
+        assert self._session is not None
+        errors = []
+        for _ in range(len(self.endpoints)):
+            url = self.endpoints[self._endpoint] + path
+            try:
+                async with self._session.post(url, json=body) as response:
+                    data: dict[str, Any] = await response.json(content_type=None)
+                    if response.status != 200 or "error" in data:
+                        raise ConfigError(f"etcd {path} failed: {data}")
+                    return data
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                errors.append(f"{url}: {exc!r}")
+                self._endpoint = (self._endpoint + 1) % len(self.endpoints)
+        raise KvpoolConnectionError(f"no etcd endpoint answered: {'; '.join(errors)}")
+
+    def _key(self, *parts: str) -> str:
+        return "/".join([self.prefix, *parts])
+
+    async def _range_prefix(self) -> tuple[int, dict[str, str]]:
+        data = await self._post("/v3/kv/range", {"key": _b64(self.prefix + "/"),
+                                                 "range_end": _prefix_end(self.prefix + "/")})
+        kvs = {_unb64(kv["key"]): _unb64(kv.get("value", "")) for kv in data.get("kvs", [])}
+        return int(data["header"]["revision"]), kvs
+
+    async def _put(self, key: str, value: str, lease: int = 0) -> None:
+        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            body["lease"] = str(lease)
+        await self._post("/v3/kv/put", body)
+
+    async def _txn_create(self, key: str, value: str) -> bool:
+        """Put ``key`` only if it does not exist; True if this call created it."""
+        data = await self._post("/v3/kv/txn", {
+            "compare": [{"key": _b64(key), "target": "CREATE", "result": "EQUAL",
+                         "create_revision": "0"}],
+            "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}]})
+        return bool(data.get("succeeded"))
+
+    async def _txn_replace(self, key: str, expect: str, value: str | None) -> bool:
+        """Replace (or delete, for None) ``key`` only if it still holds ``expect``."""
+        op = {"request_put": {"key": _b64(key), "value": _b64(value)}} if value is not None \
+            else {"request_delete_range": {"key": _b64(key)}}
+        data = await self._post("/v3/kv/txn", {
+            "compare": [{"key": _b64(key), "target": "VALUE", "result": "EQUAL",
+                         "value": _b64(expect)}],
+            "success": [op]})
+        return bool(data.get("succeeded"))
+
+    # -- the map --------------------------------------------------------------------------
+
+    def _build(self, revision: int, kvs: dict[str, str]) -> ClusterMap:
+        config = json.loads(kvs.get(self._key("config"), "{}"))
+        alive = {k.rsplit("/", 1)[1] for k in kvs if k.startswith(self._key("alive", ""))}
+        nodes = []
+        for key, value in sorted(kvs.items()):
+            if not key.startswith(self._key("nodes", "")):
+                continue
+            entry = json.loads(value)
+            if entry["id"] not in alive:
+                entry["state"] = NodeState.DOWN.value
+            nodes.append(NodeInfo(**entry))
+        return ClusterMap(epoch=revision, nodes=tuple(nodes),
+                          replication=int(config.get("replication", 1)),
+                          fallbacks=int(config.get("fallbacks", 1)))
+
+    async def read(self) -> ClusterMap:
+        revision, kvs = await self._range_prefix()
+        cmap = self._build(revision, kvs)
+        self.current = cmap
+        return cmap
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self, me: NodeInfo, install: Callable[[ClusterMap], object]) -> ClusterMap:
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        self._session = aiohttp.ClientSession(timeout=timeout)
+        self._me = me
+        self._install = install
+        try:
+            await self._txn_create(self._key("config"), json.dumps(
+                {"replication": self.replication, "fallbacks": 1}))
+            await self._register()
+            if self.auto_join:
+                await self._txn_create(self._key("nodes", me.id), json.dumps(me.to_dict()))
+            cmap = await self.read()
+        except BaseException:
+            await self.stop()
+            raise
+        if me.id not in cmap.by_id:
+            log.warning("node %s is registered in etcd but not in the map: POST "
+                        "/v1/cluster/join to add it", me.id)
+        self._tasks = [asyncio.create_task(self._keep_alive()),
+                       asyncio.create_task(self._watch(cmap.epoch))]
+        return cmap
+
+    async def _register(self) -> None:
+        assert self._me is not None
+        grant = await self._post("/v3/lease/grant", {"TTL": str(max(1, round(self.lease_ttl_s)))})
+        self._lease = int(grant["ID"])
+        await self._put(self._key("alive", self._me.id), json.dumps(self._me.to_dict()),
+                        self._lease)
+
+    async def _keep_alive(self) -> None:
+        interval = max(0.2, self.lease_ttl_s / 3)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                data = await self._post("/v3/lease/keepalive", {"ID": str(self._lease)})
+                if int(data.get("result", {}).get("TTL", 0)) <= 0:
+                    log.warning("etcd lease expired (node was paused?); registering again")
+                    await self._register()
+            except (KvpoolConnectionError, ConfigError) as exc:
+                log.warning("etcd keep-alive failed: %s", exc)
+
+    async def _watch(self, revision: int) -> None:
+        """Follow changes under the prefix; re-read and install the map after each."""
+        assert self._session is not None
+        backoff = 0.2
+        while True:
+            url = self.endpoints[self._endpoint] + "/v3/watch"
+            body = {"create_request": {"key": _b64(self.prefix + "/"),
+                                       "range_end": _prefix_end(self.prefix + "/"),
+                                       "start_revision": str(revision + 1)}}
+            try:
+                async with self._session.post(url, json=body,
+                                              timeout=aiohttp.ClientTimeout(total=None)) as resp:
+                    backoff = 0.2
+                    async for line in resp.content:
+                        result = json.loads(line).get("result", {})
+                        if not result.get("events"):
+                            continue
+                        cmap = await self._read_valid()
+                        if cmap is not None:
+                            revision = cmap.epoch
+                            assert self._install is not None
+                            self._install(cmap)
+            except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError,
+                    KvpoolConnectionError, ConfigError) as exc:
+                log.warning("etcd watch interrupted (%s); again in %.1fs", exc, backoff)
+            self._endpoint = (self._endpoint + 1) % len(self.endpoints)
+            await asyncio.sleep(backoff)
+            backoff = min(5.0, backoff * 2)
+            cmap = await self._read_valid()
+            if cmap is not None:
+                revision = cmap.epoch
+                assert self._install is not None
+                self._install(cmap)
+
+    async def _read_valid(self) -> ClusterMap | None:
+        try:
+            return await self.read()
+        except (ConfigError, KvpoolConnectionError) as exc:
+            log.warning("etcd holds no usable cluster map right now: %s", exc)
+            return None
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        if self._session is not None:
+            if self._lease:
+                # a clean stop leaves at once rather than when the lease runs out
+                with contextlib.suppress(KvpoolConnectionError, ConfigError):
+                    await self._post("/v3/lease/revoke", {"ID": str(self._lease)})
+            await self._session.close()
+            self._session = None
+
+    def reload(self) -> ClusterMap | None:
+        log.info("SIGHUP: the etcd map is followed by a watch; nothing to reload")
+        return None
+
+    # -- admin changes --------------------------------------------------------------------
+
+    async def change(self, action: str, node_id: str,
+                     fields: dict[str, Any] | None = None) -> ClusterMap:
+        """``join`` (add, or bring a draining node back up), ``drain`` or ``remove`` a node.
+
+        A join of a node that is not in the map takes its entry from ``fields``
+        (``data``, ``admin``, ``weight``) or else from the node's own
+        registration under ``alive/``.
+        """
+        key = self._key("nodes", node_id)
+        for _ in range(10):  # optimistic concurrency: retry if another admin raced us
+            _, kvs = await self._range_prefix()
+            current = kvs.get(key)
+            if action == "join":
+                if current is None:
+                    alive = kvs.get(self._key("alive", node_id))
+                    base = json.loads(alive) if alive else {}
+                    merged = {**base, **(fields or {}), "id": node_id}
+                    if "data" not in merged:
+                        raise ConfigError(f"node {node_id!r} is not registered in etcd: give "
+                                          "its 'data' (and 'admin') address to join it")
+                    entry = NodeInfo(**{**merged, "state": NodeState.UP.value}).to_dict()
+                    done = await self._txn_create(key, json.dumps(entry))
+                else:
+                    entry = {**json.loads(current), "state": NodeState.UP.value}
+                    done = await self._txn_replace(key, current, json.dumps(entry))
+            elif action in ("drain", "remove"):
+                if current is None:
+                    raise ConfigError(f"node {node_id!r} is not in the cluster map")
+                value = None if action == "remove" else json.dumps(
+                    {**json.loads(current), "state": NodeState.DRAINING.value})
+                done = await self._txn_replace(key, current, value)
+            else:
+                raise ConfigError(f"unknown cluster change {action!r}")
+            if done:
+                cmap = await self.read()
+                if self._install is not None:
+                    self._install(cmap)
+                return cmap
+        raise ConfigError(f"cluster {action} of {node_id!r} kept racing other changes")
