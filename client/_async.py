@@ -438,7 +438,8 @@ class AsyncClient:
         positions = key_positions(blob)
         refreshes = 0
         while True:
-            cmap = self.map
+            # the map may be replaced while this call waits: route by one snapshot of it
+            cmap, ring_nodes = self.map, self._ring_nodes
             assert cmap is not None
             table = cmap.ring.owner_indexes(positions, cmap.width)
             tried = np.zeros(table.shape, dtype=bool)
@@ -449,7 +450,7 @@ class AsyncClient:
                 rows = np.flatnonzero(~done & ~tried.all(axis=1))
                 if not len(rows):
                     break
-                live = np.array([node.live for node in self._ring_nodes], dtype=bool)
+                live = np.array([node.live for node in ring_nodes], dtype=bool)
                 if sequential:
                     picks = pick(table, tried, live, rows)
                 else:
@@ -460,7 +461,7 @@ class AsyncClient:
                         picks += pick(table, tried, live, rows[need > k])
                 if not picks:
                     break
-                nodes = [self._ring_nodes[p.node] for p in picks]
+                nodes = [ring_nodes[p.node] for p in picks]
                 outcomes = await asyncio.gather(*(send(node, p.rows)
                                                   for node, p in zip(nodes, picks, strict=True)),
                                                 return_exceptions=True)
@@ -489,7 +490,7 @@ class AsyncClient:
             raise KvpoolConnectionError(
                 f"no node of the preference list answered for {len(unanswered)} of {n} keys "
                 f"(e.g. {_rows_blob(blob, unanswered[:1]).hex()}); "
-                f"nodes down: {[x.node_id for x in self._ring_nodes if not x.live]}")
+                f"nodes down: {[x.node_id for x in ring_nodes if not x.live]}")
 
     def _draining(self) -> list[NodeClient]:
         """Live nodes the map marks draining: they own nothing but may still hold chunks."""

@@ -24,7 +24,7 @@ from types import TracebackType
 from kvpool.placement.cluster_map import ClusterMap, NodeInfo
 from kvpool.protocol.errors import ConfigError
 
-__all__ = ["LocalCluster", "LocalNode", "free_ports"]
+__all__ = ["LocalCluster", "LocalEtcd", "LocalNode", "free_ports"]
 
 READY = re.compile(r"kvpool: ready data=(\S+):(\d+) admin=(\S+)")
 
@@ -65,15 +65,74 @@ class LocalNode:
         return self.proc is not None and self.proc.poll() is None
 
 
+class LocalEtcd:
+    """A single-member etcd server (the ``etcd`` binary, e.g. Debian's etcd-server 3.4)
+    on free 127.0.0.1 ports with its own data dir."""
+
+    def __init__(self, data_dir: str | Path, binary: str = "etcd") -> None:
+        self.data_dir = Path(data_dir)
+        self.binary = binary
+        self.client_port, self.peer_port = free_ports(2)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    def start(self, timeout: float = 30.0) -> None:
+        import shutil
+        import urllib.request
+
+        if shutil.which(self.binary) is None:
+            raise ConfigError(f"no {self.binary!r} on PATH (Debian: apt-get install etcd-server)")
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        self.proc = subprocess.Popen(
+            [self.binary, "--name", "kvpool", "--data-dir", str(self.data_dir),
+             "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"kvpool={peer}", "--log-level", "error"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.endpoint + "/version", timeout=1):
+                    return
+            except OSError:
+                if self.proc.poll() is not None:
+                    break
+                time.sleep(0.1)
+        self.stop()
+        raise ConfigError(f"etcd did not start on {self.endpoint}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def __enter__(self) -> LocalEtcd:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 class LocalCluster:
     """``nodes`` node processes sharing one static map. Use as a context manager.
 
     ``standalone=True`` runs a single node without a map (the baseline of
-    the cluster benchmarks).
+    the cluster benchmarks). With ``etcd`` (an endpoint URL) the nodes take
+    their map from etcd instead of a file: they register and join by
+    themselves, and :attr:`map` is only the map they started from.
     """
 
     def __init__(self, nodes: int = 3, *, replication: int = 2, fallbacks: int = 1,
-                 data_dir: str | Path, standalone: bool = False,
+                 data_dir: str | Path, standalone: bool = False, etcd: str = "",
+                 etcd_prefix: str = "/kvpool/local", lease_ttl_s: float = 5.0,
                  base_port: int = 0, serve_args: Sequence[str] = (), log_level: str = "warning",
                  startup_timeout: float = 60.0) -> None:
         if nodes < 1:
@@ -81,6 +140,9 @@ class LocalCluster:
         if standalone and nodes != 1:
             raise ConfigError("only a single node can run standalone (without a map)")
         self.standalone = standalone
+        self.etcd = etcd
+        self.etcd_prefix = etcd_prefix
+        self.lease_ttl_s = lease_ttl_s
         if not 1 <= replication <= nodes:
             raise ConfigError(f"replication must be in 1..{nodes}")
         self.data_dir = Path(data_dir)
@@ -121,6 +183,16 @@ class LocalCluster:
             if node.running:
                 assert node.proc is not None
                 node.proc.send_signal(signal.SIGHUP)
+
+    def add_node(self) -> LocalNode:
+        """Start one more node (with etcd it registers and joins by itself)."""
+        data_port, admin_port = free_ports(2)
+        node = LocalNode(f"n{len(self.nodes)}", data_port, admin_port,
+                         self.data_dir / f"n{len(self.nodes)}")
+        self.nodes.append(node)
+        self._spawn(node)
+        self._wait_ready(node)
+        return node
 
     def kill(self, index: int) -> None:
         """SIGKILL one node (no goodbye, as in a crash)."""
@@ -170,8 +242,14 @@ class LocalCluster:
 
     def _spawn(self, node: LocalNode) -> None:
         node.data_dir.mkdir(parents=True, exist_ok=True)
-        cluster = [] if self.standalone else ["--cluster-file", str(self.map_file),
-                                              "--node-id", node.node_id]
+        if self.standalone:
+            cluster = []
+        elif self.etcd:
+            cluster = ["--etcd", self.etcd, "--etcd-prefix", self.etcd_prefix,
+                       "--etcd-lease-ttl", str(self.lease_ttl_s),
+                       "--replication", str(self.map.replication), "--node-id", node.node_id]
+        else:
+            cluster = ["--cluster-file", str(self.map_file), "--node-id", node.node_id]
         cmd = [sys.executable, "-m", "kvpool.server", "serve", *cluster, "--host", "127.0.0.1",
                "--data-port", str(node.data_port), "--admin-port", str(node.admin_port),
                "--data-dir", str(node.data_dir), "--log-level", self.log_level,
