@@ -178,10 +178,11 @@ class AsyncClient:
 
     async def put(self, key: Key, value: Buffer, *, ttl: float | None = None, pin: bool = False,
                   chunk_index: int = 0, num_tokens: int = 0,
-                  fingerprint: bytes = ZERO_FINGERPRINT) -> None:
+                  fingerprint: bytes = ZERO_FINGERPRINT, parent: Key | None = None) -> None:
         """Store ``value``. Raises CapacityError if no owner has room even after eviction."""
         await self.put_many([key], [value], ttl=ttl, pin=pin, chunk_indexes=[chunk_index],
-                            num_tokens=num_tokens, fingerprint=fingerprint)
+                            num_tokens=num_tokens, fingerprint=fingerprint,
+                            parents=[parent] if parent is not None else None)
 
     async def get(self, key: Key) -> bytearray | None:
         """The payload as a new bytearray, or None on a miss (or a corrupt chunk)."""
@@ -210,17 +211,24 @@ class AsyncClient:
     async def put_many(self, keys: Sequence[Key], values: Sequence[Buffer], *,
                        ttl: float | None = None, pin: bool = False,
                        chunk_indexes: Sequence[int] | None = None, num_tokens: int = 0,
-                       fingerprint: bytes = ZERO_FINGERPRINT) -> None:
+                       fingerprint: bytes = ZERO_FINGERPRINT,
+                       parents: Sequence[Key | None] | None = None) -> None:
         """Store several values, on ``replication`` nodes each in a cluster.
 
         ``chunk_indexes`` (default 0) is each chunk's depth in its prefix; the
-        node evicts deeper chunks first at equal recency. Raises CapacityError
-        naming the keys no node had room for (the others are stored).
+        node evicts deeper chunks first at equal recency. ``parents`` (each
+        chunk's previous chunk key, or None) only feed the nodes' KV events.
+        Raises CapacityError naming the keys no node had room for (the others
+        are stored).
         """
         if len(keys) != len(values):
             raise ValueError("put_many needs as many values as keys")
         if chunk_indexes is not None and len(chunk_indexes) != len(keys):
             raise ValueError("put_many needs one chunk index per key")
+        if parents is not None and len(parents) != len(keys):
+            raise ValueError("put_many needs one parent (or None) per key")
+        bparents = [key_bytes(p) if p is not None else None for p in parents] \
+            if parents is not None else None
         bkeys = [key_bytes(k) for k in keys]
         ttl_ms = _ttl_ms(ttl)
         flags = PUT_FLAG_PIN if pin else 0
@@ -228,7 +236,8 @@ class AsyncClient:
         if self._single is not None:
             statuses = await self._single.put(bkeys, values, ttl_ms=ttl_ms, flags=flags,
                                               chunk_indexes=chunk_indexes,
-                                              num_tokens=num_tokens, fingerprint=fingerprint)
+                                              num_tokens=num_tokens, fingerprint=fingerprint,
+                                              parents=bparents)
             self._raise_put_errors(bkeys, statuses, [s == Status.OK for s in statuses])
             return
 
@@ -237,7 +246,8 @@ class AsyncClient:
                             ttl_ms=ttl_ms, flags=flags,
                             chunk_indexes=[chunk_indexes[i] for i in rows]
                             if chunk_indexes is not None else None,
-                            num_tokens=num_tokens, fingerprint=fingerprint)
+                            num_tokens=num_tokens, fingerprint=fingerprint,
+                            parents=[bparents[i] for i in rows] if bparents else None)
 
         n = len(bkeys)
         stored = np.zeros(n, dtype=bool)

@@ -33,6 +33,7 @@ from kvpool.protocol.errors import (
 from kvpool.protocol.frames import (
     KEY_SIZE,
     PROTOCOL_VERSION,
+    PUT_FLAG_PARENT,
     Op,
     PutItemHeader,
     Tier,
@@ -163,7 +164,8 @@ class NodeClient:
 
     async def put(self, bkeys: Sequence[bytes], values: Sequence[Buffer], *, ttl_ms: int,
                   flags: int, chunk_indexes: Sequence[int] | None, num_tokens: int,
-                  fingerprint: bytes) -> list[int]:
+                  fingerprint: bytes, parents: Sequence[bytes | None] | None = None
+                  ) -> list[int]:
         """One Status per key, in as few frames as the node's limits allow."""
         conn = await self._connection()
         max_value = int(self.server_info["max_value_bytes"])
@@ -180,13 +182,18 @@ class NodeClient:
                 raise ValueTooLargeError(
                     f"value of {payload.nbytes} bytes (+{ENVELOPE_HEADER_SIZE} envelope) exceeds "
                     f"the node's max_value_bytes {max_value}")
-            item_bytes = 32 + value_len
+            parent = parents[i] if parents is not None else None
+            item_bytes = 32 + value_len + (KEY_SIZE if parent else 0)
             if count and (count == max_batch or frame_bytes + item_bytes > max_frame):
                 frames.append((count, body))
                 count, body, frame_bytes = 0, [], 0
             envelope = seal(payload, chunk_index=chunk_indexes[i] if chunk_indexes else 0,
                             num_tokens=num_tokens, fingerprint=fingerprint)
-            body += [PutItemHeader(key, value_len, ttl_ms, flags).pack(), envelope, payload]
+            if parent:
+                body += [PutItemHeader(key, value_len, ttl_ms, flags | PUT_FLAG_PARENT).pack(),
+                         parent, envelope, payload]
+            else:
+                body += [PutItemHeader(key, value_len, ttl_ms, flags).pack(), envelope, payload]
             count += 1
             frame_bytes += item_bytes
         if count:

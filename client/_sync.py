@@ -80,17 +80,19 @@ class Client:
 
     def put(self, key: Key, value: Buffer, *, ttl: float | None = None, pin: bool = False,
             chunk_index: int = 0, num_tokens: int = 0,
-            fingerprint: bytes = ZERO_FINGERPRINT) -> None:
+            fingerprint: bytes = ZERO_FINGERPRINT, parent: Key | None = None) -> None:
         self._run(self._async.put(key, value, ttl=ttl, pin=pin, chunk_index=chunk_index,
-                                  num_tokens=num_tokens, fingerprint=fingerprint))
+                                  num_tokens=num_tokens, fingerprint=fingerprint,
+                                  parent=parent))
 
     def put_many(self, keys: Sequence[Key], values: Sequence[Buffer], *,
                  ttl: float | None = None, pin: bool = False,
                  chunk_indexes: Sequence[int] | None = None, num_tokens: int = 0,
-                 fingerprint: bytes = ZERO_FINGERPRINT) -> None:
+                 fingerprint: bytes = ZERO_FINGERPRINT,
+                 parents: Sequence[Key | None] | None = None) -> None:
         self._run(self._async.put_many(keys, values, ttl=ttl, pin=pin,
                                        chunk_indexes=chunk_indexes, num_tokens=num_tokens,
-                                       fingerprint=fingerprint))
+                                       fingerprint=fingerprint, parents=parents))
 
     def get(self, key: Key) -> bytearray | None:
         return self._run(self._async.get(key))

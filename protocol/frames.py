@@ -13,7 +13,8 @@ Every frame is a 24-byte little-endian header followed by ``body_len`` bytes::
 
 Request bodies:
     HELLO         JSON {"protocol": int, "client": str, "token"?: str, "tenant"?: str}
-    PUT           count x (PUT item header (32 bytes) || value)
+    PUT           count x (PUT item header (32 bytes) || parent key (16 bytes, only with
+                  PUT_FLAG_PARENT) || value)
     GET, EXISTS, DELETE, LOOKUP, PIN, UNPIN   count x 16-byte key
     STATS, CLUSTER  empty
 Reply bodies (status OK):
@@ -48,6 +49,7 @@ __all__ = [
     "KEY_SIZE",
     "KEY_OPS",
     "PROTOCOL_VERSION",
+    "PUT_FLAG_PARENT",
     "PUT_FLAG_PIN",
     "PUT_ITEM_SIZE",
     "FrameHeader",
@@ -73,6 +75,9 @@ PROTOCOL_VERSION = 1
 FRAME_MAGIC = b"KV"
 KEY_SIZE = 16
 PUT_FLAG_PIN = 1
+#: the item header is followed by the 16-byte key of the chunk's parent (the previous chunk
+#: of its prefix), which the node reports in its KV events
+PUT_FLAG_PARENT = 2
 
 
 class Op(enum.IntEnum):
@@ -132,7 +137,7 @@ assert PUT_ITEM_SIZE == 32
 
 
 class PutItemHeader(NamedTuple):
-    """``key, value_len, ttl_ms (0 = node default), flags (PUT_FLAG_PIN)``."""
+    """``key, value_len, ttl_ms (0 = node default), flags (PUT_FLAG_PIN, PUT_FLAG_PARENT)``."""
 
     key: bytes
     value_len: int

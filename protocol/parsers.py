@@ -28,6 +28,7 @@ from kvpool.protocol.frames import (
     GET_ITEM_SIZE,
     KEY_OPS,
     KEY_SIZE,
+    PUT_FLAG_PARENT,
     PUT_ITEM_SIZE,
     FrameHeader,
     GetItemHeader,
@@ -97,6 +98,7 @@ class Limits:
 class PutItem:
     header: PutItemHeader
     reservation: Reservation | None  # None: the node had no room; the bytes were skipped
+    parent: bytes | None = None  # the parent chunk's key, with PUT_FLAG_PARENT
 
 
 @dataclass(slots=True)
@@ -186,6 +188,14 @@ class RequestParser:
                     assert raw_item is not None
                     item = PutItemHeader.unpack(raw_item)
                     remaining -= PUT_ITEM_SIZE
+                    parent = None
+                    if item.flags & PUT_FLAG_PARENT:
+                        if remaining < KEY_SIZE:
+                            raise BadFrameError("PUT parent key runs past the frame body")
+                        raw_parent = yield Exact(KEY_SIZE)
+                        assert raw_parent is not None
+                        parent = bytes(raw_parent)
+                        remaining -= KEY_SIZE
                     if item.value_len > remaining:
                         raise BadFrameError("PUT value runs past the frame body")
                     if item.value_len > limits.max_value_bytes:
@@ -199,7 +209,7 @@ class RequestParser:
                         self._pending.append(reservation)
                         yield Into(reservation.view)
                     remaining -= item.value_len
-                    request.items.append(PutItem(item, reservation))
+                    request.items.append(PutItem(item, reservation, parent))
                 if remaining:
                     raise BadFrameError(f"{remaining} stray bytes after the PUT items")
                 self._pending = []

@@ -9,9 +9,10 @@ that are not Python. Errors are JSON with one shape:
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -19,6 +20,7 @@ from kvpool.placement.cluster_map import ClusterMap
 from kvpool.placement.keys import ChunkHasher, Namespace, key_from_hex
 from kvpool.protocol.errors import ConfigError, InvalidKeyError, KvpoolError
 from kvpool.protocol.frames import Tier
+from kvpool.server.events import EVENT_TYPES, EventBus
 from kvpool.server.membership import StaticMapError
 
 __all__ = ["MAX_LOOKUP_TOKENS", "make_admin_app"]
@@ -26,8 +28,8 @@ __all__ = ["MAX_LOOKUP_TOKENS", "make_admin_app"]
 #: the most tokens (or keys) one lookup may carry: 4M tokens is ~16 MiB of JSON
 MAX_LOOKUP_TOKENS = 1 << 22
 _TIER_NAMES = {int(t): t.name.lower() for t in Tier}
-
-LookupFn = Callable[[Sequence[bytes]], Awaitable[list[int]]]
+#: seconds between SSE comment lines on an idle event stream (keeps proxies from timing out)
+SSE_HEARTBEAT_S = 15.0
 
 
 def _error(status: int, kind: str, message: str) -> web.Response:
@@ -63,20 +65,35 @@ def _parse_lookup(body: Any) -> tuple[list[bytes], int | None]:
     return ChunkHasher(namespace).keys(tokens), namespace.chunk_tokens
 
 
-ChangeFn = Callable[[str, str, dict[str, Any]], Awaitable[ClusterMap]]
+class AdminBackend(Protocol):
+    """What the admin API needs of a node (:class:`kvpool.server.node.Node`)."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def events(self) -> EventBus: ...
+
+    async def snapshot(self) -> dict[str, Any]: ...
+
+    def cluster_info(self) -> dict[str, Any]: ...
+
+    async def lookup(self, keys: Sequence[bytes]) -> list[int]: ...
+
+    async def change(self, action: str, node_id: str, fields: dict[str, Any]) -> ClusterMap: ...
 
 
-def make_admin_app(node_id: str, snapshot: Callable[[], Awaitable[dict[str, Any]]],
-                   cluster: Callable[[], dict[str, Any]], lookup: LookupFn,
-                   change: ChangeFn) -> web.Application:
+def make_admin_app(node: AdminBackend) -> web.Application:
+    node_id, events, lookup, change = node.node_id, node.events, node.lookup, node.change
+
     async def healthz(_request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "node_id": node_id})
 
     async def stats(_request: web.Request) -> web.Response:
-        return web.json_response(await snapshot())
+        return web.json_response(await node.snapshot())
 
     async def cluster_map(_request: web.Request) -> web.Response:
-        return web.json_response(cluster())
+        return web.json_response(node.cluster_info())
 
     async def lookup_route(request: web.Request) -> web.Response:
         try:
@@ -121,10 +138,43 @@ def make_admin_app(node_id: str, snapshot: Callable[[], Awaitable[dict[str, Any]
             return _error(503, "unavailable", f"{type(exc).__name__}: {exc}")
         return web.json_response(new.to_dict())
 
+    async def events_route(request: web.Request) -> web.StreamResponse:
+        wanted = request.query.get("types", ",".join(EVENT_TYPES))
+        types = frozenset(t for t in wanted.split(",") if t)
+        unknown = types - set(EVENT_TYPES)
+        if unknown or not types:
+            return _error(400, "bad_request", f"unknown event type(s) {sorted(unknown)}; "
+                          f"known: {list(EVENT_TYPES)}")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        sub = events.subscribe(types)
+        try:
+            await response.write(b": kvpool events from " + node_id.encode() + b"\n\n")
+            while not sub.closed:
+                try:
+                    event = await asyncio.wait_for(sub.queue.get(), SSE_HEARTBEAT_S)
+                except TimeoutError:
+                    await response.write(b": heartbeat\n\n")
+                    continue
+                chunk = [event, *(sub.queue.get_nowait() for _ in range(sub.queue.qsize()))]
+                chunk = [e for e in chunk if e["type"] != "closed"]
+                lines = [f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in chunk]
+                if sub.lost:
+                    lines.append(f"event: lost\ndata: {json.dumps({'lost': sub.lost})}\n\n")
+                    sub.lost = 0
+                await response.write("".join(lines).encode())
+        except ConnectionResetError:
+            pass  # the listener went away
+        finally:
+            events.unsubscribe(sub)
+        return response
+
     app = web.Application(client_max_size=64 << 20)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/stats", stats)
     app.router.add_get("/v1/cluster", cluster_map)
     app.router.add_post("/v1/lookup", lookup_route)
+    app.router.add_get("/v1/events", events_route)
     app.router.add_post(r"/v1/cluster/{action:join|drain|remove}", change_route)
     return app

@@ -37,6 +37,7 @@ from kvpool.protocol.frames import (
     pack_get_item,
 )
 from kvpool.protocol.parsers import Limits, Request
+from kvpool.server.events import EventBus
 from kvpool.server.membership import Membership
 from kvpool.server.ssd import SsdTier, SsdUnavailableError
 from kvpool.server.ssd_messages import SsdStatus
@@ -72,6 +73,8 @@ class Handlers:
         #: more sections of the stats snapshot (name -> function giving a JSON-able value)
         self.extra_stats: dict[str, Callable[[], Any]] = {}
         self.dram = dram
+        self.events = EventBus(node_id)
+        dram.on_evict = self._evicted
         self.limits = limits
         self.stats = stats
         self.ssd: SsdTier | None = None
@@ -149,6 +152,7 @@ class Handlers:
         where: list[int] = []
         ttls: list[float | None] = []
         pins: list[bool] = []
+        parents: list[bytes | None] = []
         for i, item in enumerate(request.items):
             if item.reservation is None:
                 statuses[i] = Status.NO_CAPACITY
@@ -158,11 +162,15 @@ class Handlers:
             where.append(i)
             ttls.append(item.header.ttl_ms / 1000 if item.header.ttl_ms else None)
             pins.append(bool(item.header.flags & PUT_FLAG_PIN))
+            parents.append(item.parent)
             self.stats.bytes_in += item.header.value_len
-        committed = self.dram.commit(slots, ttl_s=ttls, pin=pins)
+        committed = self.dram.commit(slots, ttl_s=ttls, pin=pins, parents=parents)
         for i, entry in zip(where, committed, strict=True):
             if entry is None:
                 statuses[i] = Status.CORRUPT
+            elif self.events.subscribers:
+                self.events.publish("stored", entry.key, tier="dram", parent=entry.parent,
+                                    depth=entry.depth)
         if self.write_through and self.ssd is not None and self.ssd.has_s3:
             durable = [(i, e) for i, e in zip(where, committed, strict=True)
                        if e is not None and e.expires_at is None]
@@ -268,7 +276,20 @@ class Handlers:
             self.dram.hold(entry)
             entries[i] = entry
             self.promotions += 1
+            self.events.publish("stored", entry.key, tier="dram", depth=entry.depth)
         return entry
+
+    def _evicted(self, entry: Entry) -> None:
+        """DRAM made room by dropping ``entry``: an evicted or demoted event."""
+        if not self.events.subscribers:
+            return
+        ssd = self.ssd
+        lower = None
+        if ssd is not None and ssd.up:
+            lower = "ssd" if entry.key in ssd.index else "s3" if entry.key in ssd.s3_index \
+                else None
+        self.events.publish("demoted" if lower else "evicted", entry.key,
+                            tier=lower or "dram", parent=entry.parent, depth=entry.depth)
 
     def _get_reply(self, request: Request, entries: list[Entry | None]) -> Reply:
         dram = self.dram
@@ -298,6 +319,10 @@ class Handlers:
 
     def delete(self, request: Request) -> Reply:
         deleted = self.dram.delete_many(request.keys)
+        if self.events.subscribers:
+            for key, gone in zip(request.keys, deleted, strict=True):
+                if gone:
+                    self.events.publish("removed", key, tier="dram")
         ssd = self.ssd
         if ssd is not None and ssd.up:
             for i, key in enumerate(request.keys):
@@ -377,6 +402,8 @@ class Handlers:
             "promotions": self.promotions,
             "cluster_epoch": self.epoch,
             "wrong_owner": self.wrong_owner,
+            "events": {"subscribers": len(self.events.subscribers),
+                       "published": self.events.published, "lost": self.events.lost},
             "tiers": tiers,
             **self.stats.to_dict(),
             **{name: fn() for name, fn in self.extra_stats.items()},

@@ -118,7 +118,8 @@ class Handoff:
                 try:
                     await client.put_many([e.key for e, _, _ in items], [v for _, v, _ in items],
                                           ttl=ttl, chunk_indexes=[h.chunk_index for *_, h in items],
-                                          num_tokens=num_tokens, fingerprint=fingerprint)
+                                          num_tokens=num_tokens, fingerprint=fingerprint,
+                                          parents=[e.parent for e, _, _ in items])
                 except KvpoolError as exc:
                     failed = getattr(exc, "failed_keys", None)
                     lost = len(failed) if failed else len(items)

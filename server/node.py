@@ -10,6 +10,7 @@ import signal
 import socket
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 from aiohttp import web
@@ -23,6 +24,7 @@ from kvpool.server.admin import make_admin_app
 from kvpool.server.config import NodeConfig, format_size
 from kvpool.server.connection import NodeConnection
 from kvpool.server.etcd import EtcdSource
+from kvpool.server.events import EventBus
 from kvpool.server.handlers import Handlers
 from kvpool.server.handoff import Handoff
 from kvpool.server.membership import MapSource, Membership, StaticSource
@@ -131,7 +133,7 @@ class Node:
             self._server.close()
             admin_sock.close()
             raise
-        self.handlers.node_id = self.membership.node_id
+        self.handlers.node_id = self.handlers.events.node_id = self.membership.node_id
         host, port = self._advertised(self.data_address)
         self.handoff = Handoff(self.dram, f"kvpool://{host}:{port}",
                                rate_bytes_s=self.config.cluster.drain_rate_bytes,
@@ -140,10 +142,7 @@ class Node:
         self.handlers.extra_stats["drain"] = self.handoff_progress
         self.membership.listeners.append(self._map_changed)
         self._map_changed(self.membership.map)
-        self._admin = web.AppRunner(make_admin_app(self.handlers.node_id, self.handlers.snapshot,
-                                                   self.cluster_info, self.lookup,
-                                                   self.membership.change),
-                                    access_log=None)
+        self._admin = web.AppRunner(make_admin_app(self), access_log=None)
         await self._admin.setup()
         await web.SockSite(self._admin, admin_sock).start()
         await self._server.start_serving()
@@ -165,7 +164,23 @@ class Node:
             host = socket.gethostname()
         return host, address[1]
 
-    def cluster_info(self) -> dict[str, object]:
+    # -- what the admin API asks of the node ----------------------------------------------
+
+    @property
+    def node_id(self) -> str:
+        return self.handlers.node_id
+
+    @property
+    def events(self) -> EventBus:
+        return self.handlers.events
+
+    async def snapshot(self) -> dict[str, Any]:
+        return await self.handlers.snapshot()
+
+    async def change(self, action: str, node_id: str, fields: dict[str, Any]) -> ClusterMap:
+        return await self.membership.change(action, node_id, fields)
+
+    def cluster_info(self) -> dict[str, Any]:
         return self.membership.to_dict(self.data_address, self.admin_address)
 
     async def lookup(self, keys: Sequence[bytes]) -> list[int]:
@@ -204,6 +219,7 @@ class Node:
         if self._server is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
+        self.handlers.events.close()  # ends open /v1/events streams
         if self._admin is not None:
             await self._admin.cleanup()
         if self._peers is not None:

@@ -300,3 +300,46 @@ def test_admin_lookup_on_a_standalone_node(node: NodeProcess) -> None:
         assert c.cluster_map()["nodes"][0]["data"] == f"{node.host}:{node.port}"
     status, reply = post_json(f"{node.admin_url}/v1/lookup", {"keys": [k.hex() for k in keys]})
     assert status == 200 and reply["num_chunks"] == 3
+
+
+async def test_kv_events_stream(tmp_path: Path) -> None:
+    """GET /v1/events: stored (with parent), evicted and removed, as server-sent events."""
+    import aiohttp
+
+    from .conftest import start_node
+
+    node = start_node("--dram-capacity", "1MiB", "--max-value", "512KiB", "--no-ssd")
+    events: list[dict[str, object]] = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{node.admin_url}/v1/events?types=zz") as bad:
+                assert bad.status == 400
+            async with session.get(f"{node.admin_url}/v1/events") as stream:
+                assert stream.headers["Content-Type"].startswith("text/event-stream")
+                keys = [os.urandom(16) for _ in range(12)]
+                async with AsyncClient(node.url) as c:
+                    await c.put_many(keys[:2], [b"a" * 1000] * 2, chunk_indexes=[0, 1],
+                                     parents=[None, keys[0]])
+                    await c.delete(keys[0])
+                    for key in keys[2:]:  # 10 x 200 KiB through a 1 MiB tier: evictions
+                        await c.put(key, os.urandom(200 << 10))
+
+                    async def read() -> None:
+                        async for raw in stream.content:
+                            line = raw.decode().strip()
+                            if line.startswith("data: "):
+                                events.append(json.loads(line[6:]))
+                            if sum(e["type"] == "evicted" for e in events) >= 3:
+                                return
+
+                    await asyncio.wait_for(read(), 10)
+    finally:
+        node.stop()
+    stored = [e for e in events if e["type"] == "stored"]
+    assert stored[0] == {"type": "stored", "key": keys[0].hex(), "parent": None, "tier": "dram",
+                         "node": f"{node.host}:{node.port}", "depth": 0}
+    assert stored[1]["parent"] == keys[0].hex() and stored[1]["depth"] == 1
+    assert {"type": "removed", "key": keys[0].hex(), "parent": None, "tier": "dram",
+            "node": f"{node.host}:{node.port}", "depth": None} in events
+    evicted = [e["key"] for e in events if e["type"] == "evicted"]
+    assert evicted and set(evicted) <= {k.hex() for k in keys[1:]}

@@ -20,6 +20,8 @@ from kvpool.protocol.errors import (
     status_for_error,
 )
 from kvpool.protocol.frames import (
+    PUT_FLAG_PARENT,
+    PUT_FLAG_PIN,
     FrameHeader,
     GetItemHeader,
     Op,
@@ -38,9 +40,13 @@ KEYS = [bytes([i]) * 16 for i in range(3)]
 
 def put_frame(request_id: int, values: list[bytes]) -> bytes:
     body: list[bytes] = []
-    for key, payload in zip(KEYS, values, strict=False):
+    for i, (key, payload) in enumerate(zip(KEYS, values, strict=False)):
         env = seal(payload)
-        body += [PutItemHeader(key, len(env) + len(payload), 1500, 1).pack(), env, payload]
+        if i == 1:  # the second item names its parent (the first key)
+            body += [PutItemHeader(key, len(env) + len(payload), 1500,
+                                   PUT_FLAG_PIN | PUT_FLAG_PARENT).pack(), KEYS[0], env, payload]
+        else:
+            body += [PutItemHeader(key, len(env) + len(payload), 1500, 1).pack(), env, payload]
     return b"".join(encode_frame(Op.PUT, request_id, body, count=len(values)))
 
 
@@ -60,6 +66,7 @@ def check_requests(requests: list) -> None:  # type: ignore[type-arg]
     put = requests[1]
     assert [i.header.key for i in put.items] == KEYS
     assert [i.header.ttl_ms for i in put.items] == [1500] * 3
+    assert [i.parent for i in put.items] == [None, KEYS[0], None]
     assert bytes(put.items[0].reservation.view[64:]) == b"a" * 10
     assert len(put.items[1].reservation.view) == 64 + 70_000
     assert requests[2].keys == KEYS

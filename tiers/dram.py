@@ -36,6 +36,7 @@ class Entry:
     pinned: bool = False
     readers: int = 0
     live: bool = True
+    parent: bytes | None = None  #: the previous chunk of the prefix, when the writer said
 
 
 class Slot:
@@ -75,6 +76,8 @@ class DramTier:
         self._seq = itertools.count()
         self._stats = TierStats(self.name, self.arena.capacity)
         self._used_bytes = 0
+        #: called with each entry evicted to make room (not for deletes or expiry)
+        self.on_evict: Callable[[Entry], None] | None = None
 
     # -- zero-copy data path --------------------------------------------------------------
 
@@ -92,11 +95,14 @@ class DramTier:
                 return None
             self._remove(victim)
             self._stats.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(victim)
             offset = arena.alloc(nbytes)
         return Slot(self, key, offset, nbytes)
 
     def commit(self, slots: Sequence[Slot], *, ttl_s: Sequence[float | None] | None = None,
-               pin: Sequence[bool] | None = None) -> list[Entry | None]:
+               pin: Sequence[bool] | None = None,
+               parents: Sequence[bytes | None] | None = None) -> list[Entry | None]:
         """Publish received slots under their keys; None for a slot that is not an envelope."""
         ok: list[Entry | None] = []
         touched: list[tuple[bytes, int]] = []
@@ -114,7 +120,8 @@ class DramTier:
             ttl = ttl_s[i] if ttl_s is not None else None
             depth = header.chunk_index
             entry = Entry(slot.key, slot.offset, slot.length, depth,
-                          pinned=bool(pin[i]) if pin is not None else False)
+                          pinned=bool(pin[i]) if pin is not None else False,
+                          parent=parents[i] if parents is not None else None)
             self._insert(entry, ttl)
             if not entry.pinned:
                 touched.append((entry.key, depth))
