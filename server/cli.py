@@ -1,5 +1,6 @@
 """The ``kvpool`` command: ``serve`` runs a node, ``stats`` shows one node's counters,
-``cluster up`` runs a local cluster of node processes."""
+``cluster up`` runs a local cluster of node processes, ``cluster status`` and ``cluster
+drain`` (in :mod:`kvpool.server.cli_cluster`) look after a running one."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool.protocol.errors import ConfigError
+from kvpool.server.cli_cluster import add_cluster_commands
 from kvpool.server.config import add_arguments, format_size, load_config
 
 __all__ = ["main"]
@@ -106,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="print raw JSON")
     stats.add_argument("--timeout", type=float, default=5.0, help="seconds")
     stats.set_defaults(func=_stats)
-    cluster = sub.add_parser("cluster", help="local clusters (cluster up)")
+    cluster = sub.add_parser("cluster", help="clusters: up (local), status, drain")
     csub = cluster.add_subparsers(dest="cluster_command", required=True)
     up = csub.add_parser(
         "up", help="run N node processes on 127.0.0.1 until Ctrl-C",
@@ -127,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("serve_args", nargs=argparse.REMAINDER,
                     help="-- then flags for every node, e.g. -- --no-ssd")
     up.set_defaults(func=_cluster_up)
+    add_cluster_commands(csub)
     return parser
 
 

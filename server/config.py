@@ -202,7 +202,7 @@ class ClusterConfig:
                             "etcd cluster (a cluster file, or etcd once set up, has its own)",
                             flag="--replication", env="KVPOOL_REPLICATION")
     etcd: str = knob("", "etcd endpoints (http://host:2379,...): the cluster map lives in etcd "
-                     "and changes through POST /v1/cluster/join|drain|remove",
+                     "and changes through POST /v1/cluster/join, /drain, /remove",
                      flag="--etcd", env="KVPOOL_ETCD")
     etcd_prefix: str = knob("/kvpool/default", "etcd key prefix of this cluster",
                             flag="--etcd-prefix", env="KVPOOL_ETCD_PREFIX")

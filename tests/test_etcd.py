@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.client import AsyncClient
+from kvpool.client import AsyncClient, Client
 from kvpool.client._node import NodeClient
 from kvpool.placement.cluster_map import ClusterMap
 from kvpool.server.local_cluster import LocalCluster, LocalEtcd
@@ -179,3 +179,40 @@ def test_a_killed_node_is_marked_down_when_its_lease_expires(etcd: LocalEtcd,
         cluster.restart(1)  # and it comes back up when it registers again
         wait_for(lambda: served_map(cluster.nodes[0].admin_url).by_id["n1"].state == "up",
                  "n1 to be up again")
+
+
+def test_cli_status_and_drain_follow_the_hand_off(etcd: LocalEtcd, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    with LocalCluster(2, replication=1, data_dir=tmp_path, etcd=etcd.endpoint,
+                      etcd_prefix="/kvpool/t-cli", serve_args=FAST) as cluster:
+        keys = [os.urandom(16) for _ in range(300)]
+        with Client(cluster.seeds) as client:
+            client.put_many(keys, [value_for(k, 4096) for k in keys])
+            assert all(client.exists_many(keys))
+        on_n1 = sum(o[0] == "n1" for o in served_map(cluster.nodes[0].admin_url).preference(keys))
+        kvpool = [sys.executable, "-m", "kvpool.server.cli", "cluster"]
+        status = subprocess.run([*kvpool, "status", "--json", "--admin",
+                                 cluster.nodes[0].admin_url],
+                                capture_output=True, text=True, timeout=60, check=True)
+        report = json.loads(status.stdout)
+        assert [n["id"] for n in report["cluster"]["nodes"]] == ["n0", "n1"]
+        assert sum(s["num_objects"] for s in report["stats"].values()) == len(keys)
+
+        drain = subprocess.run([*kvpool, "drain", "n1", "--json", "--interval", "0.1",
+                                "--wait", "60", "--admin", cluster.nodes[0].admin_url],
+                               capture_output=True, text=True, timeout=90, check=False)
+        assert drain.returncode == 0, drain.stderr
+        progress = json.loads(drain.stdout)
+        assert progress["state"] == "done"
+        assert progress["chunks_moved"] == progress["chunks_total"] == on_n1 > 0
+        assert progress["bytes_moved"] == on_n1 * 4096  # payload bytes
+        with Client(cluster.nodes[0].seed) as client:  # n0 alone now has every chunk
+            got = client.get_many(keys)
+            assert [bytes(v) if v is not None else None for v in got] == \
+                [value_for(k, 4096) for k in keys]
+
+        refused = subprocess.run([*kvpool, "drain", "n9", "--admin", cluster.nodes[0].admin_url],
+                                 capture_output=True, text=True, timeout=60, check=False)
+        assert refused.returncode == 2 and "n9" in refused.stderr

@@ -1,0 +1,176 @@
+"""``kvpool cluster status`` and ``kvpool cluster drain``: a cluster seen through any node's
+admin API (plain HTTP, so they work against any node, local or not).
+
+Exit codes: 0 done, 1 the drain failed, 2 a node could not be reached or refused the
+request, 3 timed out waiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from kvpool.server.config import format_size
+
+__all__ = ["add_cluster_commands"]
+
+
+class AdminError(Exception):
+    """A node's admin API could not be reached or answered with an error."""
+
+
+def _call(url: str, body: dict[str, Any] | None = None, timeout: float = 5.0) -> dict[str, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method="POST" if data else "GET",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            reply: dict[str, Any] = json.load(response)
+            return reply
+    except urllib.error.HTTPError as exc:
+        try:
+            error = json.load(exc)["error"]
+            message = f"{error['type']}: {error['message']}"
+        except (ValueError, KeyError, TypeError):
+            message = str(exc)
+        raise AdminError(f"{url}: HTTP {exc.code} {message}") from None
+    except (OSError, ValueError) as exc:
+        raise AdminError(f"cannot reach {url}: {exc}") from None
+
+
+def _base(admin: str) -> str:
+    admin = admin.rstrip("/")
+    return admin if "://" in admin else f"http://{admin}"
+
+
+def _status(args: argparse.Namespace) -> int:
+    try:
+        cmap = _call(_base(args.admin) + "/v1/cluster", timeout=args.timeout)
+    except AdminError as exc:
+        print(f"kvpool cluster status: {exc}", file=sys.stderr)
+        return 2
+    rows = []
+    for node in cmap["nodes"]:
+        try:
+            stats: dict[str, Any] | None = _call(_base(node["admin"]) + "/v1/stats",
+                                                 timeout=args.timeout)
+        except AdminError:
+            stats = None
+        rows.append((node, stats))
+    if args.json:
+        print(json.dumps({"cluster": cmap, "stats": {n["id"]: s for n, s in rows}}, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kvpool cluster: epoch {cmap['epoch']}, replication "
+                  f"{cmap['replication']}, source {cmap.get('source', '?')}")
+    for column in ("node", "state", "data", "DRAM used / capacity", "objects", "hit rate",
+                   "drain"):
+        table.add_column(column)
+    for node, stats in rows:
+        if stats is None:
+            table.add_row(node["id"], node["state"], node["data"], "[red]unreachable[/]",
+                          "", "", "")
+            continue
+        lookups = stats["hits"] + stats["misses"]
+        drain = stats.get("drain", {})
+        table.add_row(node["id"], node["state"], node["data"],
+                      f"{format_size(stats['used_bytes'])} / "
+                      f"{format_size(stats['capacity_bytes'])}",
+                      str(stats["num_objects"]),
+                      f"{stats['hits'] / lookups:.1%}" if lookups else "-",
+                      "" if drain.get("state", "idle") == "idle" else
+                      f"{drain['state']} {drain['chunks_moved']}/{drain['chunks_total']}")
+    Console().print(table)
+    return 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    base = _base(args.admin)
+    try:
+        cmap = _call(base + "/v1/cluster/drain", {"id": args.node}, timeout=args.timeout)
+    except AdminError as exc:
+        print(f"kvpool cluster drain: {exc}", file=sys.stderr)
+        return 2
+    node = next((n for n in cmap["nodes"] if n["id"] == args.node), None)
+    if node is None:  # already gone (a drain of an empty node can finish at once)
+        print(f"kvpool: {args.node} is no longer in the map (epoch {cmap['epoch']})")
+        return 0
+    if args.no_wait:
+        print(f"kvpool: {args.node} is {node['state']} (epoch {cmap['epoch']})")
+        return 0
+    stats_url = _base(node["admin"]) + "/v1/stats"
+    deadline = time.monotonic() + args.wait
+    progress: dict[str, Any] = {}
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("chunks"), DownloadColumn(), TimeElapsedColumn())
+    with Progress(*columns, disable=args.json or not sys.stdout.isatty()) as bar:
+        task = bar.add_task(f"draining {args.node}", total=None)
+        while True:
+            try:
+                progress = _call(stats_url, timeout=args.timeout).get("drain", {})
+            except AdminError:
+                progress = {**progress, "state": "gone"}  # stopped after leaving the map
+            done = (progress.get("chunks_moved", 0) + progress.get("chunks_skipped", 0)
+                    + progress.get("chunks_failed", 0))
+            bar.update(task, total=progress.get("chunks_total") or None, completed=done)
+            if progress.get("state") in ("done", "failed", "gone"):
+                break
+            if time.monotonic() > deadline:
+                print(f"kvpool cluster drain: still {progress.get('state')} after {args.wait} s",
+                      file=sys.stderr)
+                return 3
+            time.sleep(args.interval)
+    if args.json:
+        print(json.dumps({"node": args.node, **progress}, indent=2))
+    else:
+        print(f"kvpool: {args.node} {progress.get('state')}: {progress.get('chunks_moved', 0)} "
+              f"chunks ({format_size(progress.get('bytes_moved', 0))}) handed off, "
+              f"{progress.get('chunks_skipped', 0)} gone before their turn, "
+              f"{progress.get('chunks_failed', 0)} failed"
+              + (f" ({progress['error']})" if progress.get("error") else ""))
+    return 1 if progress.get("state") == "failed" else 0
+
+
+def add_cluster_commands(csub: Any) -> None:
+    """Add ``status`` and ``drain`` to the ``kvpool cluster`` sub-parsers."""
+    status = csub.add_parser("status", help="the map and every node's DRAM use and hit rate",
+                             description="Read the cluster map from one node's admin API, "
+                             "then every node's stats.")
+    status.add_argument("--admin", default="http://127.0.0.1:7701",
+                        help="admin URL of any node (default: http://127.0.0.1:7701)")
+    status.add_argument("--json", action="store_true", help="print raw JSON")
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds per request")
+    status.set_defaults(func=_status)
+
+    drain = csub.add_parser(
+        "drain", help="drain a node (etcd clusters) and follow its hand-off",
+        description="Mark NODE draining through any node's admin API (POST /v1/cluster/drain); "
+        "NODE then hands its DRAM chunks to their new owners and leaves the map. Shows a "
+        "progress bar until the hand-off is done. Exit codes: 0 done, 1 failed, 2 refused or "
+        "unreachable, 3 timed out.")
+    drain.add_argument("node", help="id of the node to drain")
+    drain.add_argument("--admin", default="http://127.0.0.1:7701",
+                       help="admin URL of any node (default: http://127.0.0.1:7701)")
+    drain.add_argument("--no-wait", action="store_true", help="return once the map says draining")
+    drain.add_argument("--wait", type=float, default=3600.0,
+                       help="seconds to follow the hand-off before giving up (default: 3600)")
+    drain.add_argument("--interval", type=float, default=0.5, help="seconds between polls")
+    drain.add_argument("--json", action="store_true", help="print the final progress as JSON")
+    drain.add_argument("--timeout", type=float, default=10.0, help="seconds per request")
+    drain.set_defaults(func=_drain)
