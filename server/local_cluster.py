@@ -8,6 +8,7 @@ ports and data dir, which is what the failover tests do.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,6 +171,31 @@ class LocalCluster:
             self._spawn(node)
         for node in self.nodes:
             self._wait_ready(node)
+        if self.etcd:
+            self.wait_converged()
+
+    def wait_converged(self, timeout: float = 30.0) -> None:
+        """With etcd: wait until every running node serves a map in which every running
+        node is up (registrations reach the others through their watches)."""
+        running = [n for n in self.nodes if n.running]
+        want = {n.node_id for n in running}
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                ups = []
+                for node in running:
+                    with urllib.request.urlopen(f"{node.admin_url}/v1/cluster",
+                                                timeout=5) as reply:
+                        cmap = json.load(reply)
+                    ups.append({n["id"] for n in cmap["nodes"] if n["state"] == "up"})
+                if all(want <= up for up in ups):
+                    return
+            except (OSError, ValueError, KeyError):
+                pass
+            if time.monotonic() > deadline:
+                raise ConfigError(f"nodes {sorted(want)} did not all see each other up in "
+                                  f"{timeout} s")
+            time.sleep(0.05)
 
     def write_map(self, cmap: ClusterMap) -> None:
         """Write the static map; :meth:`reload` makes running nodes read it."""
@@ -192,6 +219,8 @@ class LocalCluster:
         self.nodes.append(node)
         self._spawn(node)
         self._wait_ready(node)
+        if self.etcd:
+            self.wait_converged()
         return node
 
     def kill(self, index: int) -> None:

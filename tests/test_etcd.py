@@ -187,6 +187,8 @@ def test_cli_status_and_drain_follow_the_hand_off(etcd: LocalEtcd, tmp_path: Pat
 
     with LocalCluster(2, replication=1, data_dir=tmp_path, etcd=etcd.endpoint,
                       etcd_prefix="/kvpool/t-cli", serve_args=FAST) as cluster:
+        for node in cluster.nodes:  # both have seen both registrations
+            wait_for(lambda n=node: len(served_map(n.admin_url).ring.nodes) == 2, "the map")
         keys = [os.urandom(16) for _ in range(300)]
         with Client(cluster.seeds) as client:
             client.put_many(keys, [value_for(k, 4096) for k in keys])
