@@ -49,6 +49,15 @@ class Client:
             return self._loop.run_until_complete(coro)
 
     @property
+    def async_client(self) -> AsyncClient:
+        """The async core this facade drives (for SDK extensions such as ``kvpool.gpu``)."""
+        return self._async
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine of :attr:`async_client` to completion on this client's loop."""
+        return self._run(coro)
+
+    @property
     def server_info(self) -> dict[str, Any]:
         return self._async.server_info
 

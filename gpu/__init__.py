@@ -1,1 +1,13 @@
-"""kvpool GPU client (torch). Empty until the GPU-client issue lands."""
+"""kvpool's GPU-side client (needs torch: ``pip install 'kvpool[gpu]'``).
+
+- :class:`KVLayout` describes an engine's paged KV cache and the chunk byte layout;
+- :class:`PagedKVConnector` / :class:`AsyncPagedKVConnector` load chunks into the
+  engine's blocks and store them back through pinned staging slots, pipelined;
+- :mod:`kvpool.gpu.hf` adapts Hugging Face transformers' ``DynamicCache``.
+"""
+
+from kvpool.gpu.connector import AsyncPagedKVConnector, ConnectorStats, PagedKVConnector
+from kvpool.gpu.layout import KVLayout, LayoutKind, dtype_name
+
+__all__ = ["AsyncPagedKVConnector", "ConnectorStats", "KVLayout", "LayoutKind",
+           "PagedKVConnector", "dtype_name"]

@@ -60,6 +60,9 @@ class Namespace:
     tp_rank: int = 0
     tenant: str | None = None
     adapter: str | None = None
+    #: what one token's entry is: None = a K and a V vector per KV head (standard
+    #: attention); "mla" = one latent vector (num_kv_heads 1, head_dim = latent dim)
+    kv_format: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -69,6 +72,8 @@ class Namespace:
                 raise ConfigError(f"namespace {name} must be >= 1")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"tp_rank {self.tp_rank} outside [0, tp_size={self.tp_size})")
+        if self.kv_format not in (None, "mla"):
+            raise ConfigError(f"namespace kv_format must be None or 'mla', got {self.kv_format!r}")
 
     def fields(self) -> dict[str, Any]:
         """The fields hashed into the digest; unset optional ones are omitted."""

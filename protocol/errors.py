@@ -41,6 +41,7 @@ __all__ = [
     "KvpoolConnectionError",
     "KvpoolError",
     "KvpoolTimeoutError",
+    "LayoutError",
     "NotDurableError",
     "ProtocolError",
     "RequestError",
@@ -79,6 +80,10 @@ class KvpoolError(Exception):
 
 class ConfigError(KvpoolError, ValueError):
     """A configuration value is missing, malformed or out of range."""
+
+
+class LayoutError(ConfigError):
+    """An engine's KV-cache tensors do not match the declared :class:`KVLayout`."""
 
 
 class InvalidKeyError(KvpoolError, ValueError):

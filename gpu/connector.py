@@ -1,0 +1,331 @@
+"""Load chunks from kvpool straight into an engine's paged KV blocks, and store them back.
+
+``AsyncPagedKVConnector`` is the implementation; ``PagedKVConnector`` runs it
+on a blocking :class:`kvpool.client.Client`'s loop.
+
+**load(tokens, block_ids)**: one lookup round trip finds how many leading
+chunks the pool holds; then a pipeline over those chunks: chunk *i* is
+received (``get_into``, checksummed as it arrives) straight into pinned
+staging slot *i mod k* while chunk *i-1* is copied host-to-device on a side
+CUDA stream (``non_blocking``) and scattered into the engine's blocks
+(``index_copy_``). Up to *k* receives are in flight; a slot is received into
+again only once its previous copy has finished (its CUDA event). The
+engine's current stream is made to wait for the side stream before ``load``
+returns, so the engine's kernels see the blocks and nothing else waits. A
+chunk that is missing or fails its checksum ends the load at the previous
+chunk: the blocks of later chunks are not touched, and the return value
+tells the engine where to start recomputing.
+
+**store(tokens, block_ids)**: one EXISTS round trip skips chunks the pool
+already has; each remaining chunk's blocks are gathered on the device into a
+contiguous buffer (``index_select``), copied into a pinned host slot, and
+put, with the gather of the next chunk overlapping the put of this one.
+
+Buffers: *k* host slots (pinned when the caches are on CUDA) and, on CUDA, *k*
+device slots, allocated once when the connector is made and kept for its
+life, so nothing on the hot path allocates tensor memory and the caching
+allocator can never hand a slot to someone else while a copy uses it. The
+device-side work runs on one "copy" thread, which on CUDA only enqueues work
+on the side stream and waits on its events, and on CPU does the copies
+itself (torch releases the GIL), so receiving the next chunk overlaps it in
+both cases. Without CUDA the identical code runs on CPU tensors: pinning,
+the side stream and events are skipped, and the device slot is the host
+slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvpool.client import AsyncClient, Client
+from kvpool.gpu.layout import KVLayout
+from kvpool.gpu.paged import gather, scatter
+from kvpool.placement.keys import ChunkHasher, Namespace
+from kvpool.protocol.errors import BufferTooSmallError, LayoutError
+
+__all__ = ["AsyncPagedKVConnector", "ConnectorStats", "PagedKVConnector"]
+
+DEFAULT_STAGING_SLOTS = 4
+
+
+@dataclass
+class ConnectorStats:
+    """Counters since the connector was made (``connector.stats``)."""
+
+    loads: int = 0
+    tokens_loaded: int = 0
+    bytes_loaded: int = 0
+    load_misses: int = 0  #: loads that ended early on a missing or corrupt chunk
+    stores: int = 0
+    tokens_stored: int = 0
+    bytes_stored: int = 0
+    chunks_skipped: int = 0  #: chunks a store found already in the pool
+
+
+@dataclass
+class _Slot:
+    host: torch.Tensor  #: uint8, pinned on CUDA
+    device: torch.Tensor  #: uint8 on the caches' device (the host slot itself on CPU)
+    chunk: torch.Tensor  #: ``device`` viewed as the chunk payload array
+    host_view: memoryview  #: what get_into receives into and put sends from
+    event: Any = None  #: torch.cuda.Event on CUDA
+    busy: Awaitable[Any] | None = field(default=None, repr=False)
+
+
+def _tokens_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(tokens, torch.Tensor):
+        return [int(t) for t in tokens.reshape(-1).tolist()]
+    return list(tokens)
+
+
+class AsyncPagedKVConnector:
+    """Moves chunks between kvpool and one engine's paged KV tensors (see the module doc).
+
+    ``kv_caches``: the engine's per-layer paged tensors (or one tensor with a
+    leading layer dimension), checked against ``layout`` up front.
+    ``namespace``: from ``layout.namespace(model, ...)``; every engine that
+    should share chunks must use the same one.
+    """
+
+    def __init__(self, client: AsyncClient, layout: KVLayout,
+                 kv_caches: torch.Tensor | Sequence[torch.Tensor], namespace: Namespace, *,
+                 staging_slots: int = DEFAULT_STAGING_SLOTS) -> None:
+        if staging_slots < 1:
+            raise LayoutError("staging_slots must be >= 1")
+        layout.check_namespace(namespace)
+        self.client = client
+        self.layout = layout
+        self.caches = layout.check(kv_caches)
+        self.namespace = namespace
+        self.hasher = ChunkHasher(namespace)
+        self.chunk_tokens = namespace.chunk_tokens
+        self.blocks_per_chunk = self.chunk_tokens // layout.block_size
+        self.chunk_nbytes = layout.chunk_nbytes(self.chunk_tokens)
+        self.num_blocks = self.caches[0].shape[1 if layout.kind == "flash" else 0]
+        self.device = self.caches[0].device
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None  # type: ignore[no-untyped-call]
+        self.stats = ConnectorStats()
+        self.slots = [self._make_slot() for _ in range(staging_slots)]
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-copy")
+
+    def _make_slot(self) -> _Slot:
+        host = torch.empty(self.chunk_nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        device = torch.empty_like(host, device=self.device) if self.cuda else host
+        chunk = device.view(self.layout.dtype).view(self.layout.chunk_shape(self.chunk_tokens))
+        view = host.numpy().data.cast("B")
+        event = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
+        return _Slot(host, device, chunk, view, event)
+
+    def close(self) -> None:
+        self._copier.shutdown(wait=True)
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _block_ids(self, block_ids: Sequence[int] | torch.Tensor, count: int) -> torch.Tensor:
+        ids = block_ids[:count] if not isinstance(block_ids, torch.Tensor) \
+            else block_ids.reshape(-1)[:count].tolist()
+        ids = [int(i) for i in ids]
+        if len(ids) < count:
+            raise LayoutError(f"{count} block ids needed, got {len(ids)}")
+        if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
+            raise LayoutError(f"block ids must be in [0, {self.num_blocks}), got "
+                              f"{min(ids)}..{max(ids)}")
+        tensor = torch.tensor(ids, dtype=torch.long).to(self.device)
+        if self.stream is not None:
+            # the side stream starts after the engine's queued work (which made ``tensor``
+            # and may still use the blocks), and the allocator keeps ``tensor`` for it
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            tensor.record_stream(self.stream)
+        return tensor
+
+    def _chunk_ids(self, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+        b = self.blocks_per_chunk
+        return ids[chunk * b:(chunk + 1) * b]
+
+    def _run_copy(self, fn: Any, *args: Any) -> asyncio.Future[None]:
+        return asyncio.wrap_future(self._copier.submit(fn, *args))
+
+    def _to_device(self, slot: _Slot, ids: torch.Tensor) -> None:
+        """Copy thread: staging slot -> the engine's blocks."""
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                slot.device.copy_(slot.host, non_blocking=True)
+                scatter(self.layout, self.caches, ids, slot.chunk)
+                slot.event.record(self.stream)
+            slot.event.synchronize()  # the host slot may be received into again
+        else:
+            scatter(self.layout, self.caches, ids, slot.chunk)
+
+    def _to_host(self, slot: _Slot, ids: torch.Tensor) -> None:
+        """Copy thread: the engine's blocks -> staging slot."""
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                gather(self.layout, self.caches, ids, slot.chunk)
+                slot.host.copy_(slot.device, non_blocking=True)
+                slot.event.record(self.stream)
+            slot.event.synchronize()  # the bytes are on the host: put may send them
+        else:
+            gather(self.layout, self.caches, ids, slot.chunk)
+
+    def _limit(self, tokens: list[int], block_ids: Sequence[int] | torch.Tensor,
+               max_tokens: int | None) -> int:
+        limit = min(len(tokens), len(block_ids) * self.layout.block_size)
+        if max_tokens is not None:
+            limit = min(limit, max_tokens)
+        return max(0, limit) // self.chunk_tokens
+
+    # -- the two operations ---------------------------------------------------------------
+
+    async def load(self, tokens: Sequence[int] | torch.Tensor,
+                   block_ids: Sequence[int] | torch.Tensor, *,
+                   max_tokens: int | None = None) -> int:
+        """Fill the engine's blocks with the longest cached prefix of ``tokens``.
+
+        ``block_ids[j]`` is the engine block holding tokens ``[j*B, (j+1)*B)``.
+        Loads at most ``max_tokens`` tokens (an engine that needs logits for the
+        last prompt token passes ``len(tokens) - 1``). Returns the number of
+        tokens loaded, a multiple of ``chunk_tokens``; the engine computes the rest.
+        """
+        tokens = _tokens_list(tokens)
+        wanted = self._limit(tokens, block_ids, max_tokens)
+        self.stats.loads += 1
+        if wanted == 0:
+            return 0
+        keys = self.hasher.keys(tokens[: wanted * self.chunk_tokens])
+        found = await self.client.lookup(keys)
+        if found == 0:
+            return 0
+        ids = self._block_ids(block_ids, found * self.blocks_per_chunk)
+        k = len(self.slots)
+        receives: dict[int, asyncio.Task[int | None]] = {}
+
+        async def receive(i: int) -> int | None:
+            slot = self.slots[i % k]
+            if slot.busy is not None:
+                await slot.busy  # the copy of chunk i-k has left this slot
+            try:
+                return await self.client.get_into(keys[i], slot.host_view)
+            except BufferTooSmallError:
+                return None  # not a chunk of this layout: a miss like any other
+
+        loaded = 0
+        try:
+            for i in range(min(k, found)):
+                receives[i] = asyncio.create_task(receive(i))
+            for i in range(found):
+                got = await receives.pop(i)
+                if got != self.chunk_nbytes:  # missing, corrupt (None) or a foreign size
+                    self.stats.load_misses += 1
+                    break
+                slot = self.slots[i % k]
+                slot.busy = self._run_copy(self._to_device, slot, self._chunk_ids(ids, i))
+                if i + k < found:
+                    receives[i + k] = asyncio.create_task(receive(i + k))
+                loaded += 1
+        finally:
+            # never leave a receive writing into a slot, or a copy reading one, behind us
+            await asyncio.gather(*receives.values(), return_exceptions=True)
+            await self._settle()
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.stats.tokens_loaded += loaded * self.chunk_tokens
+        self.stats.bytes_loaded += loaded * self.chunk_nbytes
+        return loaded * self.chunk_tokens
+
+    async def store(self, tokens: Sequence[int] | torch.Tensor,
+                    block_ids: Sequence[int] | torch.Tensor) -> int:
+        """Store every full chunk of ``tokens`` the pool does not have yet.
+
+        Call it once the engine's kernels that wrote these blocks are queued
+        (the side stream waits for the engine's current stream). Returns the
+        number of tokens newly stored.
+        """
+        tokens = _tokens_list(tokens)
+        count = self._limit(tokens, block_ids, None)
+        self.stats.stores += 1
+        if count == 0:
+            return 0
+        keys = self.hasher.keys(tokens[: count * self.chunk_tokens])
+        present = await self.client.exists_many(keys)
+        todo = [i for i, p in enumerate(present) if not p]
+        self.stats.chunks_skipped += count - len(todo)
+        if not todo:
+            return 0
+        ids = self._block_ids(block_ids, count * self.blocks_per_chunk)
+        k = len(self.slots)
+        digest = self.namespace.digest
+        try:
+            for j, i in enumerate(todo):
+                slot = self.slots[j % k]
+                if slot.busy is not None:
+                    await slot.busy  # the put of chunk j-k has sent this slot
+                    slot.busy = None
+                await self._run_copy(self._to_host, slot, self._chunk_ids(ids, i))
+                slot.busy = asyncio.ensure_future(self.client.put(
+                    keys[i], slot.host_view, chunk_index=i, num_tokens=self.chunk_tokens,
+                    fingerprint=digest, parent=keys[i - 1] if i else None))
+            await self._settle(raise_errors=True)
+        finally:
+            await self._settle()
+        self.stats.tokens_stored += len(todo) * self.chunk_tokens
+        self.stats.bytes_stored += len(todo) * self.chunk_nbytes
+        return len(todo) * self.chunk_tokens
+
+    async def _settle(self, raise_errors: bool = False) -> None:
+        """Wait until no copy or put uses any slot; re-raise the first error if asked."""
+        busy = [s.busy for s in self.slots if s.busy is not None]
+        for slot in self.slots:
+            slot.busy = None
+        results = await asyncio.gather(*busy, return_exceptions=True)
+        if raise_errors:
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+
+
+class PagedKVConnector:
+    """Blocking facade of :class:`AsyncPagedKVConnector` over a :class:`kvpool.client.Client`."""
+
+    def __init__(self, client: Client, layout: KVLayout,
+                 kv_caches: torch.Tensor | Sequence[torch.Tensor], namespace: Namespace, *,
+                 staging_slots: int = DEFAULT_STAGING_SLOTS) -> None:
+        self._client = client
+        self._async = AsyncPagedKVConnector(client.async_client, layout, kv_caches, namespace,
+                                            staging_slots=staging_slots)
+
+    @property
+    def stats(self) -> ConnectorStats:
+        return self._async.stats
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self._async.chunk_tokens
+
+    @property
+    def layout(self) -> KVLayout:
+        return self._async.layout
+
+    def load(self, tokens: Sequence[int] | torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
+             *, max_tokens: int | None = None) -> int:
+        return self._client.run(self._async.load(tokens, block_ids, max_tokens=max_tokens))
+
+    def store(self, tokens: Sequence[int] | torch.Tensor,
+              block_ids: Sequence[int] | torch.Tensor) -> int:
+        return self._client.run(self._async.store(tokens, block_ids))
+
+    def close(self) -> None:
+        self._async.close()
+
+    def __enter__(self) -> PagedKVConnector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

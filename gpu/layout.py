@@ -1,0 +1,185 @@
+"""An engine's paged KV cache, described: shapes, dtype, block size, and the chunk byte layout.
+
+Three paged layouts are understood (one tensor per layer; a single tensor
+with the layers as its first dimension is split into per-layer views):
+
+========================  =============================================  ==================
+``kind``                  per-layer tensor shape                         engines
+========================  =============================================  ==================
+``"flash"``               ``[2, num_blocks, block_size, kv_heads, dim]``  vLLM flash-attn
+``"blocks_first"``        ``[num_blocks, 2, block_size, kv_heads, dim]``  vLLM FlashInfer,
+                                                                          SGLang-style pools
+``"mla"``                 ``[num_blocks, block_size, latent_dim]``        DeepSeek MLA
+========================  =============================================  ==================
+
+Whatever the engine's layout, a chunk's payload is always the same dense
+array, so engines with different paged layouts share chunks:
+
+- K/V layouts: ``[num_layers, 2, chunk_tokens, kv_heads, head_dim]``, C order
+  (layer, then K=0/V=1, then token, then head, then dim);
+- MLA: ``[num_layers, chunk_tokens, latent_dim]``.
+
+Elements are the engine's dtype in native (little-endian) byte order. The
+namespace (and so every key) records layers, heads, head dim, dtype,
+chunk_tokens and, for MLA, ``kv_format="mla"``; the block size and the
+engine's paged layout are not part of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kvpool.placement.keys import DEFAULT_CHUNK_TOKENS, Namespace
+from kvpool.protocol.errors import LayoutError
+
+__all__ = ["KVLayout", "LayoutKind", "dtype_name"]
+
+LayoutKind = Literal["flash", "blocks_first", "mla"]
+_KINDS = ("flash", "blocks_first", "mla")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the name the namespace records)."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Geometry of an engine's paged KV cache (for MLA: ``num_kv_heads=1``,
+    ``head_dim`` = latent dim; or use :meth:`mla`)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+    kind: LayoutKind = "flash"
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise LayoutError(f"layout kind must be one of {_KINDS}, got {self.kind!r}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise LayoutError(f"KVLayout.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise LayoutError(f"KVLayout.dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.kind == "mla" and self.num_kv_heads != 1:
+            raise LayoutError("an MLA layout has one latent vector per token: num_kv_heads=1")
+
+    @classmethod
+    def mla(cls, num_layers: int, latent_dim: int, dtype: torch.dtype,
+            block_size: int) -> KVLayout:
+        return cls(num_layers, 1, latent_dim, dtype, block_size, kind="mla")
+
+    # -- sizes ----------------------------------------------------------------------------
+
+    @property
+    def kv_factor(self) -> int:
+        """2 for K and V, 1 for MLA's single latent."""
+        return 1 if self.kind == "mla" else 2
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token occupies across all layers."""
+        return self.num_layers * self.kv_factor * self.num_kv_heads * self.head_dim * \
+            self.itemsize
+
+    def chunk_shape(self, chunk_tokens: int) -> tuple[int, ...]:
+        """Shape of a chunk's payload (see the module docstring)."""
+        if self.kind == "mla":
+            return (self.num_layers, chunk_tokens, self.head_dim)
+        return (self.num_layers, 2, chunk_tokens, self.num_kv_heads, self.head_dim)
+
+    def chunk_nbytes(self, chunk_tokens: int) -> int:
+        return chunk_tokens * self.token_bytes
+
+    def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's paged tensor with ``num_blocks`` blocks."""
+        b, h, d = self.block_size, self.num_kv_heads, self.head_dim
+        if self.kind == "flash":
+            return (2, num_blocks, b, h, d)
+        if self.kind == "blocks_first":
+            return (num_blocks, 2, b, h, d)
+        return (num_blocks, b, d)
+
+    # -- namespace ------------------------------------------------------------------------
+
+    def namespace(self, model: str, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                  tp_size: int = 1, tp_rank: int = 0, tenant: str | None = None,
+                  adapter: str | None = None) -> Namespace:
+        """The key namespace of this layout for ``model`` (checks chunk/block sizes)."""
+        if chunk_tokens % self.block_size:
+            raise LayoutError(f"chunk_tokens ({chunk_tokens}) must be a multiple of the "
+                              f"engine's block size ({self.block_size})")
+        return Namespace(model=model, dtype=dtype_name(self.dtype), num_layers=self.num_layers,
+                         num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                         chunk_tokens=chunk_tokens, tp_size=tp_size, tp_rank=tp_rank,
+                         tenant=tenant, adapter=adapter,
+                         kv_format="mla" if self.kind == "mla" else None)
+
+    def check_namespace(self, namespace: Namespace) -> None:
+        """Raise LayoutError unless ``namespace`` describes chunks of this layout."""
+        expected = (self.num_layers, self.num_kv_heads, self.head_dim, dtype_name(self.dtype),
+                    "mla" if self.kind == "mla" else None)
+        got = (namespace.num_layers, namespace.num_kv_heads, namespace.head_dim,
+               namespace.dtype, namespace.kv_format)
+        if expected != got:
+            raise LayoutError(f"namespace (layers, kv heads, head dim, dtype, kv_format) {got} "
+                              f"does not match the layout's {expected}")
+        if namespace.chunk_tokens % self.block_size:
+            raise LayoutError(f"chunk_tokens ({namespace.chunk_tokens}) must be a multiple of "
+                              f"the engine's block size ({self.block_size})")
+
+    # -- the engine's tensors -------------------------------------------------------------
+
+    def check(self, kv_caches: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Validate the engine's paged tensors up front; per-layer tensors, in order.
+
+        ``kv_caches`` is one tensor per layer, or one tensor whose first
+        dimension is the layer. Every layer must have this layout's shape
+        (any number of blocks, the same for all), dtype and device, and be
+        dense in C order (the gather/scatter views rely on it).
+        """
+        if isinstance(kv_caches, torch.Tensor):
+            if kv_caches.dim() != len(self.layer_shape(1)) + 1:
+                raise LayoutError(f"a single KV tensor must be [num_layers, *{self.kind} layer "
+                                  f"shape], got shape {tuple(kv_caches.shape)}")
+            layers = list(kv_caches.unbind(0))
+        else:
+            layers = list(kv_caches)
+        if len(layers) != self.num_layers:
+            raise LayoutError(f"expected {self.num_layers} layer tensors, got {len(layers)}")
+        first = layers[0]
+        if not isinstance(first, torch.Tensor) or first.dim() != len(self.layer_shape(1)):
+            raise LayoutError(f"layer 0: expected a tensor shaped {self._shape_doc()}, got "
+                              f"{getattr(first, 'shape', type(first).__name__)}")
+        num_blocks = first.shape[1] if self.kind == "flash" else first.shape[0]
+        want = self.layer_shape(num_blocks)
+        for i, t in enumerate(layers):
+            if not isinstance(t, torch.Tensor):
+                raise LayoutError(f"layer {i}: expected a tensor, got {type(t).__name__}")
+            if tuple(t.shape) != want:
+                raise LayoutError(f"layer {i}: shape {tuple(t.shape)} is not {want} "
+                                  f"({self._shape_doc()} with {num_blocks} blocks)")
+            if t.dtype != self.dtype:
+                raise LayoutError(f"layer {i}: dtype {t.dtype} is not the layout's {self.dtype}")
+            if t.device != first.device:
+                raise LayoutError(f"layer {i} is on {t.device}, layer 0 on {first.device}")
+            if not t.is_contiguous():
+                raise LayoutError(f"layer {i}: strides {t.stride()} are not dense C order for "
+                                  f"shape {want}")
+        return layers
+
+    def _shape_doc(self) -> str:
+        return {"flash": "[2, num_blocks, block_size, kv_heads, head_dim]",
+                "blocks_first": "[num_blocks, 2, block_size, kv_heads, head_dim]",
+                "mla": "[num_blocks, block_size, latent_dim]"}[self.kind]

