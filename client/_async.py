@@ -31,12 +31,13 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvpool.client._connection import Buffer
+from kvpool.client._connection import BufferOrSegments
 from kvpool.client._node import (
     DEFAULT_PORT,
     Key,
     NodeClient,
     _ttl_ms,
+    as_segments,
     join_keys,
     key_bytes,
     parse_url,
@@ -56,6 +57,7 @@ from kvpool.protocol.errors import (
     error_for_status,
 )
 from kvpool.protocol.frames import KEY_SIZE, PUT_FLAG_PIN, Op, Tier
+from kvpool.protocol.parsers import Segments
 
 __all__ = ["AsyncClient", "Key", "parse_url"]
 
@@ -176,8 +178,8 @@ class AsyncClient:
 
     # -- single-key API -------------------------------------------------------------------
 
-    async def put(self, key: Key, value: Buffer, *, ttl: float | None = None, pin: bool = False,
-                  chunk_index: int = 0, num_tokens: int = 0,
+    async def put(self, key: Key, value: BufferOrSegments, *, ttl: float | None = None,
+                  pin: bool = False, chunk_index: int = 0, num_tokens: int = 0,
                   fingerprint: bytes = ZERO_FINGERPRINT, parent: Key | None = None) -> None:
         """Store ``value``. Raises CapacityError if no owner has room even after eviction."""
         await self.put_many([key], [value], ttl=ttl, pin=pin, chunk_indexes=[chunk_index],
@@ -188,7 +190,7 @@ class AsyncClient:
         """The payload as a new bytearray, or None on a miss (or a corrupt chunk)."""
         return (await self.get_many([key]))[0]
 
-    async def get_into(self, key: Key, buffer: Buffer) -> int | None:
+    async def get_into(self, key: Key, buffer: BufferOrSegments) -> int | None:
         """Receive the payload straight into ``buffer``; its length, or None on a miss."""
         return (await self.get_many_into([key], [buffer]))[0]
 
@@ -208,7 +210,7 @@ class AsyncClient:
 
     # -- batch API ------------------------------------------------------------------------
 
-    async def put_many(self, keys: Sequence[Key], values: Sequence[Buffer], *,
+    async def put_many(self, keys: Sequence[Key], values: Sequence[BufferOrSegments], *,
                        ttl: float | None = None, pin: bool = False,
                        chunk_indexes: Sequence[int] | None = None, num_tokens: int = 0,
                        fingerprint: bytes = ZERO_FINGERPRINT,
@@ -265,19 +267,26 @@ class AsyncClient:
         """Payloads as new bytearrays (None for misses), in key order."""
         results = await self._get(join_keys(keys), None)
         # with no caller sinks the parser receives each payload into a bytearray of its own
-        return [cast(bytearray, r.obj) if r is not None else None for r in results]
+        return [cast(bytearray, cast(memoryview, r).obj) if r is not None else None
+                for r in results]
 
-    async def get_many_into(self, keys: Sequence[Key], buffers: Sequence[Buffer]
+    async def get_many_into(self, keys: Sequence[Key], buffers: Sequence[BufferOrSegments]
                             ) -> list[int | None]:
-        """Receive each payload into its buffer; lengths, None for misses."""
+        """Receive each payload into its buffer; lengths, None for misses.
+
+        A buffer may be a list (or tuple) of buffers, filled in order as one
+        (like ``readv``): the GPU client receives a chunk straight into the
+        engine's KV blocks this way. Bytes of a payload that fails its
+        checksum may have been written into the buffer; it is reported as a miss.
+        """
         if len(keys) != len(buffers):
             raise ValueError("get_many_into needs one buffer per key")
-        sinks = []
+        sinks: list[memoryview | Segments] = []
         for b in buffers:
-            view = memoryview(b)
-            if view.readonly:
+            views = as_segments(b)
+            if any(v.readonly for v in views):
                 raise ValueError("get_into needs a writable buffer")
-            sinks.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+            sinks.append(Segments(views) if isinstance(b, (list, tuple)) else views[0])
         results = await self._get(join_keys(keys), sinks)
         return [len(r) if r is not None else None for r in results]
 
@@ -338,20 +347,20 @@ class AsyncClient:
 
     # -- ops over one node or the cluster -------------------------------------------------
 
-    async def _get(self, blob: bytes, sinks: Sequence[memoryview] | None
-                   ) -> list[memoryview | None]:
+    async def _get(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None
+                   ) -> list[memoryview | Segments | None]:
         await self.connect()
         if self._single is not None:
             return await self._single.get(blob, sinks)
         n = len(blob) // KEY_SIZE
-        results: list[memoryview | None] = [None] * n
+        results: list[memoryview | Segments | None] = [None] * n
 
         def send(node: NodeClient, rows: npt.NDArray[np.intp]
-                 ) -> Awaitable[list[memoryview | None]]:
+                 ) -> Awaitable[list[memoryview | Segments | None]]:
             return node.get(_rows_blob(blob, rows),
                             [sinks[i] for i in rows] if sinks is not None else None)
 
-        def absorb(rows: npt.NDArray[np.intp], views: list[memoryview | None]
+        def absorb(rows: npt.NDArray[np.intp], views: list[memoryview | Segments | None]
                    ) -> npt.NDArray[np.bool_]:
             hit = np.zeros(len(rows), dtype=bool)
             for j, (row, view) in enumerate(zip(rows.tolist(), views, strict=True)):

@@ -13,17 +13,20 @@ from typing import cast
 
 from kvpool.protocol.errors import KvpoolConnectionError, KvpoolError, KvpoolTimeoutError
 from kvpool.protocol.frames import Op, pack_frame_header
-from kvpool.protocol.parsers import Reply, ReplyParser
+from kvpool.protocol.parsers import Reply, ReplyParser, Segments
 
 __all__ = ["Connection"]
 
 Buffer = bytes | bytearray | memoryview
+#: a buffer, or a list of buffers used in order as one (like readv/writev)
+BufferOrSegments = Buffer | list[Buffer] | tuple[Buffer, ...]
 
 
 class _Pending:
     __slots__ = ("deadline", "future", "op", "sinks")
 
-    def __init__(self, future: asyncio.Future[Reply], sinks: Sequence[memoryview | None] | None,
+    def __init__(self, future: asyncio.Future[Reply],
+                 sinks: Sequence[memoryview | Segments | None] | None,
                  op: int, deadline: float) -> None:
         self.future = future
         self.sinks = sinks
@@ -60,7 +63,7 @@ class Connection(asyncio.BufferedProtocol):
         return len(self._pending)
 
     def send(self, op: int, count: int, body: Sequence[Buffer],
-             sinks: Sequence[memoryview | None] | None = None, *,
+             sinks: Sequence[memoryview | Segments | None] | None = None, *,
              epoch: int = 0) -> asyncio.Future[Reply]:
         """Write one request frame; the future resolves with its reply."""
         if self._lost is not None or self._transport is None:
@@ -141,7 +144,8 @@ class Connection(asyncio.BufferedProtocol):
             if not p.future.done():
                 p.future.set_exception(error)
 
-    def _sink_for(self, request_id: int, index: int, nbytes: int) -> memoryview | None:
+    def _sink_for(self, request_id: int, index: int, nbytes: int
+                  ) -> memoryview | Segments | None:
         pending = self._pending.get(request_id)
         if pending is None or pending.sinks is None:
             return None

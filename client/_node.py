@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvpool.client._connection import Buffer, Connection
+from kvpool.client._connection import Buffer, BufferOrSegments, Connection
 from kvpool.placement.keys import key_from_hex
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, seal
 from kvpool.protocol.errors import (
@@ -42,7 +42,7 @@ from kvpool.protocol.frames import (
     decode_statuses,
     encode_json,
 )
-from kvpool.protocol.parsers import TOO_SMALL, Reply
+from kvpool.protocol.parsers import TOO_SMALL, Reply, Segments
 
 __all__ = ["DEFAULT_PORT", "Key", "NodeClient", "join_keys", "key_bytes", "parse_url"]
 
@@ -86,6 +86,14 @@ def join_keys(keys: Sequence[Key]) -> bytes:
     if len(blob) != KEY_SIZE * len(keys) or any(n != KEY_SIZE for n in map(len, keys)):
         return b"".join([key_bytes(k) for k in keys])  # raises InvalidKeyError for the bad one
     return blob
+
+
+def as_segments(value: BufferOrSegments) -> list[memoryview]:
+    """A value as flat byte views: one for a buffer, one per buffer for a list or tuple."""
+    parts = value if isinstance(value, (list, tuple)) else (value,)
+    views = [memoryview(p).cast("B") if memoryview(p).format != "B" or memoryview(p).ndim != 1
+             else memoryview(p) for p in parts]
+    return views or [memoryview(b"")]
 
 
 def _ttl_ms(ttl: float | None) -> int:
@@ -162,7 +170,8 @@ class NodeClient:
 
     # -- ops: raw per-key outcomes --------------------------------------------------------
 
-    async def put(self, bkeys: Sequence[bytes], values: Sequence[Buffer], *, ttl_ms: int,
+    async def put(self, bkeys: Sequence[bytes], values: Sequence[BufferOrSegments], *,
+                  ttl_ms: int,
                   flags: int, chunk_indexes: Sequence[int] | None, num_tokens: int,
                   fingerprint: bytes, parents: Sequence[bytes | None] | None = None
                   ) -> list[int]:
@@ -176,24 +185,26 @@ class NodeClient:
         body: list[Buffer] = []
         frame_bytes = 0
         for i, (key, value) in enumerate(zip(bkeys, values, strict=True)):
-            payload = memoryview(value).cast("B")
-            value_len = ENVELOPE_HEADER_SIZE + payload.nbytes
+            parts = as_segments(value)
+            nbytes = sum(p.nbytes for p in parts)
+            value_len = ENVELOPE_HEADER_SIZE + nbytes
             if value_len > max_value:
                 raise ValueTooLargeError(
-                    f"value of {payload.nbytes} bytes (+{ENVELOPE_HEADER_SIZE} envelope) exceeds "
+                    f"value of {nbytes} bytes (+{ENVELOPE_HEADER_SIZE} envelope) exceeds "
                     f"the node's max_value_bytes {max_value}")
             parent = parents[i] if parents is not None else None
             item_bytes = 32 + value_len + (KEY_SIZE if parent else 0)
             if count and (count == max_batch or frame_bytes + item_bytes > max_frame):
                 frames.append((count, body))
                 count, body, frame_bytes = 0, [], 0
-            envelope = seal(payload, chunk_index=chunk_indexes[i] if chunk_indexes else 0,
+            envelope = seal(list[Buffer](parts) if len(parts) > 1 else parts[0],
+                            chunk_index=chunk_indexes[i] if chunk_indexes else 0,
                             num_tokens=num_tokens, fingerprint=fingerprint)
             if parent:
                 body += [PutItemHeader(key, value_len, ttl_ms, flags | PUT_FLAG_PARENT).pack(),
-                         parent, envelope, payload]
+                         parent, envelope, *parts]
             else:
-                body += [PutItemHeader(key, value_len, ttl_ms, flags).pack(), envelope, payload]
+                body += [PutItemHeader(key, value_len, ttl_ms, flags).pack(), envelope, *parts]
             count += 1
             frame_bytes += item_bytes
         if count:
@@ -204,8 +215,8 @@ class NodeClient:
             statuses += decode_statuses(reply.body, n)
         return statuses
 
-    async def get(self, blob: bytes, sinks: Sequence[memoryview] | None
-                  ) -> list[memoryview | None]:
+    async def get(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None
+                  ) -> list[memoryview | Segments | None]:
         """Payload views (None for misses and corrupt chunks, which are deleted here)."""
         conn = await self._connection()
         max_batch = int(self.server_info["max_batch"])
@@ -213,7 +224,7 @@ class NodeClient:
         calls = [(conn, Op.GET, len(p), [_blob_part(blob, p)],
                   [sinks[i] for i in p] if sinks is not None else None) for p in parts]
         replies = await self._gather(calls)
-        out: list[memoryview | None] = []
+        out: list[memoryview | Segments | None] = []
         corrupt: list[bytes] = []
         for part, reply in zip(parts, replies, strict=True):
             for i, item in zip(part, reply.items, strict=True):
@@ -222,8 +233,10 @@ class NodeClient:
                     continue
                 if item.status == TOO_SMALL:
                     assert item.envelope is not None
+                    sink = sinks[i] if sinks else None
+                    size = sink.nbytes if sink is not None else 0
                     raise BufferTooSmallError(
-                        f"buffer of {len(sinks[i]) if sinks else 0} bytes is too small for the "
+                        f"buffer of {size} bytes is too small for the "
                         f"{item.envelope.stored_len}-byte payload of "
                         f"{_blob_part(blob, range(i, i + 1)).hex()}")
                 if item.status == Status.CORRUPT:
@@ -283,14 +296,14 @@ class NodeClient:
     # -- internals ------------------------------------------------------------------------
 
     async def _gather(self, calls: Sequence[tuple[Connection, int, int, Sequence[Buffer],
-                                                  Sequence[memoryview | None] | None]]
+                                                  Sequence[memoryview | Segments | None] | None]]
                       ) -> list[Reply]:
         if len(calls) == 1:
             return [await self._call(*calls[0])]
         return list(await asyncio.gather(*(self._call(*c) for c in calls)))
 
     async def _call(self, conn: Connection, op: int, count: int, body: Sequence[Buffer],
-                    sinks: Sequence[memoryview | None] | None = None) -> Reply:
+                    sinks: Sequence[memoryview | Segments | None] | None = None) -> Reply:
         # the connection enforces the deadline
         reply = await conn.send(op, count, body, sinks, epoch=self.epoch)
         header = reply.header

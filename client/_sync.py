@@ -15,7 +15,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from kvpool.client._async import AsyncClient
-from kvpool.client._connection import Buffer
+from kvpool.client._connection import BufferOrSegments
 from kvpool.client._node import DEFAULT_PORT, Key
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
 
@@ -87,14 +87,14 @@ class Client:
                  tb: TracebackType | None) -> None:
         self.close()
 
-    def put(self, key: Key, value: Buffer, *, ttl: float | None = None, pin: bool = False,
+    def put(self, key: Key, value: BufferOrSegments, *, ttl: float | None = None, pin: bool = False,
             chunk_index: int = 0, num_tokens: int = 0,
             fingerprint: bytes = ZERO_FINGERPRINT, parent: Key | None = None) -> None:
         self._run(self._async.put(key, value, ttl=ttl, pin=pin, chunk_index=chunk_index,
                                   num_tokens=num_tokens, fingerprint=fingerprint,
                                   parent=parent))
 
-    def put_many(self, keys: Sequence[Key], values: Sequence[Buffer], *,
+    def put_many(self, keys: Sequence[Key], values: Sequence[BufferOrSegments], *,
                  ttl: float | None = None, pin: bool = False,
                  chunk_indexes: Sequence[int] | None = None, num_tokens: int = 0,
                  fingerprint: bytes = ZERO_FINGERPRINT,
@@ -106,13 +106,14 @@ class Client:
     def get(self, key: Key) -> bytearray | None:
         return self._run(self._async.get(key))
 
-    def get_into(self, key: Key, buffer: Buffer) -> int | None:
+    def get_into(self, key: Key, buffer: BufferOrSegments) -> int | None:
         return self._run(self._async.get_into(key, buffer))
 
     def get_many(self, keys: Sequence[Key]) -> list[bytearray | None]:
         return self._run(self._async.get_many(keys))
 
-    def get_many_into(self, keys: Sequence[Key], buffers: Sequence[Buffer]) -> list[int | None]:
+    def get_many_into(self, keys: Sequence[Key], buffers: Sequence[BufferOrSegments]
+                      ) -> list[int | None]:
         return self._run(self._async.get_many_into(keys, buffers))
 
     def exists(self, key: Key) -> bool:

@@ -95,7 +95,7 @@ class AsyncPagedKVConnector:
 
     def __init__(self, client: AsyncClient, layout: KVLayout,
                  kv_caches: torch.Tensor | Sequence[torch.Tensor], namespace: Namespace, *,
-                 staging_slots: int = DEFAULT_STAGING_SLOTS) -> None:
+                 staging_slots: int = DEFAULT_STAGING_SLOTS, direct: bool | None = None) -> None:
         if staging_slots < 1:
             raise LayoutError("staging_slots must be >= 1")
         layout.check_namespace(namespace)
@@ -112,7 +112,16 @@ class AsyncPagedKVConnector:
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None  # type: ignore[no-untyped-call]
         self.stats = ConnectorStats()
-        self.slots = [self._make_slot() for _ in range(staging_slots)]
+        if direct is None:
+            direct = not self.cuda
+        if direct and self.cuda:
+            raise LayoutError("direct transfers need the KV caches in host memory")
+        self.direct = direct
+        #: chunks in flight at once (receives or puts); the staging ring's size
+        self.depth = staging_slots
+        self.slots = [] if direct else [self._make_slot() for _ in range(staging_slots)]
+        # each layer's bytes, for direct transfers (segments of the blocks, no copies)
+        self._bytes = [c.view(torch.uint8).numpy() for c in self.caches] if direct else []
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-copy")
 
     def _make_slot(self) -> _Slot:
@@ -128,7 +137,7 @@ class AsyncPagedKVConnector:
 
     # -- helpers --------------------------------------------------------------------------
 
-    def _block_ids(self, block_ids: Sequence[int] | torch.Tensor, count: int) -> torch.Tensor:
+    def _id_list(self, block_ids: Sequence[int] | torch.Tensor, count: int) -> list[int]:
         ids = block_ids[:count] if not isinstance(block_ids, torch.Tensor) \
             else block_ids.reshape(-1)[:count].tolist()
         ids = [int(i) for i in ids]
@@ -137,6 +146,30 @@ class AsyncPagedKVConnector:
         if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
             raise LayoutError(f"block ids must be in [0, {self.num_blocks}), got "
                               f"{min(ids)}..{max(ids)}")
+        return ids
+
+    def _segments(self, ids: list[int], chunk: int) -> list[bytes | bytearray | memoryview]:
+        """The chunk's bytes where they lie in the engine's blocks, in payload order."""
+        b = self.blocks_per_chunk
+        mine = ids[chunk * b:(chunk + 1) * b]
+        runs: list[tuple[int, int]] = []  # consecutive block ids: one segment per run
+        for block in mine:
+            if runs and runs[-1][1] == block:
+                runs[-1] = (runs[-1][0], block + 1)
+            else:
+                runs.append((block, block + 1))
+        out: list[bytes | bytearray | memoryview] = []
+        kind = self.layout.kind
+        for layer in self._bytes:
+            if kind == "flash":
+                out += [layer[kv, lo:hi].data.cast("B") for kv in (0, 1) for lo, hi in runs]
+            elif kind == "blocks_first":
+                out += [layer[block, kv].data.cast("B") for kv in (0, 1) for block in mine]
+            else:
+                out += [layer[lo:hi].data.cast("B") for lo, hi in runs]
+        return out
+
+    def _block_ids(self, ids: list[int]) -> torch.Tensor:
         tensor = torch.tensor(ids, dtype=torch.long).to(self.device)
         if self.stream is not None:
             # the side stream starts after the engine's queued work (which made ``tensor``
@@ -202,16 +235,22 @@ class AsyncPagedKVConnector:
         found = await self.client.lookup(keys)
         if found == 0:
             return 0
-        ids = self._block_ids(block_ids, found * self.blocks_per_chunk)
-        k = len(self.slots)
+        id_list = self._id_list(block_ids, found * self.blocks_per_chunk)
+        ids = None if self.direct else self._block_ids(id_list)
+        k = self.depth
         receives: dict[int, asyncio.Task[int | None]] = {}
 
         async def receive(i: int) -> int | None:
-            slot = self.slots[i % k]
-            if slot.busy is not None:
-                await slot.busy  # the copy of chunk i-k has left this slot
+            if self.direct:
+                sink: memoryview | list[bytes | bytearray | memoryview] = \
+                    self._segments(id_list, i)
+            else:
+                slot = self.slots[i % k]
+                if slot.busy is not None:
+                    await slot.busy  # the copy of chunk i-k has left this slot
+                sink = slot.host_view
             try:
-                return await self.client.get_into(keys[i], slot.host_view)
+                return await self.client.get_into(keys[i], sink)
             except BufferTooSmallError:
                 return None  # not a chunk of this layout: a miss like any other
 
@@ -224,8 +263,9 @@ class AsyncPagedKVConnector:
                 if got != self.chunk_nbytes:  # missing, corrupt (None) or a foreign size
                     self.stats.load_misses += 1
                     break
-                slot = self.slots[i % k]
-                slot.busy = self._run_copy(self._to_device, slot, self._chunk_ids(ids, i))
+                if ids is not None:
+                    slot = self.slots[i % k]
+                    slot.busy = self._run_copy(self._to_device, slot, self._chunk_ids(ids, i))
                 if i + k < found:
                     receives[i + k] = asyncio.create_task(receive(i + k))
                 loaded += 1
@@ -258,22 +298,42 @@ class AsyncPagedKVConnector:
         self.stats.chunks_skipped += count - len(todo)
         if not todo:
             return 0
-        ids = self._block_ids(block_ids, count * self.blocks_per_chunk)
-        k = len(self.slots)
+        id_list = self._id_list(block_ids, count * self.blocks_per_chunk)
+        k = self.depth
         digest = self.namespace.digest
-        try:
-            for j, i in enumerate(todo):
-                slot = self.slots[j % k]
-                if slot.busy is not None:
-                    await slot.busy  # the put of chunk j-k has sent this slot
-                    slot.busy = None
-                await self._run_copy(self._to_host, slot, self._chunk_ids(ids, i))
-                slot.busy = asyncio.ensure_future(self.client.put(
-                    keys[i], slot.host_view, chunk_index=i, num_tokens=self.chunk_tokens,
-                    fingerprint=digest, parent=keys[i - 1] if i else None))
-            await self._settle(raise_errors=True)
-        finally:
-            await self._settle()
+        if self.direct:  # puts straight from the blocks, ``depth`` at a time
+            puts: set[asyncio.Task[None]] = set()
+            try:
+                for i in todo:
+                    if len(puts) >= k:
+                        done, puts = await asyncio.wait(puts,
+                                                        return_when=asyncio.FIRST_COMPLETED)
+                        for task in done:
+                            task.result()
+                    puts.add(asyncio.create_task(self.client.put(
+                        keys[i], self._segments(id_list, i), chunk_index=i,
+                        num_tokens=self.chunk_tokens, fingerprint=digest,
+                        parent=keys[i - 1] if i else None)))
+                for result in await asyncio.gather(*puts, return_exceptions=True):
+                    if isinstance(result, BaseException):
+                        raise result
+            finally:
+                await asyncio.gather(*puts, return_exceptions=True)
+        else:
+            ids = self._block_ids(id_list)
+            try:
+                for j, i in enumerate(todo):
+                    slot = self.slots[j % k]
+                    if slot.busy is not None:
+                        await slot.busy  # the put of chunk j-k has sent this slot
+                        slot.busy = None
+                    await self._run_copy(self._to_host, slot, self._chunk_ids(ids, i))
+                    slot.busy = asyncio.ensure_future(self.client.put(
+                        keys[i], slot.host_view, chunk_index=i, num_tokens=self.chunk_tokens,
+                        fingerprint=digest, parent=keys[i - 1] if i else None))
+                await self._settle(raise_errors=True)
+            finally:
+                await self._settle()
         self.stats.tokens_stored += len(todo) * self.chunk_tokens
         self.stats.bytes_stored += len(todo) * self.chunk_nbytes
         return len(todo) * self.chunk_tokens
@@ -295,10 +355,10 @@ class PagedKVConnector:
 
     def __init__(self, client: Client, layout: KVLayout,
                  kv_caches: torch.Tensor | Sequence[torch.Tensor], namespace: Namespace, *,
-                 staging_slots: int = DEFAULT_STAGING_SLOTS) -> None:
+                 staging_slots: int = DEFAULT_STAGING_SLOTS, direct: bool | None = None) -> None:
         self._client = client
         self._async = AsyncPagedKVConnector(client.async_client, layout, kv_caches, namespace,
-                                            staging_slots=staging_slots)
+                                            staging_slots=staging_slots, direct=direct)
 
     @property
     def stats(self) -> ConnectorStats:

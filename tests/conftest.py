@@ -122,3 +122,30 @@ def small_node() -> Iterator[NodeProcess]:
     n = start_node("--dram-capacity", "1MiB", "--max-value", "512KiB", "--no-ssd")
     yield n
     n.stop()
+
+
+def put_corrupt(node: NodeProcess, key: bytes, payload: bytes, flip: int = 0) -> None:
+    """Store ``payload`` under ``key`` with a valid envelope header but byte ``flip`` of the
+    payload changed after sealing: the node accepts it, every reader must reject it."""
+    import socket
+
+    from kvpool.protocol.envelope import seal
+    from kvpool.protocol.frames import FrameHeader, Op, PutItemHeader, encode_frame, encode_json
+
+    body = bytearray(payload)
+    envelope = seal(body)
+    body[flip] ^= 0xFF
+    with socket.create_connection((node.host, node.port), timeout=5) as s:
+        s.sendall(b"".join([*encode_frame(Op.HELLO, 1, [encode_json({"protocol": 1})]),
+                            *encode_frame(Op.PUT, 2, [PutItemHeader(key, 64 + len(body)).pack(),
+                                                      envelope, body], count=1)]))
+        replies, data = 0, b""
+        while replies < 2:
+            data += s.recv(65536)
+            while len(data) >= 24:
+                header = FrameHeader.unpack(data[:24])
+                if len(data) < 24 + header.body_len:
+                    break
+                assert header.status == 0
+                data = data[24 + header.body_len:]
+                replies += 1

@@ -21,7 +21,7 @@ from kvpool.client import (
 from kvpool.placement.keys import ChunkHasher, Namespace
 from kvpool.protocol.errors import ConfigError
 
-from .conftest import NodeProcess, start_node
+from .conftest import NodeProcess, put_corrupt, start_node
 
 
 def rkey() -> bytes:
@@ -53,6 +53,29 @@ def test_get_into_caller_buffer(client: Client) -> None:
         client.get_into(k, bytearray(100))
     with pytest.raises(ValueError, match="writable"):
         client.get_into(k, bytes(2 << 20))
+
+
+def test_segmented_values_are_sent_and_received_in_order(client: Client) -> None:
+    """A value may be a list of buffers (writev/readv style), on put and on get_into."""
+    parts = [os.urandom(n) for n in (1, 70_000, 0, 4096, 12_345)]
+    whole = b"".join(parts)
+    k = rkey()
+    client.put(k, [parts[0], memoryview(parts[1]), bytearray(parts[2]),
+                   np.frombuffer(parts[3], dtype=np.uint32).reshape(32, 32), parts[4]])
+    assert client.get(k) == whole
+    a, b, c = np.zeros((10, 1000), dtype=np.uint8), bytearray(80_000), bytearray(80_000)
+    assert client.get_into(k, [a, memoryview(b)[:5], c]) == len(whole)  # c has room to spare
+    assert a.tobytes() == whole[:10_000] and bytes(b[:5]) == whole[10_000:10_005]
+    assert bytes(c[: len(whole) - 10_005]) == whole[10_005:] and not any(b[5:])
+    keys = [rkey(), rkey()]
+    client.put_many(keys, [[b"ab", b"cd"], b"efgh"])
+    x, y, z = bytearray(1), bytearray(3), bytearray(4)
+    assert client.get_many_into(keys, [(x, y), z]) == [4, 4]
+    assert bytes(x + y) == b"abcd" and z == b"efgh"
+    with pytest.raises(BufferTooSmallError, match="buffer of 3 bytes"):
+        client.get_into(keys[0], [bytearray(1), bytearray(2)])
+    with pytest.raises(ValueError, match="writable"):
+        client.get_into(keys[0], [bytearray(2), b"xx"])
 
 
 def test_batches(client: Client) -> None:
@@ -196,32 +219,12 @@ def test_silent_node_times_out() -> None:
 
 def test_corrupt_value_is_a_miss_and_is_dropped(node: NodeProcess) -> None:
     """A value whose payload fails its checksum never comes back as a hit."""
-    import socket
-
-    from kvpool.protocol.envelope import seal
-    from kvpool.protocol.frames import FrameHeader, Op, PutItemHeader, encode_frame, encode_json
-
-    k, payload = rkey(), bytearray(os.urandom(10_000))
-    envelope = seal(payload)
-    payload[5000] ^= 0xFF  # the header is valid (the node accepts it), the payload is not
-    with socket.create_connection((node.host, node.port), timeout=5) as s:
-        s.sendall(b"".join([*encode_frame(Op.HELLO, 1, [encode_json({"protocol": 1})]),
-                            *encode_frame(Op.PUT, 2, [PutItemHeader(k, 64 + len(payload)).pack(),
-                                                      envelope, payload], count=1)]))
-        replies = 0
-        data = b""
-        while replies < 2:
-            data += s.recv(65536)
-            while len(data) >= 24:
-                header = FrameHeader.unpack(data[:24])
-                if len(data) < 24 + header.body_len:
-                    break
-                assert header.status == 0
-                data = data[24 + header.body_len :]
-                replies += 1
+    k = rkey()
+    put_corrupt(node, k, os.urandom(10_000), flip=5000)
     with Client(node.url) as c:
         assert c.exists(k)
         assert c.get(k) is None
         assert c.num_corrupt == 1
         assert not c.exists(k)  # the client dropped it where it lay
         assert c.get_into(k, bytearray(20_000)) is None
+        assert c.get_into(k, [bytearray(5_000), bytearray(5_000)]) is None

@@ -16,7 +16,7 @@ from kvpool.gpu import KVLayout, PagedKVConnector  # noqa: E402
 from kvpool.gpu.paged import gather, scatter  # noqa: E402
 from kvpool.protocol.errors import LayoutError  # noqa: E402
 
-from .conftest import NodeProcess  # noqa: E402
+from .conftest import NodeProcess, put_corrupt  # noqa: E402
 
 BLOCK = 4
 CHUNK = 16  # 4 blocks per chunk
@@ -55,14 +55,16 @@ def client(node: NodeProcess) -> Iterator[Client]:
         yield c
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
 @pytest.mark.parametrize("kind", list(LAYOUTS))
-def test_store_then_load_into_other_blocks_is_bit_exact(kind: str, client: Client) -> None:
+def test_store_then_load_into_other_blocks_is_bit_exact(kind: str, direct: bool,
+                                                        client: Client) -> None:
     layout = LAYOUTS[kind]
     ns = layout.namespace(f"test-{kind}-{os.urandom(4).hex()}", chunk_tokens=CHUNK)
     tokens = list(range(1000, 1000 + 3 * CHUNK + 5))  # 3 full chunks + 5 tokens
     src = make_caches(layout, 32, seed=1)
     src_blocks = [7, 3, 30, 12, 0, 1, 2, 9, 10, 11, 4, 5, 6, 8]  # 14 blocks: 56 tokens
-    with PagedKVConnector(client, layout, src, ns, staging_slots=2) as a:
+    with PagedKVConnector(client, layout, src, ns, staging_slots=2, direct=direct) as a:
         assert a.store(tokens, src_blocks) == 3 * CHUNK
         assert a.store(tokens, src_blocks) == 0  # already there: one EXISTS, no puts
         assert a.stats.chunks_skipped == 3
@@ -70,7 +72,7 @@ def test_store_then_load_into_other_blocks_is_bit_exact(kind: str, client: Clien
     dst = make_caches(layout, 40, seed=2)
     untouched = [c.clone() for c in dst]
     dst_blocks = list(range(39, 25, -1))
-    with PagedKVConnector(client, layout, dst, ns, staging_slots=2) as b:
+    with PagedKVConnector(client, layout, dst, ns, staging_slots=2, direct=not direct) as b:
         assert b.load(tokens, dst_blocks) == 3 * CHUNK
         assert b.stats.bytes_loaded == 3 * layout.chunk_nbytes(CHUNK)
     want = token_rows(layout, src, src_blocks, 3 * CHUNK)
@@ -115,8 +117,9 @@ def test_a_prompt_sharing_a_prefix_loads_exactly_the_shared_chunks(client: Clien
         assert conn.load([1, 2, 3], list(range(20, 40))) == 0  # no full chunk
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
 def test_a_corrupt_or_missing_chunk_ends_the_load_at_the_previous_one(
-        client: Client, node: NodeProcess) -> None:
+        client: Client, node: NodeProcess, direct: bool) -> None:
     layout = LAYOUTS["flash"]
     ns = layout.namespace(f"corrupt-{os.urandom(4).hex()}", chunk_tokens=CHUNK)
     caches = make_caches(layout, 64, seed=5)
@@ -128,12 +131,16 @@ def test_a_corrupt_or_missing_chunk_ends_the_load_at_the_previous_one(
         client.put(keys[3], b"\0" * 100)
         dst = make_caches(layout, 64, seed=6)
         before = [c.clone() for c in dst]
-        with PagedKVConnector(client, layout, dst, ns, staging_slots=2) as b:
+        with PagedKVConnector(client, layout, dst, ns, staging_slots=2, direct=direct) as b:
             assert b.load(tokens, list(range(24, 48))) == 3 * CHUNK
             assert b.stats.load_misses == 1
-        blocks_of_chunk3 = list(range(24 + 12, 24 + 16))
-        for c, was in zip(dst, before, strict=True):
-            assert torch.equal(c[:, blocks_of_chunk3], was[:, blocks_of_chunk3])
+        if not direct:  # staged: a chunk that fails is never scattered into the blocks
+            blocks_of_chunk3 = list(range(24 + 12, 24 + 16))
+            for c, was in zip(dst, before, strict=True):
+                assert torch.equal(c[:, blocks_of_chunk3], was[:, blocks_of_chunk3])
+        put_corrupt(node, keys[3], os.urandom(layout.chunk_nbytes(CHUNK)), flip=777)
+        assert conn.load(tokens, list(range(24, 48))) == 3 * CHUNK  # fails its checksum
+        assert client.async_client.num_corrupt == 1
         client.put(keys[2], b"\1" * (layout.chunk_nbytes(CHUNK) + 1))  # too big for a slot
         assert conn.load(tokens, list(range(24, 48))) == 2 * CHUNK
         client.delete(keys[1])
