@@ -117,12 +117,16 @@ def run(args: argparse.Namespace) -> int:
                   f"({cold.ttft_s / warm_ttft:.1f}x faster)")
     table.add_row("prompt tokens computed", str(len(ids)), str(len(ids) - loaded))
     table.add_row("tokens stored / loaded", str(stored), str(loaded))
-    table.add_row("kvpool transfer", f"{stored_bytes / 2**20:.0f} MiB in {store_s * 1000:.0f} ms"
+    table.add_row("store / load+rebuild",
+                  f"{stored_bytes / 2**20:.0f} MiB in {store_s * 1000:.0f} ms"
                   f" ({stored_bytes / max(store_s, 1e-9) / 1e9:.2f} GB/s)",
                   f"{loaded_bytes / 2**20:.0f} MiB in {load_s * 1000:.0f} ms "
                   f"({loaded_bytes / max(load_s, 1e-9) / 1e9:.2f} GB/s)")
-    table.add_row(f"next {args.new_tokens} tokens", repr(tokenizer.decode(cold.tokens))[:40],
-                  repr(tokenizer.decode(warm.tokens))[:40])
+    def shown(tokens: list[int]) -> str:
+        text = repr(tokenizer.decode(tokens))
+        return text if len(text) <= 34 else text[:31] + "..."
+
+    table.add_row(f"next {args.new_tokens} tokens", shown(cold.tokens), shown(warm.tokens))
     console.print(table)
     console.print(f"outputs match: [bold]{'yes' if same else 'NO'}[/] "
                   f"(max |logit difference| {diff:.2e})")

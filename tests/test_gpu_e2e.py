@@ -77,3 +77,14 @@ def test_engine_b_continues_exactly_where_engine_a_stored(
         assert got["tokens"] == want.tokens
         diff = (got["logits"] - want.logits).abs().max().item()
         assert diff <= 1e-4, diff
+
+
+@pytest.mark.timeout(300)
+def test_kvpool_demo_runs_as_a_new_user_would(smollm2: tuple[Any, Any]) -> None:
+    """`kvpool demo` starts its own node, runs cold and warm, and says the outputs match."""
+    proc = subprocess.run([sys.executable, "-m", "kvpool.server.cli", "demo", "--tokens", "600",
+                           "--new-tokens", "4"], capture_output=True, text=True, timeout=280,
+                          check=False, env={**os.environ, "COLUMNS": "120"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "outputs match: yes" in proc.stdout
+    assert "prompt tokens computed │" in proc.stdout and "576" in proc.stdout  # 9 chunks of 64
