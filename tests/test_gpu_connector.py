@@ -171,3 +171,27 @@ def test_layout_errors_are_clear() -> None:
     assert LAYOUTS["mla"].namespace("m", chunk_tokens=CHUNK).kv_format == "mla"
     assert LAYOUTS["mla"].namespace("m", chunk_tokens=CHUNK).digest != \
         KVLayout(3, 1, 24, torch.float16, BLOCK).namespace("m", chunk_tokens=CHUNK).digest
+
+
+def test_load_and_store_against_a_cluster(tmp_path: object) -> None:
+    """The connector routes through the cluster client: chunks spread over the owners."""
+    from pathlib import Path
+
+    from kvpool.server.local_cluster import LocalCluster
+
+    layout = LAYOUTS["flash"]
+    ns = layout.namespace(f"cluster-{os.urandom(4).hex()}", chunk_tokens=CHUNK)
+    tokens = list(range(12 * CHUNK))
+    src = make_caches(layout, 64, seed=7)
+    with LocalCluster(3, replication=1, data_dir=Path(str(tmp_path)),
+                      serve_args=["--no-ssd", "--dram-capacity", "64MiB"]) as cluster, \
+            Client(cluster.seeds) as kv:
+        with PagedKVConnector(kv, layout, src, ns) as a:
+            assert a.store(tokens, list(range(48))) == 12 * CHUNK
+        per_node = [n["num_objects"] for n in kv.stats()["nodes"].values()]
+        assert sum(per_node) == 12 and max(per_node) < 12  # spread over the owners
+        dst = make_caches(layout, 64, seed=8)
+        with PagedKVConnector(kv, layout, dst, ns, direct=False) as b:
+            assert b.load(tokens, list(range(16, 64))) == 12 * CHUNK
+        assert torch.equal(token_rows(layout, dst, list(range(16, 64)), 12 * CHUNK),
+                           token_rows(layout, src, list(range(48)), 12 * CHUNK))
