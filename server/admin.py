@@ -22,6 +22,7 @@ from kvpool.protocol.errors import ConfigError, InvalidKeyError, KvpoolError
 from kvpool.protocol.frames import Tier
 from kvpool.server.events import EVENT_TYPES, EventBus
 from kvpool.server.membership import StaticMapError
+from kvpool.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 __all__ = ["MAX_LOOKUP_TOKENS", "make_admin_app"]
 
@@ -81,6 +82,8 @@ class AdminBackend(Protocol):
     async def lookup(self, keys: Sequence[bytes]) -> list[int]: ...
 
     async def change(self, action: str, node_id: str, fields: dict[str, Any]) -> ClusterMap: ...
+
+    async def metrics_text(self) -> bytes | None: ...
 
 
 def make_admin_app(node: AdminBackend) -> web.Application:
@@ -170,7 +173,14 @@ def make_admin_app(node: AdminBackend) -> web.Application:
             events.unsubscribe(sub)
         return response
 
+    async def metrics(_request: web.Request) -> web.Response:
+        text = await node.metrics_text()
+        if text is None:
+            return _error(404, "not_found", "metrics are off on this node (--no-metrics)")
+        return web.Response(body=text, headers={"Content-Type": METRICS_CONTENT_TYPE})
+
     app = web.Application(client_max_size=64 << 20)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/stats", stats)
     app.router.add_get("/v1/cluster", cluster_map)

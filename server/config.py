@@ -90,6 +90,9 @@ class ServerConfig:
                                    flag="--shutdown-grace", env="KVPOOL_SHUTDOWN_GRACE")
     log_level: str = knob("info", "debug, info, warning or error",
                           flag="--log-level", env="KVPOOL_LOG_LEVEL")
+    metrics: bool = knob(True, "OpenTelemetry metrics: GET /metrics (Prometheus), and OTLP when "
+                         "OTEL_EXPORTER_OTLP_ENDPOINT is set", flag="--metrics",
+                         env="KVPOOL_METRICS", kind="bool")
 
     def __post_init__(self) -> None:
         for name in ("data_port", "admin_port"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import cast
 
 from kvpool.protocol.errors import BadFrameError, KvpoolError, status_for_error
@@ -103,6 +104,7 @@ class NodeConnection(asyncio.BufferedProtocol):
                            BadFrameError("the first frame on a connection must be HELLO"))
                 return False
             self._hello_done = True
+        started = time.perf_counter()
         try:
             reply = self._handlers.handle(request)
         except KvpoolError as exc:
@@ -114,14 +116,17 @@ class NodeConnection(asyncio.BufferedProtocol):
             return False
         if isinstance(reply, Reply):
             self._send(reply)
+            stats = self._handlers.stats
+            if stats.timed:
+                stats.observe(header.op, time.perf_counter() - started)
         else:  # waits on the SSD tier; its reply goes out when ready, under its request id
-            task = asyncio.get_running_loop().create_task(self._finish(header.op,
-                                                                       header.request_id, reply))
+            task = asyncio.get_running_loop().create_task(
+                self._finish(header.op, header.request_id, reply, started))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         return True
 
-    async def _finish(self, op: int, request_id: int, pending: Pending) -> None:
+    async def _finish(self, op: int, request_id: int, pending: Pending, started: float) -> None:
         try:
             reply = await pending
         except KvpoolError as exc:
@@ -132,6 +137,9 @@ class NodeConnection(asyncio.BufferedProtocol):
             self._fail(op, request_id, exc)
             return
         self._send(reply)
+        stats = self._handlers.stats
+        if stats.timed:
+            stats.observe(op, time.perf_counter() - started)
 
     def _send(self, reply: Reply) -> None:
         if self._transport is None or self._closing:
@@ -149,7 +157,7 @@ class NodeConnection(asyncio.BufferedProtocol):
     def _fail(self, op: int, request_id: int, exc: BaseException) -> None:
         """Reply with the error, then close this connection (and only this one)."""
         status = status_for_error(exc)
-        self._handlers.stats.error(status)
+        self._handlers.stats.error(status, op)
         if isinstance(exc, KvpoolError):
             self._handlers.stats.protocol_errors += 1
         log.info("%s: closing connection: %s: %s", self.peer, type(exc).__name__, exc)

@@ -115,6 +115,7 @@ class Handlers:
                 item.reservation.release()
         self.wrong_owner += 1
         header = request.header
+        self.stats.error(Status.WRONG_OWNER, header.op)
         message = (f"node {self.node_id} does not own every key under cluster map epoch "
                    f"{self.epoch} (request epoch {header.epoch})")
         body: Buffers = [*encode_error(header.op, header.request_id, Status.WRONG_OWNER, message,
@@ -208,7 +209,7 @@ class Handlers:
     def _put_reply(self, request: Request, statuses: Sequence[Status]) -> Reply:
         for status in statuses:
             if status != Status.OK:
-                self.stats.error(status)
+                self.stats.error(status, Op.PUT)
         return self._reply(request, [encode_statuses(statuses)])
 
     def get(self, request: Request) -> Reply | Pending:
@@ -295,7 +296,7 @@ class Handlers:
         dram = self.dram
         body: Buffers = []
         held: list[Entry] = []
-        num_bytes = 0
+        num_bytes = tokens = 0
         miss = pack_get_item(Status.NOT_FOUND, 0)
         for entry in entries:
             if entry is None:
@@ -305,7 +306,9 @@ class Handlers:
             body.append(dram.view(entry))
             held.append(entry)
             num_bytes += entry.length
+            tokens += entry.num_tokens
         self.stats.bytes_out += num_bytes
+        self.stats.tokens_served += tokens
         reply = self._reply(request, body)
         reply.held = held
         reply.num_bytes = num_bytes
@@ -313,6 +316,7 @@ class Handlers:
 
     def exists(self, request: Request) -> Reply:
         tiers = bytes(self.tiers(request.keys))
+        self.stats.lookup_chunks_found += len(tiers) - tiers.count(0)
         # statuses: OK (0) where a tier holds the key, NOT_FOUND (1) where none does
         statuses = tiers.translate(_STATUS_OF_TIER)
         return self._reply(request, [statuses, tiers])
@@ -335,6 +339,7 @@ class Handlers:
     def lookup(self, request: Request) -> Reply:
         tiers = self.tiers(request.keys)
         num = tiers.index(0) if 0 in tiers else len(tiers)
+        self.stats.lookup_chunks_found += num
         return self._reply(request, [encode_lookup_reply(tiers[:num])])
 
     def tiers(self, keys: Sequence[bytes]) -> list[int]:

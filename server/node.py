@@ -28,6 +28,7 @@ from kvpool.server.events import EventBus
 from kvpool.server.handlers import Handlers
 from kvpool.server.handoff import Handoff
 from kvpool.server.membership import MapSource, Membership, StaticSource
+from kvpool.server.metrics import NodeMetrics
 from kvpool.server.ssd import SsdTier, SsdUnavailableError
 from kvpool.server.stats import NodeStats
 from kvpool.tiers.dram import DramTier
@@ -35,6 +36,9 @@ from kvpool.tiers.dram import DramTier
 __all__ = ["Node", "resolve_dram_capacity", "resolve_ssd_capacity", "run_node"]
 
 log = logging.getLogger("kvpool.server")
+
+#: seconds between metric snapshots for the OTLP exporter (scrapes take a fresh one)
+METRICS_REFRESH_S = 5.0
 
 
 def resolve_dram_capacity(config: NodeConfig) -> int:
@@ -69,7 +73,7 @@ class Node:
                 raise ConfigError(f"DRAM tier of {format_size(capacity)}: {exc}; "
                                   "lower --dram-capacity or --dram-fraction") from exc
         self.dram = dram
-        self.stats = NodeStats()
+        self.stats = NodeStats(timed=config.server.metrics)
         self.limits = Limits(server.max_frame_bytes, server.max_batch, server.max_value_bytes)
         cluster = config.cluster
         source: MapSource | None = None
@@ -90,6 +94,8 @@ class Node:
         self._server: asyncio.Server | None = None
         self._admin: web.AppRunner | None = None
         self._expiry_task: asyncio.Task[None] | None = None
+        self._metrics_task: asyncio.Task[None] | None = None
+        self.metrics: NodeMetrics | None = None
         self.data_address: tuple[str, int] = (server.host, server.data_port)
         self.admin_address: tuple[str, int] = (server.host, server.admin_port)
 
@@ -142,11 +148,35 @@ class Node:
         self.handlers.extra_stats["drain"] = self.handoff_progress
         self.membership.listeners.append(self._map_changed)
         self._map_changed(self.membership.map)
+        if self.config.server.metrics:
+            self.metrics = NodeMetrics(self.membership.node_id)
+            if self.metrics.otlp:
+                self._metrics_task = asyncio.create_task(self._refresh_metrics_loop())
         self._admin = web.AppRunner(make_admin_app(self), access_log=None)
         await self._admin.setup()
         await web.SockSite(self._admin, admin_sock).start()
         await self._server.start_serving()
         self._expiry_task = asyncio.create_task(self._expire_loop())
+
+    async def metrics_text(self) -> bytes | None:
+        """The Prometheus exposition for GET /metrics (None when metrics are off)."""
+        if self.metrics is None:
+            return None
+        await self._refresh_metrics()
+        return self.metrics.render()
+
+    async def _refresh_metrics(self) -> None:
+        assert self.metrics is not None
+        cmap = self.membership.map
+        states = [n.state.value for n in cmap.nodes] if cmap is not None else ["up"]
+        self.metrics.update(await self.handlers.snapshot(), self.stats, states)
+
+    async def _refresh_metrics_loop(self) -> None:
+        """With OTLP on: keep the snapshot the exporter thread reads fresh."""
+        while True:
+            with contextlib.suppress(Exception):
+                await self._refresh_metrics()
+            await asyncio.sleep(METRICS_REFRESH_S)
 
     def _map_changed(self, cmap: ClusterMap | None) -> None:
         me = cmap.by_id.get(self.membership.node_id) if cmap is not None else None
@@ -203,6 +233,10 @@ class Node:
 
     async def stop(self) -> None:
         """Stop accepting, let open connections flush their replies, then close."""
+        if self._metrics_task is not None:
+            self._metrics_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._metrics_task
         if self._expiry_task is not None:
             self._expiry_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -229,6 +263,9 @@ class Node:
         await self.membership.stop()
         if self.ssd is not None:
             await self.ssd.stop()
+        if self.metrics is not None:
+            await self._refresh_metrics()  # the last export sees the final counters
+            self.metrics.shutdown()
 
 
 async def _serve(config: NodeConfig) -> None:

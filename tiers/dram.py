@@ -37,6 +37,7 @@ class Entry:
     readers: int = 0
     live: bool = True
     parent: bytes | None = None  #: the previous chunk of the prefix, when the writer said
+    num_tokens: int = 0  #: tokens the chunk holds (from its envelope)
 
 
 class Slot:
@@ -121,7 +122,8 @@ class DramTier:
             depth = header.chunk_index
             entry = Entry(slot.key, slot.offset, slot.length, depth,
                           pinned=bool(pin[i]) if pin is not None else False,
-                          parent=parents[i] if parents is not None else None)
+                          parent=parents[i] if parents is not None else None,
+                          num_tokens=header.num_tokens)
             self._insert(entry, ttl)
             if not entry.pinned:
                 touched.append((entry.key, depth))

@@ -1,0 +1,297 @@
+"""A node's metrics through OpenTelemetry: Prometheus at ``GET /metrics``, OTLP when configured.
+
+The data path only bumps plain counters (:mod:`kvpool.server.stats`); an OTel
+``add()`` costs 20-30 us here, more than a small request. This module turns
+those counters into OpenTelemetry *observable* instruments, read when a
+reader collects: the Prometheus reader (on a registry of its own) on every
+scrape, and a periodic OTLP exporter when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or
+``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT``) is set, with the standard ``OTEL_*``
+variables for headers and intervals. Request latency histograms are kept as
+bucket counts by the data path and exposed on ``/metrics`` by a Prometheus
+collector on the same registry (OpenTelemetry's Python SDK has no
+pre-aggregated histogram to feed them through).
+
+``METRICS`` is the one table of names: the README's metrics table is generated
+from it (:func:`metrics_table`) and a test keeps them in step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader
+from opentelemetry.sdk.resources import Resource
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from kvpool.protocol.errors import Status
+from kvpool.protocol.frames import Op
+from kvpool.server.stats import LATENCY_BUCKETS
+
+__all__ = ["METRICS", "CONTENT_TYPE", "Metric", "NodeMetrics", "metrics_table"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+Sample = tuple[float, dict[str, str]]
+Snapshot = dict[str, Any]
+_OPS = {int(op): op.name.lower() for op in Op}
+_STATUS = {int(s): s.name.lower() for s in Status}
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str  #: the OpenTelemetry instrument name; Prometheus adds the unit and _total
+    kind: str  #: "counter" or "gauge"
+    unit: str  #: "" or "By" (bytes) or "s"
+    labels: str  #: label names, for the docs
+    help: str
+    read: Callable[[Snapshot], Iterable[Sample]]
+
+    @property
+    def prometheus_name(self) -> str:
+        name = self.name + {"By": "_bytes", "s": "_seconds"}.get(self.unit, "")
+        return name + "_total" if self.kind == "counter" else name
+
+
+def _tiers(snap: Snapshot) -> dict[str, dict[str, Any]]:
+    tiers: dict[str, dict[str, Any]] = snap["tiers"]
+    return tiers
+
+
+def _per_tier(field: str, *, tiers: tuple[str, ...] = ("dram", "ssd", "s3")
+              ) -> Callable[[Snapshot], Iterable[Sample]]:
+    def read(snap: Snapshot) -> Iterator[Sample]:
+        for name, tier in _tiers(snap).items():
+            if name in tiers and isinstance(tier.get(field), (int, float)):
+                yield tier[field], {"tier": name}
+    return read
+
+
+def _one(field: str) -> Callable[[Snapshot], Iterable[Sample]]:
+    return lambda snap: [(snap[field], {})]
+
+
+def _requests(snap: Snapshot) -> Iterator[Sample]:
+    errors: dict[tuple[int, int], int] = snap["_op_errors"]
+    failed: dict[int, int] = {}
+    for (op, status), n in errors.items():
+        failed[op] = failed.get(op, 0) + n
+        yield n, {"op": _OPS.get(op, str(op)), "status": _STATUS.get(status, str(status))}
+    for op, n in snap["_requests"].items():
+        if n:
+            yield max(0, n - failed.get(op, 0)), {"op": _OPS[op], "status": "ok"}
+
+
+def _keys(snap: Snapshot) -> Iterator[Sample]:
+    for op, n in snap["_keys"].items():
+        if n:
+            yield n, {"op": _OPS[op]}
+
+
+def _tier_read_bytes(snap: Snapshot) -> Iterator[Sample]:
+    yield snap["bytes_out"], {"tier": "dram"}  # every GET is served from DRAM (after promotion)
+    tiers = _tiers(snap)
+    if "ssd" in tiers:
+        yield tiers["ssd"].get("read_bytes", 0), {"tier": "ssd"}
+
+
+def _tier_written_bytes(snap: Snapshot) -> Iterator[Sample]:
+    yield snap["bytes_in"], {"tier": "dram"}
+    tiers = _tiers(snap)
+    if "ssd" in tiers:
+        yield tiers["ssd"].get("write_bytes", 0), {"tier": "ssd"}
+
+
+def _demotions(snap: Snapshot) -> Iterator[Sample]:
+    tiers = _tiers(snap)
+    if "ssd" in tiers:
+        yield tiers["ssd"].get("writes", 0), {"tier": "ssd"}
+    if "s3" in tiers:
+        yield tiers["s3"].get("insertions", 0), {"tier": "s3"}
+
+
+def _shed(snap: Snapshot) -> Iterator[Sample]:
+    tiers = _tiers(snap)
+    if "ssd" in tiers:
+        yield tiers["ssd"].get("shed", 0), {"tier": "ssd"}
+    if "s3" in tiers:
+        yield tiers["s3"].get("shed", 0), {"tier": "s3"}
+
+
+def _pending(field_ssd: str, field_s3: str) -> Callable[[Snapshot], Iterable[Sample]]:
+    def read(snap: Snapshot) -> Iterator[Sample]:
+        tiers = _tiers(snap)
+        if "ssd" in tiers:
+            yield tiers["ssd"].get(field_ssd, 0), {"tier": "ssd"}
+        if "s3" in tiers and field_s3:
+            yield tiers["s3"].get(field_s3, 0), {"tier": "s3"}
+    return read
+
+
+def _nodes(snap: Snapshot) -> Iterator[Sample]:
+    counts = dict.fromkeys(("up", "draining", "down"), 0)
+    for state in snap["_node_states"]:
+        counts[state] = counts.get(state, 0) + 1
+    for state, n in counts.items():
+        yield n, {"state": state}
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("kvpool_requests", "counter", "", "op, status",
+           "data-path requests by op and reply status (ok, or the error)", _requests),
+    Metric("kvpool_request_keys", "counter", "", "op", "keys (batch items) carried by requests",
+           _keys),
+    Metric("kvpool_received", "counter", "By", "", "PUT payload bytes received (envelopes "
+           "included)", _one("bytes_in")),
+    Metric("kvpool_sent", "counter", "By", "", "GET payload bytes sent", _one("bytes_out")),
+    Metric("kvpool_tier_read", "counter", "By", "tier", "bytes read from a tier (DRAM: sent "
+           "to clients; SSD: promoted)", _tier_read_bytes),
+    Metric("kvpool_tier_written", "counter", "By", "tier", "bytes written into a tier (DRAM: "
+           "PUTs; SSD: write-behind)", _tier_written_bytes),
+    Metric("kvpool_tier_hits", "counter", "", "tier", "lookups a tier answered with the chunk",
+           _per_tier("hits")),
+    Metric("kvpool_tier_misses", "counter", "", "tier", "lookups a tier did not hold",
+           _per_tier("misses")),
+    Metric("kvpool_tier_used", "gauge", "By", "tier", "bytes held by a tier",
+           _per_tier("used_bytes")),
+    Metric("kvpool_tier_capacity", "gauge", "By", "tier", "a tier's capacity (S3: unbounded, "
+           "not reported)", _per_tier("capacity_bytes", tiers=("dram", "ssd"))),
+    Metric("kvpool_tier_objects", "gauge", "", "tier", "chunks held by a tier",
+           _per_tier("num_objects")),
+    Metric("kvpool_pinned_objects", "gauge", "", "tier", "pinned chunks",
+           _per_tier("num_pinned", tiers=("dram",))),
+    Metric("kvpool_evictions", "counter", "", "tier", "chunks evicted to make room",
+           _per_tier("evictions")),
+    Metric("kvpool_expirations", "counter", "", "tier", "chunks dropped when their TTL ran out",
+           _per_tier("expirations", tiers=("dram",))),
+    Metric("kvpool_demotions", "counter", "", "tier", "chunks written behind to a colder tier",
+           _demotions),
+    Metric("kvpool_promotions", "counter", "", "", "chunks copied up into DRAM on a GET",
+           _one("promotions")),
+    Metric("kvpool_pending_writes", "gauge", "", "tier", "write-behind queue depth (chunks)",
+           _pending("pending_writes", "")),
+    Metric("kvpool_pending_write", "gauge", "By", "tier", "write-behind queue depth (bytes)",
+           _pending("pending_write_bytes", "pending_bytes")),
+    Metric("kvpool_shed_writes", "counter", "", "tier", "write-behinds dropped because the "
+           "queue was full (the chunk stays in DRAM only)", _shed),
+    Metric("kvpool_checksum_failures", "counter", "", "tier", "chunks that failed their "
+           "checksum when read from a tier", _per_tier("corrupt", tiers=("ssd", "s3"))),
+    Metric("kvpool_tier_errors", "counter", "", "tier", "I/O errors of a cold tier (S3: "
+           "failed requests)", _per_tier("errors", tiers=("ssd", "s3"))),
+    Metric("kvpool_prefill_tokens_served", "counter", "", "", "tokens in the chunks GETs "
+           "returned: prefill the engines did not recompute", _one("tokens_served")),
+    Metric("kvpool_lookup_chunks_found", "counter", "", "", "chunks LOOKUP and EXISTS "
+           "reported present", _one("lookup_chunks_found")),
+    Metric("kvpool_cluster_epoch", "gauge", "", "", "the cluster map epoch this node serves "
+           "(0 = standalone)", _one("cluster_epoch")),
+    Metric("kvpool_cluster_nodes", "gauge", "", "state", "nodes in the cluster map by state",
+           _nodes),
+    Metric("kvpool_wrong_owner", "counter", "", "", "requests refused with WRONG_OWNER",
+           _one("wrong_owner")),
+    Metric("kvpool_connections_open", "gauge", "", "", "open data-path connections",
+           lambda snap: [(snap["connections"]["open"], {})]),
+    Metric("kvpool_connections", "counter", "", "", "data-path connections accepted",
+           lambda snap: [(snap["connections"]["total"], {})]),
+    Metric("kvpool_protocol_errors", "counter", "", "", "connections closed on a protocol "
+           "error", _one("protocol_errors")),
+    Metric("kvpool_events_lost", "counter", "", "", "KV events dropped for slow /v1/events "
+           "listeners", lambda snap: [(snap["events"]["lost"], {})]),
+    Metric("kvpool_uptime", "gauge", "s", "", "seconds since the node started",
+           _one("uptime_s")),
+)
+HISTOGRAM_NAME = "kvpool_request_duration_seconds"
+
+
+class _LatencyCollector(Collector):
+    """``kvpool_request_duration_seconds{op}`` from the data path's own buckets."""
+
+    def __init__(self, metrics: NodeMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(
+            HISTOGRAM_NAME, "data-path request latency, frame parsed to reply queued",
+            labels=["op"])
+        snap = self._metrics.last
+        for op, counts in snap.get("_latency", {}).items():
+            total = sum(counts)
+            if not total:
+                continue
+            cumulative, buckets = 0, []
+            for bound, n in zip((*LATENCY_BUCKETS, float("inf")), counts, strict=True):
+                cumulative += n
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            family.add_metric([_OPS[op]], buckets, snap["_latency_sum"][op])
+        yield family
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return []
+
+
+class NodeMetrics:
+    """The node's MeterProvider, its readers and the /metrics rendering."""
+
+    def __init__(self, node_id: str) -> None:
+        self.registry = CollectorRegistry()
+        readers: list[MetricReader] = [PrometheusMetricReader(
+            registry=self.registry, disable_target_info=True, scope_info_enabled=False)]
+        self.otlp = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                         or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"))
+        if self.otlp:
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+            from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
+        resource = Resource.create({"service.name": "kvpool", "service.instance.id": node_id})
+        self.provider = MeterProvider(metric_readers=readers, resource=resource)
+        meter = self.provider.get_meter("kvpool")
+        #: the snapshot the instruments read; refreshed before each scrape (and by the node
+        #: every few seconds when OTLP is on), read by exporter threads as a whole
+        self.last: Snapshot = {}
+        for metric in METRICS:
+            callback = self._callback(metric)
+            if metric.kind == "counter":
+                meter.create_observable_counter(metric.name, callbacks=[callback],
+                                                unit=metric.unit, description=metric.help)
+            else:
+                meter.create_observable_gauge(metric.name, callbacks=[callback],
+                                              unit=metric.unit, description=metric.help)
+        self.registry.register(_LatencyCollector(self))
+
+    def _callback(self, metric: Metric) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(_options: CallbackOptions) -> Iterable[Observation]:
+            snap = self.last
+            if not snap:
+                return []
+            return [Observation(value, attrs) for value, attrs in metric.read(snap)]
+        return observe
+
+    def update(self, snapshot: Snapshot, stats: Any, node_states: list[str]) -> None:
+        """Install a new snapshot (call on the event loop; copies what the loop mutates)."""
+        self.last = {**snapshot, "_op_errors": dict(stats.op_errors),
+                     "_requests": dict(stats.requests), "_keys": dict(stats.keys),
+                     "_latency": {op: list(c) for op, c in stats.latency.items()},
+                     "_latency_sum": dict(stats.latency_sum), "_node_states": node_states}
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of the current snapshot."""
+        return bytes(generate_latest(self.registry))
+
+    def shutdown(self) -> None:
+        self.provider.shutdown()
+
+
+def metrics_table() -> str:
+    """The metrics as a markdown table (the README's copy is generated from this)."""
+    rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
+    for m in METRICS:
+        rows.append(f"| `{m.prometheus_name}` | {m.kind} | {m.labels} | {m.help} |")
+    rows.append(f"| `{HISTOGRAM_NAME}` | histogram | op | data-path request latency, frame "
+                "parsed to reply queued (Prometheus only) |")
+    return "\n".join(rows) + "\n"

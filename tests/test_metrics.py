@@ -1,0 +1,102 @@
+"""GET /metrics on a real node: OpenTelemetry's Prometheus reader over the data path's counters."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from kvpool.client import Client
+from kvpool.protocol.frames import FrameHeader, Op, PutItemHeader, encode_frame, encode_json
+from kvpool.server.metrics import HISTOGRAM_NAME, METRICS, metrics_table
+
+from .conftest import NodeProcess, start_node
+
+SAMPLE = re.compile(r"^([a-z_]+)(\{[^}]*\})? (\S+)$")
+
+
+def scrape(node: NodeProcess) -> dict[str, float]:
+    with urllib.request.urlopen(f"{node.admin_url}/metrics", timeout=10) as reply:
+        assert reply.headers["Content-Type"].startswith("text/plain")
+        text = reply.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            m = SAMPLE.match(line)
+            assert m, line
+            samples[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return samples
+
+
+def put_not_an_envelope(node: NodeProcess, key: bytes) -> None:
+    """A PUT whose value is not an envelope: the node answers CORRUPT for that item."""
+    with socket.create_connection((node.host, node.port), timeout=5) as s:
+        s.sendall(b"".join([*encode_frame(Op.HELLO, 1, [encode_json({"protocol": 1})]),
+                            *encode_frame(Op.PUT, 2, [PutItemHeader(key, 100).pack(),
+                                                      bytes(100)], count=1)]))
+        data = b""
+        replies = 0
+        while replies < 2:
+            data += s.recv(65536)
+            while len(data) >= 24:
+                header = FrameHeader.unpack(data[:24])
+                if len(data) < 24 + header.body_len:
+                    break
+                data = data[24 + header.body_len:]
+                replies += 1
+
+
+def test_metrics_count_what_the_node_did() -> None:
+    node = start_node("--dram-capacity", "64MiB")
+    try:
+        keys = [os.urandom(16) for _ in range(7)]
+        with Client(node.url) as c:
+            c.put_many(keys, [b"x" * 1000] * 7, num_tokens=256)
+            assert all(v is not None for v in c.get_many(keys))
+            assert c.get(os.urandom(16)) is None
+            assert c.lookup(keys) == 7
+        put_not_an_envelope(node, os.urandom(16))
+        m = scrape(node)
+        assert m['kvpool_requests_total{op="put",status="ok"}'] == 1
+        assert m['kvpool_requests_total{op="put",status="corrupt"}'] == 1
+        assert m['kvpool_requests_total{op="get",status="ok"}'] == 2
+        assert m['kvpool_request_keys_total{op="get"}'] == 8
+        assert m["kvpool_prefill_tokens_served_total"] == 7 * 256
+        assert m["kvpool_lookup_chunks_found_total"] == 7
+        assert m['kvpool_tier_hits_total{tier="dram"}'] == 7
+        assert m['kvpool_tier_misses_total{tier="dram"}'] == 1
+        assert m['kvpool_tier_objects{tier="dram"}'] == 7
+        assert m["kvpool_sent_bytes_total"] == 7 * (1000 + 64)
+        assert m['kvpool_tier_capacity_bytes{tier="dram"}'] == 64 << 20
+        assert m['kvpool_cluster_nodes{state="up"}'] == 1
+        assert m[f'{HISTOGRAM_NAME}_count{{op="get"}}'] == 2
+        assert m[f'{HISTOGRAM_NAME}_bucket{{le="+Inf",op="get"}}'] == 2
+        assert 0 < m[f'{HISTOGRAM_NAME}_sum{{op="get"}}'] < 5
+        # every documented metric is exported
+        names = {key.split("{")[0] for key in m}
+        missing = [x.prometheus_name for x in METRICS if x.prometheus_name not in names]
+        assert not missing
+    finally:
+        node.stop()
+
+
+def test_metrics_can_be_turned_off() -> None:
+    node = start_node("--no-metrics", "--no-ssd", "--dram-capacity", "16MiB")
+    try:
+        try:
+            urllib.request.urlopen(f"{node.admin_url}/metrics", timeout=10)
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 404
+            assert b"--no-metrics" in exc.read()
+        else:
+            raise AssertionError("/metrics answered with metrics off")
+    finally:
+        node.stop()
+
+
+def test_readme_metrics_table_is_current() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert metrics_table() in readme, "regenerate README's table from metrics.metrics_table()"
