@@ -65,11 +65,25 @@ class Namespace:
     kv_format: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("model", "dtype", "tenant", "adapter", "kv_format"):
+            value = getattr(self, name)
+            if value is None and name not in ("model", "dtype"):
+                continue
+            if not isinstance(value, str):
+                raise ConfigError(f"namespace {name} must be a string, got {value!r}")
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ConfigError(f"namespace {name} is not valid Unicode text") from None
         if not self.model:
             raise ConfigError("namespace model must be a non-empty string")
-        for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens", "tp_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"namespace {name} must be >= 1")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens", "tp_size",
+                     "tp_rank"):
+            value = getattr(self, name)
+            if type(value) is not int:
+                raise ConfigError(f"namespace {name} must be an integer, got {value!r}")
+            if value < (0 if name == "tp_rank" else 1):
+                raise ConfigError(f"namespace {name} must be >= {0 if name == 'tp_rank' else 1}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"tp_rank {self.tp_rank} outside [0, tp_size={self.tp_size})")
         if self.kv_format not in (None, "mla"):

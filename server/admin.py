@@ -1,15 +1,18 @@
-"""The admin HTTP API (aiohttp).
+"""The admin HTTP API (aiohttp); every route is in the OpenAPI document at ``/openapi.json``
+(:mod:`kvpool.server.openapi`).
 
-``GET /healthz``, ``GET /v1/stats``, ``GET /v1/cluster``, ``POST
-/v1/cluster/join|drain|remove`` (etcd clusters), and ``POST /v1/lookup``:
-how many leading tokens of a prompt the whole cluster holds, for callers
-that are not Python. Errors are JSON with one shape:
-``{"error": {"type": "bad_request", "message": "..."}}``.
+Health (``/healthz``, ``/readyz``), ``/metrics``, stats, the cluster map and its
+changes, cluster-wide prefix lookup for callers that are not Python, KV events,
+and per-chunk and node-wide administration. Errors are JSON with one shape:
+``{"error": {"type": "bad_request", "message": "..."}}``. With an admin token
+configured, every mutating route (POST and DELETE, except the read-only
+``POST /v1/lookup``) needs ``Authorization: Bearer <token>``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -23,6 +26,7 @@ from kvpool.protocol.frames import Tier
 from kvpool.server.events import EVENT_TYPES, EventBus
 from kvpool.server.membership import StaticMapError
 from kvpool.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from kvpool.server.openapi import openapi_document
 
 __all__ = ["MAX_LOOKUP_TOKENS", "make_admin_app"]
 
@@ -85,6 +89,21 @@ class AdminBackend(Protocol):
 
     async def metrics_text(self) -> bytes | None: ...
 
+    @property
+    def admin_token(self) -> str: ...
+
+    def ready(self) -> tuple[bool, str]: ...
+
+    def chunk_info(self, key: bytes) -> dict[str, Any] | None: ...
+
+    def delete_chunk(self, key: bytes) -> bool: ...
+
+    def pin_chunk(self, key: bytes, pinned: bool) -> bool: ...
+
+    def evict(self, tier: str | None, namespace: bytes | None) -> dict[str, int]: ...
+
+    async def flush(self, timeout_s: float) -> dict[str, Any]: ...
+
 
 def make_admin_app(node: AdminBackend) -> web.Application:
     node_id, events, lookup, change = node.node_id, node.events, node.lookup, node.change
@@ -121,6 +140,9 @@ def make_admin_app(node: AdminBackend) -> web.Application:
 
     async def change_route(request: web.Request) -> web.Response:
         action = request.match_info["action"]
+        if action not in ("join", "drain", "remove"):
+            return _error(404, "not_found", f"no cluster action {action!r}: join, drain or "
+                          "remove")
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -179,12 +201,126 @@ def make_admin_app(node: AdminBackend) -> web.Application:
             return _error(404, "not_found", "metrics are off on this node (--no-metrics)")
         return web.Response(body=text, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
-    app = web.Application(client_max_size=64 << 20)
+    async def readyz(_request: web.Request) -> web.Response:
+        ready, reason = node.ready()
+        return web.json_response({"ready": ready, "reason": reason, "node_id": node_id},
+                                 status=200 if ready else 503)
+
+    def _key(request: web.Request) -> bytes:
+        try:
+            return key_from_hex(request.match_info["key"])
+        except InvalidKeyError as exc:
+            raise web.HTTPBadRequest(text=json.dumps(
+                {"error": {"type": "bad_request", "message": str(exc)}}),
+                content_type="application/json") from None
+
+    def _missing(key: bytes) -> web.Response:
+        return _error(404, "not_found", f"no tier of node {node_id} holds {key.hex()}")
+
+    async def chunk_get(request: web.Request) -> web.Response:
+        key = _key(request)
+        info = node.chunk_info(key)
+        return web.json_response(info) if info is not None else _missing(key)
+
+    async def chunk_delete(request: web.Request) -> web.Response:
+        key = _key(request)
+        if not node.delete_chunk(key):
+            return _missing(key)
+        return web.json_response({"key": key.hex(), "deleted": True})
+
+    async def chunk_pin(request: web.Request) -> web.Response:
+        key = _key(request)
+        action = request.match_info["action"]
+        if action not in ("pin", "unpin"):
+            return _error(404, "not_found", f"no action {action!r} on a chunk: pin or unpin")
+        pinned = action == "pin"
+        if not node.pin_chunk(key, pinned):
+            return _error(404, "not_found", f"{key.hex()} is not in node {node_id}'s DRAM tier "
+                          "(only DRAM chunks can be pinned)")
+        return web.json_response({"key": key.hex(), "pinned": pinned})
+
+    async def _json_object(request: web.Request) -> dict[str, Any]:
+        if not request.can_read_body:
+            return {}
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"the body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ConfigError("the body must be a JSON object")
+        return body
+
+    async def evict(request: web.Request) -> web.Response:
+        try:
+            body = await _json_object(request)
+            extra = set(body) - {"tier", "namespace"}
+            if extra:
+                raise ConfigError(f"unknown field(s) {sorted(extra)}")
+            tier, ns = body.get("tier"), body.get("namespace")
+            if tier not in (None, "dram", "ssd"):
+                raise ConfigError("'tier' must be 'dram' or 'ssd'")
+            if ns is not None and not isinstance(ns, str):
+                raise ConfigError("'namespace' must be the namespace digest, 32 hex characters")
+            if tier is None and ns is None:
+                raise ConfigError("give 'tier' (dram or ssd) or 'namespace' (a digest)")
+            if ns is not None and tier == "ssd":
+                raise ConfigError("eviction by namespace covers the DRAM tier only")
+            namespace = key_from_hex(ns) if ns is not None else None
+        except (ConfigError, InvalidKeyError) as exc:
+            return _error(400, "bad_request", str(exc))
+        return web.json_response({"evicted": node.evict(tier, namespace)})
+
+    async def flush(request: web.Request) -> web.Response:
+        raw = request.query.get("timeout", "30")
+        try:
+            timeout = float(raw)
+            if not 0 <= timeout <= 600:
+                raise ValueError
+        except ValueError:
+            return _error(400, "bad_request", f"timeout must be seconds in [0, 600], got {raw!r}")
+        return web.json_response(await node.flush(timeout))
+
+    async def openapi(_request: web.Request) -> web.Response:
+        return web.json_response(openapi_document())
+
+    token = node.admin_token.encode()
+
+    @web.middleware
+    async def require_token(request: web.Request, handler: Any) -> web.StreamResponse:
+        if token and request.method in ("POST", "DELETE") and request.path != "/v1/lookup":
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, b"Bearer " + token):
+                return _error(401, "unauthorized", "this route needs the admin token: "
+                              "Authorization: Bearer <token>")
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    @web.middleware
+    async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+        """aiohttp's own errors (no route, wrong method, body too large) in the JSON shape."""
+        try:
+            response: web.StreamResponse = await handler(request)
+        except web.HTTPException as exc:
+            if exc.content_type == "application/json" or exc.status < 400:
+                raise
+            kind = {404: "not_found", 405: "method_not_allowed",
+                    413: "payload_too_large"}.get(exc.status, "bad_request")
+            return _error(exc.status, kind, f"{exc.reason}: {request.method} {request.path}")
+        return response
+
+    app = web.Application(client_max_size=64 << 20, middlewares=[json_errors, require_token])
+    app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/v1/chunks/{key}", chunk_get)
+    app.router.add_delete("/v1/chunks/{key}", chunk_delete)
+    app.router.add_post("/v1/chunks/{key}/{action}", chunk_pin)
+    app.router.add_post("/v1/admin/evict", evict)
+    app.router.add_post("/v1/admin/flush", flush)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/stats", stats)
     app.router.add_get("/v1/cluster", cluster_map)
     app.router.add_post("/v1/lookup", lookup_route)
     app.router.add_get("/v1/events", events_route)
-    app.router.add_post(r"/v1/cluster/{action:join|drain|remove}", change_route)
+    app.router.add_post("/v1/cluster/{action}", change_route)
     return app

@@ -90,6 +90,9 @@ class ServerConfig:
                                    flag="--shutdown-grace", env="KVPOOL_SHUTDOWN_GRACE")
     log_level: str = knob("info", "debug, info, warning or error",
                           flag="--log-level", env="KVPOOL_LOG_LEVEL")
+    admin_token: str = knob("", "bearer token the admin API's mutating routes (POST, DELETE) "
+                            "require ('' = open; reads stay open)", flag="--admin-token",
+                            env="KVPOOL_ADMIN_TOKEN")
     metrics: bool = knob(True, "OpenTelemetry metrics: GET /metrics (Prometheus), and OTLP when "
                          "OTEL_EXPORTER_OTLP_ENDPOINT is set", flag="--metrics",
                          env="KVPOOL_METRICS", kind="bool")

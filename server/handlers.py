@@ -322,19 +322,81 @@ class Handlers:
         return self._reply(request, [statuses, tiers])
 
     def delete(self, request: Request) -> Reply:
-        deleted = self.dram.delete_many(request.keys)
+        deleted = self.delete_keys(request.keys)
+        return self._reply(request, [encode_statuses(
+            [Status.OK if d else Status.NOT_FOUND for d in deleted])])
+
+    def delete_keys(self, keys: Sequence[bytes]) -> list[bool]:
+        """Delete from every tier of this node; True where some tier held the key."""
+        deleted = self.dram.delete_many(keys)
         if self.events.subscribers:
-            for key, gone in zip(request.keys, deleted, strict=True):
+            for key, gone in zip(keys, deleted, strict=True):
                 if gone:
                     self.events.publish("removed", key, tier="dram")
         ssd = self.ssd
         if ssd is not None and ssd.up:
-            for i, key in enumerate(request.keys):
+            for i, key in enumerate(keys):
                 if key in ssd.index or key in ssd.s3_index:
                     deleted[i] = True
                     ssd.delete(key)
-        return self._reply(request, [encode_statuses(
-            [Status.OK if d else Status.NOT_FOUND for d in deleted])])
+        return deleted
+
+    # -- admin ----------------------------------------------------------------------------
+
+    def chunk_info(self, key: bytes) -> dict[str, Any] | None:
+        """What this node knows of one chunk, without reading it (None: no tier has it)."""
+        entry = self.dram.peek(key)
+        ssd = self.ssd
+        on_ssd = ssd is not None and ssd.up and key in ssd.index
+        in_s3 = ssd is not None and ssd.up and key in ssd.s3_index
+        tiers = [name for name, held in (("dram", entry is not None), ("ssd", on_ssd),
+                                         ("s3", in_s3)) if held]
+        if not tiers:
+            return None
+        info: dict[str, Any] = {"key": key.hex(), "tiers": tiers, "pinned": False,
+                                "ttl_s": None, "last_access": None, "depth": None,
+                                "num_tokens": None, "parent": None, "size_bytes": None}
+        if entry is not None:
+            info.update(size_bytes=entry.length, pinned=entry.pinned,
+                        ttl_s=self.dram.ttl_left(entry), last_access=entry.last_access,
+                        depth=entry.depth, num_tokens=entry.num_tokens,
+                        parent=entry.parent.hex() if entry.parent else None)
+        elif on_ssd:
+            assert ssd is not None
+            info["size_bytes"] = ssd.index[key]
+        return info
+
+    def evict(self, tier: str | None, namespace: bytes | None) -> dict[str, int]:
+        """Drop unpinned chunks: all of ``tier`` (dram or ssd), or ``namespace``'s in DRAM."""
+        counts = {"dram": 0, "ssd": 0}
+        if tier in (None, "dram"):
+            keep = None
+            if namespace is not None:
+                dram = self.dram
+
+                def keep(entry: Entry) -> bool:
+                    return bytes(dram.view(entry)[40:56]) != namespace  # envelope fingerprint
+
+            for entry in self.dram.evict_where(keep):
+                counts["dram"] += 1
+                self._evicted(entry)
+        if tier == "ssd" and self.ssd is not None and self.ssd.up:
+            for key in list(self.ssd.index):
+                self.ssd.delete(key)
+                counts["ssd"] += 1
+        return counts
+
+    async def flush(self, timeout_s: float) -> dict[str, Any]:
+        """Wait until the write-behind queue is empty (or ``timeout_s`` passes)."""
+        ssd = self.ssd
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        # polled: the queue drains through SSD-worker replies, which signal nothing else
+        while ssd is not None and ssd.up and ssd.counters.pending_writes \
+                and loop.time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        pending = ssd.counters.pending_writes if ssd is not None and ssd.up else 0
+        return {"flushed": pending == 0, "pending_writes": pending}
 
     def lookup(self, request: Request) -> Reply:
         tiers = self.tiers(request.keys)

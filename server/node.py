@@ -95,6 +95,7 @@ class Node:
         self._admin: web.AppRunner | None = None
         self._expiry_task: asyncio.Task[None] | None = None
         self._metrics_task: asyncio.Task[None] | None = None
+        self._stopping = False
         self.metrics: NodeMetrics | None = None
         self.data_address: tuple[str, int] = (server.host, server.data_port)
         self.admin_address: tuple[str, int] = (server.host, server.admin_port)
@@ -157,6 +158,38 @@ class Node:
         await web.SockSite(self._admin, admin_sock).start()
         await self._server.start_serving()
         self._expiry_task = asyncio.create_task(self._expire_loop())
+
+    @property
+    def admin_token(self) -> str:
+        return self.config.server.admin_token
+
+    def ready(self) -> tuple[bool, str]:
+        """Whether clients should be sent here (GET /readyz)."""
+        if self._stopping:
+            return False, "stopping"
+        if self.ssd is not None and not self.ssd.up:
+            return True, "ssd tier down: serving from DRAM only"
+        me = self.membership.me()
+        if self.membership.map is not None and me is None:
+            return False, "not in the cluster map"
+        if me is not None and me.state != NodeState.UP:
+            return False, f"cluster state {me.state.value}"
+        return True, "ok"
+
+    def chunk_info(self, key: bytes) -> dict[str, Any] | None:
+        return self.handlers.chunk_info(key)
+
+    def delete_chunk(self, key: bytes) -> bool:
+        return self.handlers.delete_keys([key])[0]
+
+    def pin_chunk(self, key: bytes, pinned: bool) -> bool:
+        return self.dram.pin_many([key], pinned)[0]
+
+    def evict(self, tier: str | None, namespace: bytes | None) -> dict[str, int]:
+        return self.handlers.evict(tier, namespace)
+
+    async def flush(self, timeout_s: float) -> dict[str, Any]:
+        return await self.handlers.flush(timeout_s)
 
     async def metrics_text(self) -> bytes | None:
         """The Prometheus exposition for GET /metrics (None when metrics are off)."""
@@ -233,6 +266,7 @@ class Node:
 
     async def stop(self) -> None:
         """Stop accepting, let open connections flush their replies, then close."""
+        self._stopping = True
         if self._metrics_task is not None:
             self._metrics_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

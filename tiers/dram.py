@@ -38,6 +38,7 @@ class Entry:
     live: bool = True
     parent: bytes | None = None  #: the previous chunk of the prefix, when the writer said
     num_tokens: int = 0  #: tokens the chunk holds (from its envelope)
+    last_access: float = 0.0  #: wall-clock time of its last PUT or GET
 
 
 class Slot:
@@ -134,6 +135,7 @@ class DramTier:
     def acquire_many(self, keys: Sequence[bytes]) -> list[Entry | None]:
         """Live entries for ``keys`` (None = miss), held until :meth:`release`."""
         now = self._clock()
+        wall = time.time()
         found: list[Entry | None] = []
         touched: list[tuple[bytes, int]] = []
         for key in keys:
@@ -144,6 +146,7 @@ class DramTier:
                 continue
             self._stats.hits += 1
             entry.readers += 1
+            entry.last_access = wall
             found.append(entry)
             if not entry.pinned:
                 touched.append((key, entry.depth))
@@ -167,6 +170,25 @@ class DramTier:
     def keys(self) -> list[bytes]:
         """A snapshot of the keys held now (live or not yet swept)."""
         return list(self._index)
+
+    def peek(self, key: bytes) -> Entry | None:
+        """The live entry for ``key``, without counting a hit or touching its recency."""
+        return self._live(key, self._clock())
+
+    def ttl_left(self, entry: Entry) -> float | None:
+        """Seconds until ``entry`` expires (None: no TTL)."""
+        if entry.expires_at is None:
+            return None
+        return max(0.0, entry.expires_at - self._clock())
+
+    def evict_where(self, keep: Callable[[Entry], bool] | None = None) -> list[Entry]:
+        """Evict every unpinned entry not being read that ``keep`` does not keep; the evicted."""
+        gone = [e for e in list(self._index.values())
+                if not e.pinned and e.readers == 0 and (keep is None or not keep(e))]
+        for entry in gone:
+            self._remove(entry)
+            self._stats.evictions += 1
+        return gone
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         now = self._clock()
@@ -278,6 +300,7 @@ class DramTier:
         if ttl is not None:
             entry.expires_at = self._clock() + ttl
             heapq.heappush(self._expiry, (entry.expires_at, next(self._seq), entry))
+        entry.last_access = time.time()
         self._index[entry.key] = entry
         self._used_bytes += entry.length
         self._stats.insertions += 1
