@@ -30,6 +30,7 @@ __all__ = [
     "add_arguments",
     "format_size",
     "knob_table",
+    "unknown_env_vars",
     "load_config",
     "parse_size",
 ]
@@ -305,6 +306,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             else:
                 group.add_argument(meta["flag"], dest=f"{section}.{f.name}", default=None,
                                    metavar=f.name.upper(), help=helptext)
+
+
+#: KVPOOL_* variables that are not knobs but are read elsewhere
+OTHER_ENV = frozenset({"KVPOOL_CONFIG", "KVPOOL_CACHE_DIR"})
+
+
+def unknown_env_vars(env: Mapping[str, str]) -> list[str]:
+    """``KVPOOL_*`` names in ``env`` that no knob reads (typos, mostly)."""
+    known = {f.metadata["env"] for cls in _SECTIONS.values() for f in dataclasses.fields(cls)}
+    return sorted(k for k in env if k.startswith("KVPOOL_") and k not in known | OTHER_ENV)
 
 
 def load_config(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -21,7 +22,7 @@ from kvpool.protocol.envelope import Codec
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.parsers import Limits
 from kvpool.server.admin import make_admin_app
-from kvpool.server.config import NodeConfig, format_size
+from kvpool.server.config import NodeConfig, format_size, unknown_env_vars
 from kvpool.server.connection import NodeConnection
 from kvpool.server.etcd import EtcdSource
 from kvpool.server.events import EventBus
@@ -347,6 +348,9 @@ def run_node(config: NodeConfig) -> None:
     """Run a node until SIGINT/SIGTERM (uvloop when available)."""
     logging.basicConfig(level=config.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in unknown_env_vars(os.environ):
+        log.warning("%s is set but is not a kvpool setting (a typo?); see kvpool serve --help",
+                    name)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - Windows
