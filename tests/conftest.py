@@ -124,23 +124,16 @@ def small_node() -> Iterator[NodeProcess]:
     n.stop()
 
 
-def put_corrupt(node: NodeProcess, key: bytes, payload: bytes, flip: int = 0) -> None:
-    """Store ``payload`` under ``key`` with a valid envelope header but byte ``flip`` of the
-    payload changed after sealing: the node accepts it, every reader must reject it."""
+def send_frames(node: NodeProcess, frames: list[bytes], replies: int) -> None:
+    """Send raw frames on a new connection and read ``replies`` reply frames (all OK)."""
     import socket
 
-    from kvpool.protocol.envelope import seal
-    from kvpool.protocol.frames import FrameHeader, Op, PutItemHeader, encode_frame, encode_json
+    from kvpool.protocol.frames import FrameHeader
 
-    body = bytearray(payload)
-    envelope = seal(body)
-    body[flip] ^= 0xFF
     with socket.create_connection((node.host, node.port), timeout=5) as s:
-        s.sendall(b"".join([*encode_frame(Op.HELLO, 1, [encode_json({"protocol": 1})]),
-                            *encode_frame(Op.PUT, 2, [PutItemHeader(key, 64 + len(body)).pack(),
-                                                      envelope, body], count=1)]))
-        replies, data = 0, b""
-        while replies < 2:
+        s.sendall(b"".join(frames))
+        data, seen = b"", 0
+        while seen < replies:
             data += s.recv(65536)
             while len(data) >= 24:
                 header = FrameHeader.unpack(data[:24])
@@ -148,4 +141,24 @@ def put_corrupt(node: NodeProcess, key: bytes, payload: bytes, flip: int = 0) ->
                     break
                 assert header.status == 0
                 data = data[24 + header.body_len:]
-                replies += 1
+                seen += 1
+
+
+def put_raw(node: NodeProcess, key: bytes, value: bytes) -> None:
+    """HELLO, then one PUT of ``value`` exactly as given (not sealed by a client)."""
+    from kvpool.protocol.frames import Op, PutItemHeader, encode_frame, encode_json
+
+    send_frames(node, [*encode_frame(Op.HELLO, 1, [encode_json({"protocol": 1})]),
+                       *encode_frame(Op.PUT, 2, [PutItemHeader(key, len(value)).pack(), value],
+                                     count=1)], replies=2)
+
+
+def put_corrupt(node: NodeProcess, key: bytes, payload: bytes, flip: int = 0) -> None:
+    """Store ``payload`` under ``key`` with a valid envelope header but byte ``flip`` of the
+    payload changed after sealing: the node accepts it, every reader must reject it."""
+    from kvpool.protocol.envelope import seal
+
+    body = bytearray(payload)
+    envelope = seal(body)
+    body[flip] ^= 0xFF
+    put_raw(node, key, envelope + bytes(body))

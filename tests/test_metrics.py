@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from kvpool.client import Client
-from kvpool.protocol.frames import FrameHeader, Op, PutItemHeader, encode_frame, encode_json
 from kvpool.server.metrics import HISTOGRAM_NAME, METRICS, metrics_table
 
-from .conftest import NodeProcess, start_node
+from .conftest import NodeProcess, put_raw, start_node
 
 SAMPLE = re.compile(r"^([a-z_]+)(\{[^}]*\})? (\S+)$")
 
@@ -31,24 +29,6 @@ def scrape(node: NodeProcess) -> dict[str, float]:
     return samples
 
 
-def put_not_an_envelope(node: NodeProcess, key: bytes) -> None:
-    """A PUT whose value is not an envelope: the node answers CORRUPT for that item."""
-    with socket.create_connection((node.host, node.port), timeout=5) as s:
-        s.sendall(b"".join([*encode_frame(Op.HELLO, 1, [encode_json({"protocol": 1})]),
-                            *encode_frame(Op.PUT, 2, [PutItemHeader(key, 100).pack(),
-                                                      bytes(100)], count=1)]))
-        data = b""
-        replies = 0
-        while replies < 2:
-            data += s.recv(65536)
-            while len(data) >= 24:
-                header = FrameHeader.unpack(data[:24])
-                if len(data) < 24 + header.body_len:
-                    break
-                data = data[24 + header.body_len:]
-                replies += 1
-
-
 def test_metrics_count_what_the_node_did() -> None:
     node = start_node("--dram-capacity", "64MiB")
     try:
@@ -58,7 +38,7 @@ def test_metrics_count_what_the_node_did() -> None:
             assert all(v is not None for v in c.get_many(keys))
             assert c.get(os.urandom(16)) is None
             assert c.lookup(keys) == 7
-        put_not_an_envelope(node, os.urandom(16))
+        put_raw(node, os.urandom(16), bytes(100))  # not an envelope: CORRUPT
         m = scrape(node)
         assert m['kvpool_requests_total{op="put",status="ok"}'] == 1
         assert m['kvpool_requests_total{op="put",status="corrupt"}'] == 1
