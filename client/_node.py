@@ -91,8 +91,10 @@ def join_keys(keys: Sequence[Key]) -> bytes:
 def as_segments(value: BufferOrSegments) -> list[memoryview]:
     """A value as flat byte views: one for a buffer, one per buffer for a list or tuple."""
     parts = value if isinstance(value, (list, tuple)) else (value,)
-    views = [memoryview(p).cast("B") if memoryview(p).format != "B" or memoryview(p).ndim != 1
-             else memoryview(p) for p in parts]
+    views = []
+    for part in parts:
+        view = memoryview(part)
+        views.append(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
     return views or [memoryview(b"")]
 
 

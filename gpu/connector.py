@@ -78,7 +78,8 @@ class _Slot:
     busy: Awaitable[Any] | None = field(default=None, repr=False)
 
 
-def _tokens_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
+def tokens_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
+    """Token ids as a list of ints (from a list, or a tensor of any shape)."""
     if isinstance(tokens, torch.Tensor):
         return [int(t) for t in tokens.reshape(-1).tolist()]
     return list(tokens)
@@ -226,7 +227,7 @@ class AsyncPagedKVConnector:
         last prompt token passes ``len(tokens) - 1``). Returns the number of
         tokens loaded, a multiple of ``chunk_tokens``; the engine computes the rest.
         """
-        tokens = _tokens_list(tokens)
+        tokens = tokens_list(tokens)
         wanted = self._limit(tokens, block_ids, max_tokens)
         self.stats.loads += 1
         if wanted == 0:
@@ -287,7 +288,7 @@ class AsyncPagedKVConnector:
         (the side stream waits for the engine's current stream). Returns the
         number of tokens newly stored.
         """
-        tokens = _tokens_list(tokens)
+        tokens = tokens_list(tokens)
         count = self._limit(tokens, block_ids, None)
         self.stats.stores += 1
         if count == 0:

@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 
@@ -50,6 +51,8 @@ def _start_node() -> tuple[subprocess.Popen[str], str]:
         lines.append(line)
         m = _READY.search(line)
         if m:
+            # keep reading its output: a node blocked on a full pipe would stall the demo
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
             return proc, f"kvpool://{m.group(1)}:{m.group(2)}"
     proc.kill()
     raise RuntimeError("the local node did not start:\n" + "".join(lines))

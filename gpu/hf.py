@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from kvpool.client import Client
-from kvpool.gpu.connector import DEFAULT_STAGING_SLOTS, PagedKVConnector
+from kvpool.gpu.connector import DEFAULT_STAGING_SLOTS, PagedKVConnector, tokens_list
 from kvpool.gpu.layout import KVLayout
 from kvpool.placement.keys import DEFAULT_CHUNK_TOKENS
 from kvpool.protocol.errors import LayoutError
@@ -84,7 +84,7 @@ class HFCacheConnector:
 
     def store(self, tokens: Sequence[int] | torch.Tensor, cache: Any) -> int:
         """Store the full chunks of ``tokens`` from ``cache``; tokens newly stored."""
-        tokens = _flat(tokens)
+        tokens = tokens_list(tokens)
         t = self.connector.chunk_tokens
         n = min(len(tokens), self.max_tokens) // t * t
         if n == 0:
@@ -108,7 +108,7 @@ class HFCacheConnector:
         """A new ``DynamicCache`` with the longest cached prefix of ``tokens``, and its length."""
         from transformers import DynamicCache
 
-        tokens = _flat(tokens)
+        tokens = tokens_list(tokens)
         n = self.connector.load(tokens, self.block_ids, max_tokens=len(tokens) - 1)
         cache: Any = DynamicCache(config=self.config)
         if n:
@@ -119,12 +119,6 @@ class HFCacheConnector:
                         .unsqueeze(0).contiguous() for kv in (0, 1))
                 layer.update(k, v)
         return cache, n
-
-
-def _flat(tokens: Sequence[int] | torch.Tensor) -> list[int]:
-    if isinstance(tokens, torch.Tensor):
-        return [int(x) for x in tokens.reshape(-1).tolist()]
-    return list(tokens)
 
 
 @dataclass

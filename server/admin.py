@@ -41,6 +41,14 @@ def _error(status: int, kind: str, message: str) -> web.Response:
     return web.json_response({"error": {"type": kind, "message": message}}, status=status)
 
 
+async def _read_json(request: web.Request) -> Any:
+    """The request body as JSON (ConfigError if it is not)."""
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"the body is not JSON: {exc}") from None
+
+
 def _parse_lookup(body: Any) -> tuple[list[bytes], int | None]:
     """The keys to look up, and the chunk size when the request gave tokens."""
     if not isinstance(body, dict):
@@ -119,11 +127,7 @@ def make_admin_app(node: AdminBackend) -> web.Application:
 
     async def lookup_route(request: web.Request) -> web.Response:
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return _error(400, "bad_request", f"the body is not JSON: {exc}")
-        try:
-            keys, chunk_tokens = _parse_lookup(body)
+            keys, chunk_tokens = _parse_lookup(await _read_json(request))
         except (ConfigError, InvalidKeyError) as exc:
             return _error(400, "bad_request", str(exc))
         try:
@@ -144,9 +148,9 @@ def make_admin_app(node: AdminBackend) -> web.Application:
             return _error(404, "not_found", f"no cluster action {action!r}: join, drain or "
                           "remove")
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return _error(400, "bad_request", f"the body is not JSON: {exc}")
+            body = await _read_json(request)
+        except ConfigError as exc:
+            return _error(400, "bad_request", str(exc))
         if not isinstance(body, dict) or not isinstance(body.get("id"), str) or not body["id"]:
             return _error(400, "bad_request", 'the body must be {"id": "<node id>", ...}')
         fields = {k: v for k, v in body.items() if k in ("data", "admin", "weight")}
@@ -242,10 +246,7 @@ def make_admin_app(node: AdminBackend) -> web.Application:
     async def _json_object(request: web.Request) -> dict[str, Any]:
         if not request.can_read_body:
             return {}
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"the body is not JSON: {exc}") from None
+        body = await _read_json(request)
         if not isinstance(body, dict):
             raise ConfigError("the body must be a JSON object")
         return body

@@ -108,23 +108,8 @@ def _tier_written_bytes(snap: Snapshot) -> Iterator[Sample]:
         yield tiers["ssd"].get("write_bytes", 0), {"tier": "ssd"}
 
 
-def _demotions(snap: Snapshot) -> Iterator[Sample]:
-    tiers = _tiers(snap)
-    if "ssd" in tiers:
-        yield tiers["ssd"].get("writes", 0), {"tier": "ssd"}
-    if "s3" in tiers:
-        yield tiers["s3"].get("insertions", 0), {"tier": "s3"}
-
-
-def _shed(snap: Snapshot) -> Iterator[Sample]:
-    tiers = _tiers(snap)
-    if "ssd" in tiers:
-        yield tiers["ssd"].get("shed", 0), {"tier": "ssd"}
-    if "s3" in tiers:
-        yield tiers["s3"].get("shed", 0), {"tier": "s3"}
-
-
-def _pending(field_ssd: str, field_s3: str) -> Callable[[Snapshot], Iterable[Sample]]:
+def _cold(field_ssd: str, field_s3: str) -> Callable[[Snapshot], Iterable[Sample]]:
+    """A counter of the SSD tier and (where it has one, ``field_s3`` given) of S3."""
     def read(snap: Snapshot) -> Iterator[Sample]:
         tiers = _tiers(snap)
         if "ssd" in tiers:
@@ -171,15 +156,15 @@ METRICS: tuple[Metric, ...] = (
     Metric("kvpool_expirations", "counter", "", "tier", "chunks dropped when their TTL ran out",
            _per_tier("expirations", tiers=("dram",))),
     Metric("kvpool_demotions", "counter", "", "tier", "chunks written behind to a colder tier",
-           _demotions),
+           _cold("writes", "insertions")),
     Metric("kvpool_promotions", "counter", "", "", "chunks copied up into DRAM on a GET",
            _one("promotions")),
     Metric("kvpool_pending_writes", "gauge", "", "tier", "write-behind queue depth (chunks)",
-           _pending("pending_writes", "")),
+           _cold("pending_writes", "")),
     Metric("kvpool_pending_write", "gauge", "By", "tier", "write-behind queue depth (bytes)",
-           _pending("pending_write_bytes", "pending_bytes")),
+           _cold("pending_write_bytes", "pending_bytes")),
     Metric("kvpool_shed_writes", "counter", "", "tier", "write-behinds dropped because the "
-           "queue was full (the chunk stays in DRAM only)", _shed),
+           "queue was full (the chunk stays in DRAM only)", _cold("shed", "shed")),
     Metric("kvpool_checksum_failures", "counter", "", "tier", "chunks that failed their "
            "checksum when read from a tier", _per_tier("corrupt", tiers=("ssd", "s3"))),
     Metric("kvpool_tier_errors", "counter", "", "tier", "I/O errors of a cold tier (S3: "

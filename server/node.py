@@ -160,6 +160,8 @@ class Node:
         await self._server.start_serving()
         self._expiry_task = asyncio.create_task(self._expire_loop())
 
+    # -- what the admin API asks of the node ----------------------------------------------
+
     @property
     def admin_token(self) -> str:
         return self.config.server.admin_token
@@ -208,8 +210,10 @@ class Node:
     async def _refresh_metrics_loop(self) -> None:
         """With OTLP on: keep the snapshot the exporter thread reads fresh."""
         while True:
-            with contextlib.suppress(Exception):
+            try:
                 await self._refresh_metrics()
+            except Exception:  # keep exporting the last snapshot; say why it is stale
+                log.exception("metrics snapshot failed")
             await asyncio.sleep(METRICS_REFRESH_S)
 
     def _map_changed(self, cmap: ClusterMap | None) -> None:
@@ -227,8 +231,6 @@ class Node:
         if host in ("0.0.0.0", "::", ""):
             host = socket.gethostname()
         return host, address[1]
-
-    # -- what the admin API asks of the node ----------------------------------------------
 
     @property
     def node_id(self) -> str:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -122,6 +123,25 @@ def small_node() -> Iterator[NodeProcess]:
     n = start_node("--dram-capacity", "1MiB", "--max-value", "512KiB", "--no-ssd")
     yield n
     n.stop()
+
+
+def http_json(url: str, method: str = "GET", body: Any = None,
+              token: str | None = None) -> tuple[int, Any]:
+    """(status, decoded JSON) of one admin API call; HTTP errors are returned, not raised."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps(body).encode() if body is not None else None
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, json.load(reply)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
 
 
 def send_frames(node: NodeProcess, frames: list[bytes], replies: int) -> None:

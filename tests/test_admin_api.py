@@ -3,12 +3,9 @@ the OpenAPI document (checked by schemathesis against a live node)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
-import urllib.error
-import urllib.request
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,20 +17,7 @@ from kvpool.server.admin import make_admin_app
 from kvpool.server.openapi import openapi_document
 
 from .conftest import NodeProcess, start_node
-
-
-def call(url: str, method: str = "GET", body: Any = None,
-         token: str | None = None) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    headers = {"Content-Type": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    request = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=30) as reply:
-            return reply.status, json.load(reply)
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.load(exc)
+from .conftest import http_json as call
 
 
 def test_every_route_is_in_the_openapi_document() -> None:

@@ -9,8 +9,6 @@ import os
 import random
 import shutil
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,19 +20,15 @@ from kvpool.client._node import NodeClient
 from kvpool.placement.cluster_map import ClusterMap
 from kvpool.server.local_cluster import LocalCluster, LocalEtcd
 
+from .conftest import http_json
 from .test_cluster import value_for
 
 FAST = ["--no-ssd", "--dram-capacity", "64MiB"]
 
 
 def call(url: str, body: object | None = None) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method="POST" if data else "GET")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.load(response)
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.load(exc)
+    """GET, or POST ``body``."""
+    return http_json(url, "POST" if body is not None else "GET", body)
 
 
 def served_map(admin_url: str) -> ClusterMap:
