@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -60,12 +61,16 @@ def _wait_port(port: int, proc: subprocess.Popen[str], timeout: float = 15.0) ->
     raise RuntimeError(f"{proc.args!r} did not listen on {port}")
 
 
-def start_node(*flags: str) -> Proc:
-    """A node with its data dir in a fresh temp dir (left for the OS to clean)."""
+def start_node(*flags: str, env: dict[str, str] | None = None) -> Proc:
+    """A node with its data dir in a fresh temp dir (left for the OS to clean).
+
+    ``env`` adds to (or overrides) this process's environment.
+    """
     data_dir = tempfile.mkdtemp(prefix="kvpool-bench-")
     cmd = [sys.executable, "-m", "kvpool.server", "serve", "--data-port", "0", "--admin-port",
            "0", "--log-level", "warning", "--data-dir", data_dir, *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **env} if env else None)
     assert proc.stdout is not None
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

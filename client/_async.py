@@ -30,6 +30,7 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
+from opentelemetry.trace import TracerProvider
 
 from kvpool.client._connection import BufferOrSegments
 from kvpool.client._node import (
@@ -43,6 +44,7 @@ from kvpool.client._node import (
     parse_url,
 )
 from kvpool.client._routing import pick
+from kvpool.client._tracing import explicit_tracer, traced
 from kvpool.placement.cluster_map import ClusterMap, NodeState
 from kvpool.placement.ring import key_positions
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
@@ -89,7 +91,8 @@ class AsyncClient:
 
     def __init__(self, url: str | Sequence[str] = f"kvpool://127.0.0.1:{DEFAULT_PORT}", *,
                  pool_size: int = 2, timeout: float = 10.0, connect_timeout: float = 5.0,
-                 client_name: str = "kvpool-python") -> None:
+                 client_name: str = "kvpool-python",
+                 tracer_provider: TracerProvider | None = None) -> None:
         if pool_size < 1:
             raise ConfigError("pool_size must be >= 1")
         if timeout <= 0 or connect_timeout <= 0:
@@ -103,6 +106,10 @@ class AsyncClient:
                                           "connect_timeout": connect_timeout,
                                           "client_name": client_name}
         self.timeout = timeout
+        #: where client spans go; None: the application's global provider (no spans, and no
+        #: trace context on the wire, unless it installed an SDK provider)
+        self.tracer_provider = tracer_provider
+        self.tracer = explicit_tracer(tracer_provider)
         #: the node of a standalone deployment (None in cluster mode)
         self._single: NodeClient | None = None
         #: cluster mode: the map, and a NodeClient per node of it
@@ -201,15 +208,18 @@ class AsyncClient:
         """True if the key was present."""
         return (await self.delete_many([key]))[0]
 
+    @traced("pin")
     async def pin(self, key: Key) -> bool:
         """Never evict this chunk (TTL still applies); False if absent. Idempotent."""
         return (await self._statuses(Op.PIN, key_bytes(key)))[0]
 
+    @traced("unpin")
     async def unpin(self, key: Key) -> bool:
         return (await self._statuses(Op.UNPIN, key_bytes(key)))[0]
 
     # -- batch API ------------------------------------------------------------------------
 
+    @traced("put_many")
     async def put_many(self, keys: Sequence[Key], values: Sequence[BufferOrSegments], *,
                        ttl: float | None = None, pin: bool = False,
                        chunk_indexes: Sequence[int] | None = None, num_tokens: int = 0,
@@ -263,6 +273,7 @@ class AsyncClient:
         await self._fan_out(b"".join(bkeys), send, absorb, per_row="owners")
         self._raise_put_errors(bkeys, refused.tolist(), stored.tolist())
 
+    @traced("get_many")
     async def get_many(self, keys: Sequence[Key]) -> list[bytearray | None]:
         """Payloads as new bytearrays (None for misses), in key order."""
         results = await self._get(join_keys(keys), None)
@@ -270,6 +281,7 @@ class AsyncClient:
         return [cast(bytearray, cast(memoryview, r).obj) if r is not None else None
                 for r in results]
 
+    @traced("get_many_into")
     async def get_many_into(self, keys: Sequence[Key], buffers: Sequence[BufferOrSegments]
                             ) -> list[int | None]:
         """Receive each payload into its buffer; lengths, None for misses.
@@ -290,14 +302,17 @@ class AsyncClient:
         results = await self._get(join_keys(keys), sinks)
         return [len(r) if r is not None else None for r in results]
 
+    @traced("exists_many")
     async def exists_many(self, keys: Sequence[Key]) -> list[bool]:
         return [code != 0 for code in await self.exists_codes(join_keys(keys))]
 
+    @traced("exists_tiers")
     async def exists_tiers(self, keys: Sequence[Key]) -> list[str | None]:
         """The tier ("dram", "ssd", "s3") holding each key, None where none does."""
         codes = await self.exists_codes(join_keys(keys))
         return [_TIER_NAMES.get(code, "?") if code else None for code in codes]
 
+    @traced("delete_many")
     async def delete_many(self, keys: Sequence[Key]) -> list[bool]:
         return await self._statuses(Op.DELETE, join_keys(keys))
 
@@ -305,6 +320,7 @@ class AsyncClient:
         """How many leading ``keys`` (a prefix's chunk keys, in order) the pool holds."""
         return len(await self.lookup_tiers(keys))
 
+    @traced("lookup")
     async def lookup_tiers(self, keys: Sequence[Key]) -> list[str]:
         """The tier ("dram", "ssd" or "s3") of each leading key held anywhere, in order.
 
@@ -319,6 +335,7 @@ class AsyncClient:
             codes = codes[: codes.index(0)] if 0 in codes else codes
         return [_TIER_NAMES.get(t, "?") for t in codes]
 
+    @traced("stats")
     async def stats(self) -> dict[str, Any]:
         """A standalone node's counters; for a cluster, ``{"epoch", "nodes": {id: counters}}``."""
         await self.connect()
@@ -383,6 +400,7 @@ class AsyncClient:
             missing = missing[~hit]
         return results
 
+    @traced("exists_codes")
     async def exists_codes(self, keys: bytes | Sequence[Key]) -> bytes:
         """The fastest tier holding each key as a ``Tier`` code, 0 where none does.
 

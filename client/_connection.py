@@ -11,8 +11,9 @@ import asyncio
 from collections.abc import Sequence
 from typing import cast
 
+from kvpool.client._tracing import wire_context
 from kvpool.protocol.errors import KvpoolConnectionError, KvpoolError, KvpoolTimeoutError
-from kvpool.protocol.frames import Op, pack_frame_header
+from kvpool.protocol.frames import OP_FLAG_TRACE, Op, pack_frame_header
 from kvpool.protocol.parsers import Reply, ReplyParser, Segments
 
 __all__ = ["Connection"]
@@ -74,8 +75,14 @@ class Connection(asyncio.BufferedProtocol):
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Reply] = loop.create_future()
         self._pending[request_id] = _Pending(future, sinks, op, loop.time() + self._timeout)
-        self._transport.writelines(
-            [pack_frame_header(op, request_id, count, body_len, epoch=epoch), *body])
+        trace = wire_context()
+        if trace is None:
+            self._transport.writelines(
+                [pack_frame_header(op, request_id, count, body_len, epoch=epoch), *body])
+        else:
+            self._transport.writelines(
+                [pack_frame_header(op | OP_FLAG_TRACE, request_id, count,
+                                   body_len + len(trace), epoch=epoch), trace, *body])
         if self._watchdog is None:
             self._watchdog = loop.call_later(self._check_interval, self._check_deadlines)
         return future

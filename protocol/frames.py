@@ -24,6 +24,11 @@ Reply bodies (status OK):
     PUT, DELETE, PIN, UNPIN  count x 1-byte Status
     EXISTS        count x 1-byte Status, then count x 1-byte Tier (0 = absent)
     LOOKUP        u32 number of leading keys present, then one Tier byte per such key
+A request may carry W3C trace context: its op byte has OP_FLAG_TRACE (0x80) set and
+its body starts with TRACE_CONTEXT_SIZE (26) bytes -- version 0 (u8), trace id (16),
+parent span id (8), trace flags (u8) -- counted in ``body_len``. Clients set it only
+for a sampled span, so an untraced request is byte-for-byte unchanged. Replies never
+carry it.
 A reply with a status other than OK carries a UTF-8 message as its body.
 Every reply carries the node's cluster-map epoch; a request whose epoch is
 older than the node's, for a key the node does not accept under its map,
@@ -48,10 +53,13 @@ __all__ = [
     "GET_ITEM_SIZE",
     "KEY_SIZE",
     "KEY_OPS",
+    "OP_FLAG_TRACE",
     "PROTOCOL_VERSION",
     "PUT_FLAG_PARENT",
     "PUT_FLAG_PIN",
     "PUT_ITEM_SIZE",
+    "TRACE_CONTEXT_SIZE",
+    "TraceContext",
     "FrameHeader",
     "GetItemHeader",
     "Op",
@@ -69,6 +77,8 @@ __all__ = [
     "encode_statuses",
     "pack_frame_header",
     "pack_get_item",
+    "pack_trace_context",
+    "unpack_trace_context",
 ]
 
 PROTOCOL_VERSION = 1
@@ -78,6 +88,10 @@ PUT_FLAG_PIN = 1
 #: the item header is followed by the 16-byte key of the chunk's parent (the previous chunk
 #: of its prefix), which the node reports in its KV events
 PUT_FLAG_PARENT = 2
+
+
+#: set in a request's op byte: the body starts with a trace context (see the module doc)
+OP_FLAG_TRACE = 0x80
 
 
 class Op(enum.IntEnum):
@@ -174,6 +188,34 @@ class GetItemHeader(NamedTuple):
 
 
 _U32 = struct.Struct("<I")
+
+_TRACE = struct.Struct("<B16s8sB")
+TRACE_CONTEXT_SIZE = _TRACE.size
+assert TRACE_CONTEXT_SIZE == 26
+
+
+class TraceContext(NamedTuple):
+    """W3C trace context (``traceparent``'s fields) as carried in a request frame."""
+
+    trace_id: int
+    span_id: int
+    trace_flags: int
+
+
+def pack_trace_context(trace_id: int, span_id: int, trace_flags: int) -> bytes:
+    return _TRACE.pack(0, trace_id.to_bytes(16, "big"), span_id.to_bytes(8, "big"),
+                       trace_flags & 0xFF)
+
+
+def unpack_trace_context(buf: bytes | bytearray | memoryview) -> TraceContext:
+    """The context, or BadFrameError for an unknown version or an all-zero id."""
+    version, trace_id, span_id, flags = _TRACE.unpack(buf)
+    if version != 0:
+        raise BadFrameError(f"unknown trace context version {version}")
+    tid, sid = int.from_bytes(trace_id, "big"), int.from_bytes(span_id, "big")
+    if not tid or not sid:
+        raise BadFrameError("trace context with an all-zero trace or span id")
+    return TraceContext(tid, sid, flags)
 
 
 def pack_frame_header(op: int, request_id: int, count: int, body_len: int, *,

@@ -28,13 +28,17 @@ from kvpool.protocol.frames import (
     GET_ITEM_SIZE,
     KEY_OPS,
     KEY_SIZE,
+    OP_FLAG_TRACE,
     PUT_FLAG_PARENT,
     PUT_ITEM_SIZE,
+    TRACE_CONTEXT_SIZE,
     FrameHeader,
     GetItemHeader,
     Op,
     PutItemHeader,
+    TraceContext,
     decode_keys,
+    unpack_trace_context,
 )
 from kvpool.protocol.reader import Exact, Into, Need, Plan, Skip, StreamReader
 
@@ -63,6 +67,7 @@ _FRAME_HEADER = Exact(FRAME_HEADER_SIZE)
 _PUT_ITEM = Exact(PUT_ITEM_SIZE)
 _GET_ITEM = Exact(GET_ITEM_SIZE)
 _ENVELOPE = Exact(ENVELOPE_HEADER_SIZE)
+_TRACE_CONTEXT = Exact(TRACE_CONTEXT_SIZE)
 
 
 class Reservation(Protocol):
@@ -108,6 +113,8 @@ class Request:
     keys: list[bytes] = field(default_factory=list)
     items: list[PutItem] = field(default_factory=list)
     body: bytes | bytearray = b""
+    #: the caller's trace context, when the frame carried one (OP_FLAG_TRACE)
+    trace: TraceContext | None = None
 
 
 class RequestParser:
@@ -170,6 +177,8 @@ class RequestParser:
             self._in_frame = True
             assert raw is not None
             header = FrameHeader.unpack(raw)
+            traced = bool(header.op & OP_FLAG_TRACE)
+            header.op &= ~OP_FLAG_TRACE
             if header.op not in _KNOWN_OPS:
                 raise UnknownOpcodeError(f"unknown opcode {header.op}")
             if header.count > limits.max_batch:
@@ -179,8 +188,16 @@ class RequestParser:
                 raise FrameTooLargeError(
                     f"frame body of {header.body_len} bytes exceeds max_frame_bytes "
                     f"{limits.max_frame_bytes}")
+            trace = None
+            if traced:
+                if header.body_len < TRACE_CONTEXT_SIZE:
+                    raise BadFrameError("frame flagged as traced is shorter than its context")
+                raw_trace = yield _TRACE_CONTEXT
+                assert raw_trace is not None
+                trace = unpack_trace_context(raw_trace)
+                header.body_len -= TRACE_CONTEXT_SIZE
             if header.op == Op.PUT:
-                request = Request(header)
+                request = Request(header, trace=trace)
                 remaining = header.body_len
                 for _ in range(header.count):
                     if remaining < PUT_ITEM_SIZE:
@@ -222,7 +239,8 @@ class RequestParser:
                         f"frame says {header.body_len}")
                 body = yield Exact(header.body_len)
                 assert body is not None
-                self._ready.append(Request(header, keys=decode_keys(body, header.count)))
+                self._ready.append(Request(header, keys=decode_keys(body, header.count),
+                                           trace=trace))
             else:
                 if header.body_len > MAX_CONTROL_BODY:
                     raise FrameTooLargeError(
@@ -230,7 +248,7 @@ class RequestParser:
                         f"{MAX_CONTROL_BODY}")
                 body = yield Exact(header.body_len)
                 assert body is not None
-                self._ready.append(Request(header, body=body))
+                self._ready.append(Request(header, body=body, trace=trace))
 
 
 @dataclass(slots=True)

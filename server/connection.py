@@ -15,6 +15,9 @@ import logging
 import time
 from typing import cast
 
+from opentelemetry import trace
+from opentelemetry.trace import Span, StatusCode
+
 from kvpool.protocol.errors import BadFrameError, KvpoolError, status_for_error
 from kvpool.protocol.frames import Op, encode_error
 from kvpool.protocol.parsers import Request, RequestParser
@@ -104,39 +107,55 @@ class NodeConnection(asyncio.BufferedProtocol):
                            BadFrameError("the first frame on a connection must be HELLO"))
                 return False
             self._hello_done = True
+        tracing = self._handlers.tracing
+        if request.trace is not None and tracing is not None:
+            span = tracing.request_span(header.op, request.trace, self.peer, header.count)
+            with trace.use_span(span, end_on_exit=False):
+                return self._dispatch(request, span)
+        return self._dispatch(request, None)
+
+    def _dispatch(self, request: Request, span: Span | None) -> bool:
+        header = request.header
         started = time.perf_counter()
         try:
             reply = self._handlers.handle(request)
         except KvpoolError as exc:
+            _end_span(span, None, exc)
             self._fail(header.op, header.request_id, exc)
             return False
         except Exception as exc:
             log.exception("%s: internal error on %s", self.peer, Op(header.op).name)
+            _end_span(span, None, exc)
             self._fail(header.op, header.request_id, exc)
             return False
         if isinstance(reply, Reply):
             self._send(reply)
+            _end_span(span, reply)
             stats = self._handlers.stats
             if stats.timed:
                 stats.observe(header.op, time.perf_counter() - started)
         else:  # waits on the SSD tier; its reply goes out when ready, under its request id
             task = asyncio.get_running_loop().create_task(
-                self._finish(header.op, header.request_id, reply, started))
+                self._finish(header.op, header.request_id, reply, started, span))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         return True
 
-    async def _finish(self, op: int, request_id: int, pending: Pending, started: float) -> None:
+    async def _finish(self, op: int, request_id: int, pending: Pending, started: float,
+                      span: Span | None) -> None:
         try:
             reply = await pending
         except KvpoolError as exc:
+            _end_span(span, None, exc)
             self._fail(op, request_id, exc)
             return
         except Exception as exc:
             log.exception("%s: internal error on %s", self.peer, Op(op).name)
+            _end_span(span, None, exc)
             self._fail(op, request_id, exc)
             return
         self._send(reply)
+        _end_span(span, reply)
         stats = self._handlers.stats
         if stats.timed:
             stats.observe(op, time.perf_counter() - started)
@@ -171,3 +190,14 @@ class NodeConnection(asyncio.BufferedProtocol):
         held, self._held = self._held, []
         for entry in held:
             self._handlers.dram.release(entry)
+
+
+def _end_span(span: Span | None, reply: Reply | None, exc: BaseException | None = None) -> None:
+    if span is None:
+        return
+    if exc is not None:
+        span.record_exception(exc)
+        span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
+    elif reply is not None and reply.num_bytes:
+        span.set_attribute("kvpool.bytes", reply.num_bytes)
+    span.end()

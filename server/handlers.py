@@ -22,6 +22,9 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from opentelemetry import trace
+from opentelemetry.trace import Tracer
+
 from kvpool.protocol.errors import BadFrameError, Status, VersionMismatchError
 from kvpool.protocol.frames import (
     PROTOCOL_VERSION,
@@ -42,6 +45,7 @@ from kvpool.server.membership import Membership
 from kvpool.server.ssd import SsdTier, SsdUnavailableError
 from kvpool.server.ssd_messages import SsdStatus
 from kvpool.server.stats import NodeStats
+from kvpool.server.tracing import NodeTracing, tier_span
 from kvpool.tiers.dram import DramTier, Entry, Slot
 
 __all__ = ["Handlers", "Pending", "Reply"]
@@ -78,6 +82,8 @@ class Handlers:
         self.limits = limits
         self.stats = stats
         self.ssd: SsdTier | None = None
+        #: spans for requests that carry a trace context (None: tracing is not configured)
+        self.tracing: NodeTracing | None = None
         #: acknowledge PUTs only once S3 has them (needs an SSD tier with S3)
         self.write_through = False
         self.promotions = 0
@@ -98,6 +104,14 @@ class Handlers:
     @property
     def epoch(self) -> int:
         return self.membership.epoch
+
+    def _tracer(self, request: Request) -> Tracer | None:
+        """The tracer for ``request``'s tier spans; None (no spans) for an untraced one."""
+        return self.tracing.tracer if request.trace is not None and self.tracing else None
+
+    def _span_tracer(self) -> Tracer | None:
+        """The tracer where a request span may be current (off the request's frame)."""
+        return self.tracing.tracer if self.tracing is not None else None
 
     def handle(self, request: Request) -> Reply | Pending:
         header = request.header
@@ -183,6 +197,12 @@ class Handlers:
     async def _put_through(self, request: Request, statuses: list[Status],
                            durable: Sequence[tuple[int, Entry]]) -> Reply:
         """Write-through: answer once S3 has every chunk (NOT_DURABLE for those it has not)."""
+        with tier_span(self._tracer(request), "kvpool.s3 write", keys=len(durable)):
+            await self._write_through(statuses, durable)
+        return self._put_reply(request, statuses)
+
+    async def _write_through(self, statuses: list[Status],
+                             durable: Sequence[tuple[int, Entry]]) -> None:
         ssd = self.ssd
         assert ssd is not None
         loop = asyncio.get_running_loop()
@@ -204,7 +224,6 @@ class Handlers:
         for i, done in waits:
             if not await done:
                 statuses[i] = Status.UNAVAILABLE
-        return self._put_reply(request, statuses)
 
     def _put_reply(self, request: Request, statuses: Sequence[Status]) -> Reply:
         for status in statuses:
@@ -214,6 +233,9 @@ class Handlers:
 
     def get(self, request: Request) -> Reply | Pending:
         entries = self.dram.acquire_many(request.keys)
+        if request.trace is not None and self.tracing is not None:
+            trace.get_current_span().set_attribute(
+                "kvpool.dram_hits", len(entries) - entries.count(None))
         ssd = self.ssd
         if ssd is not None and ssd.up:
             # with S3, a miss everywhere else asks S3 too: another node may have written the
@@ -241,10 +263,13 @@ class Handlers:
         slot = self.dram.reserve(key, value_len)
         if slot is None:
             return
-        try:
-            status = await ssd.read_into(key, slot.offset, value_len)
-        except SsdUnavailableError:
-            status = SsdStatus.ERROR
+        with tier_span(self._span_tracer(), "kvpool.ssd read", bytes=value_len) as span:
+            try:
+                status = await ssd.read_into(key, slot.offset, value_len)
+            except SsdUnavailableError:
+                status = SsdStatus.ERROR
+            if span is not None:
+                span.set_attribute("kvpool.hit", status == SsdStatus.OK)
         if status != SsdStatus.OK:
             slot.release()
             return
@@ -254,18 +279,21 @@ class Handlers:
         """Fetch ``key`` from S3 (the worker verifies it), into DRAM, then behind to SSD."""
         ssd = self.ssd
         assert ssd is not None and ssd.has_s3
-        try:
-            value_len = await ssd.fetch(key)
-            if value_len is None:
+        with tier_span(self._span_tracer(), "kvpool.s3 read") as span:
+            try:
+                value_len = await ssd.fetch(key)
+                if value_len is None:
+                    return
+                if span is not None:
+                    span.set_attribute("kvpool.bytes", value_len)
+                slot = self.dram.reserve(key, value_len)
+                if slot is None:
+                    return
+                if not await ssd.copy(key, slot.offset, value_len):
+                    slot.release()
+                    return
+            except SsdUnavailableError:
                 return
-            slot = self.dram.reserve(key, value_len)
-            if slot is None:
-                return
-            if not await ssd.copy(key, slot.offset, value_len):
-                slot.release()
-                return
-        except SsdUnavailableError:
-            return
         entry = self._publish(slot, entries, i)
         if entry is not None:
             self._write_behind([entry])

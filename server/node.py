@@ -32,6 +32,7 @@ from kvpool.server.membership import MapSource, Membership, StaticSource
 from kvpool.server.metrics import NodeMetrics
 from kvpool.server.ssd import SsdTier, SsdUnavailableError
 from kvpool.server.stats import NodeStats
+from kvpool.server.tracing import NodeTracing, tracing_configured
 from kvpool.tiers.dram import DramTier
 
 __all__ = ["Node", "resolve_dram_capacity", "resolve_ssd_capacity", "run_node"]
@@ -154,6 +155,8 @@ class Node:
             self.metrics = NodeMetrics(self.membership.node_id)
             if self.metrics.otlp:
                 self._metrics_task = asyncio.create_task(self._refresh_metrics_loop())
+        if tracing_configured():
+            self.handlers.tracing = NodeTracing(self.membership.node_id)
         self._admin = web.AppRunner(make_admin_app(self), access_log=None)
         await self._admin.setup()
         await web.SockSite(self._admin, admin_sock).start()
@@ -303,6 +306,8 @@ class Node:
         if self.metrics is not None:
             await self._refresh_metrics()  # the last export sees the final counters
             self.metrics.shutdown()
+        if self.handlers.tracing is not None:  # exports the spans still queued
+            await asyncio.to_thread(self.handlers.tracing.shutdown)
 
 
 async def _serve(config: NodeConfig) -> None:
