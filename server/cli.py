@@ -1,6 +1,11 @@
 """The ``kvpool`` command: ``serve`` runs a node, ``stats`` shows one node's counters,
-``cluster up`` runs a local cluster of node processes, ``cluster status`` and ``cluster
-drain`` (in :mod:`kvpool.server.cli_cluster`) look after a running one."""
+``cluster up`` runs a local cluster of node processes, ``status`` and ``drain`` (also as
+``cluster status|drain``, in :mod:`kvpool.server.cli_cluster`) look after a running one,
+``lookup``, ``pin``, ``unpin`` and ``bench`` are in :mod:`kvpool.server.cli_ops`, and
+``demo`` runs the SmolLM2 demo.
+
+Exit codes: 0 done, 1 done but something was not (a chunk on no node, a failed drain or
+benchmark), 2 bad input or a node unreachable or refusing, 3 timed out."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from typing import Any
 
 from kvpool.protocol.errors import ConfigError
 from kvpool.server.cli_cluster import add_cluster_commands
+from kvpool.server.cli_ops import add_ops_commands
 from kvpool.server.config import add_arguments, format_size, load_config
 
 __all__ = ["main"]
@@ -122,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="print raw JSON")
     stats.add_argument("--timeout", type=float, default=5.0, help="seconds")
     stats.set_defaults(func=_stats)
+    add_cluster_commands(sub)
+    add_ops_commands(sub)
     cluster = sub.add_parser("cluster", help="clusters: up (local), status, drain")
     csub = cluster.add_subparsers(dest="cluster_command", required=True)
     up = csub.add_parser(

@@ -1,5 +1,5 @@
-"""``kvpool cluster status`` and ``kvpool cluster drain``: a cluster seen through any node's
-admin API (plain HTTP, so they work against any node, local or not).
+"""``kvpool status`` and ``kvpool drain`` (also as ``kvpool cluster status|drain``): a
+cluster -- or one standalone node, a one-node map -- seen through any node's admin API.
 
 Exit codes: 0 done, 1 the drain failed, 2 a node could not be reached or refused the
 request, 3 timed out waiting.
@@ -11,90 +11,73 @@ import argparse
 import json
 import sys
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
+from kvpool.server.admin_http import AdminError, admin_base, call_admin, default_token
 from kvpool.server.config import format_size
 
 __all__ = ["add_cluster_commands"]
 
 
-class AdminError(Exception):
-    """A node's admin API could not be reached or answered with an error."""
-
-
-def _call(url: str, body: dict[str, Any] | None = None, timeout: float = 5.0) -> dict[str, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method="POST" if data else "GET",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            reply: dict[str, Any] = json.load(response)
-            return reply
-    except urllib.error.HTTPError as exc:
-        try:
-            error = json.load(exc)["error"]
-            message = f"{error['type']}: {error['message']}"
-        except (ValueError, KeyError, TypeError):
-            message = str(exc)
-        raise AdminError(f"{url}: HTTP {exc.code} {message}") from None
-    except (OSError, ValueError) as exc:
-        raise AdminError(f"cannot reach {url}: {exc}") from None
-
-
-def _base(admin: str) -> str:
-    admin = admin.rstrip("/")
-    return admin if "://" in admin else f"http://{admin}"
-
-
 def _status(args: argparse.Namespace) -> int:
     try:
-        cmap = _call(_base(args.admin) + "/v1/cluster", timeout=args.timeout)
+        cmap = call_admin(admin_base(args.admin) + "/v1/cluster", timeout=args.timeout)
     except AdminError as exc:
         print(f"kvpool cluster status: {exc}", file=sys.stderr)
         return 2
     rows = []
     for node in cmap["nodes"]:
         try:
-            stats: dict[str, Any] | None = _call(_base(node["admin"]) + "/v1/stats",
+            stats: dict[str, Any] | None = call_admin(admin_base(node["admin"]) + "/v1/stats",
                                                  timeout=args.timeout)
         except AdminError:
             stats = None
         rows.append((node, stats))
     if args.json:
         print(json.dumps({"cluster": cmap, "stats": {n["id"]: s for n, s in rows}}, indent=2))
-        return 0
+        return 2 if any(stats is None for _, stats in rows) else 0
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"kvpool cluster: epoch {cmap['epoch']}, replication "
                   f"{cmap['replication']}, source {cmap.get('source', '?')}")
-    for column in ("node", "state", "data", "DRAM used / capacity", "objects", "hit rate",
-                   "drain"):
+    for column in ("node", "state", "data", "DRAM used / capacity", "SSD used / capacity",
+                   "objects", "hit rate", "drain"):
         table.add_column(column)
     for node, stats in rows:
         if stats is None:
             table.add_row(node["id"], node["state"], node["data"], "[red]unreachable[/]",
-                          "", "", "")
+                          "", "", "", "")
             continue
-        lookups = stats["hits"] + stats["misses"]
         drain = stats.get("drain", {})
         table.add_row(node["id"], node["state"], node["data"],
-                      f"{format_size(stats['used_bytes'])} / "
-                      f"{format_size(stats['capacity_bytes'])}",
-                      str(stats["num_objects"]),
-                      f"{stats['hits'] / lookups:.1%}" if lookups else "-",
+                      _usage(stats["tiers"].get("dram")), _usage(stats["tiers"].get("ssd")),
+                      str(stats["num_objects"]), _hit_rate(stats),
                       "" if drain.get("state", "idle") == "idle" else
                       f"{drain['state']} {drain['chunks_moved']}/{drain['chunks_total']}")
     Console().print(table)
-    return 0
+    down = sum(1 for node, stats in rows if stats is None)
+    return 2 if down else 0
+
+
+def _usage(tier: dict[str, Any] | None) -> str:
+    if not tier or "used_bytes" not in tier:
+        return "-"
+    return f"{format_size(tier['used_bytes'])} / {format_size(tier['capacity_bytes'])}"
+
+
+def _hit_rate(stats: dict[str, Any]) -> str:
+    """GET hit rate of the node as a whole: chunks served from any tier / chunks asked for."""
+    asked = stats["keys"].get("get", 0)
+    served = stats["hits"] + stats.get("promotions", 0)
+    return f"{min(served / asked, 1.0):.1%}" if asked else "-"
 
 
 def _drain(args: argparse.Namespace) -> int:
-    base = _base(args.admin)
+    base = admin_base(args.admin)
     try:
-        cmap = _call(base + "/v1/cluster/drain", {"id": args.node}, timeout=args.timeout)
+        cmap = call_admin(base + "/v1/cluster/drain", {"id": args.node}, timeout=args.timeout,
+                          token=args.token)
     except AdminError as exc:
         print(f"kvpool cluster drain: {exc}", file=sys.stderr)
         return 2
@@ -105,7 +88,7 @@ def _drain(args: argparse.Namespace) -> int:
     if args.no_wait:
         print(f"kvpool: {args.node} is {node['state']} (epoch {cmap['epoch']})")
         return 0
-    stats_url = _base(node["admin"]) + "/v1/stats"
+    stats_url = admin_base(node["admin"]) + "/v1/stats"
     deadline = time.monotonic() + args.wait
     progress: dict[str, Any] = {}
     from rich.progress import (
@@ -123,7 +106,7 @@ def _drain(args: argparse.Namespace) -> int:
         task = bar.add_task(f"draining {args.node}", total=None)
         while True:
             try:
-                progress = _call(stats_url, timeout=args.timeout).get("drain", {})
+                progress = call_admin(stats_url, timeout=args.timeout).get("drain", {})
             except AdminError:
                 progress = {**progress, "state": "gone"}  # stopped after leaving the map
             done = (progress.get("chunks_moved", 0) + progress.get("chunks_skipped", 0)
@@ -148,10 +131,12 @@ def _drain(args: argparse.Namespace) -> int:
 
 
 def add_cluster_commands(csub: Any) -> None:
-    """Add ``status`` and ``drain`` to the ``kvpool cluster`` sub-parsers."""
-    status = csub.add_parser("status", help="the map and every node's DRAM use and hit rate",
-                             description="Read the cluster map from one node's admin API, "
-                             "then every node's stats.")
+    """Add ``status`` and ``drain`` to a set of sub-parsers (top level, and ``cluster``)."""
+    status = csub.add_parser(
+        "status", help="every node: state, tier use, objects, hit rate",
+        description="Read the cluster map from one node's admin API (a standalone node serves "
+        "a one-node map), then every node's stats. Exit codes: 0 every node answered, "
+        "2 some node (or the one asked) could not be reached.")
     status.add_argument("--admin", default="http://127.0.0.1:7701",
                         help="admin URL of any node (default: http://127.0.0.1:7701)")
     status.add_argument("--json", action="store_true", help="print raw JSON")
@@ -167,6 +152,8 @@ def add_cluster_commands(csub: Any) -> None:
     drain.add_argument("node", help="id of the node to drain")
     drain.add_argument("--admin", default="http://127.0.0.1:7701",
                        help="admin URL of any node (default: http://127.0.0.1:7701)")
+    drain.add_argument("--token", default=default_token(),
+                       help="the nodes' admin token (default: $KVPOOL_ADMIN_TOKEN)")
     drain.add_argument("--no-wait", action="store_true", help="return once the map says draining")
     drain.add_argument("--wait", type=float, default=3600.0,
                        help="seconds to follow the hand-off before giving up (default: 3600)")

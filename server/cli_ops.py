@@ -1,0 +1,204 @@
+"""``kvpool lookup``, ``kvpool pin|unpin`` and ``kvpool bench``.
+
+``lookup`` and ``pin``/``unpin`` talk to the admin API of any node (so they
+work from any machine, with no Python SDK connection): lookup asks one node,
+which answers for the whole cluster; pin/unpin ask every node of the map,
+since a chunk may sit on any of its owners. ``bench`` runs a benchmark module
+of ``kvpool.bench`` in a child process.
+
+Exit codes: 0 done; 1 done, but some chunk was on no node (pin/unpin) or the
+benchmark failed; 2 bad input, or a node could not be reached or refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvpool.placement.keys import Namespace
+from kvpool.protocol.errors import ConfigError
+from kvpool.server.admin_http import AdminError, admin_base, call_admin, default_token
+
+__all__ = ["add_ops_commands", "bench_modules", "read_tokens"]
+
+#: what each benchmark measures, for ``kvpool bench`` (modules not listed still run)
+BENCH_HELP = {
+    "throughput": "GET/PUT throughput and latency vs Redis and raw TCP (iperf3)",
+    "tiers": "DRAM / SSD / S3 tier throughput, lz4 ratios",
+    "cluster": "lookup latency and GET throughput, 1 node vs 3-node clusters",
+    "placement_sim": "consistent-hash balance and movement on join/leave, 10-1000 nodes",
+    "metrics_overhead": "throughput with metrics on vs off, and with tracing on",
+    "gpu_kv": "GPU client: TTFT cold vs warm, load/store bandwidth (needs torch)",
+    "gpu_check": "the short CUDA check script (needs a GPU)",
+    "rocksdict_gil": "does rocksdict release the GIL (why the SSD tier is a process)",
+}
+
+
+def read_tokens(path: str) -> list[int]:
+    """Token ids from a file ('-' = stdin): a JSON array, or integers split by space/comma."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read tokens from {path}: {exc}") from None
+    text = text.strip()
+    try:
+        if text.startswith("["):
+            tokens = json.loads(text)
+        else:
+            tokens = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError as exc:
+        raise ConfigError(f"{path}: not a list of token ids: {exc}") from None
+    if not isinstance(tokens, list) or not all(
+            type(t) is int and 0 <= t < 1 << 32 for t in tokens):
+        raise ConfigError(f"{path}: every token must be an integer in [0, 2**32)")
+    return tokens
+
+
+def _namespace(text: str) -> dict[str, Any]:
+    """A namespace from JSON text or ``@file``, checked by the real Namespace."""
+    try:
+        raw = Path(text[1:]).read_text() if text.startswith("@") else text
+    except OSError as exc:
+        raise ConfigError(f"cannot read the namespace from {text[1:]}: {exc}") from None
+    try:
+        fields = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(f"--namespace is not JSON: {exc}") from None
+    if not isinstance(fields, dict):
+        raise ConfigError("--namespace must be a JSON object of Namespace fields")
+    try:
+        Namespace(**fields)
+    except TypeError as exc:
+        raise ConfigError(f"bad namespace: {exc}") from None
+    return fields
+
+
+def _lookup(args: argparse.Namespace) -> int:
+    tokens = read_tokens(args.tokens_file)
+    body = {"namespace": _namespace(args.namespace), "tokens": tokens}
+    try:
+        reply = call_admin(admin_base(args.admin) + "/v1/lookup", body, timeout=args.timeout)
+    except AdminError as exc:
+        print(f"kvpool lookup: {exc}", file=sys.stderr)
+        return 2
+    reply["prompt_tokens"] = len(tokens)
+    if args.json:
+        print(json.dumps(reply, indent=2))
+        return 0
+    by_tier: dict[str, int] = {}
+    for tier in reply["tiers"]:
+        by_tier[tier] = by_tier.get(tier, 0) + 1
+    chunk = reply["chunk_tokens"]
+    where = ", ".join(f"{n} in {tier}" for tier, n in by_tier.items()) or "none"
+    print(f"{reply['num_tokens']} of {len(tokens)} tokens cached "
+          f"({reply['num_chunks']} of {len(tokens) // chunk} full chunks of {chunk}: {where})")
+    return 0
+
+
+def _pin(args: argparse.Namespace) -> int:
+    action = args.command
+    try:
+        cmap = call_admin(admin_base(args.admin) + "/v1/cluster", timeout=args.timeout)
+    except AdminError as exc:
+        print(f"kvpool {action}: {exc}", file=sys.stderr)
+        return 2
+    results: dict[str, list[str]] = {}
+    failed = False
+    for key in args.keys:
+        results[key] = []
+        for node in cmap["nodes"]:
+            url = f"{admin_base(node['admin'])}/v1/chunks/{key}/{action}"
+            try:
+                call_admin(url, method="POST", timeout=args.timeout, token=args.token)
+            except AdminError as exc:
+                if exc.status == 404 and "not_found" in str(exc):
+                    continue  # not on this node
+                print(f"kvpool {action}: {exc}", file=sys.stderr)
+                failed = True
+                continue
+            results[key].append(node["id"])
+    if args.json:
+        print(json.dumps({"action": action, "nodes": results}, indent=2))
+    else:
+        for key, nodes in results.items():
+            done = "pinned" if action == "pin" else "unpinned"
+            print(f"{key}: {done} on {', '.join(nodes)}" if nodes
+                  else f"{key}: in no node's DRAM tier")
+    if failed:
+        return 2
+    return 0 if all(results.values()) else 1
+
+
+def bench_modules() -> list[str]:
+    """The benchmark modules of ``kvpool.bench`` (found without importing them)."""
+    spec = importlib.util.find_spec("kvpool.bench")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    return sorted(m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)
+                  if not m.name.startswith("_"))
+
+
+def _bench(args: argparse.Namespace) -> int:
+    names = bench_modules()
+    if not args.name:
+        for name in names:
+            print(f"  {name:<18} {BENCH_HELP.get(name, '')}")
+        print("run one: kvpool bench NAME [its flags]; NAME --help for its flags")
+        return 0
+    if args.name not in names:
+        print(f"kvpool bench: no benchmark {args.name!r}; one of: {', '.join(names)}",
+              file=sys.stderr)
+        return 2
+    flags = [a for a in args.bench_args if a != "--"]
+    code = subprocess.call([sys.executable, "-m", f"kvpool.bench.{args.name}", *flags])
+    return 0 if code == 0 else 1
+
+
+def add_ops_commands(sub: Any) -> None:
+    """Add ``lookup``, ``pin``, ``unpin`` and ``bench`` to the top-level sub-parsers."""
+    lookup = sub.add_parser(
+        "lookup", help="how many leading tokens of a prompt are cached, and in which tiers",
+        description="Ask any node (POST /v1/lookup) how many leading tokens of the prompt in "
+        "--tokens-file the cluster holds, for the namespace the chunks were stored under.")
+    lookup.add_argument("--tokens-file", required=True,
+                        help="token ids: a JSON array or integers split by spaces/commas "
+                        "('-' = stdin)")
+    lookup.add_argument("--namespace", required=True,
+                        help="the namespace as JSON, or @FILE: model, dtype, num_layers, "
+                        "num_kv_heads, head_dim, chunk_tokens, ...")
+    lookup.add_argument("--admin", default="http://127.0.0.1:7701",
+                        help="admin URL of any node (default: http://127.0.0.1:7701)")
+    lookup.add_argument("--json", action="store_true", help="print the reply as JSON")
+    lookup.add_argument("--timeout", type=float, default=10.0, help="seconds")
+    lookup.set_defaults(func=_lookup)
+
+    for action in ("pin", "unpin"):
+        cmd = sub.add_parser(
+            action, help=f"{action} chunks on every node holding them in DRAM",
+            description=f"{action.capitalize()} each KEY (32 hex characters) on every node of "
+            "the map whose DRAM tier holds it (POST /v1/chunks/KEY/" + action + "). Exit codes: "
+            "0 done, 1 some key was on no node, 2 unreachable or refused.")
+        cmd.add_argument("keys", nargs="+", metavar="KEY", help="chunk keys in hex")
+        cmd.add_argument("--admin", default="http://127.0.0.1:7701",
+                         help="admin URL of any node (default: http://127.0.0.1:7701)")
+        cmd.add_argument("--token", default=default_token(),
+                         help="the nodes' admin token (default: $KVPOOL_ADMIN_TOKEN)")
+        cmd.add_argument("--json", action="store_true", help="print the result as JSON")
+        cmd.add_argument("--timeout", type=float, default=5.0, help="seconds per request")
+        cmd.set_defaults(func=_pin)
+
+    bench = sub.add_parser(
+        "bench", help="run a benchmark (no NAME: list them)",
+        description="Run python -m kvpool.bench.NAME with the flags that follow; each prints "
+        "a table and writes JSON under bench/results. Exit codes: 0 done, 1 the benchmark "
+        "failed, 2 no such benchmark.")
+    bench.add_argument("name", nargs="?", help="benchmark to run")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER,
+                       help="flags for the benchmark, e.g. --quick")
+    bench.set_defaults(func=_bench)
