@@ -82,7 +82,8 @@ def bench_ttft(url: str, lengths: list[int], runs: int, chunk_sizes: list[int]
     return rows
 
 
-def bench_transfer(url: str, chunks: int, runs: int) -> dict[str, Any]:
+def bench_transfer(url: str, chunks: int, runs: int, *, shm: bool) -> dict[str, Any]:
+    """Load/store rates through one client path: shared memory (``shm``) or TCP."""
     # SmolLM2's geometry: 30 layers, 3 KV heads, head dim 64, fp32, vLLM blocks of 16
     layout = KVLayout(30, 3, 64, torch.float32, 16)
     chunk_tokens = 256
@@ -99,7 +100,7 @@ def bench_transfer(url: str, chunks: int, runs: int) -> dict[str, Any]:
         "load direct", "load staged", "get_many_into", "store direct", "store staged",
         "put_many")}
     total = chunks * nbytes
-    with Client(url) as client:
+    with Client(url, shm=shm) as client:
         for _ in range(runs):
             for mode, direct in modes.items():
                 ns = layout.namespace(f"bench-{uuid.uuid4().hex[:8]}", chunk_tokens=chunk_tokens)
@@ -144,13 +145,20 @@ def report(results: dict[str, Any]) -> str:
         lines.append(f"| {r['tokens']} | {r['chunk_tokens']} | {r['loaded']} | "
                      f"{fmt(r['cold_s'])} | {fmt(r['warm_s'])} | "
                      f"{r['load_s']['median']:.3f} | {r['speedup']:.1f}x |")
-    t = results["transfer"]
+    paths = results["transfer"]
+    t = paths["tcp"]
     lines += ["", f"Transfer: {t['chunks']} chunks of {t['chunk_bytes'] / 2**20:.1f} MiB "
-              "(SmolLM2 geometry, 256 tokens), GB/s median [min-max]:", "",
-              "| path | GB/s | ÷ plain client |", "|---|---|---|"]
-    for name, rate in t["rates"].items():
-        ratio = t["ratios"].get(name)
-        lines.append(f"| {name} | {fmt(rate, 2)} | {f'{ratio:.2f}x' if ratio else ''} |")
+              "(SmolLM2 geometry, 256 tokens), GB/s median [min-max], over TCP and through "
+              "shared memory (GETs; PUTs always go over TCP):", "",
+              "| operation | TCP GB/s | ÷ plain client | shm GB/s | ÷ plain client | shm / TCP |",
+              "|---|---|---|---|---|---|"]
+    for name in t["rates"]:
+        cells = []
+        for path in ("tcp", "shm"):
+            ratio = paths[path]["ratios"].get(name)
+            cells += [fmt(paths[path]["rates"][name], 2), f"{ratio:.2f}x" if ratio else ""]
+        gain = paths["shm"]["rates"][name]["median"] / t["rates"][name]["median"]
+        lines.append(f"| {name} | {' | '.join(cells)} | {gain:.2f}x |")
     return "\n".join(lines)
 
 
@@ -167,7 +175,9 @@ def main() -> None:
     runs = 1 if args.quick else args.runs
     node = start_node("--dram-capacity", "2GiB", "--no-ssd")
     try:
-        transfer = bench_transfer(node.url, args.chunks, 2 if args.quick else args.transfer_runs)
+        transfer_runs = 2 if args.quick else args.transfer_runs
+        transfer = {path: bench_transfer(node.url, args.chunks, transfer_runs, shm=path == "shm")
+                    for path in ("tcp", "shm")}
         print("  transfer: done", flush=True)
         ttft = [] if args.transfer_only else bench_ttft(node.url, lengths, runs, [256, 64])
     finally:

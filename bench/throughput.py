@@ -11,12 +11,20 @@ alike. Prints a table (median and min-max GB/s of ``--runs`` runs, ops/s, ratios
 and writes JSON. Targets are the issue's: GET >= 0.85x iperf3, >= 1.0x raw Python,
 >= 2.0x Redis; PUT >= 0.75x iperf3; EXISTS/LOOKUP of 512 keys p50 <= 1 ms; RSS of a
 full DRAM tier <= capacity x 1.10 + 150 MB.
+
+The ``kvpool ...`` series go over TCP (``shm=False``); the ``kvpool shm ...`` series
+take the same-host fast path (values copied from the node's shared-memory arena),
+and ``memcpy`` is its ceiling: numpy ``copyto`` of the same sizes into a
+preallocated buffer, from as many distinct sources as the node holds values (so
+that, like the fast path, it reads memory, not cache). Fast-path targets: GET at
+1 and 4 MiB >= 2x TCP and >= 0.6x memcpy.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import multiprocessing as mp
 import os
 import platform
@@ -28,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 
 from kvpool.bench._procs import Proc, start_iperf3, start_node, start_redis
@@ -139,18 +148,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     procs: list[Proc | None] = [node, redis_proc, iperf_proc]
     results: dict[str, Any] = {"sizes": {}, "runs": args.runs, "mib_per_run": args.mib_per_run}
     try:
-        client = Client(node.url, pool_size=1)
+        client = Client(node.url, pool_size=1, shm=False)
         client.connect()
+        fast = Client(node.url, pool_size=1, shm=True)
+        fast.connect()
         rds = redis_client(redis_proc.port) if redis_proc else None
         ceiling = [iperf3(iperf_proc.port, args.iperf_seconds) for _ in range(args.runs)] \
             if iperf_proc else []
         results["iperf3_gbps"] = summary(ceiling) if ceiling else None
         for size in sizes:
-            results["sizes"][_label(size)] = measure_size(size, budget, args.runs, client, rds)
+            results["sizes"][_label(size)] = measure_size(size, budget, args.runs, client, rds,
+                                                          fast=fast)
             print(f"  measured {_label(size)}", flush=True)
         results["latency_1mib_get_ms"] = latency(client, rds, args.latency_samples)
         results["key_ops_512_ms"] = key_ops(client, args.latency_samples)
         client.close()
+        fast.close()
         results["node_stats"] = {k: v for k, v in Client(node.url).stats().items()
                                  if k in ("requests", "bytes_in", "bytes_out", "hits", "misses")}
     finally:
@@ -161,7 +174,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def measure_size(size: int, budget: int, runs: int, client: Client, rds: Any) -> dict[str, Any]:
+def measure_size(size: int, budget: int, runs: int, client: Client, rds: Any, *,
+                 fast: Client) -> dict[str, Any]:
     num_keys = max(BATCH, min(64, (256 * MiB) // size))
     keys = [os.urandom(16) for _ in range(num_keys)]
     values = [os.urandom(size) for _ in range(min(num_keys, 4))]
@@ -190,7 +204,34 @@ def measure_size(size: int, budget: int, runs: int, client: Client, rds: Any) ->
         "kvpool get_into": lambda: client.get_into(next_key(), buf),
         "kvpool put_many": lambda: client.put_many(batch_keys(), values[:1] * BATCH),
         "kvpool get_many_into": lambda: client.get_many_into(batch_keys(), bufs),
+        "kvpool shm get": lambda: fast.get(next_key()),
+        "kvpool shm get_into": lambda: fast.get_into(next_key(), buf),
+        "kvpool shm get_many_into": lambda: fast.get_many_into(batch_keys(), bufs),
     }
+    # as many distinct sources as the node holds values (so both read DRAM, not cache)
+    sources = [np.frombuffer(os.urandom(size), dtype=np.uint8) for _ in range(num_keys)]
+    dst = np.frombuffer(buf, dtype=np.uint8)
+
+    def memcpy() -> None:
+        it["i"] = (it["i"] + 1) % num_keys
+        np.copyto(dst, sources[it["i"]])
+
+    ops["memcpy"] = memcpy
+    # the same from shared memory (a memfd, like the node's arena): the fast path's own
+    # ceiling where the kernel gives shmem no transparent huge pages
+    fd = os.memfd_create("bench-shmem")
+    os.ftruncate(fd, num_keys * size)
+    shmem = mmap.mmap(fd, num_keys * size)
+    os.close(fd)
+    shm_src = np.frombuffer(shmem, dtype=np.uint8)
+    for i in range(num_keys):
+        shm_src[i * size : (i + 1) * size] = sources[i]
+
+    def memcpy_shmem() -> None:
+        it["i"] = (it["i"] + 1) % num_keys
+        np.copyto(dst, shm_src[it["i"] * size : (it["i"] + 1) * size])
+
+    ops["memcpy from shmem"] = memcpy_shmem
     if rds is not None:
         ops["redis set"] = lambda: rds.set(next_key(), values[0])
         ops["redis get"] = lambda: rds.get(next_key())
@@ -259,6 +300,19 @@ def _ratio(series: dict[str, float], ref: float | None) -> str:
     return f"{series['median'] / ref:.2f}x" if ref else ""
 
 
+def _ratios(series: dict[str, dict[str, float]], name: str, iperf: float | None) -> list[str]:
+    """A series' ratios: to iperf3, raw Python, Redis, and (fast path) to TCP and memcpy."""
+    if not name.startswith("kvpool"):
+        return [""] * 5
+    s = series[name]
+    redis = series.get("redis get" if "get" in name else "redis set", {}).get("median")
+    tcp = series.get(name.replace("kvpool shm ", "kvpool "), {}).get("median") \
+        if " shm " in name else None
+    memcpy = series["memcpy"]["median"] if " shm " in name and "memcpy" in series else None
+    return [_ratio(s, iperf), _ratio(s, series["raw python"]["median"]), _ratio(s, redis),
+            _ratio(s, tcp), _ratio(s, memcpy)]
+
+
 def report(results: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -266,20 +320,13 @@ def report(results: dict[str, Any]) -> None:
     console = Console(width=120)
     iperf = results["iperf3_gbps"]["median"] if results.get("iperf3_gbps") else None
     table = Table(title="kvpool single node, 127.0.0.1 (GB/s: median \\[min-max])")
-    for col in ("size", "series", "GB/s", "ops/s", "/iperf3", "/raw", "/redis"):
+    for col in ("size", "series", "GB/s", "ops/s", "/iperf3", "/raw", "/redis", "/TCP",
+                "/memcpy"):
         table.add_column(col, justify="right" if col not in ("series",) else "left")
     for label, series in results["sizes"].items():
-        raw = series["raw python"]["median"]
         for name, s in series.items():
-            redis_ref = None
-            if name.startswith("kvpool get") and "redis get" in series:
-                redis_ref = series["redis get"]["median"]
-            elif name.startswith("kvpool put") and "redis set" in series:
-                redis_ref = series["redis set"]["median"]
-            kv = name.startswith("kvpool")
             table.add_row(label, name, f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]",
-                          f"{s['ops_per_s']:.0f}", _ratio(s, iperf) if kv else "",
-                          _ratio(s, raw) if kv else "", _ratio(s, redis_ref) if kv else "")
+                          f"{s['ops_per_s']:.0f}", *_ratios(series, name, iperf))
         table.add_section()
     console.print(table)
     if iperf:
@@ -298,17 +345,10 @@ def markdown(results: dict[str, Any]) -> str:
     """The README's table, from a results JSON."""
     iperf = results["iperf3_gbps"]["median"] if results.get("iperf3_gbps") else None
     lines = ["| size | series | GB/s median [min-max] | ops/s | ÷ iperf3 | ÷ raw Python "
-             "| ÷ Redis |", "|---|---|---|---|---|---|---|"]
+             "| ÷ Redis | ÷ TCP | ÷ memcpy |", "|---|---|---|---|---|---|---|---|---|"]
     for label, series in results["sizes"].items():
-        raw = series["raw python"]["median"]
         for name, s in series.items():
-            kv = name.startswith("kvpool")
-            ref = None
-            if kv and "get" in name:
-                ref = series.get("redis get", {}).get("median")
-            elif kv:
-                ref = series.get("redis set", {}).get("median")
-            cells = [_ratio(s, iperf), _ratio(s, raw), _ratio(s, ref)] if kv else ["", "", ""]
+            cells = _ratios(series, name, iperf)
             lines.append(f"| {label} | {name} | {s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}] "
                          f"| {s['ops_per_s']:.0f} | " + " | ".join(cells) + " |")
     out = "\n".join(lines) + "\n\n"

@@ -16,7 +16,11 @@ connection pool per node.
   for what they did not find) and keep the fastest tier; DELETE, PIN and
   UNPIN go to every live node of the list;
 - a node that fails is marked down with exponential back-off; a reply from a
-  newer map epoch triggers a map refresh, and WRONG_OWNER a refresh and retry.
+  newer map epoch triggers a map refresh, and WRONG_OWNER a refresh and retry;
+- a node on the same host that grants it (see ``kvpool.server.shm``) serves
+  GETs through shared memory: the client copies values straight from the
+  node's arena (``shm=None``, the default: when offered; ``True``: required,
+  connecting fails otherwise; ``False``: always TCP).
 """
 
 from __future__ import annotations
@@ -92,7 +96,8 @@ class AsyncClient:
     def __init__(self, url: str | Sequence[str] = f"kvpool://127.0.0.1:{DEFAULT_PORT}", *,
                  pool_size: int = 2, timeout: float = 10.0, connect_timeout: float = 5.0,
                  client_name: str = "kvpool-python",
-                 tracer_provider: TracerProvider | None = None) -> None:
+                 tracer_provider: TracerProvider | None = None,
+                 shm: bool | None = None) -> None:
         if pool_size < 1:
             raise ConfigError("pool_size must be >= 1")
         if timeout <= 0 or connect_timeout <= 0:
@@ -104,7 +109,7 @@ class AsyncClient:
         self.host, self.port = self.seeds[0]
         self._settings: dict[str, Any] = {"pool_size": pool_size, "timeout": timeout,
                                           "connect_timeout": connect_timeout,
-                                          "client_name": client_name}
+                                          "client_name": client_name, "shm": shm}
         self.timeout = timeout
         #: where client spans go; None: the application's global provider (no spans, and no
         #: trace context on the wire, unless it installed an SDK provider)
@@ -172,8 +177,23 @@ class AsyncClient:
             task.cancel()
         if self._single is not None:
             self._single.close()
+            self._single.close_mapping()
         for node in self._nodes.values():
             node.close()
+            node.close_mapping()
+
+    @property
+    def shm_retries(self) -> int:
+        """Fast-path values freed while being copied, and so fetched again over TCP."""
+        nodes = [self._single] if self._single else list(self._nodes.values())
+        return sum(n.shm_torn for n in nodes if n is not None)
+
+    @property
+    def bytes_by_path(self) -> dict[str, int]:
+        """Payload bytes GETs received through shared memory ("shm") and over TCP ("tcp")."""
+        nodes = [self._single] if self._single else list(self._nodes.values())
+        return {path: sum(n.bytes_by_path[path] for n in nodes if n is not None)
+                for path in ("shm", "tcp")}
 
     async def __aenter__(self) -> AsyncClient:
         await self.connect()

@@ -54,6 +54,8 @@ class Connection(asyncio.BufferedProtocol):
         self._timeout = timeout
         self._peer = peer
         self._watchdog: asyncio.TimerHandle | None = None
+        #: the node granted this connection its shared-memory arena (GET_SHM)
+        self.shm = False
 
     @property
     def is_open(self) -> bool:

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
+import numpy as np
+
 from kvpool.client._connection import Buffer, BufferOrSegments, Connection
+from kvpool.client._shm import TORN, ShmMapping, host_id, redeem
 from kvpool.placement.keys import key_from_hex
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, seal
 from kvpool.protocol.errors import (
@@ -39,8 +43,10 @@ from kvpool.protocol.frames import (
     Tier,
     decode_json,
     decode_lookup,
+    decode_shm_reply,
     decode_statuses,
     encode_json,
+    encode_lease_ids,
 )
 from kvpool.protocol.parsers import TOO_SMALL, Reply, Segments
 
@@ -51,6 +57,12 @@ log = logging.getLogger("kvpool.client")
 Key = bytes | str
 DEFAULT_PORT = 7700
 _TIER_NAMES = {int(t): t.name.lower() for t in Tier}
+
+
+def _ignore_result(future: asyncio.Future[Any]) -> None:
+    """A RELEASE reply: nothing to do (a failed connection ends its leases anyway)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def parse_url(url: str) -> tuple[str, int]:
@@ -129,8 +141,15 @@ class NodeClient:
 
     def __init__(self, host: str, port: int, *, node_id: str = "", pool_size: int = 2,
                  timeout: float = 10.0, connect_timeout: float = 5.0,
-                 client_name: str = "kvpool-python") -> None:
+                 client_name: str = "kvpool-python", shm: bool | None = None) -> None:
         self.host, self.port = host, port
+        #: the same-host fast path: None = when the node offers it, True = required, False = off
+        self.shm = shm
+        self._map: ShmMapping | None = None
+        #: payload bytes received, by path ("shm", "tcp")
+        self.bytes_by_path = {"shm": 0, "tcp": 0}
+        #: fast-path values freed while they were copied (fetched again over TCP)
+        self.shm_torn = 0
         self.node_id = node_id or f"{host}:{port}"
         self.timeout = timeout
         self.connect_timeout = connect_timeout
@@ -166,6 +185,11 @@ class NodeClient:
             if conn is not None:
                 conn.close()
             self._slots[i] = None
+
+    def close_mapping(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
 
     async def connect(self) -> None:
         await self._connection()
@@ -221,6 +245,13 @@ class NodeClient:
                   ) -> list[memoryview | Segments | None]:
         """Payload views (None for misses and corrupt chunks, which are deleted here)."""
         conn = await self._connection()
+        if conn.shm and self._map is not None:
+            return await self._get_shm(conn, self._map, blob, sinks)
+        return await self._get_tcp(conn, blob, sinks)
+
+    async def _get_tcp(self, conn: Connection, blob: bytes,
+                       sinks: Sequence[memoryview | Segments] | None
+                       ) -> list[memoryview | Segments | None]:
         max_batch = int(self.server_info["max_batch"])
         parts = list(_chunks(len(blob) // KEY_SIZE, max_batch))
         calls = [(conn, Op.GET, len(p), [_blob_part(blob, p)],
@@ -232,24 +263,78 @@ class NodeClient:
             for i, item in zip(part, reply.items, strict=True):
                 if item.status == Status.OK:
                     out.append(item.payload)
+                    assert item.payload is not None
+                    self.bytes_by_path["tcp"] += len(item.payload)
                     continue
                 if item.status == TOO_SMALL:
-                    assert item.envelope is not None
-                    sink = sinks[i] if sinks else None
-                    size = sink.nbytes if sink is not None else 0
-                    raise BufferTooSmallError(
-                        f"buffer of {size} bytes is too small for the "
-                        f"{item.envelope.stored_len}-byte payload of "
-                        f"{_blob_part(blob, range(i, i + 1)).hex()}")
+                    self._too_small(blob, i, sinks)
                 if item.status == Status.CORRUPT:
                     corrupt.append(_blob_part(blob, range(i, i + 1)))
                 out.append(None)
+        await self._drop_corrupt(corrupt)
+        return out
+
+    async def _get_shm(self, conn: Connection, shm: ShmMapping, blob: bytes,
+                       sinks: Sequence[memoryview | Segments] | None
+                       ) -> list[memoryview | Segments | None]:
+        """GET through the arena: copy each value from the mapping, then release the lease."""
+        max_batch = int(self.server_info["max_batch"])
+        parts = list(_chunks(len(blob) // KEY_SIZE, max_batch))
+        replies = await self._gather([(conn, Op.GET_SHM, len(p), [_blob_part(blob, p)], None)
+                                      for p in parts])
+        out: list[memoryview | Segments | None] = []
+        corrupt: list[bytes] = []
+        torn: list[int] = []
+        leases: list[int] = []
+        too_small = -1
+        for part, reply in zip(parts, replies, strict=True):
+            lease, items = decode_shm_reply(reply.body, len(part))
+            if lease:
+                leases.append(lease)
+            for i, item in zip(part, items, strict=True):
+                if item.status != Status.OK or too_small >= 0:
+                    out.append(None)
+                    continue
+                status, payload = shm.read(item, sinks[i] if sinks is not None else None)
+                out.append(payload)
+                if status == Status.OK:
+                    self.bytes_by_path["shm"] += item.length - ENVELOPE_HEADER_SIZE
+                elif status == TORN:
+                    torn.append(i)
+                elif status == TOO_SMALL:
+                    too_small = i
+                elif status == Status.CORRUPT:
+                    corrupt.append(_blob_part(blob, range(i, i + 1)))
+        if leases:  # copied: the node may evict those values again (no need to wait)
+            release = conn.send(Op.RELEASE, len(leases), [encode_lease_ids(leases)],
+                                epoch=self.epoch)
+            release.add_done_callback(_ignore_result)
+        if too_small >= 0:
+            self._too_small(blob, too_small, sinks)
+        if torn:  # freed (and maybe reused) mid-copy: ask again over TCP
+            self.shm_torn += len(torn)
+            rows = np.array(torn, dtype=np.intp)
+            again = await self._get_tcp(conn, np.frombuffer(blob, dtype="V16")[rows].tobytes(),
+                                        [sinks[i] for i in torn] if sinks is not None else None)
+            for i, payload in zip(torn, again, strict=True):
+                out[i] = payload
+        await self._drop_corrupt(corrupt)
+        return out
+
+    def _too_small(self, blob: bytes, i: int,
+                   sinks: Sequence[memoryview | Segments] | None) -> NoReturn:
+        sink = sinks[i] if sinks else None
+        size = sink.nbytes if sink is not None else 0
+        raise BufferTooSmallError(
+            f"buffer of {size} bytes is too small for the payload of "
+            f"{_blob_part(blob, range(i, i + 1)).hex()}")
+
+    async def _drop_corrupt(self, corrupt: list[bytes]) -> None:
         if corrupt:
             self.num_corrupt += len(corrupt)
             log.warning("dropping %d corrupt chunk(s) on %s (treated as misses): %s",
                         len(corrupt), self.node_id, ", ".join(k.hex() for k in corrupt[:4]))
             await self.statuses(Op.DELETE, b"".join(corrupt))
-        return out
 
     async def exists(self, blob: bytes) -> bytes:
         """One tier code per key, 0 where absent (the EXISTS reply's second half)."""
@@ -351,11 +436,35 @@ class NodeClient:
         except OSError as exc:
             raise KvpoolConnectionError(
                 f"cannot connect to kvpool node {self.host}:{self.port}: {exc}") from exc
-        hello = encode_json({"protocol": PROTOCOL_VERSION, "client": self.client_name})
+        request: dict[str, Any] = {"protocol": PROTOCOL_VERSION, "client": self.client_name}
+        if self.shm is not False:
+            request.update(shm=True, host=host_id())
         try:
-            reply = await self._call(conn, Op.HELLO, 0, [hello])
+            reply = await self._call(conn, Op.HELLO, 0, [encode_json(request)])
         except BaseException:
             conn.close()
             raise
         self.server_info = decode_json(reply.body)
+        offer = self.server_info.get("shm")
+        if isinstance(offer, dict):
+            try:  # in a thread: the node may share this event loop (a node's own peer client)
+                fd = await asyncio.get_running_loop().run_in_executor(
+                    None, redeem, offer, self.connect_timeout)
+            except KvpoolConnectionError as exc:
+                if self.shm:
+                    conn.close()
+                    raise
+                log.info("%s: using TCP: %s", self.node_id, exc)
+            else:
+                if self._map is None or self._map.socket != offer["socket"]:
+                    self.close_mapping()  # a restarted node has a new arena
+                    self._map = ShmMapping(fd, offer)
+                else:
+                    os.close(fd)
+                conn.shm = True
+        elif self.shm:
+            conn.close()
+            raise KvpoolConnectionError(
+                f"node {self.node_id} offers no shared-memory fast path (another host, or "
+                "started with --no-shm)")
         return conn

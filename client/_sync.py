@@ -66,6 +66,11 @@ class Client:
         return self._async.num_corrupt
 
     @property
+    def bytes_by_path(self) -> dict[str, int]:
+        """Payload bytes GETs received through shared memory ("shm") and over TCP ("tcp")."""
+        return self._async.bytes_by_path
+
+    @property
     def epoch(self) -> int:
         """The cluster-map epoch this client routes by (0 = standalone node)."""
         return self._async.epoch

@@ -17,6 +17,8 @@ Request bodies:
                   PUT_FLAG_PARENT) || value)
     GET, EXISTS, DELETE, LOOKUP, PIN, UNPIN   count x 16-byte key
     STATS, CLUSTER  empty
+    GET_SHM       count x 16-byte key (only on a connection granted the shared-memory arena)
+    RELEASE       count x u64 lease id
 Reply bodies (status OK):
     HELLO, STATS  JSON object
     CLUSTER       JSON object: the node's cluster map (placement.cluster_map.ClusterMap.to_dict)
@@ -24,6 +26,10 @@ Reply bodies (status OK):
     PUT, DELETE, PIN, UNPIN  count x 1-byte Status
     EXISTS        count x 1-byte Status, then count x 1-byte Tier (0 = absent)
     LOOKUP        u32 number of leading keys present, then one Tier byte per such key
+    GET_SHM       u64 lease id, then count x SHM item (32 bytes: status u8, 7 reserved,
+                  offset u64, length u64, generation u64); the values stay put until the
+                  lease is released or its deadline passes
+    RELEASE       count x 1-byte Status (NOT_FOUND: the lease had already expired)
 A request may carry W3C trace context: its op byte has OP_FLAG_TRACE (0x80) set and
 its body starts with TRACE_CONTEXT_SIZE (26) bytes -- version 0 (u8), trace id (16),
 parent span id (8), trace flags (u8) -- counted in ``body_len``. Clients set it only
@@ -58,6 +64,8 @@ __all__ = [
     "PUT_FLAG_PARENT",
     "PUT_FLAG_PIN",
     "PUT_ITEM_SIZE",
+    "SHM_ITEM_SIZE",
+    "ShmItem",
     "TRACE_CONTEXT_SIZE",
     "TraceContext",
     "FrameHeader",
@@ -67,12 +75,15 @@ __all__ = [
     "Tier",
     "decode_json",
     "decode_keys",
+    "decode_lease_ids",
+    "decode_shm_reply",
     "decode_lookup",
     "decode_statuses",
     "encode_error",
     "encode_frame",
     "encode_json",
     "encode_keys_request",
+    "encode_lease_ids",
     "encode_lookup_reply",
     "encode_statuses",
     "pack_frame_header",
@@ -105,10 +116,14 @@ class Op(enum.IntEnum):
     UNPIN = 8
     STATS = 9
     CLUSTER = 10
+    #: GET over shared memory: where each value lies in the node's arena, under a lease
+    GET_SHM = 11
+    #: end leases of GET_SHM replies (the client has copied the values)
+    RELEASE = 12
 
 
 #: Ops whose request body is exactly ``count`` keys.
-KEY_OPS = frozenset({Op.GET, Op.EXISTS, Op.DELETE, Op.LOOKUP, Op.PIN, Op.UNPIN})
+KEY_OPS = frozenset({Op.GET, Op.EXISTS, Op.DELETE, Op.LOOKUP, Op.PIN, Op.UNPIN, Op.GET_SHM})
 
 _FRAME = struct.Struct("<2sBBIIIQ")
 FRAME_HEADER_SIZE = _FRAME.size
@@ -188,6 +203,44 @@ class GetItemHeader(NamedTuple):
 
 
 _U32 = struct.Struct("<I")
+
+_SHM_ITEM = struct.Struct("<B7xQQQ")
+SHM_ITEM_SIZE = _SHM_ITEM.size
+assert SHM_ITEM_SIZE == 32
+_U64 = struct.Struct("<Q")
+
+
+class ShmItem(NamedTuple):
+    """Where a GET_SHM value lies: ``status, offset, length, generation`` (see the arena)."""
+
+    status: int
+    offset: int
+    length: int
+    generation: int
+
+    def pack(self) -> bytes:
+        return _SHM_ITEM.pack(self.status, self.offset, self.length, self.generation)
+
+
+def decode_shm_reply(body: bytes | bytearray | memoryview, count: int
+                     ) -> tuple[int, list[ShmItem]]:
+    """``(lease id, items)`` of a GET_SHM reply."""
+    if len(body) != 8 + SHM_ITEM_SIZE * count:
+        raise BadFrameError(f"GET_SHM reply of {len(body)} bytes for {count} keys")
+    (lease,) = _U64.unpack_from(body)
+    return lease, [ShmItem(*_SHM_ITEM.unpack_from(body, 8 + i * SHM_ITEM_SIZE))
+                   for i in range(count)]
+
+
+def encode_lease_ids(ids: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(ids)}Q", *ids)
+
+
+def decode_lease_ids(body: bytes | bytearray | memoryview, count: int) -> list[int]:
+    if len(body) != 8 * count:
+        raise BadFrameError(f"{count} lease ids need {8 * count} body bytes, got {len(body)}")
+    return list(struct.unpack(f"<{count}Q", body))
+
 
 _TRACE = struct.Struct("<B16s8sB")
 TRACE_CONTEXT_SIZE = _TRACE.size

@@ -115,6 +115,8 @@ class Request:
     body: bytes | bytearray = b""
     #: the caller's trace context, when the frame carried one (OP_FLAG_TRACE)
     trace: TraceContext | None = None
+    #: per-connection state the node attaches (the parser leaves it None)
+    session: object | None = None
 
 
 class RequestParser:

@@ -97,6 +97,13 @@ class ServerConfig:
     metrics: bool = knob(True, "OpenTelemetry metrics: GET /metrics (Prometheus), and OTLP when "
                          "OTEL_EXPORTER_OTLP_ENDPOINT is set", flag="--metrics",
                          env="KVPOOL_METRICS", kind="bool")
+    shm: bool = knob(True, "same-host fast path: co-located clients read values straight from "
+                     "the DRAM arena's shared memory (Linux)", flag="--shm", env="KVPOOL_SHM",
+                     kind="bool")
+    shm_lease_s: float = knob(5.0, "longest a fast-path reader may keep values from eviction",
+                              flag="--shm-lease", env="KVPOOL_SHM_LEASE")
+    shm_allow: str = knob("", "who may map the arena: uid:N,gid:N,... ('' = the node's own "
+                          "user)", flag="--shm-allow", env="KVPOOL_SHM_ALLOW")
 
     def __post_init__(self) -> None:
         for name in ("data_port", "admin_port"):
@@ -113,6 +120,8 @@ class ServerConfig:
             raise ConfigError("expire_interval_s must be > 0 and shutdown_grace_s >= 0")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"unknown log level {self.log_level!r}")
+        if self.shm_lease_s <= 0:
+            raise ConfigError("shm_lease_s must be > 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from kvpool.protocol.errors import BadFrameError, KvpoolError, status_for_error
 from kvpool.protocol.frames import Op, encode_error
 from kvpool.protocol.parsers import Request, RequestParser
 from kvpool.server.handlers import Handlers, Pending, Reply
+from kvpool.server.shm import Session
 from kvpool.tiers.dram import Entry
 
 __all__ = ["NodeConnection"]
@@ -40,6 +41,7 @@ class NodeConnection(asyncio.BufferedProtocol):
         self._hello_done = False
         self._closing = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self._session = Session()
         self.peer = "?"
 
     # -- asyncio callbacks ----------------------------------------------------------------
@@ -84,6 +86,8 @@ class NodeConnection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._parser.abort()
         self._release_held()
+        if self._handlers.shm is not None:
+            self._handlers.shm.close_session(self._session)
         self._registry.discard(self)
         self._handlers.stats.connections_open -= 1
         self._transport = None
@@ -98,6 +102,7 @@ class NodeConnection(asyncio.BufferedProtocol):
 
     def _serve(self, request: Request) -> bool:
         header = request.header
+        request.session = self._session
         transport = self._transport
         if transport is None:
             return False

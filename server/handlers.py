@@ -30,11 +30,14 @@ from kvpool.protocol.frames import (
     PROTOCOL_VERSION,
     PUT_FLAG_PIN,
     Op,
+    ShmItem,
     Tier,
     decode_json,
+    decode_lease_ids,
     encode_error,
     encode_frame,
     encode_json,
+    encode_lease_ids,
     encode_lookup_reply,
     encode_statuses,
     pack_get_item,
@@ -42,10 +45,12 @@ from kvpool.protocol.frames import (
 from kvpool.protocol.parsers import Limits, Request
 from kvpool.server.events import EventBus
 from kvpool.server.membership import Membership
+from kvpool.server.shm import Session, ShmService
 from kvpool.server.ssd import SsdTier, SsdUnavailableError
 from kvpool.server.ssd_messages import SsdStatus
 from kvpool.server.stats import NodeStats
 from kvpool.server.tracing import NodeTracing, tier_span
+from kvpool.tiers.arena import ALIGN
 from kvpool.tiers.dram import DramTier, Entry, Slot
 
 __all__ = ["Handlers", "Pending", "Reply"]
@@ -53,7 +58,8 @@ __all__ = ["Handlers", "Pending", "Reply"]
 Buffers = list[bytes | bytearray | memoryview]
 _STATUS_OF_TIER = bytes([Status.NOT_FOUND] + [Status.OK] * 255)
 #: ops whose keys are placed by the cluster map (a stale client may have sent them astray)
-_ROUTED_OPS = frozenset({Op.PUT, Op.GET, Op.EXISTS, Op.DELETE, Op.LOOKUP, Op.PIN, Op.UNPIN})
+_ROUTED_OPS = frozenset({Op.PUT, Op.GET, Op.EXISTS, Op.DELETE, Op.LOOKUP, Op.PIN, Op.UNPIN,
+                         Op.GET_SHM})
 Pending = Coroutine[Any, Any, "Reply"]
 
 
@@ -82,6 +88,8 @@ class Handlers:
         self.limits = limits
         self.stats = stats
         self.ssd: SsdTier | None = None
+        #: the same-host fast path (None: off)
+        self.shm: ShmService | None = None
         #: spans for requests that carry a trace context (None: tracing is not configured)
         self.tracing: NodeTracing | None = None
         #: acknowledge PUTs only once S3 has them (needs an SSD tier with S3)
@@ -99,6 +107,8 @@ class Handlers:
             Op.UNPIN: self.unpin,
             Op.STATS: self.node_stats,
             Op.CLUSTER: self.cluster,
+            Op.GET_SHM: self.get_shm,
+            Op.RELEASE: self.release,
         }
 
     @property
@@ -159,6 +169,10 @@ class Handlers:
             "epoch": self.epoch,
             "cluster": self.membership.map is not None,
         }
+        if self.shm is not None and isinstance(request.session, Session):
+            offer = self.shm.offer(request.session, body)
+            if offer is not None:
+                info["shm"] = offer
         return self._reply(request, [encode_json(info)])
 
     def put(self, request: Request) -> Reply | Pending:
@@ -320,7 +334,46 @@ class Handlers:
         self.events.publish("demoted" if lower else "evicted", entry.key,
                             tier=lower or "dram", parent=entry.parent, depth=entry.depth)
 
+    def get_shm(self, request: Request) -> Reply | Pending:
+        session = request.session
+        if self.shm is None or not isinstance(session, Session) or not session.shm:
+            raise BadFrameError("GET_SHM needs a connection granted the shared-memory arena")
+        return self.get(request)
+
+    def release(self, request: Request) -> Reply:
+        assert self.shm is not None and isinstance(request.session, Session)
+        ids = decode_lease_ids(request.body, request.header.count)
+        done = self.shm.release(request.session, ids)
+        return self._reply(request, [encode_statuses(
+            [Status.OK if d else Status.NOT_FOUND for d in done])])
+
+    def _shm_reply(self, request: Request, entries: list[Entry | None]) -> Reply:
+        """Where each value lies in the arena; the entries stay held under one lease."""
+        shm = self.shm
+        assert shm is not None and isinstance(request.session, Session)
+        gens = self.dram.arena.gens
+        items: Buffers = []
+        found: list[Entry] = []
+        num_bytes = tokens = 0
+        miss = ShmItem(Status.NOT_FOUND, 0, 0, 0).pack()
+        for entry in entries:
+            if entry is None:
+                items.append(miss)
+                continue
+            items.append(ShmItem(Status.OK, entry.offset, entry.length,
+                                 gens[entry.offset // ALIGN]).pack())
+            found.append(entry)
+            num_bytes += entry.length
+            tokens += entry.num_tokens
+        lease = shm.lease(request.session, found) if found else 0
+        shm.counters.bytes_out += num_bytes
+        shm.counters.items_out += len(found)
+        self.stats.tokens_served += tokens
+        return self._reply(request, [encode_lease_ids([lease]), *items])
+
     def _get_reply(self, request: Request, entries: list[Entry | None]) -> Reply:
+        if request.header.op == Op.GET_SHM:
+            return self._shm_reply(request, entries)
         dram = self.dram
         body: Buffers = []
         held: list[Entry] = []

@@ -73,7 +73,7 @@ class Handoff:
         p.chunks_total = len(keys)
         log.info("draining: handing %d DRAM chunks to their new owners", len(keys))
         try:
-            async with AsyncClient(self.seed, client_name="kvpool-handoff") as client:
+            async with AsyncClient(self.seed, client_name="kvpool-handoff", shm=False) as client:
                 t0 = time.monotonic()
                 for start in range(0, len(keys), BATCH):
                     await self._move(client, keys[start : start + BATCH])

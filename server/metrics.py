@@ -77,6 +77,16 @@ def _one(field: str) -> Callable[[Snapshot], Iterable[Sample]]:
     return lambda snap: [(snap[field], {})]
 
 
+def _sent(snap: Snapshot) -> Iterator[Sample]:
+    yield snap["bytes_out"], {"path": "tcp"}
+    if "shm" in snap:
+        yield snap["shm"]["bytes_out"], {"path": "shm"}
+
+
+def _shm(field: str) -> Callable[[Snapshot], Iterable[Sample]]:
+    return lambda snap: [(snap["shm"][field], {})] if "shm" in snap else []
+
+
 def _requests(snap: Snapshot) -> Iterator[Sample]:
     errors: dict[tuple[int, int], int] = snap["_op_errors"]
     failed: dict[int, int] = {}
@@ -134,7 +144,13 @@ METRICS: tuple[Metric, ...] = (
            _keys),
     Metric("kvpool_received", "counter", "By", "", "PUT payload bytes received (envelopes "
            "included)", _one("bytes_in")),
-    Metric("kvpool_sent", "counter", "By", "", "GET payload bytes sent", _one("bytes_out")),
+    Metric("kvpool_sent", "counter", "By", "path", "GET payload bytes served, by path: tcp "
+           "(sent on the socket), shm (read by co-located clients from shared memory)",
+           _sent),
+    Metric("kvpool_shm_leases_expired", "counter", "", "", "fast-path leases ended by their "
+           "deadline (a reader slow or gone)", _shm("expired")),
+    Metric("kvpool_shm_denied", "counter", "", "", "fast-path grants refused (user not "
+           "allowed to map the arena)", _shm("denied")),
     Metric("kvpool_tier_read", "counter", "By", "tier", "bytes read from a tier (DRAM: sent "
            "to clients; SSD: promoted)", _tier_read_bytes),
     Metric("kvpool_tier_written", "counter", "By", "tier", "bytes written into a tier (DRAM: "

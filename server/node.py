@@ -9,7 +9,9 @@ import os
 import shutil
 import signal
 import socket
+import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from kvpool.server.handlers import Handlers
 from kvpool.server.handoff import Handoff
 from kvpool.server.membership import MapSource, Membership, StaticSource
 from kvpool.server.metrics import NodeMetrics
+from kvpool.server.shm import ShmService
 from kvpool.server.ssd import SsdTier, SsdUnavailableError
 from kvpool.server.stats import NodeStats
 from kvpool.server.tracing import NodeTracing, tracing_configured
@@ -99,6 +102,7 @@ class Node:
         self._metrics_task: asyncio.Task[None] | None = None
         self._stopping = False
         self.metrics: NodeMetrics | None = None
+        self.shm: ShmService | None = None
         self.data_address: tuple[str, int] = (server.host, server.data_port)
         self.admin_address: tuple[str, int] = (server.host, server.admin_port)
 
@@ -155,6 +159,12 @@ class Node:
             self.metrics = NodeMetrics(self.membership.node_id)
             if self.metrics.otlp:
                 self._metrics_task = asyncio.create_task(self._refresh_metrics_loop())
+        if self.config.server.shm and sys.platform.startswith("linux"):
+            self.shm = ShmService(self.dram, lease_s=self.config.server.shm_lease_s,
+                                  allow=self.config.server.shm_allow)
+            await self.shm.start()
+            self.handlers.shm = self.shm
+            self.handlers.extra_stats["shm"] = self.shm_stats
         if tracing_configured():
             self.handlers.tracing = NodeTracing(self.membership.node_id)
         self._admin = web.AppRunner(make_admin_app(self), access_log=None)
@@ -260,15 +270,26 @@ class Node:
         if self._peers is None:
             # the node asks its peers as any client would: through the SDK, seeded by itself
             host, port = self.data_address
-            self._peers = AsyncClient(f"kvpool://{host}:{port}", client_name="kvpool-node")
+            self._peers = AsyncClient(f"kvpool://{host}:{port}", client_name="kvpool-node",
+                                      shm=False)
         codes = await self._peers.exists_codes(keys)
         return list(codes[: codes.index(0)] if 0 in codes else codes)
 
     async def _expire_loop(self) -> None:
         interval = self.config.server.expire_interval_s
+        if self.shm is not None:  # fast-path leases end within a quarter of their length late
+            interval = min(interval, self.shm.lease_s / 4)
         while True:
             await asyncio.sleep(interval)
+            if self.shm is not None:
+                self.shm.expire()
             self.dram.expire()
+
+    def shm_stats(self) -> dict[str, Any]:
+        """The fast path's counters (GET /v1/stats "shm")."""
+        assert self.shm is not None
+        return {"socket": self.shm.name, "lease_s": self.shm.lease_s,
+                "open_leases": self.shm.open_leases, **asdict(self.shm.counters)}
 
     async def stop(self) -> None:
         """Stop accepting, let open connections flush their replies, then close."""
@@ -303,6 +324,8 @@ class Node:
         await self.membership.stop()
         if self.ssd is not None:
             await self.ssd.stop()
+        if self.shm is not None:
+            await self.shm.stop()
         if self.metrics is not None:
             await self._refresh_metrics()  # the last export sees the final counters
             self.metrics.shutdown()

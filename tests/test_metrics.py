@@ -33,23 +33,26 @@ def test_metrics_count_what_the_node_did() -> None:
     node = start_node("--dram-capacity", "64MiB")
     try:
         keys = [os.urandom(16) for _ in range(7)]
-        with Client(node.url) as c:
+        with Client(node.url, shm=False) as c, Client(node.url, shm=True) as fast:
             c.put_many(keys, [b"x" * 1000] * 7, num_tokens=256)
             assert all(v is not None for v in c.get_many(keys))
             assert c.get(os.urandom(16)) is None
             assert c.lookup(keys) == 7
+            assert fast.get_many(keys[:3]) == [b"x" * 1000] * 3
         put_raw(node, os.urandom(16), bytes(100))  # not an envelope: CORRUPT
         m = scrape(node)
         assert m['kvpool_requests_total{op="put",status="ok"}'] == 1
         assert m['kvpool_requests_total{op="put",status="corrupt"}'] == 1
         assert m['kvpool_requests_total{op="get",status="ok"}'] == 2
         assert m['kvpool_request_keys_total{op="get"}'] == 8
-        assert m["kvpool_prefill_tokens_served_total"] == 7 * 256
+        assert m['kvpool_requests_total{op="get_shm",status="ok"}'] == 1
+        assert m["kvpool_prefill_tokens_served_total"] == 10 * 256
         assert m["kvpool_lookup_chunks_found_total"] == 7
-        assert m['kvpool_tier_hits_total{tier="dram"}'] == 7
+        assert m['kvpool_tier_hits_total{tier="dram"}'] == 10
         assert m['kvpool_tier_misses_total{tier="dram"}'] == 1
         assert m['kvpool_tier_objects{tier="dram"}'] == 7
-        assert m["kvpool_sent_bytes_total"] == 7 * (1000 + 64)
+        assert m['kvpool_sent_bytes_total{path="tcp"}'] == 7 * (1000 + 64)
+        assert m['kvpool_sent_bytes_total{path="shm"}'] == 3 * (1000 + 64)
         assert m['kvpool_tier_capacity_bytes{tier="dram"}'] == 64 << 20
         assert m['kvpool_cluster_nodes{state="up"}'] == 1
         assert m[f'{HISTOGRAM_NAME}_count{{op="get"}}'] == 2

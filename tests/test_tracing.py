@@ -141,8 +141,8 @@ async def test_spans_join_the_callers_trace_across_the_wire(
     keys = [bytes([i]) * 16 for i in range(1, 5)]
     values = [os.urandom(10_000) for _ in keys]
     try:
-        async with AsyncClient(node.url, tracer_provider=provider) as client, \
-                AsyncClient(node.url) as untraced:
+        async with AsyncClient(node.url, tracer_provider=provider, shm=False) as client, \
+                AsyncClient(node.url, shm=False) as untraced:
             with app.start_as_current_span("request") as root:
                 await client.put_many(keys, values)
                 assert await client.get_many(keys) == values

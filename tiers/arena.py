@@ -8,6 +8,14 @@ SSD worker process maps the same file (``fd``) to read and write chunks in
 place, with no copy through a pipe.
 Extents are aligned to ``ALIGN`` bytes; free extents coalesce with their
 neighbours, so a full cycle of alloc/free returns the arena to one extent.
+
+After the ``capacity`` data bytes the file holds a *generation table*: one
+u64 per ``ALIGN``-byte page, bumped for an extent's first page whenever the
+extent is freed. A co-located client reading a value straight from the
+arena (the shared-memory fast path) notes the generation of the value's
+first page, copies, and reads it again: equal means no free -- hence no
+reuse -- happened in between (a seqlock). x86-64 and arm64 keep a store's
+ordering for these aligned u64s as far as a Python reader can observe.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ class Arena:
     """``alloc(n) -> offset | None`` and ``free(offset, n)`` over one mmap."""
 
     __slots__ = ("_by_end", "_by_size", "_by_start", "_mmap", "allocated_bytes", "capacity",
-                 "fd", "view")
+                 "fd", "gens", "view")
 
     def __init__(self, capacity: int) -> None:
         capacity = capacity // ALIGN * ALIGN
@@ -42,15 +50,24 @@ class Arena:
             raise ValueError(f"arena capacity must be at least {ALIGN} bytes")
         self.capacity = capacity
         try:
-            self.fd = _memory_file(capacity)
-            self._mmap = mmap.mmap(self.fd, capacity)
+            self.fd = _memory_file(self.file_size(capacity))
+            self._mmap = mmap.mmap(self.fd, self.file_size(capacity))
         except OSError as exc:  # e.g. vm.overcommit_memory=2 or a ulimit -v
             raise MemoryError(f"cannot map a {capacity}-byte DRAM arena: {exc}") from exc
-        self.view = memoryview(self._mmap)
+        whole = memoryview(self._mmap)
+        self.view = whole[:capacity]
+        #: the generation of each page (see the module doc); the fast path's clients map it
+        self.gens = whole[capacity:].cast("Q")
+        whole.release()
         self._by_size: SortedList = SortedList([(capacity, 0)])
         self._by_start: dict[int, int] = {0: capacity}
         self._by_end: dict[int, int] = {capacity: 0}
         self.allocated_bytes = 0
+
+    @staticmethod
+    def file_size(capacity: int) -> int:
+        """Bytes of the arena's memory file: the data, then the generation table."""
+        return capacity + capacity // ALIGN * 8
 
     @staticmethod
     def extent(nbytes: int) -> int:
@@ -80,6 +97,7 @@ class Arena:
         return int(start)
 
     def free(self, offset: int, nbytes: int) -> None:
+        self.gens[offset // ALIGN] += 1  # before any reuse: readers of the old value see it
         size = self.extent(nbytes)
         self.allocated_bytes -= size
         start, end = offset, offset + size
@@ -101,6 +119,7 @@ class Arena:
         self._by_end[start + size] = start
 
     def close(self) -> None:
+        self.gens.release()
         self.view.release()
         self._mmap.close()
         os.close(self.fd)

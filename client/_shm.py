@@ -1,0 +1,147 @@
+"""The client half of the same-host fast path (the node half: ``kvpool.server.shm``).
+
+A client on the node's host asks for the arena in HELLO, redeems the ticket
+on the node's abstract Unix socket and gets a read-only descriptor of the
+arena's memory file, which it maps once per node. A GET_SHM reply then says
+where each value lies; :meth:`ShmMapping.read` copies it into the caller's
+buffer, verifies the envelope checksum of the copy, and checks the value's
+generation afterwards (a seqlock): a value freed while it was being copied
+is reported as ``TORN`` and fetched again over TCP -- never returned.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import xxhash
+
+from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, Codec, EnvelopeHeader
+from kvpool.protocol.errors import CorruptChunkError, KvpoolConnectionError, Status
+from kvpool.protocol.frames import ShmItem
+from kvpool.protocol.parsers import TOO_SMALL, Segments
+
+__all__ = ["TORN", "ShmMapping", "host_id", "redeem"]
+
+#: read outcome: the value was freed (and maybe reused) while it was copied
+TORN = 254
+#: the arena's page size, whose generations the node bumps (tiers.arena.ALIGN)
+_PAGE = 4096
+#: copy and hash in blocks this size, so the hash reads the copy from cache, not DRAM
+_BLOCK = 128 << 10
+
+
+def host_id() -> str:
+    """This boot of this machine's kernel ('' where unknown: no fast path)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def redeem(offer: dict[str, Any], timeout: float) -> int:
+    """Trade the HELLO ticket for the arena's descriptor; KvpoolConnectionError if refused."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect("\0" + str(offer["socket"]))
+            sock.sendall(str(offer["ticket"]).encode("ascii"))
+            answer, fds, _, _ = socket.recv_fds(sock, 256, 1)
+        except OSError as exc:
+            raise KvpoolConnectionError(f"shared-memory fast path unavailable: {exc}") from exc
+    if answer != b"OK" or not fds:
+        for fd in fds:
+            os.close(fd)
+        reason = answer.decode("utf-8", "replace").removeprefix("NO ").strip() or "no answer"
+        raise KvpoolConnectionError(f"shared-memory fast path refused: {reason}")
+    return fds[0]
+
+
+def _copy(dst: memoryview, src: memoryview, hasher: Any) -> None:
+    """``dst[:] = src``, hashing each block of the copy while it is still in cache."""
+    n = src.nbytes
+    for pos in range(0, n, _BLOCK):
+        end = min(pos + _BLOCK, n)
+        piece = dst[pos:end]
+        piece[:] = src[pos:end]
+        hasher.update(piece)
+
+
+class ShmMapping:
+    """A read-only mapping of one node's arena (data, then the generation table)."""
+
+    def __init__(self, fd: int, offer: dict[str, Any]) -> None:
+        self.socket = str(offer["socket"])
+        self.capacity = int(offer["capacity"])
+        try:
+            self._mmap = mmap.mmap(fd, int(offer["file_size"]), prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        whole = memoryview(self._mmap)
+        self.view = whole[: self.capacity]
+        self.gens = whole[self.capacity :].cast("Q")
+        whole.release()
+        #: test hook: called between the copy and the generation check
+        self.after_copy: Callable[[ShmItem], None] | None = None
+
+    def read(self, item: ShmItem, sink: memoryview | Segments | None
+             ) -> tuple[int, memoryview | Segments | None]:
+        """Copy one value's payload into ``sink`` (None: a new bytearray).
+
+        Returns ``(status, payload)``: OK, TORN (freed mid-copy: ask again),
+        CORRUPT (bad envelope or checksum) or TOO_SMALL (``sink`` too small).
+        """
+        offset, length = item.offset, item.length
+        if length < ENVELOPE_HEADER_SIZE or offset + length > self.capacity or offset % _PAGE:
+            return Status.CORRUPT, None
+        try:
+            envelope = EnvelopeHeader.unpack(self.view[offset : offset + ENVELOPE_HEADER_SIZE])
+            rest = length - ENVELOPE_HEADER_SIZE
+            if envelope.stored_len != rest or envelope.codec is not Codec.RAW:
+                raise CorruptChunkError("envelope does not match the value")
+        except CorruptChunkError:
+            return self._settled(item, Status.CORRUPT)
+        src = self.view[offset + ENVELOPE_HEADER_SIZE : offset + length]
+        hasher = xxhash.xxh3_64()
+        out: memoryview | Segments
+        if isinstance(sink, Segments):
+            if sink.nbytes < rest:
+                return TOO_SMALL, None
+            pos = 0
+            for view in sink.views:
+                n = min(view.nbytes, rest - pos)
+                if n <= 0:
+                    break
+                _copy(view[:n], src[pos : pos + n], hasher)
+                pos += n
+            sink.filled = rest
+            out = sink
+        else:
+            if sink is None:
+                sink = memoryview(bytearray(rest))
+            elif sink.nbytes < rest:
+                return TOO_SMALL, None
+            out = sink[:rest]
+            _copy(out, src, hasher)
+        if self.after_copy is not None:
+            self.after_copy(item)
+        if self.gens[offset // _PAGE] != item.generation:
+            return TORN, None
+        if hasher.intdigest() != envelope.checksum:
+            return Status.CORRUPT, None
+        return Status.OK, out
+
+    def _settled(self, item: ShmItem, status: int) -> tuple[int, None]:
+        """A failed read is only trusted if the value was not freed meanwhile."""
+        if self.gens[item.offset // _PAGE] != item.generation:
+            return TORN, None
+        return status, None
+
+    def close(self) -> None:
+        self.gens.release()
+        self.view.release()
+        self._mmap.close()

@@ -1,0 +1,204 @@
+"""The same-host fast path against real node processes: identical bytes to TCP, values freed
+mid-copy never returned torn (forced with the client's after-copy hook), users without
+permission on TCP, leases that end when a client dies or stalls."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from kvpool.client import AsyncClient, Client
+from kvpool.client._shm import ShmMapping
+from kvpool.protocol.errors import KvpoolConnectionError
+from kvpool.protocol.frames import ShmItem
+from kvpool.tests.conftest import NodeProcess, http_json, start_node
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+
+
+def _mapping(client: Client) -> ShmMapping:
+    node = client.async_client._single
+    assert node is not None and node._map is not None
+    return node._map
+
+
+def _shm_stats(node: NodeProcess) -> dict[str, int]:
+    status, stats = http_json(f"{node.admin_url}/v1/stats")
+    assert status == 200
+    shm: dict[str, int] = stats["shm"]
+    return shm
+
+
+def test_fast_path_returns_the_same_bytes_as_tcp() -> None:
+    node = start_node("--dram-capacity", "128MiB", "--no-ssd")
+    try:
+        sizes = [1, 100, 4095, 4096, 4097, 65536, 1 << 20, (4 << 20) + 3]
+        keys = [os.urandom(16) for _ in sizes]
+        values = [os.urandom(n) for n in sizes]
+        with Client(node.url, shm=True) as fast, Client(node.url, shm=False) as tcp:
+            fast.put_many(keys, values)
+            missing = os.urandom(16)
+            assert fast.get_many([*keys, missing]) == [*values, None]
+            assert tcp.get_many(keys) == values
+            # into caller buffers, and scattered over several (readv style)
+            bufs = [bytearray(n + 10) for n in sizes]
+            assert fast.get_many_into(keys, bufs) == sizes
+            assert [bytes(b[:n]) for b, n in zip(bufs, sizes, strict=True)] == values
+            parts = [bytearray(3 << 20), bytearray(2 << 20)]
+            assert fast.get_into(keys[-1], parts) == sizes[-1]
+            assert bytes(parts[0] + parts[1])[: sizes[-1]] == values[-1]
+            assert fast.bytes_by_path["tcp"] == 0
+            assert fast.bytes_by_path["shm"] == 2 * sum(sizes) + sizes[-1]
+            assert tcp.bytes_by_path == {"shm": 0, "tcp": sum(sizes)}
+        shm = _shm_stats(node)
+        assert shm["grants"] >= 1 and shm["released"] == shm["leases"] and shm["expired"] == 0
+        assert shm["open_leases"] == 0
+    finally:
+        assert node.stop() == 0
+
+
+def _overwrite_in_thread(url: str, key: bytes, size: int, replace_key: bool) -> bytes:
+    """From another client (thread): free ``key``'s extent and fill the arena anew."""
+    new = os.urandom(size)
+
+    def work() -> None:
+        with Client(url, shm=False) as other:
+            if replace_key:
+                other.delete(key)
+                other.put_many([os.urandom(16) for _ in range(8)], [new] * 8)  # reuse the pages
+            else:
+                other.delete(key)
+                other.put(key, new)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(30)
+    return new
+
+
+@pytest.mark.parametrize("replace_key", [True, False], ids=["deleted", "rewritten"])
+def test_a_value_freed_mid_copy_is_never_returned_torn(replace_key: bool) -> None:
+    node = start_node("--dram-capacity", "16MiB", "--no-ssd", "--shm-lease", "0.2")
+    try:
+        key, old = os.urandom(16), os.urandom(1 << 20)
+        with Client(node.url, shm=True) as fast:
+            fast.put(key, old)
+            new: list[bytes] = []
+
+            def after_copy(item: ShmItem) -> None:
+                mapping.after_copy = None  # once
+                time.sleep(0.6)  # the lease (0.2 s) ends; the node may free the value
+                new.append(_overwrite_in_thread(node.url, key, 1 << 20, replace_key))
+                assert mapping.gens[item.offset // 4096] != item.generation
+
+            mapping = _mapping(fast)
+            mapping.after_copy = after_copy
+            got = fast.get(key)
+            assert new, "the hook ran"
+            # the copy was made while the value was being freed: retried over TCP
+            assert fast.async_client.shm_retries == 1
+            assert got == (None if replace_key else new[0])
+            assert fast.bytes_by_path["tcp"] == (0 if replace_key else 1 << 20)
+        assert _shm_stats(node)["expired"] == 1
+    finally:
+        assert node.stop() == 0
+
+
+def test_user_without_permission_gets_tcp() -> None:
+    node = start_node("--dram-capacity", "16MiB", "--no-ssd", "--shm-allow", "uid:4242424")
+    try:
+        key, value = os.urandom(16), os.urandom(5000)
+        with Client(node.url) as auto:  # default: the fast path when granted, TCP otherwise
+            auto.put(key, value)
+            assert auto.get(key) == value
+            assert auto.bytes_by_path == {"shm": 0, "tcp": 5000}
+        with pytest.raises(KvpoolConnectionError, match="may not map the arena"), \
+                Client(node.url, shm=True) as forced:
+            forced.get(key)
+        assert _shm_stats(node)["denied"] >= 2
+        assert _shm_stats(node)["grants"] == 0
+    finally:
+        node.stop()
+
+
+def test_no_shm_node_and_forced_tcp() -> None:
+    node = start_node("--dram-capacity", "16MiB", "--no-ssd", "--no-shm")
+    try:
+        with Client(node.url) as auto:
+            auto.put(b"k" * 16, b"v" * 100)
+            assert auto.get(b"k" * 16) == b"v" * 100
+            assert auto.bytes_by_path["shm"] == 0
+        with pytest.raises(KvpoolConnectionError, match="offers no shared-memory"), \
+                Client(node.url, shm=True) as forced:
+            forced.get(b"k" * 16)
+        assert "shm" not in http_json(f"{node.admin_url}/v1/stats")[1]
+    finally:
+        node.stop()
+
+
+def test_a_stalled_reader_loses_its_lease_and_eviction_goes_on() -> None:
+    node = start_node("--dram-capacity", "16MiB", "--no-ssd", "--shm-lease", "0.3")
+    try:
+        key, value = os.urandom(16), os.urandom(1 << 20)
+        seen: dict[str, int] = {}
+        with Client(node.url, shm=True) as fast:
+            fast.put(key, value)
+
+            def stall(_item: ShmItem) -> None:
+                seen.update(during=_shm_stats(node)["open_leases"])
+                time.sleep(1.0)
+                seen.update(after=_shm_stats(node)["open_leases"])
+                # the value is no longer held: an eviction may take it
+                seen.update(evicted=http_json(f"{node.admin_url}/v1/admin/evict", "POST",
+                                              {"tier": "dram"})[1]["evicted"]["dram"])
+
+            _mapping(fast).after_copy = stall
+            got = fast.get(key)
+        assert seen == {"during": 1, "after": 0, "evicted": 1}
+        assert got is None  # freed mid-copy, and gone when asked again over TCP
+        assert _shm_stats(node)["expired"] == 1
+    finally:
+        node.stop()
+
+
+CRASH = """
+import os, sys
+from kvpool.client import Client
+with Client(sys.argv[1], shm=True) as c:
+    c.async_client._single._map.after_copy = lambda item: os._exit(3)
+    c.get(bytes.fromhex(sys.argv[2]))
+"""
+
+
+def test_a_crashed_client_leaves_no_lease() -> None:
+    node = start_node("--dram-capacity", "16MiB", "--no-ssd", "--shm-lease", "60")
+    try:
+        key = os.urandom(16)
+        with Client(node.url, shm=False) as c:
+            c.put(key, os.urandom(1 << 20))
+        proc = subprocess.run([sys.executable, "-c", CRASH, node.url, key.hex()], timeout=60,
+                              check=False)
+        assert proc.returncode == 3  # died between the copy and RELEASE
+        deadline = time.monotonic() + 10
+        while _shm_stats(node)["open_leases"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        shm = _shm_stats(node)
+        assert shm["leases"] == 1 and shm["open_leases"] == 0 and shm["expired"] == 0
+    finally:
+        node.stop()
+
+
+async def test_async_client_uses_the_fast_path() -> None:
+    node = start_node("--dram-capacity", "16MiB", "--no-ssd")
+    try:
+        async with AsyncClient(node.url) as client:
+            await client.put(b"a" * 16, b"payload")
+            assert await client.get(b"a" * 16) == b"payload"
+            assert client.bytes_by_path == {"shm": 7, "tcp": 0}
+    finally:
+        node.stop()
