@@ -19,8 +19,9 @@ connection pool per node.
   newer map epoch triggers a map refresh, and WRONG_OWNER a refresh and retry;
 - a node on the same host that grants it (see ``kvpool.server.shm``) serves
   GETs through shared memory: the client copies values straight from the
-  node's arena (``shm=None``, the default: when offered; ``True``: required,
-  connecting fails otherwise; ``False``: always TCP).
+  node's arena (``shm=None``, the default: when a standalone node offers it;
+  ``True``: required, also in a cluster, connecting fails otherwise;
+  ``False``: always TCP).
 """
 
 from __future__ import annotations
@@ -578,6 +579,11 @@ class AsyncClient:
                     node = NodeClient(*address, node_id=info.id, **self._settings)
             node.epoch = cmap.epoch
             node.on_newer_epoch = self._on_newer_epoch
+            if self._settings["shm"] is None:
+                # the fast path is automatic for a standalone node only: under cluster-map
+                # changes it returned misses in tests/test_cluster.py (1 run in 4 under load;
+                # not found yet), so a cluster client uses it only with shm=True
+                node.shm = False
             nodes[info.id] = node
         for node_id, node in old.items():
             if nodes.get(node_id) is not node:

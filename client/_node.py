@@ -245,7 +245,7 @@ class NodeClient:
                   ) -> list[memoryview | Segments | None]:
         """Payload views (None for misses and corrupt chunks, which are deleted here)."""
         conn = await self._connection()
-        if conn.shm and self._map is not None:
+        if conn.shm and self._map is not None and self.shm is not False:
             return await self._get_shm(conn, self._map, blob, sinks)
         return await self._get_tcp(conn, blob, sinks)
 

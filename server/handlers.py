@@ -341,7 +341,8 @@ class Handlers:
         return self.get(request)
 
     def release(self, request: Request) -> Reply:
-        assert self.shm is not None and isinstance(request.session, Session)
+        if self.shm is None or not isinstance(request.session, Session):
+            raise BadFrameError("RELEASE needs a node with the shared-memory fast path")
         ids = decode_lease_ids(request.body, request.header.count)
         done = self.shm.release(request.session, ids)
         return self._reply(request, [encode_statuses(

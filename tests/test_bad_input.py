@@ -89,6 +89,10 @@ CASES = {
     "non-JSON HELLO": (FrameHeader(Op.HELLO, 5, 0, 3).pack() + b"{{{", Status.BAD_FRAME, "JSON"),
     "STATS with a body": (FrameHeader(Op.STATS, 5, 0, 3).pack() + b"abc", Status.BAD_FRAME,
                           "no body"),
+    "GET_SHM without a grant": (FrameHeader(Op.GET_SHM, 5, 1, 16).pack() + b"k" * 16,
+                                Status.BAD_FRAME, "shared-memory arena"),
+    "traced frame too short": (FrameHeader(Op.GET | 0x80, 5, 0, 4).pack() + b"abcd",
+                               Status.BAD_FRAME, "traced"),
 }
 
 
