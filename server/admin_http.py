@@ -7,13 +7,14 @@ as a bearer token; reads never need it.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import urllib.error
 import urllib.request
 from typing import Any
 
-__all__ = ["AdminError", "admin_base", "call_admin", "default_token"]
+__all__ = ["AdminError", "add_admin_args", "admin_base", "call_admin", "default_token"]
 
 
 class AdminError(Exception):
@@ -59,3 +60,12 @@ def call_admin(url: str, body: dict[str, Any] | None = None, *, method: str | No
         raise AdminError(f"{url}: HTTP {exc.code} {message}", exc.code) from None
     except (OSError, ValueError) as exc:
         raise AdminError(f"cannot reach {url}: {exc}") from None
+
+
+def add_admin_args(parser: argparse.ArgumentParser, *, token: bool = False) -> None:
+    """``--admin`` (any node's admin URL) and, for mutating commands, ``--token``."""
+    parser.add_argument("--admin", default="http://127.0.0.1:7701",
+                        help="admin URL of any node (default: http://127.0.0.1:7701)")
+    if token:
+        parser.add_argument("--token", default=default_token(),
+                            help="the nodes' admin token (default: $KVPOOL_ADMIN_TOKEN)")

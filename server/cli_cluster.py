@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from kvpool.server.admin_http import AdminError, admin_base, call_admin, default_token
+from kvpool.server.admin_http import AdminError, add_admin_args, admin_base, call_admin
 from kvpool.server.config import format_size
 
 __all__ = ["add_cluster_commands"]
@@ -137,8 +137,7 @@ def add_cluster_commands(csub: Any) -> None:
         description="Read the cluster map from one node's admin API (a standalone node serves "
         "a one-node map), then every node's stats. Exit codes: 0 every node answered, "
         "2 some node (or the one asked) could not be reached.")
-    status.add_argument("--admin", default="http://127.0.0.1:7701",
-                        help="admin URL of any node (default: http://127.0.0.1:7701)")
+    add_admin_args(status)
     status.add_argument("--json", action="store_true", help="print raw JSON")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds per request")
     status.set_defaults(func=_status)
@@ -150,10 +149,7 @@ def add_cluster_commands(csub: Any) -> None:
         "progress bar until the hand-off is done. Exit codes: 0 done, 1 failed, 2 refused or "
         "unreachable, 3 timed out.")
     drain.add_argument("node", help="id of the node to drain")
-    drain.add_argument("--admin", default="http://127.0.0.1:7701",
-                       help="admin URL of any node (default: http://127.0.0.1:7701)")
-    drain.add_argument("--token", default=default_token(),
-                       help="the nodes' admin token (default: $KVPOOL_ADMIN_TOKEN)")
+    add_admin_args(drain, token=True)
     drain.add_argument("--no-wait", action="store_true", help="return once the map says draining")
     drain.add_argument("--wait", type=float, default=3600.0,
                        help="seconds to follow the hand-off before giving up (default: 3600)")

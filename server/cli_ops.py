@@ -23,7 +23,7 @@ from typing import Any
 
 from kvpool.placement.keys import Namespace
 from kvpool.protocol.errors import ConfigError
-from kvpool.server.admin_http import AdminError, admin_base, call_admin, default_token
+from kvpool.server.admin_http import AdminError, add_admin_args, admin_base, call_admin
 
 __all__ = ["add_ops_commands", "bench_modules", "read_tokens"]
 
@@ -172,8 +172,7 @@ def add_ops_commands(sub: Any) -> None:
     lookup.add_argument("--namespace", required=True,
                         help="the namespace as JSON, or @FILE: model, dtype, num_layers, "
                         "num_kv_heads, head_dim, chunk_tokens, ...")
-    lookup.add_argument("--admin", default="http://127.0.0.1:7701",
-                        help="admin URL of any node (default: http://127.0.0.1:7701)")
+    add_admin_args(lookup)
     lookup.add_argument("--json", action="store_true", help="print the reply as JSON")
     lookup.add_argument("--timeout", type=float, default=10.0, help="seconds")
     lookup.set_defaults(func=_lookup)
@@ -185,10 +184,7 @@ def add_ops_commands(sub: Any) -> None:
             "the map whose DRAM tier holds it (POST /v1/chunks/KEY/" + action + "). Exit codes: "
             "0 done, 1 some key was on no node, 2 unreachable or refused.")
         cmd.add_argument("keys", nargs="+", metavar="KEY", help="chunk keys in hex")
-        cmd.add_argument("--admin", default="http://127.0.0.1:7701",
-                         help="admin URL of any node (default: http://127.0.0.1:7701)")
-        cmd.add_argument("--token", default=default_token(),
-                         help="the nodes' admin token (default: $KVPOOL_ADMIN_TOKEN)")
+        add_admin_args(cmd, token=True)
         cmd.add_argument("--json", action="store_true", help="print the result as JSON")
         cmd.add_argument("--timeout", type=float, default=5.0, help="seconds per request")
         cmd.set_defaults(func=_pin)
