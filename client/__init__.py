@@ -6,6 +6,7 @@ Errors raised are the classes of :mod:`kvpool.protocol.errors`, re-exported here
 from kvpool.client._async import AsyncClient, parse_url
 from kvpool.client._sync import Client
 from kvpool.protocol.errors import (
+    AuthenticationError,
     BufferTooSmallError,
     CapacityError,
     CorruptChunkError,
@@ -14,11 +15,13 @@ from kvpool.protocol.errors import (
     KvpoolError,
     KvpoolTimeoutError,
     NotDurableError,
+    PermissionDeniedError,
     ValueTooLargeError,
 )
 
 __all__ = [
     "AsyncClient",
+    "AuthenticationError",
     "BufferTooSmallError",
     "CapacityError",
     "Client",
@@ -28,6 +31,7 @@ __all__ = [
     "KvpoolError",
     "KvpoolTimeoutError",
     "NotDurableError",
+    "PermissionDeniedError",
     "ValueTooLargeError",
     "parse_url",
 ]

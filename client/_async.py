@@ -22,13 +22,23 @@ connection pool per node.
   node's arena (``shm=None``, the default: when a standalone node offers it;
   ``True``: required, also in a cluster, connecting fails otherwise;
   ``False``: always TCP).
+
+Security: ``token`` (default ``$KVPOOL_TOKEN``) is sent in HELLO to nodes that
+require one; it names a tenant and a role, and the node keeps every tenant's
+chunks apart. ``scope="shared"`` addresses the cluster-wide shared scope
+(every tenant reads it, admins write it); ``"raw"`` addresses stored keys
+(admins only: node-to-node tools). ``ssl`` is an ``ssl.SSLContext`` for
+nodes that serve TLS (``ssl.create_default_context(cafile=...)``, plus
+``load_cert_chain`` for client certificates).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
+import ssl as ssl_module
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar, cast
@@ -47,6 +57,7 @@ from kvpool.client._node import (
     join_keys,
     key_bytes,
     parse_url,
+    scope_flags,
 )
 from kvpool.client._routing import pick
 from kvpool.client._tracing import explicit_tracer, traced
@@ -98,7 +109,8 @@ class AsyncClient:
                  pool_size: int = 2, timeout: float = 10.0, connect_timeout: float = 5.0,
                  client_name: str = "kvpool-python",
                  tracer_provider: TracerProvider | None = None,
-                 shm: bool | None = None) -> None:
+                 shm: bool | None = None, token: str | None = None, scope: str = "tenant",
+                 ssl: ssl_module.SSLContext | None = None) -> None:
         if pool_size < 1:
             raise ConfigError("pool_size must be >= 1")
         if timeout <= 0 or connect_timeout <= 0:
@@ -108,9 +120,13 @@ class AsyncClient:
             raise ConfigError("give at least one node URL")
         self.seeds = [parse_url(u) for u in urls]
         self.host, self.port = self.seeds[0]
+        scope_flags(scope)  # ConfigError now, not at connect
+        if token is None:
+            token = os.environ.get("KVPOOL_TOKEN", "")
         self._settings: dict[str, Any] = {"pool_size": pool_size, "timeout": timeout,
                                           "connect_timeout": connect_timeout,
-                                          "client_name": client_name, "shm": shm}
+                                          "client_name": client_name, "shm": shm,
+                                          "token": token, "scope": scope, "ssl": ssl}
         self.timeout = timeout
         #: where client spans go; None: the application's global provider (no spans, and no
         #: trace context on the wire, unless it installed an SDK provider)

@@ -13,7 +13,7 @@ from typing import cast
 
 from kvpool.client._tracing import wire_context
 from kvpool.protocol.errors import KvpoolConnectionError, KvpoolError, KvpoolTimeoutError
-from kvpool.protocol.frames import OP_FLAG_TRACE, Op, pack_frame_header
+from kvpool.protocol.frames import KEY_OPS, OP_FLAG_TRACE, Op, pack_frame_header
 from kvpool.protocol.parsers import Reply, ReplyParser, Segments
 
 __all__ = ["Connection"]
@@ -21,6 +21,10 @@ __all__ = ["Connection"]
 Buffer = bytes | bytearray | memoryview
 #: a buffer, or a list of buffers used in order as one (like readv/writev)
 BufferOrSegments = Buffer | list[Buffer] | tuple[Buffer, ...]
+
+
+#: ops whose keys are in a scope (the connection's scope flags go on these)
+_SCOPED_OPS = KEY_OPS | {Op.PUT}
 
 
 class _Pending:
@@ -56,6 +60,11 @@ class Connection(asyncio.BufferedProtocol):
         self._watchdog: asyncio.TimerHandle | None = None
         #: the node granted this connection its shared-memory arena (GET_SHM)
         self.shm = False
+        #: OP_FLAG_SHARED or OP_FLAG_RAW on every key op and PUT (0: the tenant's scope)
+        self.scope_flags = 0
+        #: loop time of the last request sent or reply received (idle connections are
+        #: replaced before the node's idle timeout closes them under a request)
+        self.last_used = 0.0
 
     @property
     def is_open(self) -> bool:
@@ -76,14 +85,16 @@ class Connection(asyncio.BufferedProtocol):
         body_len = sum(memoryview(b).nbytes for b in body)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Reply] = loop.create_future()
+        self.last_used = loop.time()
         self._pending[request_id] = _Pending(future, sinks, op, loop.time() + self._timeout)
         trace = wire_context()
+        wire_op = op | self.scope_flags if op in _SCOPED_OPS else op
         if trace is None:
             self._transport.writelines(
-                [pack_frame_header(op, request_id, count, body_len, epoch=epoch), *body])
+                [pack_frame_header(wire_op, request_id, count, body_len, epoch=epoch), *body])
         else:
             self._transport.writelines(
-                [pack_frame_header(op | OP_FLAG_TRACE, request_id, count,
+                [pack_frame_header(wire_op | OP_FLAG_TRACE, request_id, count,
                                    body_len + len(trace), epoch=epoch), trace, *body])
         if self._watchdog is None:
             self._watchdog = loop.call_later(self._check_interval, self._check_deadlines)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl as ssl_module
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
@@ -36,6 +37,8 @@ from kvpool.protocol.errors import (
 )
 from kvpool.protocol.frames import (
     KEY_SIZE,
+    OP_FLAG_RAW,
+    OP_FLAG_SHARED,
     PROTOCOL_VERSION,
     PUT_FLAG_PARENT,
     Op,
@@ -77,6 +80,17 @@ def parse_url(url: str) -> tuple[str, int]:
     if not parts.hostname:
         raise ConfigError(f"no host in node URL {url!r}")
     return parts.hostname, port
+
+
+_SCOPES = {"tenant": 0, "shared": OP_FLAG_SHARED, "raw": OP_FLAG_RAW}
+
+
+def scope_flags(scope: str) -> int:
+    """The op-byte bits of a scope name: tenant (the token's own), shared or raw."""
+    try:
+        return _SCOPES[scope]
+    except KeyError:
+        raise ConfigError(f"scope must be 'tenant', 'shared' or 'raw', got {scope!r}") from None
 
 
 def key_bytes(key: Key) -> bytes:
@@ -141,8 +155,13 @@ class NodeClient:
 
     def __init__(self, host: str, port: int, *, node_id: str = "", pool_size: int = 2,
                  timeout: float = 10.0, connect_timeout: float = 5.0,
-                 client_name: str = "kvpool-python", shm: bool | None = None) -> None:
+                 client_name: str = "kvpool-python", shm: bool | None = None,
+                 token: str = "", scope: str = "tenant",
+                 ssl: ssl_module.SSLContext | None = None) -> None:
         self.host, self.port = host, port
+        self.token = token
+        self.scope_flags = scope_flags(scope)
+        self.ssl = ssl
         #: the same-host fast path: None = when the node offers it, True = required, False = off
         self.shm = shm
         self._map: ShmMapping | None = None
@@ -409,7 +428,11 @@ class NodeClient:
         self._next_slot = (slot + 1) % len(self._slots)
         conn = self._slots[slot]
         if conn is not None and conn.is_open:
-            return conn
+            idle_s = self.server_info.get("idle_timeout_s") or 0
+            if not idle_s or conn.num_pending or \
+                    asyncio.get_running_loop().time() - conn.last_used < idle_s * 0.75:
+                return conn
+            conn.close()  # the node is about to close it (or has, unseen by a sync client)
         connecting = self._connecting.get(slot)
         if connecting is None:
             connecting = asyncio.ensure_future(self._open())
@@ -428,15 +451,18 @@ class NodeClient:
             async with asyncio.timeout(self.connect_timeout):
                 _, conn = await loop.create_connection(
                     lambda: Connection(self.timeout, f"{self.host}:{self.port}"),
-                    self.host, self.port)
+                    self.host, self.port, ssl=self.ssl)
         except TimeoutError:
             raise KvpoolTimeoutError(
                 f"connecting to {self.host}:{self.port} took longer than {self.connect_timeout}s"
             ) from None
-        except OSError as exc:
+        except OSError as exc:  # ssl.SSLError included
             raise KvpoolConnectionError(
                 f"cannot connect to kvpool node {self.host}:{self.port}: {exc}") from exc
+        conn.scope_flags = self.scope_flags
         request: dict[str, Any] = {"protocol": PROTOCOL_VERSION, "client": self.client_name}
+        if self.token:
+            request["token"] = self.token
         if self.shm is not False:
             request.update(shm=True, host=host_id())
         try:

@@ -18,6 +18,8 @@ wire travel as a :class:`Status` code and are rebuilt on the other side by
     │   ├── ValueTooLargeError   one value larger than the node's maximum
     │   ├── CapacityError        no room even after eviction (e.g. all pinned)
     │   ├── WrongOwnerError      the node does not own a key under its (newer) cluster map
+    │   ├── AuthenticationError  no token, or one the node does not know
+    │   ├── PermissionDeniedError the token's role may not do this
     │   └── NotDurableError      write-through on, and S3 did not take the chunk
     ├── CorruptChunkError        envelope invalid or checksum mismatch
     ├── BufferTooSmallError      get_into buffer smaller than the stored payload
@@ -31,6 +33,8 @@ from __future__ import annotations
 import enum
 
 __all__ = [
+    "AuthenticationError",
+    "PermissionDeniedError",
     "BadFrameError",
     "BufferTooSmallError",
     "CapacityError",
@@ -72,6 +76,8 @@ class Status(enum.IntEnum):
     INTERNAL = 10
     UNAVAILABLE = 11
     WRONG_OWNER = 12
+    UNAUTHENTICATED = 13
+    PERMISSION_DENIED = 14
 
 
 class KvpoolError(Exception):
@@ -145,6 +151,14 @@ class WrongOwnerError(RequestError):
     epoch: int = 0
 
 
+class AuthenticationError(RequestError):
+    """The node requires a token and got none, or one it does not know."""
+
+
+class PermissionDeniedError(RequestError):
+    """The token's role does not allow this op (or this scope)."""
+
+
 class CorruptChunkError(KvpoolError):
     """A stored chunk failed envelope validation or its checksum."""
 
@@ -177,6 +191,8 @@ _ERROR_FOR_STATUS: dict[Status, type[KvpoolError]] = {
     Status.INTERNAL: ServerError,
     Status.UNAVAILABLE: NotDurableError,
     Status.WRONG_OWNER: WrongOwnerError,
+    Status.UNAUTHENTICATED: AuthenticationError,
+    Status.PERMISSION_DENIED: PermissionDeniedError,
 }
 
 _STATUS_FOR_ERROR: dict[type[KvpoolError], Status] = {

@@ -12,7 +12,7 @@ Every frame is a 24-byte little-endian header followed by ``body_len`` bytes::
      16    8 body_len
 
 Request bodies:
-    HELLO         JSON {"protocol": int, "client": str, "token"?: str, "tenant"?: str}
+    HELLO         JSON {"protocol": int, "client": str, "token"?: str}
     PUT           count x (PUT item header (32 bytes) || parent key (16 bytes, only with
                   PUT_FLAG_PARENT) || value)
     GET, EXISTS, DELETE, LOOKUP, PIN, UNPIN   count x 16-byte key
@@ -35,6 +35,10 @@ its body starts with TRACE_CONTEXT_SIZE (26) bytes -- version 0 (u8), trace id (
 parent span id (8), trace flags (u8) -- counted in ``body_len``. Clients set it only
 for a sampled span, so an untraced request is byte-for-byte unchanged. Replies never
 carry it.
+A request's op byte may also name the scope its keys live in (key ops and PUT only):
+OP_FLAG_SHARED (0x40) addresses the cluster's shared scope (readable by every tenant,
+writable by admins), OP_FLAG_RAW (0x20) addresses stored keys verbatim (admins only:
+node-to-node hand-off). Without either, keys are in the authenticated tenant's scope.
 A reply with a status other than OK carries a UTF-8 message as its body.
 Every reply carries the node's cluster-map epoch; a request whose epoch is
 older than the node's, for a key the node does not accept under its map,
@@ -59,7 +63,10 @@ __all__ = [
     "GET_ITEM_SIZE",
     "KEY_SIZE",
     "KEY_OPS",
+    "OP_FLAG_RAW",
+    "OP_FLAG_SHARED",
     "OP_FLAG_TRACE",
+    "OP_SCOPE_MASK",
     "PROTOCOL_VERSION",
     "PUT_FLAG_PARENT",
     "PUT_FLAG_PIN",
@@ -103,6 +110,12 @@ PUT_FLAG_PARENT = 2
 
 #: set in a request's op byte: the body starts with a trace context (see the module doc)
 OP_FLAG_TRACE = 0x80
+#: set in a request's op byte: its keys are in the shared scope, not the tenant's
+OP_FLAG_SHARED = 0x40
+#: set in a request's op byte: its keys are stored keys, used verbatim (admins only)
+OP_FLAG_RAW = 0x20
+#: the op-byte bits that choose a scope
+OP_SCOPE_MASK = OP_FLAG_SHARED | OP_FLAG_RAW
 
 
 class Op(enum.IntEnum):

@@ -29,6 +29,7 @@ from kvpool.protocol.frames import (
     KEY_OPS,
     KEY_SIZE,
     OP_FLAG_TRACE,
+    OP_SCOPE_MASK,
     PUT_FLAG_PARENT,
     PUT_ITEM_SIZE,
     TRACE_CONTEXT_SIZE,
@@ -53,6 +54,7 @@ __all__ = [
     "Request",
     "RequestParser",
     "Reservation",
+    "Scoper",
     "TOO_SMALL",
 ]
 
@@ -62,6 +64,8 @@ TOO_SMALL = 255
 MAX_CONTROL_BODY = 64 << 10
 
 _KNOWN_OPS = frozenset(int(op) for op in Op)
+#: ops whose op byte may carry scope bits
+_SCOPED_OPS = KEY_OPS | {Op.PUT}
 # needs asked for on every frame, made once (a plan never mutates a need)
 _FRAME_HEADER = Exact(FRAME_HEADER_SIZE)
 _PUT_ITEM = Exact(PUT_ITEM_SIZE)
@@ -117,6 +121,15 @@ class Request:
     trace: TraceContext | None = None
     #: per-connection state the node attaches (the parser leaves it None)
     session: object | None = None
+    #: the scope bits of the op byte (OP_FLAG_SHARED, OP_FLAG_RAW; 0 = the tenant's)
+    scope: int = 0
+    #: the keys as the client sent them, when the node has mapped ``keys`` to stored keys
+    #: (placement uses these); None when ``keys`` are the client's keys
+    client_keys: list[bytes] | None = None
+
+
+#: maps a client's key to the key it is stored under, given a frame's scope bits
+Scoper = Callable[[bytes, int], bytes]
 
 
 class RequestParser:
@@ -180,9 +193,12 @@ class RequestParser:
             assert raw is not None
             header = FrameHeader.unpack(raw)
             traced = bool(header.op & OP_FLAG_TRACE)
-            header.op &= ~OP_FLAG_TRACE
-            if header.op not in _KNOWN_OPS:
-                raise UnknownOpcodeError(f"unknown opcode {header.op}")
+            scope = header.op & OP_SCOPE_MASK
+            wire_op = header.op
+            header.op &= ~(OP_FLAG_TRACE | OP_SCOPE_MASK)
+            if header.op not in _KNOWN_OPS or (scope and (
+                    scope == OP_SCOPE_MASK or header.op not in _SCOPED_OPS)):
+                raise UnknownOpcodeError(f"unknown opcode {wire_op & ~OP_FLAG_TRACE}")
             if header.count > limits.max_batch:
                 raise FrameTooLargeError(
                     f"batch of {header.count} exceeds max_batch {limits.max_batch}")
@@ -199,7 +215,7 @@ class RequestParser:
                 trace = unpack_trace_context(raw_trace)
                 header.body_len -= TRACE_CONTEXT_SIZE
             if header.op == Op.PUT:
-                request = Request(header, trace=trace)
+                request = Request(header, trace=trace, scope=scope)
                 remaining = header.body_len
                 for _ in range(header.count):
                     if remaining < PUT_ITEM_SIZE:
@@ -242,7 +258,7 @@ class RequestParser:
                 body = yield Exact(header.body_len)
                 assert body is not None
                 self._ready.append(Request(header, keys=decode_keys(body, header.count),
-                                           trace=trace))
+                                           trace=trace, scope=scope))
             else:
                 if header.body_len > MAX_CONTROL_BODY:
                     raise FrameTooLargeError(
@@ -250,7 +266,7 @@ class RequestParser:
                         f"{MAX_CONTROL_BODY}")
                 body = yield Exact(header.body_len)
                 assert body is not None
-                self._ready.append(Request(header, body=body, trace=trace))
+                self._ready.append(Request(header, body=body, trace=trace, scope=scope))
 
 
 @dataclass(slots=True)

@@ -4,9 +4,17 @@
 Health (``/healthz``, ``/readyz``), ``/metrics``, stats, the cluster map and its
 changes, cluster-wide prefix lookup for callers that are not Python, KV events,
 and per-chunk and node-wide administration. Errors are JSON with one shape:
-``{"error": {"type": "bad_request", "message": "..."}}``. With an admin token
-configured, every mutating route (POST and DELETE, except the read-only
-``POST /v1/lookup``) needs ``Authorization: Bearer <token>``.
+``{"error": {"type": "bad_request", "message": "..."}}``.
+
+Auth: with a tokens file (``--auth-tokens``), every route but the probes,
+``/metrics`` and ``/openapi.json`` needs ``Authorization: Bearer <token>``:
+a read token for reads and lookups, write for deleting and pinning chunks,
+admin for events, cluster changes and ``/v1/admin/*``. Keys in chunk routes
+and lookups are in the caller's tenant scope (``?scope=shared``, or
+``"scope"`` in a lookup body, for the shared scope; ``raw`` for stored keys,
+admins only). The older ``--admin-token`` is an admin over stored keys; with
+it alone, reads stay open and mutating routes (POST, DELETE but
+``POST /v1/lookup``) need it.
 """
 
 from __future__ import annotations
@@ -21,8 +29,14 @@ from aiohttp import web
 
 from kvpool.placement.cluster_map import ClusterMap
 from kvpool.placement.keys import ChunkHasher, Namespace, key_from_hex
-from kvpool.protocol.errors import ConfigError, InvalidKeyError, KvpoolError
+from kvpool.protocol.errors import (
+    ConfigError,
+    InvalidKeyError,
+    KvpoolError,
+    PermissionDeniedError,
+)
 from kvpool.protocol.frames import Tier
+from kvpool.server.auth import ANONYMOUS, Principal, Role, TokenTable, stored_keys
 from kvpool.server.events import EVENT_TYPES, EventBus
 from kvpool.server.membership import StaticMapError
 from kvpool.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -100,6 +114,11 @@ class AdminBackend(Protocol):
     @property
     def admin_token(self) -> str: ...
 
+    @property
+    def auth_table(self) -> TokenTable: ...
+
+    def tenant_usage(self) -> dict[str, int]: ...
+
     def ready(self) -> tuple[bool, str]: ...
 
     def chunk_info(self, key: bytes) -> dict[str, Any] | None: ...
@@ -113,25 +132,55 @@ class AdminBackend(Protocol):
     async def flush(self, timeout_s: float) -> dict[str, Any]: ...
 
 
+#: routes anyone may call: probes, metrics (counts only) and the API description
+_PUBLIC = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json"})
+
+
+def _role_needed(request: web.Request) -> Role:
+    path = request.path
+    if path.startswith(("/v1/admin/", "/v1/events")) or (
+            path.startswith("/v1/cluster/") and request.method == "POST"):
+        return Role.ADMIN
+    if path.startswith("/v1/chunks/") and request.method in ("POST", "DELETE"):
+        return Role.WRITE
+    return Role.READ
+
+
+def _scoped(request: web.Request, keys: list[bytes], scope: str | None = None) -> list[bytes]:
+    """The stored keys the caller means (its tenant's scope, or ``?scope=``)."""
+    principal: Principal = request.get("principal", ANONYMOUS)
+    return stored_keys(principal, keys, scope if scope is not None
+                       else request.query.get("scope", ""))
+
+
 def make_admin_app(node: AdminBackend) -> web.Application:
     node_id, events, lookup, change = node.node_id, node.events, node.lookup, node.change
 
     async def healthz(_request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "node_id": node_id})
 
-    async def stats(_request: web.Request) -> web.Response:
-        return web.json_response(await node.snapshot())
+    async def stats(request: web.Request) -> web.Response:
+        snap = await node.snapshot()
+        principal: Principal = request.get("principal", ANONYMOUS)
+        if principal.role == Role.ADMIN:  # who uses how much: for operators, not tenants
+            snap["auth"]["tenant_dram_bytes"] = node.tenant_usage()
+        return web.json_response(snap)
 
     async def cluster_map(_request: web.Request) -> web.Response:
         return web.json_response(node.cluster_info())
 
     async def lookup_route(request: web.Request) -> web.Response:
         try:
-            keys, chunk_tokens = _parse_lookup(await _read_json(request))
+            body = await _read_json(request)
+            scope = body.pop("scope", "") if isinstance(body, dict) else ""
+            keys, chunk_tokens = _parse_lookup(body)
+            stored = _scoped(request, keys, scope if isinstance(scope, str) else "?")
         except (ConfigError, InvalidKeyError) as exc:
             return _error(400, "bad_request", str(exc))
+        except PermissionDeniedError as exc:
+            return _error(403, "forbidden", str(exc))
         try:
-            tiers = await lookup(keys) if keys else []
+            tiers = await lookup(stored) if keys else []
         except KvpoolError as exc:
             return _error(503, "unavailable", f"{type(exc).__name__}: {exc}")
         reply: dict[str, Any] = {"num_chunks": len(tiers),
@@ -212,10 +261,14 @@ def make_admin_app(node: AdminBackend) -> web.Application:
 
     def _key(request: web.Request) -> bytes:
         try:
-            return key_from_hex(request.match_info["key"])
-        except InvalidKeyError as exc:
+            return _scoped(request, [key_from_hex(request.match_info["key"])])[0]
+        except (InvalidKeyError, ConfigError) as exc:
             raise web.HTTPBadRequest(text=json.dumps(
                 {"error": {"type": "bad_request", "message": str(exc)}}),
+                content_type="application/json") from None
+        except PermissionDeniedError as exc:
+            raise web.HTTPForbidden(text=json.dumps(
+                {"error": {"type": "forbidden", "message": str(exc)}}),
                 content_type="application/json") from None
 
     def _missing(key: bytes) -> web.Response:
@@ -288,12 +341,32 @@ def make_admin_app(node: AdminBackend) -> web.Application:
 
     @web.middleware
     async def require_token(request: web.Request, handler: Any) -> web.StreamResponse:
-        if token and request.method in ("POST", "DELETE") and request.path != "/v1/lookup":
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, b"Bearer " + token):
-                return _error(401, "unauthorized", "this route needs the admin token: "
+        if request.path in _PUBLIC:
+            response: web.StreamResponse = await handler(request)
+            return response
+        given = request.headers.get("Authorization", "")
+        bearer = given[7:] if given.startswith("Bearer ") else ""
+        table = node.auth_table
+        principal: Principal | None = None
+        if token and hmac.compare_digest(given.encode(), b"Bearer " + token):
+            principal = ANONYMOUS  # the --admin-token: an admin over stored keys
+        elif not table.open:
+            principal = table.authenticate(bearer)
+            if principal is None:
+                return _error(401, "unauthorized", "this node requires a token: "
                               "Authorization: Bearer <token>")
-        response: web.StreamResponse = await handler(request)
+        elif not token or (request.method not in ("POST", "DELETE")
+                           or request.path == "/v1/lookup"):
+            principal = ANONYMOUS  # open mode (reads stay open with just an --admin-token)
+        if principal is None:
+            return _error(401, "unauthorized", "this route needs the admin token: "
+                          "Authorization: Bearer <token>")
+        needed = _role_needed(request)
+        if principal.role < needed:
+            return _error(403, "forbidden", f"this route needs a {needed.name.lower()} token; "
+                          f"this one is {principal}")
+        request["principal"] = principal
+        response = await handler(request)
         return response
 
     @web.middleware

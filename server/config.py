@@ -25,6 +25,7 @@ __all__ = [
     "DramConfig",
     "NodeConfig",
     "S3Config",
+    "SecurityConfig",
     "ServerConfig",
     "SsdConfig",
     "add_arguments",
@@ -104,6 +105,15 @@ class ServerConfig:
                               flag="--shm-lease", env="KVPOOL_SHM_LEASE")
     shm_allow: str = knob("", "who may map the arena: uid:N,gid:N,... ('' = the node's own "
                           "user)", flag="--shm-allow", env="KVPOOL_SHM_ALLOW")
+    max_connections: int = knob(4096, "most data connections open at once; more are closed "
+                                "at accept", flag="--max-connections",
+                                env="KVPOOL_MAX_CONNECTIONS")
+    idle_timeout_s: float = knob(300.0, "close a data connection that sends nothing for this "
+                                 "long, or stalls mid-frame or unread for this long (0 = "
+                                 "never)", flag="--idle-timeout", env="KVPOOL_IDLE_TIMEOUT")
+    hello_timeout_s: float = knob(10.0, "close a data connection that has not completed HELLO "
+                                  "within this long", flag="--hello-timeout",
+                                  env="KVPOOL_HELLO_TIMEOUT")
 
     def __post_init__(self) -> None:
         for name in ("data_port", "admin_port"):
@@ -122,6 +132,10 @@ class ServerConfig:
             raise ConfigError(f"unknown log level {self.log_level!r}")
         if self.shm_lease_s <= 0:
             raise ConfigError("shm_lease_s must be > 0")
+        if self.max_connections < 1:
+            raise ConfigError("max_connections must be >= 1")
+        if self.idle_timeout_s < 0 or self.hello_timeout_s <= 0:
+            raise ConfigError("idle_timeout_s must be >= 0 and hello_timeout_s > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,12 +258,42 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SecurityConfig:
+    auth_tokens: str = knob("", "tokens file (TOML: [[token]] token or sha256, tenant, role; "
+                            "[tenant.NAME] dram_quota); re-read on SIGHUP ('' = open mode: no "
+                            "auth, no tenants)", flag="--auth-tokens", env="KVPOOL_AUTH_TOKENS")
+    peer_token: str = knob("", "token this node presents to the other nodes (hand-off, "
+                           "cluster lookups): an admin token of their tokens files",
+                           flag="--peer-token", env="KVPOOL_PEER_TOKEN")
+    tls_cert: str = knob("", "PEM certificate (chain) of this node: TLS on the data and admin "
+                         "ports ('' = plain TCP)", flag="--tls-cert", env="KVPOOL_TLS_CERT")
+    tls_key: str = knob("", "PEM private key of --tls-cert", flag="--tls-key",
+                        env="KVPOOL_TLS_KEY")
+    tls_client_ca: str = knob("", "PEM CA bundle: clients must present a certificate it signed "
+                              "('' = no client certificates)", flag="--tls-client-ca",
+                              env="KVPOOL_TLS_CLIENT_CA")
+    tls_ca: str = knob("", "PEM CA bundle this node trusts when it connects to other nodes "
+                       "over TLS ('' = the system's)", flag="--tls-ca", env="KVPOOL_TLS_CA")
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("give both --tls-cert and --tls-key, or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("--tls-client-ca needs TLS on (--tls-cert and --tls-key)")
+        for name in ("auth_tokens", "tls_cert", "tls_key", "tls_client_ca", "tls_ca"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ConfigError(f"security.{name}: no such file {path}")
+
+
+@dataclass(frozen=True, slots=True)
 class NodeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     dram: DramConfig = field(default_factory=DramConfig)
     ssd: SsdConfig = field(default_factory=SsdConfig)
     s3: S3Config = field(default_factory=S3Config)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         if self.s3.bucket and not self.ssd.enabled:
@@ -258,7 +302,8 @@ class NodeConfig:
 
 
 _SECTIONS: dict[str, type[Any]] = {"server": ServerConfig, "dram": DramConfig, "ssd": SsdConfig,
-                                   "s3": S3Config, "cluster": ClusterConfig}
+                                   "s3": S3Config, "cluster": ClusterConfig,
+                                   "security": SecurityConfig}
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -301,7 +346,7 @@ def knob_table() -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per knob; its help names the default and the environment variable."""
     parser.add_argument("--config", metavar="FILE", help="TOML file with [server], [dram], "
-                        "[ssd], [s3] and [cluster] sections (env: KVPOOL_CONFIG)")
+                        "[ssd], [s3], [cluster] and [security] sections (env: KVPOOL_CONFIG)")
     for section, cls in _SECTIONS.items():
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(cls):

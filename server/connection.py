@@ -18,12 +18,18 @@ from typing import cast
 from opentelemetry import trace
 from opentelemetry.trace import Span, StatusCode
 
-from kvpool.protocol.errors import BadFrameError, KvpoolError, status_for_error
+from kvpool.protocol.errors import (
+    BadFrameError,
+    KvpoolError,
+    PermissionDeniedError,
+    status_for_error,
+)
 from kvpool.protocol.frames import Op, encode_error
-from kvpool.protocol.parsers import Request, RequestParser
+from kvpool.protocol.parsers import Request, RequestParser, Reservation, Scoper
+from kvpool.server.auth import ANONYMOUS, Role, TokenTable, check, scoper_for
 from kvpool.server.handlers import Handlers, Pending, Reply
 from kvpool.server.shm import Session
-from kvpool.tiers.dram import Entry
+from kvpool.tiers.dram import Entry, Slot
 
 __all__ = ["NodeConnection"]
 
@@ -31,10 +37,38 @@ log = logging.getLogger("kvpool.server")
 
 
 class NodeConnection(asyncio.BufferedProtocol):
-    def __init__(self, handlers: Handlers, registry: set[NodeConnection]) -> None:
+    """One data connection: parse, authorise, dispatch, reply; timeouts and limits.
+
+    Keys are mapped to the authenticated tenant's scope here, when a frame is
+    served (not when it is parsed: frames pipelined behind HELLO are parsed
+    before HELLO is served), PUT slots included.
+
+    Hostile peers: at most ``max_connections`` are served (more are closed at
+    accept); a connection that has not said HELLO within ``hello_timeout_s``,
+    sent nothing for ``idle_timeout_s``, spent longer than that on one frame
+    (slow-loris), or left replies unread that long, is closed. What a
+    connection buffers is bounded by the frame limits: a frame's header is
+    checked before its body is read, and no more is read while replies wait.
+    """
+
+    def __init__(self, handlers: Handlers, registry: set[NodeConnection], *,
+                 max_connections: int = 1 << 30, idle_timeout_s: float = 0.0,
+                 hello_timeout_s: float = 10.0) -> None:
         self._handlers = handlers
         self._registry = registry
-        self._parser = RequestParser(handlers.limits, reserve=handlers.dram.reserve)
+        self._max_connections = max_connections
+        self._idle_timeout = idle_timeout_s
+        self._hello_timeout = hello_timeout_s
+        self._timer: asyncio.TimerHandle | None = None
+        self._made_at = self._last_rx = 0.0
+        self._frame_since: float | None = None
+        self._paused_since: float | None = None
+        self._rejected = False
+        self._tls = False
+        self._parser = RequestParser(handlers.limits, reserve=self._reserve)
+        self._scoper: Scoper | None = None
+        #: whose DRAM quota this connection's PUTs count against (None: no one's)
+        self._quota_tenant: str | None = None
         self._transport: asyncio.Transport | None = None
         self._held: list[Entry] = []
         self._write_paused = False
@@ -48,12 +82,56 @@ class NodeConnection(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
-        self._transport.set_write_buffer_limits(high=0, low=0)
         self.peer = str(transport.get_extra_info("peername"))
-        self._registry.add(self)
         stats = self._handlers.stats
+        if len(self._registry) >= self._max_connections:
+            self._rejected = self._closing = True
+            stats.connections_rejected += 1
+            log.warning("%s: refused: %d connections open (--max-connections)", self.peer,
+                        len(self._registry))
+            self._transport.abort()
+            return
+        # TLS encrypts replies later, from its own backlog of our buffers, and its flow
+        # control misbehaves with a 0 high-water mark: values are copied out of the arena
+        # (TLS copies them anyway) and the usual limits apply
+        self._tls = transport.get_extra_info("sslcontext") is not None
+        if not self._tls:
+            self._transport.set_write_buffer_limits(high=0, low=0)
+        self._registry.add(self)
         stats.connections_open += 1
         stats.connections_total += 1
+        loop = asyncio.get_running_loop()
+        self._made_at = self._last_rx = loop.time()
+        self._arm(loop)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        limits = [self._hello_timeout] + ([self._idle_timeout] if self._idle_timeout else [])
+        self._timer = loop.call_later(max(0.05, min(limits) / 4), self._check_timeouts)
+
+    def _check_timeouts(self) -> None:
+        self._timer = None
+        if self._transport is None or self._closing:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        idle = self._idle_timeout
+        why = ""
+        if not self._hello_done and now - self._made_at > self._hello_timeout:
+            why = f"no HELLO within {self._hello_timeout}s"
+        elif idle and self._frame_since is not None and now - self._frame_since > idle:
+            why = f"one frame took longer than {idle}s to arrive"
+        elif idle and self._paused_since is not None and now - self._paused_since > idle:
+            why = f"replies left unread for {idle}s"
+        elif idle and self._frame_since is None and self._paused_since is None \
+                and not self._tasks and now - self._last_rx > idle:
+            why = f"idle for {idle}s"
+        if why:
+            self._handlers.stats.connections_timed_out += 1
+            log.info("%s: closing: %s", self.peer, why)
+            self._closing = True
+            self._transport.abort()  # the peer is not reading: a graceful close could hang
+            return
+        self._arm(loop)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._parser.get_buffer(sizehint)
@@ -61,11 +139,24 @@ class NodeConnection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self._closing:
             return
-        for request in self._parser.buffer_updated(nbytes):
+        requests = self._parser.buffer_updated(nbytes)
+        for i, request in enumerate(requests):
             if not self._serve(request):
+                # this frame failed and the connection is closing: what this frame and the
+                # ones parsed behind it received into DRAM slots goes back (a committed
+                # slot's release is a no-op)
+                for dropped in requests[i:]:
+                    _release_items(dropped)
                 return
         if self._parser.error is not None:
             self._fail(0, 0, self._parser.error)
+            return
+        if self._idle_timeout:
+            now = self._last_rx = asyncio.get_running_loop().time()
+            if not self._parser.mid_frame:
+                self._frame_since = None
+            elif self._frame_since is None:
+                self._frame_since = now
 
     def eof_received(self) -> bool | None:
         if self._parser.mid_frame:
@@ -74,16 +165,24 @@ class NodeConnection(asyncio.BufferedProtocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        self._paused_since = asyncio.get_running_loop().time()
         if self._transport is not None and not self._closing:
             self._transport.pause_reading()
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self._paused_since = None
         self._release_held()
         if self._transport is not None and not self._closing:
             self._transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._rejected:
+            self._transport = None
+            return
         self._parser.abort()
         self._release_held()
         if self._handlers.shm is not None:
@@ -112,12 +211,67 @@ class NodeConnection(asyncio.BufferedProtocol):
                            BadFrameError("the first frame on a connection must be HELLO"))
                 return False
             self._hello_done = True
+            if not self._dispatch(request, None):
+                return False
+            principal = self._session.principal
+            self._scoper = scoper_for(principal)
+            if principal.role != Role.ADMIN:
+                self._quota_tenant = principal.tenant
+            return True
+        why = check(self._session.principal, header.op, request.scope)
+        if why is not None:
+            self._refuse(request, PermissionDeniedError(why))
+            return True
+        if self._scoper is not None:
+            self._scope(request, self._scoper)
         tracing = self._handlers.tracing
         if request.trace is not None and tracing is not None:
             span = tracing.request_span(header.op, request.trace, self.peer, header.count)
             with trace.use_span(span, end_on_exit=False):
                 return self._dispatch(request, span)
         return self._dispatch(request, None)
+
+    def _scope(self, request: Request, scoper: Scoper) -> None:
+        """Map the frame's keys to the keys they are stored under (the tenant's scope)."""
+        scope = request.scope
+        if request.items:
+            dram = self._handlers.dram
+            for item in request.items:
+                slot = item.reservation
+                if isinstance(slot, Slot):
+                    dram.assign(slot, scoper(slot.key, scope), self._quota_tenant)
+                if item.parent is not None:
+                    item.parent = scoper(item.parent, scope)
+        elif request.keys:
+            request.client_keys = request.keys
+            request.keys = [scoper(k, scope) for k in request.keys]
+
+    def _reserve(self, key: bytes, nbytes: int) -> Reservation | None:
+        return self._handlers.dram.reserve(key, nbytes, self._quota_tenant)
+
+    def _refuse(self, request: Request, exc: KvpoolError) -> None:
+        """Answer one frame with an error and keep the connection (nothing was done)."""
+        _release_items(request)
+        header = request.header
+        self._handlers.stats.error(status_for_error(exc), header.op)
+        if self._transport is not None and not self._closing:
+            self._transport.writelines(encode_error(header.op, header.request_id,
+                                                    status_for_error(exc), str(exc),
+                                                    epoch=self._handlers.epoch))
+
+    def recheck(self, table: TokenTable) -> bool:
+        """After a tokens reload: close (True) unless the token still means the same."""
+        if not self._hello_done:
+            return False
+        session = self._session
+        now = ANONYMOUS if table.open else \
+            table.principal_of(session.token_digest) if session.token_digest else None
+        if now == session.principal:
+            return False
+        log.info("%s: the token of %s was revoked or changed: closing", self.peer,
+                 session.principal)
+        self.close()
+        return True
 
     def _dispatch(self, request: Request, span: Span | None) -> bool:
         header = request.header
@@ -170,6 +324,11 @@ class NodeConnection(asyncio.BufferedProtocol):
             for entry in reply.held:  # the client is gone: nothing will read these views
                 self._handlers.dram.release(entry)
             return
+        if self._tls and reply.held:
+            self._transport.writelines([bytes(b) for b in reply.buffers])
+            for entry in reply.held:
+                self._handlers.dram.release(entry)
+            return
         self._transport.writelines(reply.buffers)
         if reply.held:
             if self._write_paused:
@@ -195,6 +354,13 @@ class NodeConnection(asyncio.BufferedProtocol):
         held, self._held = self._held, []
         for entry in held:
             self._handlers.dram.release(entry)
+
+
+def _release_items(request: Request) -> None:
+    """Give back the DRAM slots a PUT frame's values were received into (if uncommitted)."""
+    for item in request.items:
+        if item.reservation is not None:
+            item.reservation.release()
 
 
 def _end_span(span: Span | None, reply: Reply | None, exc: BaseException | None = None) -> None:

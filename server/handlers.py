@@ -25,7 +25,12 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import Tracer
 
-from kvpool.protocol.errors import BadFrameError, Status, VersionMismatchError
+from kvpool.protocol.errors import (
+    AuthenticationError,
+    BadFrameError,
+    Status,
+    VersionMismatchError,
+)
 from kvpool.protocol.frames import (
     PROTOCOL_VERSION,
     PUT_FLAG_PIN,
@@ -43,6 +48,7 @@ from kvpool.protocol.frames import (
     pack_get_item,
 )
 from kvpool.protocol.parsers import Limits, Request
+from kvpool.server.auth import ANONYMOUS, Role, TokenTable
 from kvpool.server.events import EventBus
 from kvpool.server.membership import Membership
 from kvpool.server.shm import Session, ShmService
@@ -92,6 +98,11 @@ class Handlers:
         self.shm: ShmService | None = None
         #: spans for requests that carry a trace context (None: tracing is not configured)
         self.tracing: NodeTracing | None = None
+        #: the node closes data connections idle this long (0: never); told in HELLO
+        self.idle_timeout_s = 0.0
+        #: tokens -> tenant and role (empty: open mode); replaced whole on SIGHUP
+        self.auth = TokenTable()
+        self.auth_failures = 0
         #: acknowledge PUTs only once S3 has them (needs an SSD tier with S3)
         self.write_through = False
         self.promotions = 0
@@ -127,7 +138,8 @@ class Handlers:
         header = request.header
         self.stats.count(header.op, header.count)
         if header.epoch < self.membership.epoch and header.op in _ROUTED_OPS:
-            keys = request.keys if header.op != Op.PUT else [i.header.key for i in request.items]
+            keys = [i.header.key for i in request.items] if header.op == Op.PUT else \
+                request.client_keys if request.client_keys is not None else request.keys
             if not self.membership.accepts(keys):
                 return self._wrong_owner(request)
         return self._table[header.op](request)
@@ -160,6 +172,22 @@ class Handlers:
         if version != PROTOCOL_VERSION:
             raise VersionMismatchError(
                 f"node speaks kvpool protocol {PROTOCOL_VERSION}, client sent {version!r}")
+        session = request.session
+        principal = ANONYMOUS
+        if not self.auth.open:
+            token = body.get("token")
+            found = self.auth.authenticate(token)
+            if found is None:
+                self.auth_failures += 1
+                raise AuthenticationError(
+                    "this node requires a token: give AsyncClient(token=...) or set "
+                    "KVPOOL_TOKEN" if not token else "unknown token")
+            principal = found
+            if isinstance(session, Session):
+                session.token_digest = self.auth.digest(token)
+        if isinstance(session, Session):
+            session.principal = principal
+            session.any_uid = principal.tenant is None or principal.role == Role.ADMIN
         info = {
             "protocol": PROTOCOL_VERSION,
             "node_id": self.node_id,
@@ -168,6 +196,9 @@ class Handlers:
             "max_frame_bytes": self.limits.max_frame_bytes,
             "epoch": self.epoch,
             "cluster": self.membership.map is not None,
+            "idle_timeout_s": self.idle_timeout_s,
+            "tenant": principal.tenant,
+            "role": principal.role.name.lower(),
         }
         if self.shm is not None and isinstance(request.session, Session):
             offer = self.shm.offer(request.session, body)
@@ -551,6 +582,10 @@ class Handlers:
             "promotions": self.promotions,
             "cluster_epoch": self.epoch,
             "wrong_owner": self.wrong_owner,
+            "auth": {"mode": "open" if self.auth.open else "tokens",
+                     "tokens": len(self.auth.entries), "failures": self.auth_failures,
+                     "quota_evictions": self.dram.quota_evictions,
+                     "quota_rejections": self.dram.quota_rejections},
             "events": {"subscribers": len(self.events.subscribers),
                        "published": self.events.published, "lost": self.events.lost},
             "tiers": tiers,

@@ -49,8 +49,11 @@ class HandoffProgress:
 
 class Handoff:
     def __init__(self, dram: DramTier, seed: str, *, rate_bytes_s: int,
-                 leave: Callable[[], Awaitable[object]]) -> None:
+                 leave: Callable[[], Awaitable[object]],
+                 client_options: dict[str, Any] | None = None) -> None:
         self.dram = dram
+        #: token, scope ("raw": stored keys go over verbatim) and TLS of the hand-off client
+        self.client_options = client_options or {}
         self.seed = seed
         self.rate_bytes_s = rate_bytes_s
         self.leave = leave
@@ -73,7 +76,8 @@ class Handoff:
         p.chunks_total = len(keys)
         log.info("draining: handing %d DRAM chunks to their new owners", len(keys))
         try:
-            async with AsyncClient(self.seed, client_name="kvpool-handoff", shm=False) as client:
+            async with AsyncClient(self.seed, client_name="kvpool-handoff", shm=False,
+                                   **self.client_options) as client:
                 t0 = time.monotonic()
                 for start in range(0, len(keys), BATCH):
                     await self._move(client, keys[start : start + BATCH])

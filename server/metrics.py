@@ -199,6 +199,14 @@ METRICS: tuple[Metric, ...] = (
            lambda snap: [(snap["connections"]["open"], {})]),
     Metric("kvpool_connections", "counter", "", "", "data-path connections accepted",
            lambda snap: [(snap["connections"]["total"], {})]),
+    Metric("kvpool_connections_rejected", "counter", "", "", "data-path connections closed at "
+           "accept because --max-connections were open",
+           lambda snap: [(snap["connections"]["rejected"], {})]),
+    Metric("kvpool_connections_timed_out", "counter", "", "", "data-path connections closed "
+           "by the HELLO, idle or slow-frame timeouts",
+           lambda snap: [(snap["connections"]["timed_out"], {})]),
+    Metric("kvpool_auth_failures", "counter", "", "", "HELLOs refused for a missing or "
+           "unknown token", lambda snap: [(snap["auth"]["failures"], {})]),
     Metric("kvpool_protocol_errors", "counter", "", "", "connections closed on a protocol "
            "error", _one("protocol_errors")),
     Metric("kvpool_events_lost", "counter", "", "", "KV events dropped for slow /v1/events "

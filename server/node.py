@@ -24,6 +24,7 @@ from kvpool.protocol.envelope import Codec
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.parsers import Limits
 from kvpool.server.admin import make_admin_app
+from kvpool.server.auth import TokenTable, load_tokens
 from kvpool.server.config import NodeConfig, format_size, unknown_env_vars
 from kvpool.server.connection import NodeConnection
 from kvpool.server.etcd import EtcdSource
@@ -35,6 +36,7 @@ from kvpool.server.metrics import NodeMetrics
 from kvpool.server.shm import ShmService
 from kvpool.server.ssd import SsdTier, SsdUnavailableError
 from kvpool.server.stats import NodeStats
+from kvpool.server.tls import client_context, server_context
 from kvpool.server.tracing import NodeTracing, tracing_configured
 from kvpool.tiers.dram import DramTier
 
@@ -92,6 +94,15 @@ class Node:
         self.membership = Membership(source)
         self.handlers = Handlers(server.node_id, self.dram, self.limits, self.stats,
                                  self.membership)
+        self.handlers.idle_timeout_s = server.idle_timeout_s
+        security = config.security
+        if security.auth_tokens:
+            self.handlers.auth = load_tokens(security.auth_tokens)
+            self._apply_quotas()
+        self.tls = server_context(security)
+        #: how this node connects to its peers: token, scope and TLS
+        self.peer_options: dict[str, Any] = {"token": security.peer_token, "scope": "raw",
+                                             "ssl": client_context(security)}
         self.connections: set[NodeConnection] = set()
         self.ssd: SsdTier | None = None
         self._peers: AsyncClient | None = None
@@ -132,8 +143,9 @@ class Node:
         # bind both ports first (port 0 picks one), join the cluster under the addresses
         # they got, and only then serve: no client sees a node that has no map yet
         self._server = await loop.create_server(
-            lambda: NodeConnection(self.handlers, self.connections),
-            server.host, server.data_port, reuse_address=True, start_serving=False)
+            self._accept, server.host, server.data_port, reuse_address=True,
+            start_serving=False, ssl=self.tls,
+            ssl_handshake_timeout=server.hello_timeout_s if self.tls else None)
         self.data_address = self._server.sockets[0].getsockname()[:2]
         family = socket.AF_INET6 if ":" in server.host else socket.AF_INET
         admin_sock = socket.create_server((server.host, server.admin_port), family=family)
@@ -151,7 +163,8 @@ class Node:
         self.handoff = Handoff(self.dram, f"kvpool://{host}:{port}",
                                rate_bytes_s=self.config.cluster.drain_rate_bytes,
                                leave=lambda: self.membership.change("remove",
-                                                                    self.membership.node_id))
+                                                                    self.membership.node_id),
+                               client_options=self.peer_options)
         self.handlers.extra_stats["drain"] = self.handoff_progress
         self.membership.listeners.append(self._map_changed)
         self._map_changed(self.membership.map)
@@ -169,15 +182,51 @@ class Node:
             self.handlers.tracing = NodeTracing(self.membership.node_id)
         self._admin = web.AppRunner(make_admin_app(self), access_log=None)
         await self._admin.setup()
-        await web.SockSite(self._admin, admin_sock).start()
+        await web.SockSite(self._admin, admin_sock, ssl_context=self.tls).start()
         await self._server.start_serving()
         self._expiry_task = asyncio.create_task(self._expire_loop())
+
+    def _accept(self) -> NodeConnection:
+        server = self.config.server
+        return NodeConnection(self.handlers, self.connections,
+                              max_connections=server.max_connections,
+                              idle_timeout_s=server.idle_timeout_s,
+                              hello_timeout_s=server.hello_timeout_s)
+
+    def _apply_quotas(self) -> None:
+        self.dram.quotas = {tenant: q.dram_bytes
+                            for tenant, q in self.handlers.auth.quotas.items() if q.dram_bytes}
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the cluster map and the tokens file (a bad file keeps the old)."""
+        self.membership.reload()
+        path = self.config.security.auth_tokens
+        if not path:
+            return
+        try:
+            table = load_tokens(path)
+        except ConfigError as exc:
+            log.error("tokens file not reloaded, the previous one stays in force: %s", exc)
+            return
+        self.handlers.auth = table
+        self._apply_quotas()
+        closed = sum(conn.recheck(table) for conn in list(self.connections))
+        log.info("tokens reloaded from %s: %d tokens, %d tenant quotas; %d connections "
+                 "closed (token revoked or changed)", path, len(table.entries),
+                 len(self.dram.quotas), closed)
 
     # -- what the admin API asks of the node ----------------------------------------------
 
     @property
     def admin_token(self) -> str:
         return self.config.server.admin_token
+
+    @property
+    def auth_table(self) -> TokenTable:
+        return self.handlers.auth
+
+    def tenant_usage(self) -> dict[str, int]:
+        return dict(self.dram.tenant_bytes)
 
     def ready(self) -> tuple[bool, str]:
         """Whether clients should be sent here (GET /readyz)."""
@@ -271,7 +320,7 @@ class Node:
             # the node asks its peers as any client would: through the SDK, seeded by itself
             host, port = self.data_address
             self._peers = AsyncClient(f"kvpool://{host}:{port}", client_name="kvpool-node",
-                                      shm=False)
+                                      shm=False, **self.peer_options)
         codes = await self._peers.exists_codes(keys)
         return list(codes[: codes.index(0)] if 0 in codes else codes)
 
@@ -343,7 +392,7 @@ async def _serve(config: NodeConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, node.membership.reload)
+    loop.add_signal_handler(signal.SIGHUP, node.reload)
     data_host, data_port = node.data_address
     admin_host, admin_port = node.admin_address
     dram = node.dram.stats()
@@ -366,7 +415,16 @@ async def _serve(config: NodeConfig) -> None:
         print(f"kvpool node {node.handlers.node_id}: cluster epoch {cmap.epoch}, "
               f"{len(cmap.nodes)} nodes, replication {cmap.replication} "
               f"({node.membership.source.describe()}; SIGHUP reloads)", flush=True)
-    print(f"kvpool: ready data={data_host}:{data_port} admin=http://{admin_host}:{admin_port}",
+    auth = node.handlers.auth
+    if auth.open:
+        log.warning("OPEN MODE: no --auth-tokens file, so every client that can reach "
+                    "%s:%d may read, write and delete every chunk. Give a tokens file for "
+                    "tenants and roles.", data_host, data_port)
+    else:
+        print(f"kvpool node {node.handlers.node_id}: auth on, {len(auth.entries)} tokens "
+              f"from {auth.source} (SIGHUP reloads)", flush=True)
+    scheme = "https" if node.tls else "http"
+    print(f"kvpool: ready data={data_host}:{data_port} admin={scheme}://{admin_host}:{admin_port}",
           flush=True)
     await stop.wait()
     log.info("shutting down: %d open connections", len(node.connections))

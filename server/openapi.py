@@ -58,7 +58,10 @@ def _err(description: str) -> dict[str, Any]:
     return _json({"$ref": "#/components/schemas/Error"}, description)
 
 
-_AUTH = {"401": _err("the admin token is configured and was not given")}
+_AUTH = {"401": _err("a token is required (tokens file or admin token) and was not given, "
+                     "or is unknown"),
+         "403": _err("the token's role may not do this (read < write < admin), or a "
+                     "non-admin asked for scope=raw")}
 _BAD = {"400": _err("bad input")}
 
 
@@ -163,7 +166,12 @@ def openapi_document() -> dict[str, Any]:
         "openapi": "3.1.0",
         "info": {"title": "kvpool admin API", "version": VERSION,
                  "description": "Every node's admin port. Errors: "
-                                '{"error": {"type", "message"}}.'},
+                                '{"error": {"type", "message"}}. With a tokens file, every '
+                                "route but /healthz, /readyz, /metrics and /openapi.json "
+                                "needs a bearer token: read for reads and lookups, write "
+                                "for chunk DELETE and pin/unpin, admin for events, cluster "
+                                "changes and /v1/admin/*. Chunk keys are in the token's "
+                                "tenant scope (?scope=shared or raw to choose)."},
         "paths": paths,
         "components": {
             "schemas": {"Error": _ERROR, "Node": _NODE, "ClusterMap": _MAP, "Chunk": _CHUNK,

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from kvpool.client._shm import host_id
 from kvpool.protocol.errors import ConfigError
+from kvpool.server.auth import ANONYMOUS, Principal
 from kvpool.tiers.dram import DramTier, Entry
 
 __all__ = ["Lease", "Session", "ShmService", "host_id", "parse_allow"]
@@ -68,6 +69,14 @@ class Session:
 
     shm: bool = False
     leases: set[int] = field(default_factory=set)
+    #: the arena holds every tenant's chunks: with tenants configured, only admin tokens
+    #: may map it from another uid (a process of the node's own uid can read its memory
+    #: anyway)
+    any_uid: bool = True
+    #: who authenticated on this connection (set by HELLO)
+    principal: Principal = ANONYMOUS
+    #: sha256 of the token it presented (b"" in open mode); a reload that drops it closes us
+    token_digest: bytes = b""
 
 
 @dataclass(slots=True, eq=False)
@@ -180,7 +189,7 @@ class ShmService:
             fds: list[int] = []
             if found is None:
                 answer = b"NO unknown or expired ticket"
-            elif not self.allowed(uid, gid):
+            elif not self.allowed(uid, gid) or (not found[0].any_uid and uid != os.getuid()):
                 self.counters.denied += 1
                 log.info("shared-memory fast path refused to pid %d (uid %d gid %d)", pid, uid,
                          gid)

@@ -38,6 +38,8 @@ class NodeStats:
     bytes_out: int = 0
     connections_open: int = 0
     connections_total: int = 0
+    connections_rejected: int = 0  #: closed at accept: --max-connections were open
+    connections_timed_out: int = 0  #: closed by the HELLO, idle or slow-frame timeouts
     protocol_errors: int = 0
 
     def count(self, op: int, num_keys: int) -> None:
@@ -62,7 +64,9 @@ class NodeStats:
             "errors": dict(self.errors),
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
-            "connections": {"open": self.connections_open, "total": self.connections_total},
+            "connections": {"open": self.connections_open, "total": self.connections_total,
+                            "rejected": self.connections_rejected,
+                            "timed_out": self.connections_timed_out},
             "protocol_errors": self.protocol_errors,
             "tokens_served": self.tokens_served,
             "lookup_chunks_found": self.lookup_chunks_found,

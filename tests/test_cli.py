@@ -7,7 +7,14 @@ import json
 import subprocess
 import sys
 
-from kvpool.server.config import DramConfig, S3Config, ServerConfig, SsdConfig
+from kvpool.server.config import (
+    ClusterConfig,
+    DramConfig,
+    S3Config,
+    SecurityConfig,
+    ServerConfig,
+    SsdConfig,
+)
 
 from .conftest import NodeProcess, start_node
 
@@ -19,7 +26,7 @@ def kvpool(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_serve_help_documents_every_knob() -> None:
     out = kvpool("serve", "--help").stdout
-    for cls in (ServerConfig, DramConfig, SsdConfig, S3Config):
+    for cls in (ServerConfig, DramConfig, SsdConfig, S3Config, ClusterConfig, SecurityConfig):
         for f in dataclasses.fields(cls):
             assert f.metadata["flag"] in out and f.metadata["env"] in out
 
@@ -62,7 +69,7 @@ def test_readme_documents_every_knob() -> None:
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    for cls in (ServerConfig, DramConfig, SsdConfig, S3Config):
+    for cls in (ServerConfig, DramConfig, SsdConfig, S3Config, ClusterConfig, SecurityConfig):
         for f in dataclasses.fields(cls):
             assert f"`{f.metadata['env']}`" in readme, f.name
 

@@ -39,18 +39,21 @@ class Entry:
     parent: bytes | None = None  #: the previous chunk of the prefix, when the writer said
     num_tokens: int = 0  #: tokens the chunk holds (from its envelope)
     last_access: float = 0.0  #: wall-clock time of its last PUT or GET
+    tenant: str | None = None  #: whose quota the chunk counts against (None: no one's)
 
 
 class Slot:
     """Arena memory reserved for one incoming value (a parser Reservation)."""
 
-    __slots__ = ("_tier", "committed", "key", "length", "offset", "view")
+    __slots__ = ("_tier", "committed", "key", "length", "offset", "tenant", "view")
 
-    def __init__(self, tier: DramTier, key: bytes, offset: int, length: int) -> None:
+    def __init__(self, tier: DramTier, key: bytes, offset: int, length: int,
+                 tenant: str | None = None) -> None:
         self._tier = tier
         self.key = key
         self.offset = offset
         self.length = length
+        self.tenant = tenant
         self.view = tier.arena.view[offset : offset + length]
         self.committed = False
 
@@ -60,6 +63,7 @@ class Slot:
             self.committed = True
             self.view.release()
             self._tier.arena.free(self.offset, self.length)
+            self._tier._charge(self.tenant, -self.length)
 
 
 class DramTier:
@@ -80,14 +84,29 @@ class DramTier:
         self._used_bytes = 0
         #: called with each entry evicted to make room (not for deletes or expiry)
         self.on_evict: Callable[[Entry], None] | None = None
+        #: most bytes each tenant's chunks may hold (reserved or stored); absent = no quota
+        self.quotas: dict[str, int] = {}
+        #: bytes each tenant's chunks hold now (reserved or stored)
+        self.tenant_bytes: dict[str, int] = {}
+        #: reservations refused or made room for by a tenant's own quota
+        self.quota_evictions = 0
+        self.quota_rejections = 0
 
     # -- zero-copy data path --------------------------------------------------------------
 
-    def reserve(self, key: bytes, nbytes: int) -> Slot | None:
-        """Arena memory for an incoming value, evicting as needed; None if it can't fit."""
+    def reserve(self, key: bytes, nbytes: int, tenant: str | None = None) -> Slot | None:
+        """Arena memory for an incoming value, evicting as needed; None if it can't fit.
+
+        A ``tenant`` with a quota first makes room among its own chunks (least
+        recently used first): one tenant never evicts another to exceed its quota.
+        """
         arena = self.arena
         if arena.extent(nbytes) > arena.capacity:
             self._stats.rejections += 1
+            return None
+        if tenant is not None and tenant in self.quotas and not self._within_quota(tenant, nbytes):
+            self._stats.rejections += 1
+            self.quota_rejections += 1
             return None
         offset = arena.alloc(nbytes)
         while offset is None:
@@ -100,7 +119,50 @@ class DramTier:
             if self.on_evict is not None:
                 self.on_evict(victim)
             offset = arena.alloc(nbytes)
-        return Slot(self, key, offset, nbytes)
+        self._charge(tenant, nbytes)
+        return Slot(self, key, offset, nbytes, tenant)
+
+    def assign(self, slot: Slot, key: bytes, tenant: str | None) -> None:
+        """Give a reserved slot its final key and owner (the node learns them after parsing)."""
+        slot.key = key
+        if slot.tenant != tenant and not slot.committed:
+            self._charge(slot.tenant, -slot.length)
+            self._charge(tenant, slot.length)
+            slot.tenant = tenant
+
+    def _charge(self, tenant: str | None, nbytes: int) -> None:
+        if tenant is not None:
+            left = self.tenant_bytes.get(tenant, 0) + nbytes
+            if left:
+                self.tenant_bytes[tenant] = left
+            else:
+                self.tenant_bytes.pop(tenant, None)
+
+    def _within_quota(self, tenant: str, nbytes: int) -> bool:
+        """Evict ``tenant``'s own chunks until ``nbytes`` more fit its quota; False if not."""
+        quota = self.quotas[tenant]
+        if nbytes > quota:
+            return False
+        if self.tenant_bytes.get(tenant, 0) + nbytes <= quota:
+            return True
+        victims = []
+        need = self.tenant_bytes.get(tenant, 0) + nbytes - quota
+        for key in self._lru.candidates():
+            entry = self._index[key]
+            if entry.tenant == tenant and entry.readers == 0:
+                victims.append(entry)
+                need -= entry.length
+                if need <= 0:
+                    break
+        if need > 0:
+            return False
+        for victim in victims:
+            self._remove(victim)
+            self._stats.evictions += 1
+            self.quota_evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(victim)
+        return True
 
     def commit(self, slots: Sequence[Slot], *, ttl_s: Sequence[float | None] | None = None,
                pin: Sequence[bool] | None = None,
@@ -124,7 +186,7 @@ class DramTier:
             entry = Entry(slot.key, slot.offset, slot.length, depth,
                           pinned=bool(pin[i]) if pin is not None else False,
                           parent=parents[i] if parents is not None else None,
-                          num_tokens=header.num_tokens)
+                          num_tokens=header.num_tokens, tenant=slot.tenant)
             self._insert(entry, ttl)
             if not entry.pinned:
                 touched.append((entry.key, depth))
@@ -308,6 +370,7 @@ class DramTier:
     def _remove(self, entry: Entry) -> None:
         del self._index[entry.key]
         self._used_bytes -= entry.length
+        self._charge(entry.tenant, -entry.length)
         self._lru.discard(entry.key)
         entry.live = False
         if entry.readers == 0:

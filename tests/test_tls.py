@@ -1,0 +1,105 @@
+"""TLS on the data and admin ports, with a CA the test makes (trustme), and client certs."""
+
+from __future__ import annotations
+
+import json
+import ssl
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trustme
+
+from kvpool.client import Client, KvpoolConnectionError
+from kvpool.tests.conftest import NodeProcess, start_node
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+@pytest.fixture(scope="module")
+def pki(ca: trustme.CA, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("pki")
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    client = ca.issue_cert("engine-1@example.test")
+    paths = {"ca": d / "ca.pem", "cert": d / "node.pem", "key": d / "node.key",
+             "client_cert": d / "client.pem", "client_key": d / "client.key"}
+    ca.cert_pem.write_to_path(str(paths["ca"]))
+    server.cert_chain_pems[0].write_to_path(str(paths["cert"]))
+    for pem in server.cert_chain_pems[1:]:
+        pem.write_to_path(str(paths["cert"]), append=True)
+    server.private_key_pem.write_to_path(str(paths["key"]))
+    client.cert_chain_pems[0].write_to_path(str(paths["client_cert"]))
+    client.private_key_pem.write_to_path(str(paths["client_key"]))
+    return {k: str(v) for k, v in paths.items()}
+
+
+@pytest.fixture(scope="module")
+def tls_node(pki: dict[str, str]) -> Iterator[NodeProcess]:
+    node = start_node("--dram-capacity", "16MiB", "--no-ssd", "--tls-cert", pki["cert"],
+                      "--tls-key", pki["key"])
+    yield node
+    node.stop()
+
+
+def test_data_port_speaks_tls(tls_node: NodeProcess, pki: dict[str, str]) -> None:
+    ctx = ssl.create_default_context(cafile=pki["ca"])
+    with Client(tls_node.url, ssl=ctx) as c:
+        c.put(b"k" * 16, b"over tls" * 1000)
+        assert c.get(b"k" * 16) == b"over tls" * 1000
+        big = bytes(range(256)) * 16384  # 4 MiB: many TLS records
+        c.put(b"b" * 16, big)
+        assert c.get(b"b" * 16) == big
+
+
+def test_plain_and_untrusted_clients_are_refused(tls_node: NodeProcess) -> None:
+    with pytest.raises(KvpoolConnectionError), Client(tls_node.url, timeout=3) as c:
+        c.get(b"k" * 16)
+    other = trustme.CA()
+    ctx = ssl.create_default_context()
+    other.configure_trust(ctx)
+    with pytest.raises(KvpoolConnectionError, match="CERTIFICATE_VERIFY_FAILED"), \
+            Client(tls_node.url, ssl=ctx) as c:
+        c.get(b"k" * 16)
+
+
+def test_admin_port_speaks_tls(tls_node: NodeProcess, pki: dict[str, str]) -> None:
+    assert tls_node.admin_url.startswith("https://")
+    ctx = ssl.create_default_context(cafile=pki["ca"])
+    with urllib.request.urlopen(f"{tls_node.admin_url}/healthz", context=ctx, timeout=10) as r:
+        assert json.load(r)["status"] == "ok"
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(tls_node.admin_url.replace("https", "http") + "/healthz",
+                               timeout=10)
+
+
+def test_client_certificates_when_required(pki: dict[str, str]) -> None:
+    node = start_node("--dram-capacity", "8MiB", "--no-ssd", "--tls-cert", pki["cert"],
+                      "--tls-key", pki["key"], "--tls-client-ca", pki["ca"])
+    try:
+        without = ssl.create_default_context(cafile=pki["ca"])
+        with pytest.raises(KvpoolConnectionError), Client(node.url, ssl=without, timeout=3) as c:
+            c.get(b"k" * 16)
+        with_cert = ssl.create_default_context(cafile=pki["ca"])
+        with_cert.load_cert_chain(pki["client_cert"], pki["client_key"])
+        with Client(node.url, ssl=with_cert) as c:
+            c.put(b"m" * 16, b"mutual")
+            assert c.get(b"m" * 16) == b"mutual"
+    finally:
+        node.stop()
+
+
+def test_tls_config_errors(tmp_path: Path, pki: dict[str, str]) -> None:
+    from kvpool.protocol.errors import ConfigError
+    from kvpool.server.config import SecurityConfig
+
+    with pytest.raises(ConfigError, match="both"):
+        SecurityConfig(tls_cert=pki["cert"])
+    with pytest.raises(ConfigError, match="no such file"):
+        SecurityConfig(tls_cert=str(tmp_path / "none.pem"), tls_key=pki["key"])
+    with pytest.raises(ConfigError, match="needs TLS"):
+        SecurityConfig(tls_client_ca=pki["ca"])
