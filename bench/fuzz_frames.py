@@ -142,7 +142,7 @@ class Harness:
 
 
 def main() -> None:
-    import atheris  # type: ignore[import-untyped,unused-ignore]
+    import atheris  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
     logging.disable(logging.CRITICAL)  # every refused connection logs a line otherwise
     cache = os.environ.get("KVPOOL_CACHE_DIR") or Path.home() / ".cache" / "kvpool"
