@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -145,8 +146,10 @@ async def client_loop(seeds: list[str], wid: int, cid: int, deadline: float,
                     out["deleted"].append(key.hex())  # before the call: it may half-happen
                     await c.delete(key)
             except Exception as exc:  # counted by kind: the soak's point is to see them
-                out["errors"][f"{op}: {type(exc).__name__}"] = \
-                    out["errors"].get(f"{op}: {type(exc).__name__}", 0) + 1
+                kind = f"{op}: {type(exc).__name__}"
+                out["errors"][kind] = out["errors"].get(kind, 0) + 1
+                if kind not in out["first_traceback"]:
+                    out["first_traceback"][kind] = traceback.format_exc()
                 continue
             lat.setdefault(op, []).append((time.perf_counter() - t0) * 1e3)
             out["ops"] += 1
@@ -154,7 +157,8 @@ async def client_loop(seeds: list[str], wid: int, cid: int, deadline: float,
 
 def load_main(seeds: list[str], wid: int, clients: int, deadline: float, path: str) -> None:
     out: dict[str, Any] = {"ops": 0, "misses": 0, "wrong_bytes": 0, "wrong_keys": [],
-                           "errors": {}, "acked": [], "deleted": [], "latency_ms": {}}
+                           "errors": {}, "acked": [], "deleted": [], "latency_ms": {},
+                           "first_traceback": {}}
 
     async def run() -> None:
         await asyncio.gather(*(client_loop(seeds, wid, i, deadline, out)
@@ -322,8 +326,11 @@ def report(args: argparse.Namespace, loads: list[dict[str, Any]], check: dict[st
            rss: list[dict[str, Any]], fault_log: list[dict[str, Any]],
            snapshots: list[dict[str, Any]], codes: list[int | None]) -> int:
     errors: dict[str, int] = {}
+    tracebacks: dict[str, str] = {}
     latency: dict[str, list[float]] = {}
     for w in loads:
+        for kind, text in w["first_traceback"].items():
+            tracebacks.setdefault(kind, text)
         for k, v in w["errors"].items():
             errors[k] = errors.get(k, 0) + v
         for op, values in w["latency_ms"].items():
@@ -344,7 +351,8 @@ def report(args: argparse.Namespace, loads: list[dict[str, Any]], check: dict[st
     result = {
         "duration_s": args.duration, "clients": args.clients,
         "ops_ok": ops, "ops_per_s": round(ops / args.duration, 1),
-        "errors": dict(sorted(errors.items())), "get_misses": sum(w["misses"] for w in loads),
+        "errors": dict(sorted(errors.items())), "first_traceback": tracebacks,
+        "get_misses": sum(w["misses"] for w in loads),
         "wrong_bytes": wrong, "acked_durable": check["checked"], "durable_lost": check["lost"],
         "lost_keys": check["lost_keys"],
         "latency_ms": {op: {"n": len(v), "p50": round(percentile(v, 0.5), 2),

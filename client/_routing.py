@@ -47,9 +47,9 @@ def pick(table: npt.NDArray[np.int32], tried: npt.NDArray[np.bool_], live: npt.N
         tried[rows, cols] = True
         picked_rows.append(rows)
         picked_cols.append(cols)
-    if not picked_rows:
+    all_rows = np.concatenate(picked_rows) if picked_rows else rows[:0]
+    if not len(all_rows):  # every node of these rows' lists has been tried
         return []
-    all_rows = np.concatenate(picked_rows)
     all_cols = np.concatenate(picked_cols)
     nodes = table[all_rows, all_cols]
     order = np.lexsort((all_rows, nodes))  # by node, then batch position
