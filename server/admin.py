@@ -117,7 +117,7 @@ class AdminBackend(Protocol):
     @property
     def auth_table(self) -> TokenTable: ...
 
-    def tenant_usage(self) -> dict[str, int]: ...
+    def tenant_usage(self) -> dict[str, dict[str, int]]: ...
 
     def ready(self) -> tuple[bool, str]: ...
 
@@ -163,7 +163,7 @@ def make_admin_app(node: AdminBackend) -> web.Application:
         snap = await node.snapshot()
         principal: Principal = request.get("principal", ANONYMOUS)
         if principal.role == Role.ADMIN:  # who uses how much: for operators, not tenants
-            snap["auth"]["tenant_dram_bytes"] = node.tenant_usage()
+            snap["auth"]["tenant_bytes"] = node.tenant_usage()
         return web.json_response(snap)
 
     async def cluster_map(_request: web.Request) -> web.Response:

@@ -11,6 +11,7 @@ previous table and logs why)::
 
     [tenant.acme]
     dram_quota = "4GiB"            # bytes of DRAM this tenant's chunks may hold
+    ssd_quota = "64GiB"            # and of the SSD tier
 
 No file: open mode (every client is an anonymous admin, keys are stored as
 sent, the node warns at start-up). With a file, every data connection must
@@ -89,6 +90,7 @@ ANONYMOUS = Principal(None, Role.ADMIN, "anonymous")
 @dataclass(frozen=True, slots=True)
 class TenantQuota:
     dram_bytes: int = 0  #: 0 = no quota
+    ssd_bytes: int = 0  #: 0 = no quota
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,12 +196,12 @@ def _quota(tenant: str, section: Any, where: str) -> TenantQuota:
 
     if not _TENANT.match(tenant):
         raise ConfigError(f"{where}: not a valid tenant name")
-    if not isinstance(section, dict) or set(section) - {"dram_quota"}:
-        raise ConfigError(f"{where}: the only key is dram_quota")
-    quota = parse_size(section.get("dram_quota", 0))
-    if quota < 0:
-        raise ConfigError(f"{where}: dram_quota must be >= 0")
-    return TenantQuota(dram_bytes=quota)
+    if not isinstance(section, dict) or set(section) - {"dram_quota", "ssd_quota"}:
+        raise ConfigError(f"{where}: the keys are dram_quota and ssd_quota")
+    dram, ssd = parse_size(section.get("dram_quota", 0)), parse_size(section.get("ssd_quota", 0))
+    if dram < 0 or ssd < 0:
+        raise ConfigError(f"{where}: quotas must be >= 0")
+    return TenantQuota(dram_bytes=dram, ssd_bytes=ssd)
 
 
 def scope_key(scope: str, key: bytes) -> bytes:

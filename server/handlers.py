@@ -542,7 +542,8 @@ class Handlers:
                 continue
             dram.hold(entry)
             if not ssd.write(entry.key, entry.offset, entry.length,
-                             lambda _stored, e=entry: dram.release(e)):  # type: ignore[misc]
+                             lambda _stored, e=entry: dram.release(e),  # type: ignore[misc]
+                             tenant=entry.tenant):
                 dram.release(entry)
 
     def pin(self, request: Request) -> Reply:
@@ -585,7 +586,8 @@ class Handlers:
             "auth": {"mode": "open" if self.auth.open else "tokens",
                      "tokens": len(self.auth.entries), "failures": self.auth_failures,
                      "quota_evictions": self.dram.quota_evictions,
-                     "quota_rejections": self.dram.quota_rejections},
+                     "quota_rejections": self.dram.quota_rejections,
+                     "ssd_quota_evictions": self.ssd.quota_evictions if self.ssd else 0},
             "events": {"subscribers": len(self.events.subscribers),
                        "published": self.events.published, "lost": self.events.lost},
             "tiers": tiers,

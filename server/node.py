@@ -98,7 +98,6 @@ class Node:
         security = config.security
         if security.auth_tokens:
             self.handlers.auth = load_tokens(security.auth_tokens)
-            self._apply_quotas()
         self.tls = server_context(security)
         #: how this node connects to its peers: token, scope and TLS
         self.peer_options: dict[str, Any] = {"token": security.peer_token, "scope": "raw",
@@ -140,6 +139,7 @@ class Node:
             await self.ssd.start()
             self.handlers.ssd = self.ssd
             self.handlers.write_through = s3.write_through and bool(s3.bucket)
+        self._apply_quotas()
         # bind both ports first (port 0 picks one), join the cluster under the addresses
         # they got, and only then serve: no client sees a node that has no map yet
         self._server = await loop.create_server(
@@ -194,8 +194,10 @@ class Node:
                               hello_timeout_s=server.hello_timeout_s)
 
     def _apply_quotas(self) -> None:
-        self.dram.quotas = {tenant: q.dram_bytes
-                            for tenant, q in self.handlers.auth.quotas.items() if q.dram_bytes}
+        quotas = self.handlers.auth.quotas
+        self.dram.quotas = {t: q.dram_bytes for t, q in quotas.items() if q.dram_bytes}
+        if self.ssd is not None:
+            self.ssd.quotas = {t: q.ssd_bytes for t, q in quotas.items() if q.ssd_bytes}
 
     def reload(self) -> None:
         """SIGHUP: re-read the cluster map and the tokens file (a bad file keeps the old)."""
@@ -225,8 +227,10 @@ class Node:
     def auth_table(self) -> TokenTable:
         return self.handlers.auth
 
-    def tenant_usage(self) -> dict[str, int]:
-        return dict(self.dram.tenant_bytes)
+    def tenant_usage(self) -> dict[str, dict[str, int]]:
+        ssd = self.ssd.tenant_bytes if self.ssd is not None else {}
+        return {t: {"dram": self.dram.tenant_bytes.get(t, 0), "ssd": ssd.get(t, 0)}
+                for t in sorted(set(self.dram.tenant_bytes) | set(ssd))}
 
     def ready(self) -> tuple[bool, str]:
         """Whether clients should be sent here (GET /readyz)."""

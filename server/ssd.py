@@ -92,6 +92,15 @@ class SsdTier:
         self._arena_fd = arena_fd
         self._arena_size = arena_size
         self.index: dict[bytes, int] = {}
+        #: most SSD bytes each tenant's chunks may hold (absent: no quota)
+        self.quotas: dict[str, int] = {}
+        #: chunks this node wrote for each tenant with a quota, oldest first, and their bytes
+        #: (chunks found on disk at start-up belong to no one: the tier forgot who wrote them)
+        self.owned: dict[str, dict[bytes, int]] = {}
+        self.tenant_bytes: dict[str, int] = {}
+        self._queued: dict[str, int] = {}  #: queued write-behind bytes, by tenant
+        self._owner: dict[bytes, str] = {}
+        self.quota_evictions = 0
         self.counters = SsdCounters()
         self._proc: asyncio.subprocess.Process | None = None
         self._stderr_task: asyncio.Task[None] | None = None
@@ -179,7 +188,8 @@ class SsdTier:
         return bool(self.s3_args)
 
     def write(self, key: bytes, offset: int, length: int,
-              on_done: Callable[[bool], object], *, durable: bool = False) -> bool:
+              on_done: Callable[[bool], object], *, durable: bool = False,
+              tenant: str | None = None) -> bool:
         """Queue a write-behind of arena[offset:offset+length] under ``key``.
 
         Returns False, counting a shed write, when the worker is down or the
@@ -192,17 +202,48 @@ class SsdTier:
                 c.pending_write_bytes + length > self.max_pending_bytes:
             c.shed += 1
             return False
+        if tenant is not None and tenant in self.quotas:
+            if not self._make_room(tenant, length):
+                c.shed += 1
+                return False
+            self._queued[tenant] = self._queued.get(tenant, 0) + length
         c.pending_writes += 1
         c.pending_write_bytes += length
         future = self._call(SsdOp.PUT_DURABLE if durable else SsdOp.PUT, key, offset, length)
-        future.add_done_callback(lambda f: self._written(f, key, length, on_done, durable))
+        future.add_done_callback(lambda f: self._written(f, key, length, on_done,
+                                                         durable=durable, tenant=tenant))
         return True
 
+    def _make_room(self, tenant: str, length: int) -> bool:
+        """Drop ``tenant``'s oldest SSD chunks (S3 keeps them) until ``length`` more fit."""
+        quota = self.quotas[tenant]
+        if length > quota:
+            return False
+        owned = self.owned.get(tenant, {})
+        length += self._queued.get(tenant, 0)  # queued writes count as written
+        while self.tenant_bytes.get(tenant, 0) + length > quota and owned:
+            oldest = next(iter(owned))
+            self._forget(oldest)
+            self.quota_evictions += 1
+            if self.up:
+                self._call(SsdOp.EVICT, oldest).add_done_callback(self._count_failure)
+        return self.tenant_bytes.get(tenant, 0) + length <= quota
+
+    def _forget(self, key: bytes) -> None:
+        """``key`` is no longer on the SSD (S3 is another matter)."""
+        self.index.pop(key, None)
+        tenant = self._owner.pop(key, None)
+        if tenant is not None:
+            self.tenant_bytes[tenant] -= self.owned[tenant].pop(key)
+
     def _written(self, future: asyncio.Future[tuple[int, bytes]], key: bytes, length: int,
-                 on_done: Callable[[bool], object], durable: bool = False) -> None:
+                 on_done: Callable[[bool], object], *, durable: bool = False,
+                 tenant: str | None = None) -> None:
         c = self.counters
         c.pending_writes -= 1
         c.pending_write_bytes -= length
+        if tenant is not None and tenant in self._queued:
+            self._queued[tenant] -= length
         stored = False
         if future.cancelled() or future.exception() is not None:
             c.errors += 1
@@ -215,10 +256,15 @@ class SsdTier:
                               "refuses writes until the node restarts", self.path, self.full)
                 evicted = b""  # the payload is the reason, not evicted keys
             for i in range(0, len(evicted), 16):
-                self.index.pop(evicted[i : i + 16], None)
+                self._forget(evicted[i : i + 16])
                 c.evicted += 1
             if status == SsdStatus.OK:
+                self._forget(key)  # a rewrite replaces the old copy (and its owner)
                 self.index[key] = length
+                if tenant is not None and tenant in self.quotas:
+                    self._owner[key] = tenant
+                    self.owned.setdefault(tenant, {})[key] = length
+                    self.tenant_bytes[tenant] = self.tenant_bytes.get(tenant, 0) + length
                 if durable:
                     self.s3_index.add(key)
                 c.writes += 1
@@ -238,7 +284,7 @@ class SsdTier:
             c.reads += 1
             c.read_bytes += length
         elif status in (SsdStatus.MISS, SsdStatus.CORRUPT, SsdStatus.SIZE):
-            self.index.pop(key, None)
+            self._forget(key)
             if status == SsdStatus.CORRUPT:
                 c.corrupt += 1
             else:
@@ -266,7 +312,7 @@ class SsdTier:
 
     def delete(self, key: bytes) -> None:
         """Drop ``key`` from the indexes now and from disk and S3 soon (nobody waits)."""
-        self.index.pop(key, None)
+        self._forget(key)
         self.s3_index.discard(key)
         if self.up:
             self._call(SsdOp.DELETE, key).add_done_callback(self._count_failure)

@@ -24,6 +24,7 @@ class SsdOp:
     COPY = 7  # copy a fetched value into arena[offset:offset+length]
     S3_KEYS = 8  # keys known to be in S3, from position ``offset`` of the worker's log
     PUT_DURABLE = 9  # as PUT, then upload to S3 and reply only once S3 has it
+    EVICT = 10  # drop key from the SSD only (S3 keeps its copy): a tenant's SSD quota
 
 
 class SsdStatus:

@@ -216,6 +216,8 @@ class Worker:
                 return SsdStatus.SIZE, b""
             self.arena[offset : offset + length] = value
             return SsdStatus.OK, b""
+        if op == SsdOp.EVICT:
+            return (SsdStatus.OK if tier.delete(key) else SsdStatus.MISS), b""
         if op == SsdOp.DELETE:
             found = tier.delete(key)
             if self.s3 is not None:

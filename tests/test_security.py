@@ -181,8 +181,8 @@ def test_admin_api_needs_tokens_and_roles(secured: NodeProcess) -> None:
     assert status == 200 and body["num_chunks"] == 1
     status, stats = http_json(f"{base}/v1/stats", token=ADMIN)
     assert status == 200
-    assert stats["auth"]["tenant_dram_bytes"]["acme"] > 0
-    assert "tenant_dram_bytes" not in http_json(f"{base}/v1/stats", token=ACME_R)[1]["auth"]
+    assert stats["auth"]["tenant_bytes"]["acme"]["dram"] > 0
+    assert "tenant_bytes" not in http_json(f"{base}/v1/stats", token=ACME_R)[1]["auth"]
 
 
 def test_tenant_scope_reaches_ssd_and_s3(s3_endpoint: str, s3_bucket: str) -> None:
@@ -267,10 +267,36 @@ def test_dram_quota_evicts_only_the_tenants_own_chunks() -> None:
             assert acme.get(key(200)) is None  # its own oldest chunks made room
         status, stats = http_json(f"{node.admin_url}/v1/stats", token=ADMIN)
         assert status == 200
-        assert stats["auth"]["tenant_dram_bytes"]["acme"] <= 1 << 20
+        assert stats["auth"]["tenant_bytes"]["acme"]["dram"] <= 1 << 20
         assert stats["auth"]["quota_evictions"] >= 15
         with Client(node.url, token=BOLT_W) as bolt:
             assert all(v == value for v in bolt.get_many([key(100 + i) for i in range(10)]))
+    finally:
+        node.stop()
+
+
+def test_ssd_quota_drops_the_tenants_oldest_ssd_chunks() -> None:
+    path = tokens_file(TOKENS, '[tenant.acme]\nssd_quota = "1MiB"\n')
+    node = start_node("--dram-capacity", "32MiB", "--auth-tokens", path)
+    try:
+        value = b"s" * (200 << 10)
+        with Client(node.url, token=BOLT_W) as bolt:
+            bolt.put_many([key(300 + i) for i in range(10)], [value] * 10)
+        with Client(node.url, token=ACME_W) as acme:
+            for i in range(20):  # 4 MiB of write-behind through a 1 MiB SSD quota
+                acme.put(key(400 + i), value)
+        assert http_json(f"{node.admin_url}/v1/admin/flush", "POST", token=ADMIN)[0] == 200
+        status, stats = http_json(f"{node.admin_url}/v1/stats", token=ADMIN)
+        assert status == 200
+        usage = stats["auth"]["tenant_bytes"]["acme"]
+        assert 0 < usage["ssd"] <= 1 << 20
+        assert usage["dram"] >= 20 * len(value)  # DRAM has no quota here: all still cached
+        assert stats["auth"]["ssd_quota_evictions"] >= 14
+        # bolt's write-behind was untouched: its 10 chunks are on SSD
+        with Client(node.url, token=ADMIN, scope="raw") as raw:
+            tiers = raw.exists_tiers([scope_key("bolt", key(300 + i)) for i in range(10)])
+            assert tiers == ["dram"] * 10
+        assert stats["tiers"]["ssd"]["num_objects"] >= 10 + 4
     finally:
         node.stop()
 
