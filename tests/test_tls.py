@@ -103,3 +103,28 @@ def test_tls_config_errors(tmp_path: Path, pki: dict[str, str]) -> None:
         SecurityConfig(tls_cert=str(tmp_path / "none.pem"), tls_key=pki["key"])
     with pytest.raises(ConfigError, match="needs TLS"):
         SecurityConfig(tls_client_ca=pki["ca"])
+
+
+def test_cluster_over_tls_with_tokens(pki: dict[str, str], tmp_path: Path) -> None:
+    """Nodes reach each other (admin lookups) over TLS with the peer token, in raw scope."""
+    from kvpool.server.local_cluster import LocalCluster
+    from kvpool.tests.test_security import ADMIN, TOKENS, key, tokens_file
+
+    acme = next(t for t, (tenant, role) in TOKENS.items() if tenant == "acme" and role == "write")
+    serve = ["--no-ssd", "--dram-capacity", "16MiB", "--tls-cert", pki["cert"], "--tls-key",
+             pki["key"], "--tls-ca", pki["ca"], "--auth-tokens", tokens_file(TOKENS),
+             "--peer-token", ADMIN]
+    ctx = ssl.create_default_context(cafile=pki["ca"])
+    with LocalCluster(3, replication=1, data_dir=tmp_path / "c", serve_args=serve) as cluster:
+        keys = [key(700 + i) for i in range(64)]
+        with Client(cluster.seeds, token=acme, ssl=ctx) as c:
+            c.put_many(keys, [b"tls-cluster"] * len(keys))
+            assert c.lookup(keys) == len(keys)
+        # any node answers for the whole cluster: it asks the owners over TLS
+        node = cluster.nodes[0]
+        request = urllib.request.Request(
+            f"https://127.0.0.1:{node.admin_port}/v1/lookup", method="POST",
+            data=json.dumps({"keys": [k.hex() for k in keys]}).encode(),
+            headers={"Authorization": f"Bearer {acme}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, context=ctx, timeout=30) as r:
+            assert json.load(r)["num_chunks"] == len(keys)
