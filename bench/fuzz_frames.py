@@ -155,13 +155,9 @@ def main() -> None:
     atheris.instrument_all()  # coverage of everything imported: the parser, handlers, tier
     argv = [*sys.argv, str(corpus)] if not any(os.path.isdir(a) for a in sys.argv[1:]) \
         else sys.argv
-    try:
-        atheris.Setup(argv, harness.one_input)
-        atheris.Fuzz()
-    finally:
-        print(f"fuzz_frames: {harness.runs} connections, {harness.handlers.stats.protocol_errors}"
-              f" closed on protocol errors, DRAM {harness.dram.stats().to_dict()}", flush=True)
-
+    # libFuzzer reports runs, coverage and corpus size itself, and exits from C when done
+    atheris.Setup(argv, harness.one_input)
+    atheris.Fuzz()
 
 if __name__ == "__main__":
     main()
