@@ -37,10 +37,9 @@ from kvpool.protocol.errors import (
 )
 from kvpool.protocol.frames import (
     KEY_SIZE,
-    OP_FLAG_RAW,
-    OP_FLAG_SHARED,
     PROTOCOL_VERSION,
     PUT_FLAG_PARENT,
+    SCOPE_FLAGS,
     Op,
     PutItemHeader,
     Tier,
@@ -82,13 +81,10 @@ def parse_url(url: str) -> tuple[str, int]:
     return parts.hostname, port
 
 
-_SCOPES = {"tenant": 0, "shared": OP_FLAG_SHARED, "raw": OP_FLAG_RAW}
-
-
 def scope_flags(scope: str) -> int:
     """The op-byte bits of a scope name: tenant (the token's own), shared or raw."""
     try:
-        return _SCOPES[scope]
+        return SCOPE_FLAGS[scope]
     except KeyError:
         raise ConfigError(f"scope must be 'tenant', 'shared' or 'raw', got {scope!r}") from None
 

@@ -71,6 +71,7 @@ __all__ = [
     "PUT_FLAG_PARENT",
     "PUT_FLAG_PIN",
     "PUT_ITEM_SIZE",
+    "SCOPE_FLAGS",
     "SHM_ITEM_SIZE",
     "ShmItem",
     "TRACE_CONTEXT_SIZE",
@@ -116,6 +117,8 @@ OP_FLAG_SHARED = 0x40
 OP_FLAG_RAW = 0x20
 #: the op-byte bits that choose a scope
 OP_SCOPE_MASK = OP_FLAG_SHARED | OP_FLAG_RAW
+#: scope names (SDK ``scope=``, admin API ``?scope=``) -> op-byte bits
+SCOPE_FLAGS = {"tenant": 0, "shared": OP_FLAG_SHARED, "raw": OP_FLAG_RAW}
 
 
 class Op(enum.IntEnum):

@@ -127,6 +127,12 @@ class Request:
     #: (placement uses these); None when ``keys`` are the client's keys
     client_keys: list[bytes] | None = None
 
+    def release(self) -> None:
+        """Give back what this PUT frame's values were received into (a no-op once used)."""
+        for item in self.items:
+            if item.reservation is not None:
+                item.reservation.release()
+
 
 #: maps a client's key to the key it is stored under, given a frame's scope bits
 Scoper = Callable[[bytes, int], bytes]

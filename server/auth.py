@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.protocol.errors import ConfigError, PermissionDeniedError
-from kvpool.protocol.frames import OP_FLAG_RAW, OP_FLAG_SHARED, Op
+from kvpool.protocol.frames import OP_FLAG_RAW, OP_FLAG_SHARED, SCOPE_FLAGS, Op
 from kvpool.protocol.parsers import Scoper
 
 __all__ = [
@@ -110,9 +110,9 @@ class TokenTable:
         return hashlib.sha256(str(token).encode("utf-8", "surrogatepass")).digest()
 
     def principal_of(self, digest: bytes) -> Principal | None:
-        """Who a token digest stands for now (after a reload, say)."""
+        """Who a token digest stands for (None: no one). Constant time per entry."""
         found = None
-        for known, principal in self.entries:
+        for known, principal in self.entries:  # every entry, found or not: no early exit
             if hmac.compare_digest(digest, known):
                 found = principal
         return found
@@ -121,12 +121,7 @@ class TokenTable:
         """The principal ``token`` stands for (None: unknown). Constant time per entry."""
         if not isinstance(token, str) or not token:
             return None
-        digest = self.digest(token)
-        found = None
-        for known, principal in self.entries:  # every entry, found or not: no early exit
-            if hmac.compare_digest(digest, known):
-                found = principal
-        return found
+        return self.principal_of(self.digest(token))
 
 
 def load_tokens(path: str | Path) -> TokenTable:
@@ -206,8 +201,11 @@ def _quota(tenant: str, section: Any, where: str) -> TenantQuota:
 
 def scope_key(scope: str, key: bytes) -> bytes:
     """``key`` as stored in ``scope`` (a tenant name, or SHARED_SCOPE)."""
-    tag = hashlib.blake2b(key, digest_size=8, key=scope.encode(), person=_PERSON).digest()
-    return key[:8] + tag
+    return _scoped(key, scope.encode())
+
+
+def _scoped(key: bytes, scope: bytes) -> bytes:
+    return key[:8] + hashlib.blake2b(key, digest_size=8, key=scope, person=_PERSON).digest()
 
 
 #: ops a read-only token may send
@@ -236,7 +234,7 @@ def stored_keys(principal: Principal, keys: list[bytes], scope: str = "") -> lis
     For the admin API, which takes the same scope names as the SDK. Raises
     PermissionDeniedError for raw keys from a non-admin, ConfigError for a bad name.
     """
-    flags = {"": 0, "tenant": 0, "shared": OP_FLAG_SHARED, "raw": OP_FLAG_RAW}.get(scope)
+    flags = SCOPE_FLAGS.get(scope or "tenant")
     if flags is None:
         raise ConfigError(f"scope must be tenant, shared or raw, got {scope!r}")
     if flags & OP_FLAG_RAW and principal.role != Role.ADMIN:
@@ -250,12 +248,10 @@ def scoper_for(principal: Principal) -> Scoper | None:
     if principal.tenant is None:
         return None
     own, shared = principal.tenant.encode(), SHARED_SCOPE.encode()
-    blake2b = hashlib.blake2b
 
     def scoper(key: bytes, scope: int) -> bytes:
         if scope & OP_FLAG_RAW:
             return key  # admins only (anyone else is refused before a handler runs)
-        name = shared if scope & OP_FLAG_SHARED else own
-        return key[:8] + blake2b(key, digest_size=8, key=name, person=_PERSON).digest()
+        return _scoped(key, shared if scope & OP_FLAG_SHARED else own)
 
     return scoper

@@ -146,7 +146,7 @@ class NodeConnection(asyncio.BufferedProtocol):
                 # ones parsed behind it received into DRAM slots goes back (a committed
                 # slot's release is a no-op)
                 for dropped in requests[i:]:
-                    _release_items(dropped)
+                    dropped.release()
                 return
         if self._parser.error is not None:
             self._fail(0, 0, self._parser.error)
@@ -251,7 +251,7 @@ class NodeConnection(asyncio.BufferedProtocol):
 
     def _refuse(self, request: Request, exc: KvpoolError) -> None:
         """Answer one frame with an error and keep the connection (nothing was done)."""
-        _release_items(request)
+        request.release()
         header = request.header
         self._handlers.stats.error(status_for_error(exc), header.op)
         if self._transport is not None and not self._closing:
@@ -354,13 +354,6 @@ class NodeConnection(asyncio.BufferedProtocol):
         held, self._held = self._held, []
         for entry in held:
             self._handlers.dram.release(entry)
-
-
-def _release_items(request: Request) -> None:
-    """Give back the DRAM slots a PUT frame's values were received into (if uncommitted)."""
-    for item in request.items:
-        if item.reservation is not None:
-            item.reservation.release()
 
 
 def _end_span(span: Span | None, reply: Reply | None, exc: BaseException | None = None) -> None:

@@ -146,9 +146,7 @@ class Handlers:
 
     def _wrong_owner(self, request: Request) -> Reply:
         """Refuse the whole frame (nothing is done); the client refreshes its map."""
-        for item in request.items:  # PUT values already received into DRAM slots
-            if isinstance(item.reservation, Slot):
-                item.reservation.release()
+        request.release()  # PUT values already received into DRAM slots
         self.wrong_owner += 1
         header = request.header
         self.stats.error(Status.WRONG_OWNER, header.op)
