@@ -291,12 +291,16 @@ def test_ssd_quota_drops_the_tenants_oldest_ssd_chunks() -> None:
         usage = stats["auth"]["tenant_bytes"]["acme"]
         assert 0 < usage["ssd"] <= 1 << 20
         assert usage["dram"] >= 20 * len(value)  # DRAM has no quota here: all still cached
-        assert stats["auth"]["ssd_quota_evictions"] >= 14
+        # at most 5 of acme's 20 chunks fit in 1 MiB: each other one was either written
+        # and then dropped for a newer one, or shed before it was queued (when the
+        # writes still queued already fill the quota); bolt has no quota and sheds none
+        ssd = stats["tiers"]["ssd"]
+        assert stats["auth"]["ssd_quota_evictions"] + ssd["shed"] >= 15
         # bolt's write-behind was untouched: its 10 chunks are on SSD
         with Client(node.url, token=ADMIN, scope="raw") as raw:
             tiers = raw.exists_tiers([scope_key("bolt", key(300 + i)) for i in range(10)])
             assert tiers == ["dram"] * 10
-        assert stats["tiers"]["ssd"]["num_objects"] >= 10 + 4
+        assert ssd["num_objects"] >= 10 + 1
     finally:
         node.stop()
 
