@@ -124,7 +124,7 @@ def bench_ssd(total_mib: int, runs: int) -> list[dict[str, Any]]:
 
 
 SSD_VARIANTS: dict[str, dict[str, Any]] = {
-    "default (64 MiB write buffers)": {},
+    "default (64 MiB write buffers)": {"write_buffer_bytes": 64 * MiB},
     "256 MiB write buffers": {"write_buffer_bytes": 256 * MiB},
     "blob files": {"blob_files": True},
 }

@@ -272,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--path", required=True)
     parser.add_argument("--capacity", type=int, required=True)
     parser.add_argument("--codec", type=int, default=int(Codec.LZ4))
-    parser.add_argument("--write-buffer", type=int, default=64 << 20)
+    parser.add_argument("--write-buffer", type=int, default=None,
+                        help="RocksDB memtable bytes (default: an eighth of --capacity, 2-64 MiB)")
     parser.add_argument("--arena-fd", type=int, required=True)
     parser.add_argument("--arena-size", type=int, required=True)
     parser.add_argument("--sock-fd", type=int, required=True)

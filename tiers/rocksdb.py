@@ -42,6 +42,15 @@ _META = struct.Struct("<QQIQ")  # stored_len, value_len (RAW envelope), depth, w
 _META_CF = "meta"
 
 
+def default_write_buffer(capacity_bytes: int) -> int:
+    """Memtable size for a tier of ``capacity_bytes``: an eighth of it, 2-64 MiB.
+
+    Up to four memtables fill before RocksDB stalls writes, so a fixed 64 MiB
+    buffer let a 16 MiB tier's worker grow past 200 MiB of RSS (``bench/soak.py``).
+    """
+    return min(64 << 20, max(2 << 20, capacity_bytes // 8))
+
+
 def _options(write_buffer_bytes: int, blob_files: bool = False) -> rocksdict.Options:
     opts = rocksdict.Options(raw_mode=True)
     opts.create_if_missing(True)
@@ -66,7 +75,7 @@ class RocksDbTier:
     name = "ssd"
 
     def __init__(self, path: str | Path, capacity_bytes: int, *, codec: Codec = Codec.LZ4,
-                 write_buffer_bytes: int = 64 << 20, blob_files: bool = False,
+                 write_buffer_bytes: int | None = None, blob_files: bool = False,
                  clock: Callable[[], float] = time.time) -> None:
         if capacity_bytes <= 0:
             raise ValueError("SSD tier capacity must be > 0")
@@ -74,9 +83,12 @@ class RocksDbTier:
         self.path.mkdir(parents=True, exist_ok=True)
         self.codec = codec
         self._clock = clock
+        if write_buffer_bytes is None:
+            write_buffer_bytes = default_write_buffer(capacity_bytes)
         opts = _options(write_buffer_bytes, blob_files)
-        self._db = rocksdict.Rdict(str(self.path), opts,
-                                   column_families={_META_CF: _options(write_buffer_bytes)})
+        # metadata rows are 28 bytes each: a small memtable holds thousands of them
+        meta_opts = _options(min(write_buffer_bytes, 2 << 20))
+        self._db = rocksdict.Rdict(str(self.path), opts, column_families={_META_CF: meta_opts})
         self._meta = self._db.get_column_family(_META_CF)
         self._meta_handle = self._db.get_column_family_handle(_META_CF)
         self._sizes: dict[bytes, int] = {}
