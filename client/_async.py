@@ -19,9 +19,8 @@ connection pool per node.
   newer map epoch triggers a map refresh, and WRONG_OWNER a refresh and retry;
 - a node on the same host that grants it (see ``kvpool.server.shm``) serves
   GETs through shared memory: the client copies values straight from the
-  node's arena (``shm=None``, the default: when a standalone node offers it;
-  ``True``: required, also in a cluster, connecting fails otherwise;
-  ``False``: always TCP).
+  node's arena (``shm=None``, the default: wherever a node offers it;
+  ``True``: required, connecting fails otherwise; ``False``: always TCP).
 
 Security: ``token`` (default ``$KVPOOL_TOKEN``) is sent in HELLO to nodes that
 require one; it names a tenant and a role, and the node keeps every tenant's
@@ -57,6 +56,7 @@ from kvpool.client._node import (
     join_keys,
     key_bytes,
     parse_url,
+    routed_by,
     scope_flags,
 )
 from kvpool.client._routing import pick
@@ -536,9 +536,15 @@ class AsyncClient:
                 if not picks:
                     break
                 nodes = [ring_nodes[p.node] for p in picks]
-                outcomes = await asyncio.gather(*(send(node, p.rows)
-                                                  for node, p in zip(nodes, picks, strict=True)),
-                                                return_exceptions=True)
+                # the tasks gather makes copy this context: their frames say which map
+                # routed them, even if a newer one is installed before they are sent
+                token = routed_by.set(cmap.epoch)
+                try:
+                    outcomes = await asyncio.gather(
+                        *(send(node, p.rows) for node, p in zip(nodes, picks, strict=True)),
+                        return_exceptions=True)
+                finally:
+                    routed_by.reset(token)
                 for node, p, outcome in zip(nodes, picks, outcomes, strict=True):
                     if isinstance(outcome, WrongOwnerError):
                         stale = max(stale or 0, outcome.epoch)
@@ -595,11 +601,6 @@ class AsyncClient:
                     node = NodeClient(*address, node_id=info.id, **self._settings)
             node.epoch = cmap.epoch
             node.on_newer_epoch = self._on_newer_epoch
-            if self._settings["shm"] is None:
-                # the fast path is automatic for a standalone node only: under cluster-map
-                # changes it returned misses in tests/test_cluster.py (1 run in 4 under load;
-                # not found yet), so a cluster client uses it only with shm=True
-                node.shm = False
             nodes[info.id] = node
         for node_id, node in old.items():
             if nodes.get(node_id) is not node:

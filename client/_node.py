@@ -10,6 +10,7 @@ public API, for one node or many.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import ssl as ssl_module
@@ -58,6 +59,12 @@ log = logging.getLogger("kvpool.client")
 
 Key = bytes | str
 DEFAULT_PORT = 7700
+#: the epoch of the cluster map the current call was routed by (0: the node's own
+#: ``epoch``). A frame must carry that epoch, not whatever map is installed by the time
+#: it is encoded: a node trusts a frame of its own epoch without checking ownership, so
+#: a frame routed by an old map but stamped with the new epoch would be stored on a node
+#: that no longer owns the key, where no reader looks for it.
+routed_by: contextvars.ContextVar[int] = contextvars.ContextVar("kvpool_routed_by", default=0)
 _TIER_NAMES = {int(t): t.name.lower() for t in Tier}
 
 
@@ -407,7 +414,7 @@ class NodeClient:
     async def _call(self, conn: Connection, op: int, count: int, body: Sequence[Buffer],
                     sinks: Sequence[memoryview | Segments | None] | None = None) -> Reply:
         # the connection enforces the deadline
-        reply = await conn.send(op, count, body, sinks, epoch=self.epoch)
+        reply = await conn.send(op, count, body, sinks, epoch=routed_by.get() or self.epoch)
         header = reply.header
         if header.epoch > self.epoch and self.on_newer_epoch is not None:
             self.on_newer_epoch(header.epoch)

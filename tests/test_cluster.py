@@ -260,6 +260,52 @@ async def test_map_change_races_requests_through_wrong_owner(tmp_path: Path) -> 
             assert isinstance(stats["wrong_owner"], int) and stats["wrong_owner"] >= 1
 
 
+async def test_frames_carry_the_epoch_of_the_map_that_routed_them(tmp_path: Path) -> None:
+    """A map installed while a PUT is in flight must not restamp its frames.
+
+    The interleaving the WRONG_OWNER test above hit 1 run in 10 under load (the
+    fast path's slower connect widened it): a reply from a node on the new map
+    makes the client install it while the frame for the node that left is not
+    yet sent. Stamped with the new epoch, n3 took it without checking ownership,
+    and the chunk sat where no reader looks. Forced here with a hook on n3's send.
+    """
+    with LocalCluster(4, replication=1, fallbacks=0, data_dir=tmp_path,
+                      serve_args=FAST) as cluster:
+        async with AsyncClient(cluster.seeds[0]) as old:
+            await old.put(b"warm-up-key-0001", b"x")  # connects, map epoch 1
+            nodes = list(cluster.map.nodes)
+            nodes[3] = NodeInfo(id="n3", data=nodes[3].data, admin=nodes[3].admin,
+                                state=NodeState.DOWN)
+            cluster.write_map(ClusterMap(epoch=2, replication=1, fallbacks=0,
+                                         nodes=tuple(nodes)))
+            cluster.reload()
+            for _ in range(100):
+                if all(admin_json(f"{n.admin_url}/v1/cluster")["epoch"] == 2
+                       for n in cluster.nodes):
+                    break
+                await asyncio.sleep(0.05)
+            assert old.epoch == 1
+
+            n3 = old._nodes["n3"]
+            original = n3.put
+            hooked = 0
+
+            async def put_after_the_map_changed(*args: object, **kwargs: object) -> list[int]:
+                nonlocal hooked
+                hooked += 1
+                await old._refresh(min_epoch=2)  # what a reply from n0-n2 sets off
+                assert n3.epoch == 2
+                return await original(*args, **kwargs)  # type: ignore[arg-type]
+
+            n3.put = put_after_the_map_changed  # type: ignore[method-assign]
+            fresh = [os.urandom(16) for _ in range(64)]
+            await old.put_many(fresh, [value_for(k) for k in fresh])
+            assert hooked >= 1 and old.epoch == 2
+            got = await old.get_many(fresh)
+            assert [bytes(v) if v else None for v in got] == [value_for(k) for k in fresh]
+            assert not any(await node_exists(cluster, 3, fresh))
+
+
 def test_kvpool_cluster_up_command(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvpool.server", "cluster", "up", "--nodes", "2",
