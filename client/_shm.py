@@ -30,8 +30,10 @@ __all__ = ["TORN", "ShmMapping", "host_id", "redeem"]
 TORN = 254
 #: the arena's page size, whose generations the node bumps (tiers.arena.ALIGN)
 _PAGE = 4096
-#: copy and hash in blocks this size, so the hash reads the copy from cache, not DRAM
-_BLOCK = 128 << 10
+#: copy and hash in blocks this size, so the hash reads the copy from cache, not DRAM.
+#: Measured on the 2-core VM (1 MiB values from a memfd): 128 KiB blocks copied at
+#: 2.5 GB/s, 1 MiB blocks at 11 GB/s (numpy copyto of the whole value: 16)
+_BLOCK = 1 << 20
 
 
 def host_id() -> str:
