@@ -45,8 +45,9 @@ _META_CF = "meta"
 def default_write_buffer(capacity_bytes: int) -> int:
     """Memtable size for a tier of ``capacity_bytes``: an eighth of it, 2-64 MiB.
 
-    Up to four memtables fill before RocksDB stalls writes, so a fixed 64 MiB
-    buffer let a 16 MiB tier's worker grow past 200 MiB of RSS (``bench/soak.py``).
+    Up to four memtables fill before RocksDB stalls writes: with a fixed 64 MiB
+    buffer a 16 MiB tier alone grew to 220-290 MiB of RSS (2 MiB: 82-91), and the
+    soak's SSD workers (``bench/soak.py``) to 179-184 MiB, still rising.
     """
     return min(64 << 20, max(2 << 20, capacity_bytes // 8))
 
