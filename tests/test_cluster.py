@@ -212,6 +212,20 @@ async def test_kill_9_under_load_with_replication_2(tmp_path: Path) -> None:
             assert n1_requests > 0, "the restarted node never got requests again"
 
 
+async def take_n3_out(cluster: LocalCluster) -> list[NodeInfo]:
+    """Epoch 2 marks n3 down (its keys go to the others); wait until every node has it."""
+    nodes = list(cluster.map.nodes)
+    nodes[3] = NodeInfo(id="n3", data=nodes[3].data, admin=nodes[3].admin,
+                        state=NodeState.DOWN)
+    cluster.write_map(ClusterMap(epoch=2, replication=1, fallbacks=0, nodes=tuple(nodes)))
+    cluster.reload()
+    for _ in range(100):  # SIGHUP is asynchronous: wait for every node to see epoch 2
+        if all(admin_json(f"{n.admin_url}/v1/cluster")["epoch"] == 2 for n in cluster.nodes):
+            break
+        await asyncio.sleep(0.05)
+    return nodes
+
+
 async def test_map_change_races_requests_through_wrong_owner(tmp_path: Path) -> None:
     """A client on an old map gets WRONG_OWNER, refreshes, and its calls still succeed."""
     with LocalCluster(4, replication=1, fallbacks=0, data_dir=tmp_path,
@@ -219,18 +233,7 @@ async def test_map_change_races_requests_through_wrong_owner(tmp_path: Path) -> 
         keys = [os.urandom(16) for _ in range(200)]
         async with AsyncClient(cluster.seeds[0]) as old:
             await old.put_many(keys, [value_for(k) for k in keys])
-            # take n3 out: epoch 2 gives its keys to the others
-            nodes = list(cluster.map.nodes)
-            nodes[3] = NodeInfo(id="n3", data=nodes[3].data, admin=nodes[3].admin,
-                                state=NodeState.DOWN)
-            cluster.write_map(ClusterMap(epoch=2, replication=1, fallbacks=0,
-                                         nodes=tuple(nodes)))
-            cluster.reload()
-            for _ in range(100):  # SIGHUP is asynchronous: wait for every node to see epoch 2
-                if all(admin_json(f"{n.admin_url}/v1/cluster")["epoch"] == 2
-                       for n in cluster.nodes):
-                    break
-                await asyncio.sleep(0.05)
+            nodes = await take_n3_out(cluster)
 
             # straight to the protocol: n3 refuses a key it owned, and keeps the connection
             moved = [k for k, o in zip(keys, ClusterMap.from_dict(
@@ -273,17 +276,7 @@ async def test_frames_carry_the_epoch_of_the_map_that_routed_them(tmp_path: Path
                       serve_args=FAST) as cluster:
         async with AsyncClient(cluster.seeds[0]) as old:
             await old.put(b"warm-up-key-0001", b"x")  # connects, map epoch 1
-            nodes = list(cluster.map.nodes)
-            nodes[3] = NodeInfo(id="n3", data=nodes[3].data, admin=nodes[3].admin,
-                                state=NodeState.DOWN)
-            cluster.write_map(ClusterMap(epoch=2, replication=1, fallbacks=0,
-                                         nodes=tuple(nodes)))
-            cluster.reload()
-            for _ in range(100):
-                if all(admin_json(f"{n.admin_url}/v1/cluster")["epoch"] == 2
-                       for n in cluster.nodes):
-                    break
-                await asyncio.sleep(0.05)
+            await take_n3_out(cluster)
             assert old.epoch == 1
 
             n3 = old._nodes["n3"]
