@@ -447,7 +447,7 @@ class Handlers:
         ssd = self.ssd
         if ssd is not None and ssd.up:
             for i, key in enumerate(keys):
-                if key in ssd.index or key in ssd.s3_index:
+                if ssd.holds(key):
                     deleted[i] = True
                     ssd.delete(key)
         return deleted

@@ -100,6 +100,10 @@ class SsdTier:
         self.tenant_bytes: dict[str, int] = {}
         self._queued: dict[str, int] = {}  #: queued write-behind bytes, by tenant
         self._owner: dict[bytes, str] = {}
+        #: write-behinds queued per key, and how many of them a DELETE overtook (the worker
+        #: serves SSD requests in order: those complete first and must not be indexed)
+        self._writing: dict[bytes, int] = {}
+        self._overtaken: dict[bytes, int] = {}
         self.quota_evictions = 0
         self.counters = SsdCounters()
         self._proc: asyncio.subprocess.Process | None = None
@@ -209,6 +213,7 @@ class SsdTier:
             self._queued[tenant] = self._queued.get(tenant, 0) + length
         c.pending_writes += 1
         c.pending_write_bytes += length
+        self._writing[key] = self._writing.get(key, 0) + 1
         future = self._call(SsdOp.PUT_DURABLE if durable else SsdOp.PUT, key, offset, length)
         future.add_done_callback(lambda f: self._written(f, key, length, on_done,
                                                          durable=durable, tenant=tenant))
@@ -244,6 +249,12 @@ class SsdTier:
         c.pending_write_bytes -= length
         if tenant is not None and tenant in self._queued:
             self._queued[tenant] -= length
+        self._writing[key] -= 1
+        if not self._writing[key]:
+            del self._writing[key]
+        overtaken = self._overtaken.pop(key, 0)
+        if overtaken > 1:
+            self._overtaken[key] = overtaken - 1
         stored = False
         if future.cancelled() or future.exception() is not None:
             c.errors += 1
@@ -258,7 +269,11 @@ class SsdTier:
             for i in range(0, len(evicted), 16):
                 self._forget(evicted[i : i + 16])
                 c.evicted += 1
-            if status == SsdStatus.OK:
+            if status == SsdStatus.OK and overtaken:
+                c.writes += 1  # written, then deleted by the DELETE queued behind it
+                c.write_bytes += length
+                stored = True
+            elif status == SsdStatus.OK:
                 self._forget(key)  # a rewrite replaces the old copy (and its owner)
                 self.index[key] = length
                 if tenant is not None and tenant in self.quotas:
@@ -310,10 +325,19 @@ class SsdTier:
         status, _ = await self._call(SsdOp.COPY, key, offset, length)
         return status == SsdStatus.OK
 
+    def holds(self, key: bytes) -> bool:
+        """Whether the SSD or S3 has ``key``, or a write-behind of it is queued."""
+        return key in self.index or key in self.s3_index or key in self._writing
+
     def delete(self, key: bytes) -> None:
-        """Drop ``key`` from the indexes now and from disk and S3 soon (nobody waits)."""
+        """Drop ``key`` from the indexes now and from disk and S3 soon (nobody waits).
+
+        Queued write-behinds of ``key`` complete first, and are not indexed.
+        """
         self._forget(key)
         self.s3_index.discard(key)
+        if key in self._writing:
+            self._overtaken[key] = self._writing[key]
         if self.up:
             self._call(SsdOp.DELETE, key).add_done_callback(self._count_failure)
 

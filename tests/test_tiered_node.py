@@ -163,6 +163,26 @@ def test_delete_removes_from_every_tier() -> None:
         node.stop()
 
 
+def test_delete_overtaking_a_queued_write_behind_is_not_undone() -> None:
+    """A DELETE sent while the chunks' write-behinds are still queued: when those complete,
+    the chunks must not reappear on the SSD (they were once indexed on completion)."""
+    node = start_node("--dram-capacity", "64MiB")
+    try:
+        with Client(node.url) as c:
+            keys = [rkey() for _ in range(32)]
+            c.put_many(keys, [os.urandom(256 << 10) for _ in keys])
+            assert c.delete_many(keys) == [True] * 32
+            wait_for_writes(c, 32)
+            deadline = time.monotonic() + 10
+            while ssd_stats(c)["pending_writes"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert c.exists_many(keys) == [False] * 32
+            assert c.get_many(keys) == [None] * 32
+            assert ssd_stats(c)["num_objects"] == 0
+    finally:
+        node.stop()
+
+
 def test_ttl_chunks_stay_in_dram() -> None:
     node = start_node("--dram-capacity", "8MiB")
     try:
