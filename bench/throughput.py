@@ -17,7 +17,10 @@ take the same-host fast path (values copied from the node's shared-memory arena)
 and ``memcpy`` is its ceiling: numpy ``copyto`` of the same sizes into a
 preallocated buffer, from as many distinct sources as the node holds values (so
 that, like the fast path, it reads memory, not cache). Fast-path targets: GET at
-1 and 4 MiB >= 2x TCP and >= 0.6x memcpy.
+1 and 4 MiB >= 2x TCP and >= 0.6x memcpy. ``shm put`` writes into arena slots
+(the client's default from 128 KiB on). Batched series move 8 values a call;
+those marked ``xN`` move N values (64 MiB, or every key the node holds), where
+the round trip is amortised. PUT sources are as distinct as GET's.
 """
 
 from __future__ import annotations
@@ -187,29 +190,47 @@ def measure_size(size: int, budget: int, runs: int, client: Client, rds: Any, *,
             rds.set(k, v)
     buf = bytearray(size)
     bufs = [bytearray(size) for _ in range(BATCH)]
+    # a big batch: one call moves 64 MiB (or every key the node holds), so the round trip
+    # is amortised over many values and the copy rate shows
+    big = max(BATCH, min(num_keys, (64 * MiB) // size))
+    big_bufs = [bytearray(size) for _ in range(big)]
+    big_label = f"x{big}"
+    # as many distinct sources as the node holds values (so both read DRAM, not cache)
+    raw = [os.urandom(size) for _ in range(num_keys)]
+    sources = [np.frombuffer(r, dtype=np.uint8) for r in raw]
     it = {"i": 0}
 
     def next_key() -> bytes:
         it["i"] = (it["i"] + 1) % num_keys
         return keys[it["i"]]
 
-    def batch_keys() -> list[bytes]:
-        start = (it["i"] + BATCH) % (num_keys - BATCH + 1)
+    def batch_keys(n: int = BATCH) -> list[bytes]:
+        start = (it["i"] + n) % (num_keys - n + 1)
         it["i"] = start
-        return keys[start : start + BATCH]
+        return keys[start : start + n]
+
+    def batch_values() -> list[bytes]:
+        start = it["i"]
+        return [raw[(start + j) % num_keys] for j in range(BATCH)]
 
     ops: dict[str, Callable[[], object]] = {
-        "kvpool put": lambda: client.put(next_key(), values[0]),
+        "kvpool put": lambda: client.put(next_key(), raw[it["i"]]),
         "kvpool get": lambda: client.get(next_key()),
         "kvpool get_into": lambda: client.get_into(next_key(), buf),
-        "kvpool put_many": lambda: client.put_many(batch_keys(), values[:1] * BATCH),
+        "kvpool put_many": lambda: client.put_many(batch_keys(), batch_values()),
         "kvpool get_many_into": lambda: client.get_many_into(batch_keys(), bufs),
+        f"kvpool get_many_into {big_label}": lambda: client.get_many_into(batch_keys(big),
+                                                                           big_bufs),
+        "kvpool shm put": lambda: fast.put(next_key(), raw[it["i"]]),
         "kvpool shm get": lambda: fast.get(next_key()),
         "kvpool shm get_into": lambda: fast.get_into(next_key(), buf),
+        "kvpool shm put_many": lambda: fast.put_many(batch_keys(), batch_values()),
         "kvpool shm get_many_into": lambda: fast.get_many_into(batch_keys(), bufs),
+        f"kvpool shm get_many_into {big_label}": lambda: fast.get_many_into(batch_keys(big),
+                                                                               big_bufs),
     }
-    # as many distinct sources as the node holds values (so both read DRAM, not cache)
-    sources = [np.frombuffer(os.urandom(size), dtype=np.uint8) for _ in range(num_keys)]
+    per_call = {name: big if name.endswith(big_label) else BATCH if "many" in name else 1
+                for name in ops}
     dst = np.frombuffer(buf, dtype=np.uint8)
 
     def memcpy() -> None:
@@ -233,13 +254,13 @@ def measure_size(size: int, budget: int, runs: int, client: Client, rds: Any, *,
 
     ops["memcpy from shmem"] = memcpy_shmem
     if rds is not None:
-        ops["redis set"] = lambda: rds.set(next_key(), values[0])
+        ops["redis set"] = lambda: rds.set(next_key(), raw[it["i"]])
         ops["redis get"] = lambda: rds.get(next_key())
     samples: dict[str, list[float]] = {name: [] for name in [*ops, "raw python"]}
     for _ in range(runs):
         for name, fn in ops.items():
-            n = max(1, count // BATCH) if "many" in name else count
-            per_op = BATCH if "many" in name else 1
+            per_op = per_call.get(name, 1)
+            n = max(1, count // per_op)
             fn()  # warm
             samples[name].append(size * per_op * n / timed(fn, n) / 1e9)
         samples["raw python"].append(raw_python(size, budget))

@@ -21,6 +21,10 @@ connection pool per node.
   GETs through shared memory: the client copies values straight from the
   node's arena (``shm=None``, the default: wherever a node offers it;
   ``True``: required, connecting fails otherwise; ``False``: always TCP).
+  Where the node also grants writes (a client of its own user), values of
+  at least ``shm_put_min_bytes`` (128 KiB) are PUT by writing them into
+  arena slots the node reserved; smaller ones go over TCP (one round trip,
+  not two).
 
 Security: ``token`` (default ``$KVPOOL_TOKEN``) is sent in HELLO to nodes that
 require one; it names a tenant and a role, and the node keeps every tenant's
@@ -49,6 +53,7 @@ from opentelemetry.trace import TracerProvider
 from kvpool.client._connection import BufferOrSegments
 from kvpool.client._node import (
     DEFAULT_PORT,
+    SHM_PUT_MIN_BYTES,
     Key,
     NodeClient,
     _ttl_ms,
@@ -110,11 +115,14 @@ class AsyncClient:
                  client_name: str = "kvpool-python",
                  tracer_provider: TracerProvider | None = None,
                  shm: bool | None = None, token: str | None = None, scope: str = "tenant",
-                 ssl: ssl_module.SSLContext | None = None) -> None:
+                 ssl: ssl_module.SSLContext | None = None,
+                 shm_put_min_bytes: int = SHM_PUT_MIN_BYTES) -> None:
         if pool_size < 1:
             raise ConfigError("pool_size must be >= 1")
         if timeout <= 0 or connect_timeout <= 0:
             raise ConfigError("timeouts must be > 0 seconds")
+        if shm_put_min_bytes < 0:
+            raise ConfigError("shm_put_min_bytes must be >= 0")
         urls = [url] if isinstance(url, str) else list(url)
         if not urls:
             raise ConfigError("give at least one node URL")
@@ -126,7 +134,8 @@ class AsyncClient:
         self._settings: dict[str, Any] = {"pool_size": pool_size, "timeout": timeout,
                                           "connect_timeout": connect_timeout,
                                           "client_name": client_name, "shm": shm,
-                                          "token": token, "scope": scope, "ssl": ssl}
+                                          "token": token, "scope": scope, "ssl": ssl,
+                                          "shm_put_min_bytes": shm_put_min_bytes}
         self.timeout = timeout
         #: where client spans go; None: the application's global provider (no spans, and no
         #: trace context on the wire, unless it installed an SDK provider)
@@ -210,6 +219,13 @@ class AsyncClient:
         """Payload bytes GETs received through shared memory ("shm") and over TCP ("tcp")."""
         nodes = [self._single] if self._single else list(self._nodes.values())
         return {path: sum(n.bytes_by_path[path] for n in nodes if n is not None)
+                for path in ("shm", "tcp")}
+
+    @property
+    def put_bytes_by_path(self) -> dict[str, int]:
+        """Payload bytes PUTs stored through shared memory ("shm") and over TCP ("tcp")."""
+        nodes = [self._single] if self._single else list(self._nodes.values())
+        return {path: sum(n.put_bytes_by_path[path] for n in nodes if n is not None)
                 for path in ("shm", "tcp")}
 
     async def __aenter__(self) -> AsyncClient:

@@ -24,7 +24,7 @@ BufferOrSegments = Buffer | list[Buffer] | tuple[Buffer, ...]
 
 
 #: ops whose keys are in a scope (the connection's scope flags go on these)
-_SCOPED_OPS = KEY_OPS | {Op.PUT}
+_SCOPED_OPS = KEY_OPS | {Op.PUT, Op.PUT_SHM}
 
 
 class _Pending:
@@ -60,6 +60,8 @@ class Connection(asyncio.BufferedProtocol):
         self._watchdog: asyncio.TimerHandle | None = None
         #: the node granted this connection its shared-memory arena (GET_SHM)
         self.shm = False
+        #: ... and for writing (PUT_SHM, COMMIT): a client of the node's own user
+        self.shm_write = False
         #: OP_FLAG_SHARED or OP_FLAG_RAW on every key op and PUT (0: the tenant's scope)
         self.scope_flags = 0
         #: loop time of the last request sent or reply received (idle connections are

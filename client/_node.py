@@ -16,6 +16,7 @@ import os
 import ssl as ssl_module
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
@@ -53,7 +54,8 @@ from kvpool.protocol.frames import (
 )
 from kvpool.protocol.parsers import TOO_SMALL, Reply, Segments
 
-__all__ = ["DEFAULT_PORT", "Key", "NodeClient", "join_keys", "key_bytes", "parse_url"]
+__all__ = ["DEFAULT_PORT", "SHM_PUT_MIN_BYTES", "Key", "NodeClient", "join_keys", "key_bytes",
+           "parse_url"]
 
 log = logging.getLogger("kvpool.client")
 
@@ -66,6 +68,10 @@ DEFAULT_PORT = 7700
 #: that no longer owns the key, where no reader looks for it.
 routed_by: contextvars.ContextVar[int] = contextvars.ContextVar("kvpool_routed_by", default=0)
 _TIER_NAMES = {int(t): t.name.lower() for t in Tier}
+#: the smallest value PUT through shared memory; smaller ones go over TCP (one round
+#: trip instead of two). Measured on the 2-core VM, put_many of 8 values, shm / TCP:
+#: 64 KiB 0.87-1.15x, 128 KiB 1.03-1.09x, 256 KiB 1.2-1.4x, 1 MiB 2.4-4.5x
+SHM_PUT_MIN_BYTES = 128 << 10
 
 
 def _ignore_result(future: asyncio.Future[Any]) -> None:
@@ -144,6 +150,18 @@ def _blob_part(blob: bytes, part: range) -> bytes:
     return blob[part.start * KEY_SIZE : part.stop * KEY_SIZE]
 
 
+@dataclass(slots=True)
+class _PutItem:
+    """One value of a ``put``: where it goes in the reply, its item header and parts."""
+
+    index: int
+    header: PutItemHeader
+    parent: bytes | None
+    parts: list[memoryview]
+    nbytes: int
+    chunk_index: int
+
+
 class NodeClient:
     """Connections to one node, its limits, and whether it is reachable right now.
 
@@ -160,7 +178,10 @@ class NodeClient:
                  timeout: float = 10.0, connect_timeout: float = 5.0,
                  client_name: str = "kvpool-python", shm: bool | None = None,
                  token: str = "", scope: str = "tenant",
-                 ssl: ssl_module.SSLContext | None = None) -> None:
+                 ssl: ssl_module.SSLContext | None = None,
+                 shm_put_min_bytes: int = SHM_PUT_MIN_BYTES) -> None:
+        if shm_put_min_bytes < 0:
+            raise ConfigError("shm_put_min_bytes must be >= 0")
         self.host, self.port = host, port
         self.token = token
         self.scope_flags = scope_flags(scope)
@@ -170,6 +191,12 @@ class NodeClient:
         self._map: ShmMapping | None = None
         #: payload bytes received, by path ("shm", "tcp")
         self.bytes_by_path = {"shm": 0, "tcp": 0}
+        #: payload bytes stored, by path
+        self.put_bytes_by_path = {"shm": 0, "tcp": 0}
+        #: values at least this big are PUT through the arena, when the node allows it
+        self.shm_put_min_bytes = shm_put_min_bytes
+        #: PUT_SHM leases that ended before their COMMIT (the values went again over TCP)
+        self.shm_put_expired = 0
         #: fast-path values freed while they were copied (fetched again over TCP)
         self.shm_torn = 0
         self.node_id = node_id or f"{host}:{port}"
@@ -223,45 +250,116 @@ class NodeClient:
                   flags: int, chunk_indexes: Sequence[int] | None, num_tokens: int,
                   fingerprint: bytes, parents: Sequence[bytes | None] | None = None
                   ) -> list[int]:
-        """One Status per key, in as few frames as the node's limits allow."""
+        """One Status per key, in as few frames as the node's limits allow.
+
+        Values of at least :attr:`shm_put_min_bytes` go through the arena when the
+        node granted this client writes (PUT_SHM, then COMMIT); the rest over TCP.
+        """
         conn = await self._connection()
         max_value = int(self.server_info["max_value_bytes"])
-        max_frame = int(self.server_info["max_frame_bytes"])
-        max_batch = int(self.server_info["max_batch"])
-        frames: list[tuple[int, list[Buffer]]] = []
-        count = 0
-        body: list[Buffer] = []
-        frame_bytes = 0
+        shm = self._map if conn.shm_write and self.shm is not False else None
+        items: list[_PutItem] = []
         for i, (key, value) in enumerate(zip(bkeys, values, strict=True)):
             parts = as_segments(value)
             nbytes = sum(p.nbytes for p in parts)
-            value_len = ENVELOPE_HEADER_SIZE + nbytes
-            if value_len > max_value:
+            if ENVELOPE_HEADER_SIZE + nbytes > max_value:
                 raise ValueTooLargeError(
                     f"value of {nbytes} bytes (+{ENVELOPE_HEADER_SIZE} envelope) exceeds "
                     f"the node's max_value_bytes {max_value}")
             parent = parents[i] if parents is not None else None
-            item_bytes = 32 + value_len + (KEY_SIZE if parent else 0)
-            if count and (count == max_batch or frame_bytes + item_bytes > max_frame):
-                frames.append((count, body))
-                count, body, frame_bytes = 0, [], 0
-            envelope = seal(list[Buffer](parts) if len(parts) > 1 else parts[0],
-                            chunk_index=chunk_indexes[i] if chunk_indexes else 0,
-                            num_tokens=num_tokens, fingerprint=fingerprint)
-            if parent:
-                body += [PutItemHeader(key, value_len, ttl_ms, flags | PUT_FLAG_PARENT).pack(),
-                         parent, envelope, *parts]
-            else:
-                body += [PutItemHeader(key, value_len, ttl_ms, flags).pack(), envelope, *parts]
-            count += 1
-            frame_bytes += item_bytes
-        if count:
-            frames.append((count, body))
-        replies = await self._gather([(conn, Op.PUT, n, b, None) for n, b in frames])
-        statuses: list[int] = []
-        for (n, _), reply in zip(frames, replies, strict=True):
-            statuses += decode_statuses(reply.body, n)
+            header = PutItemHeader(key, ENVELOPE_HEADER_SIZE + nbytes, ttl_ms,
+                                   flags | PUT_FLAG_PARENT if parent else flags)
+            items.append(_PutItem(i, header, parent, parts, nbytes,
+                                  chunk_indexes[i] if chunk_indexes else 0))
+        statuses = [0] * len(items)
+        by_shm = [] if shm is None else [it for it in items if it.nbytes >= self.shm_put_min_bytes]
+        by_tcp = [it for it in items if shm is None or it.nbytes < self.shm_put_min_bytes]
+        if by_shm:
+            assert shm is not None
+            expired = await self._put_shm(conn, shm, by_shm, statuses, num_tokens=num_tokens,
+                                          fingerprint=fingerprint)
+            by_tcp += expired  # their slots were given back before COMMIT: send them again
+        if by_tcp:
+            await self._put_tcp(conn, by_tcp, statuses, num_tokens=num_tokens,
+                                fingerprint=fingerprint)
         return statuses
+
+    def _frames(self, items: list[_PutItem]) -> list[list[_PutItem]]:
+        """``items`` split into frames within the node's max_batch and max_frame_bytes."""
+        max_frame = int(self.server_info["max_frame_bytes"])
+        max_batch = int(self.server_info["max_batch"])
+        frames: list[list[_PutItem]] = []
+        frame: list[_PutItem] = []
+        frame_bytes = 0
+        for item in items:
+            # a PUT_SHM frame carries no values, but reserves no more than a PUT would carry
+            item_bytes = 32 + item.header.value_len + (KEY_SIZE if item.parent else 0)
+            if frame and (len(frame) == max_batch or frame_bytes + item_bytes > max_frame):
+                frames.append(frame)
+                frame, frame_bytes = [], 0
+            frame.append(item)
+            frame_bytes += item_bytes
+        if frame:
+            frames.append(frame)
+        return frames
+
+    async def _put_tcp(self, conn: Connection, items: list[_PutItem], statuses: list[int], *,
+                       num_tokens: int, fingerprint: bytes) -> None:
+        frames = self._frames(items)
+        calls = []
+        for frame in frames:
+            body: list[Buffer] = []
+            for item in frame:
+                parts = item.parts
+                envelope = seal(list[Buffer](parts) if len(parts) > 1 else parts[0],
+                                chunk_index=item.chunk_index, num_tokens=num_tokens,
+                                fingerprint=fingerprint)
+                body.append(item.header.pack())
+                if item.parent:
+                    body.append(item.parent)
+                body += [envelope, *parts]
+            calls.append((conn, Op.PUT, len(frame), body, None))
+        replies = await self._gather(calls)
+        for frame, reply in zip(frames, replies, strict=True):
+            for item, status in zip(frame, decode_statuses(reply.body, len(frame)), strict=True):
+                statuses[item.index] = status
+                if status == Status.OK:
+                    self.put_bytes_by_path["tcp"] += item.nbytes
+
+    async def _put_shm(self, conn: Connection, shm: ShmMapping, items: list[_PutItem],
+                       statuses: list[int], *, num_tokens: int, fingerprint: bytes
+                       ) -> list[_PutItem]:
+        """PUT_SHM, write each value into its slot, COMMIT; the items whose lease expired."""
+        frames = self._frames(items)
+        replies = await self._gather([
+            (conn, Op.PUT_SHM, len(frame),
+             [b for it in frame for b in ((it.header.pack(), it.parent) if it.parent
+                                          else (it.header.pack(),))], None)
+            for frame in frames])
+        commits: list[tuple[Connection, int, int, list[Buffer], None]] = []
+        committing: list[list[_PutItem]] = []
+        for frame, reply in zip(frames, replies, strict=True):
+            lease, slots = decode_shm_reply(reply.body, len(frame))
+            for item, slot in zip(frame, slots, strict=True):
+                if slot.status == Status.OK:
+                    shm.write(slot, item.parts, chunk_index=item.chunk_index,
+                              num_tokens=num_tokens, fingerprint=fingerprint)
+                else:
+                    statuses[item.index] = slot.status
+            if lease:
+                commits.append((conn, Op.COMMIT, len(frame), [encode_lease_ids([lease])], None))
+                committing.append(frame)
+        expired: list[_PutItem] = []
+        for frame, reply in zip(committing, await self._gather(commits), strict=True):
+            for item, status in zip(frame, decode_statuses(reply.body, len(frame)), strict=True):
+                if status == Status.NOT_FOUND:  # the lease ended before COMMIT: not stored
+                    expired.append(item)
+                    continue
+                statuses[item.index] = status
+                if status == Status.OK:
+                    self.put_bytes_by_path["shm"] += item.nbytes
+        self.shm_put_expired += len(expired)
+        return expired
 
     async def get(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None
                   ) -> list[memoryview | Segments | None]:
@@ -477,7 +575,7 @@ class NodeClient:
         offer = self.server_info.get("shm")
         if isinstance(offer, dict):
             try:  # in a thread: the node may share this event loop (a node's own peer client)
-                fd = await asyncio.get_running_loop().run_in_executor(
+                fd, writable = await asyncio.get_running_loop().run_in_executor(
                     None, redeem, offer, self.connect_timeout)
             except KvpoolConnectionError as exc:
                 if self.shm:
@@ -485,12 +583,14 @@ class NodeClient:
                     raise
                 log.info("%s: using TCP: %s", self.node_id, exc)
             else:
-                if self._map is None or self._map.socket != offer["socket"]:
+                if self._map is None or self._map.socket != offer["socket"] \
+                        or self._map.writable != writable:
                     self.close_mapping()  # a restarted node has a new arena
-                    self._map = ShmMapping(fd, offer)
+                    self._map = ShmMapping(fd, offer, writable=writable)
                 else:
                     os.close(fd)
                 conn.shm = True
+                conn.shm_write = writable
         elif self.shm:
             conn.close()
             raise KvpoolConnectionError(

@@ -7,6 +7,10 @@ where each value lies; :meth:`ShmMapping.read` copies it into the caller's
 buffer, verifies the envelope checksum of the copy, and checks the value's
 generation afterwards (a seqlock): a value freed while it was being copied
 is reported as ``TORN`` and fetched again over TCP -- never returned.
+
+A client of the node's own user gets a writable mapping: :meth:`ShmMapping.write`
+fills a slot a PUT_SHM reply reserved (payload, hashed as it is copied, then
+the envelope header), and the client sends COMMIT.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import mmap
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
@@ -45,8 +49,11 @@ def host_id() -> str:
         return ""
 
 
-def redeem(offer: dict[str, Any], timeout: float) -> int:
-    """Trade the HELLO ticket for the arena's descriptor; KvpoolConnectionError if refused."""
+def redeem(offer: dict[str, Any], timeout: float) -> tuple[int, bool]:
+    """Trade the HELLO ticket for the arena's descriptor and whether it is writable.
+
+    KvpoolConnectionError if refused.
+    """
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         try:
@@ -55,12 +62,12 @@ def redeem(offer: dict[str, Any], timeout: float) -> int:
             answer, fds, _, _ = socket.recv_fds(sock, 256, 1)
         except OSError as exc:
             raise KvpoolConnectionError(f"shared-memory fast path unavailable: {exc}") from exc
-    if answer != b"OK" or not fds:
+    if answer not in (b"OK", b"OK rw") or not fds:
         for fd in fds:
             os.close(fd)
         reason = answer.decode("utf-8", "replace").removeprefix("NO ").strip() or "no answer"
         raise KvpoolConnectionError(f"shared-memory fast path refused: {reason}")
-    return fds[0]
+    return fds[0], answer == b"OK rw"
 
 
 def _copy(dst: memoryview, src: memoryview, hasher: Any) -> None:
@@ -74,13 +81,16 @@ def _copy(dst: memoryview, src: memoryview, hasher: Any) -> None:
 
 
 class ShmMapping:
-    """A read-only mapping of one node's arena (data, then the generation table)."""
+    """A mapping of one node's arena (data, then the generation table); read-only unless
+    the node granted writes."""
 
-    def __init__(self, fd: int, offer: dict[str, Any]) -> None:
+    def __init__(self, fd: int, offer: dict[str, Any], *, writable: bool = False) -> None:
         self.socket = str(offer["socket"])
         self.capacity = int(offer["capacity"])
+        self.writable = writable
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         try:
-            self._mmap = mmap.mmap(fd, int(offer["file_size"]), prot=mmap.PROT_READ)
+            self._mmap = mmap.mmap(fd, int(offer["file_size"]), prot=prot)
         finally:
             os.close(fd)
         whole = memoryview(self._mmap)
@@ -136,6 +146,29 @@ class ShmMapping:
         if hasher.intdigest() != envelope.checksum:
             return Status.CORRUPT, None
         return Status.OK, out
+
+    def write(self, item: ShmItem, parts: Sequence[memoryview], *, chunk_index: int,
+              num_tokens: int, fingerprint: bytes) -> None:
+        """Fill the PUT_SHM slot ``item``: the payload ``parts``, hashed block by block as
+        they are copied, then the envelope header that carries the hash."""
+        offset, length = item.offset, item.length
+        nbytes = sum(p.nbytes for p in parts)
+        if not self.writable:
+            raise KvpoolConnectionError("the node granted a read-only mapping")
+        if len(fingerprint) != 16:
+            raise ValueError("fingerprint must be 16 bytes")
+        if length != ENVELOPE_HEADER_SIZE + nbytes or offset + length > self.capacity \
+                or offset % _PAGE:
+            raise KvpoolConnectionError(
+                f"PUT_SHM slot ({offset}, {length}) does not fit a {nbytes}-byte value")
+        hasher = xxhash.xxh3_64()
+        pos = offset + ENVELOPE_HEADER_SIZE
+        for part in parts:
+            _copy(self.view[pos : pos + part.nbytes], part, hasher)
+            pos += part.nbytes
+        self.view[offset : offset + ENVELOPE_HEADER_SIZE] = EnvelopeHeader(
+            raw_len=nbytes, stored_len=nbytes, checksum=hasher.intdigest(),
+            num_tokens=num_tokens, chunk_index=chunk_index, fingerprint=fingerprint).pack()
 
     def _settled(self, item: ShmItem, status: int) -> tuple[int, None]:
         """A failed read is only trusted if the value was not freed meanwhile."""

@@ -71,6 +71,11 @@ class Client:
         return self._async.bytes_by_path
 
     @property
+    def put_bytes_by_path(self) -> dict[str, int]:
+        """Payload bytes PUTs stored through shared memory ("shm") and over TCP ("tcp")."""
+        return self._async.put_bytes_by_path
+
+    @property
     def epoch(self) -> int:
         """The cluster-map epoch this client routes by (0 = standalone node)."""
         return self._async.epoch

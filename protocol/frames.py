@@ -19,6 +19,9 @@ Request bodies:
     STATS, CLUSTER  empty
     GET_SHM       count x 16-byte key (only on a connection granted the shared-memory arena)
     RELEASE       count x u64 lease id
+    PUT_SHM       count x (PUT item header || parent key with PUT_FLAG_PARENT), no values
+                  (only on a connection granted the arena for writing)
+    COMMIT        one u64 lease id (of a PUT_SHM reply); count = that reply's item count
 Reply bodies (status OK):
     HELLO, STATS  JSON object
     CLUSTER       JSON object: the node's cluster map (placement.cluster_map.ClusterMap.to_dict)
@@ -30,6 +33,11 @@ Reply bodies (status OK):
                   offset u64, length u64, generation u64); the values stay put until the
                   lease is released or its deadline passes
     RELEASE       count x 1-byte Status (NOT_FOUND: the lease had already expired)
+    PUT_SHM       u64 lease id, then count x SHM item: where the client writes each value
+                  (status NO_CAPACITY where there was no room; generation 0); the slots
+                  are the client's until COMMIT, or freed at the lease's deadline
+    COMMIT        count x 1-byte Status, as PUT's (all NOT_FOUND: the lease had expired,
+                  nothing was stored)
 A request may carry W3C trace context: its op byte has OP_FLAG_TRACE (0x80) set and
 its body starts with TRACE_CONTEXT_SIZE (26) bytes -- version 0 (u8), trace id (16),
 parent span id (8), trace flags (u8) -- counted in ``body_len``. Clients set it only
@@ -136,6 +144,10 @@ class Op(enum.IntEnum):
     GET_SHM = 11
     #: end leases of GET_SHM replies (the client has copied the values)
     RELEASE = 12
+    #: PUT over shared memory: reserve arena slots the client writes into, under a lease
+    PUT_SHM = 13
+    #: publish the slots of a PUT_SHM lease (the client has written the values)
+    COMMIT = 14
 
 
 #: Ops whose request body is exactly ``count`` keys.
@@ -227,7 +239,8 @@ _U64 = struct.Struct("<Q")
 
 
 class ShmItem(NamedTuple):
-    """Where a GET_SHM value lies: ``status, offset, length, generation`` (see the arena)."""
+    """Where a GET_SHM value lies (or a PUT_SHM value goes): ``status, offset, length,
+    generation`` (see the arena; 0 for PUT_SHM)."""
 
     status: int
     offset: int
@@ -240,9 +253,9 @@ class ShmItem(NamedTuple):
 
 def decode_shm_reply(body: bytes | bytearray | memoryview, count: int
                      ) -> tuple[int, list[ShmItem]]:
-    """``(lease id, items)`` of a GET_SHM reply."""
+    """``(lease id, items)`` of a GET_SHM or PUT_SHM reply."""
     if len(body) != 8 + SHM_ITEM_SIZE * count:
-        raise BadFrameError(f"GET_SHM reply of {len(body)} bytes for {count} keys")
+        raise BadFrameError(f"shared-memory reply of {len(body)} bytes for {count} items")
     (lease,) = _U64.unpack_from(body)
     return lease, [ShmItem(*_SHM_ITEM.unpack_from(body, 8 + i * SHM_ITEM_SIZE))
                    for i in range(count)]

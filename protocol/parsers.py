@@ -65,7 +65,7 @@ MAX_CONTROL_BODY = 64 << 10
 
 _KNOWN_OPS = frozenset(int(op) for op in Op)
 #: ops whose op byte may carry scope bits
-_SCOPED_OPS = KEY_OPS | {Op.PUT}
+_SCOPED_OPS = KEY_OPS | {Op.PUT, Op.PUT_SHM}
 # needs asked for on every frame, made once (a plan never mutates a need)
 _FRAME_HEADER = Exact(FRAME_HEADER_SIZE)
 _PUT_ITEM = Exact(PUT_ITEM_SIZE)
@@ -220,12 +220,17 @@ class RequestParser:
                 assert raw_trace is not None
                 trace = unpack_trace_context(raw_trace)
                 header.body_len -= TRACE_CONTEXT_SIZE
-            if header.op == Op.PUT:
+            if header.op in (Op.PUT, Op.PUT_SHM):
+                # PUT_SHM: the same items without their values (the client writes those
+                # into the reserved slots through shared memory, then sends COMMIT)
+                inline = header.op == Op.PUT
+                name = Op(header.op).name
                 request = Request(header, trace=trace, scope=scope)
                 remaining = header.body_len
+                reserved = 0
                 for _ in range(header.count):
                     if remaining < PUT_ITEM_SIZE:
-                        raise BadFrameError("PUT body shorter than its items")
+                        raise BadFrameError(f"{name} body shorter than its items")
                     raw_item = yield _PUT_ITEM
                     assert raw_item is not None
                     item = PutItemHeader.unpack(raw_item)
@@ -233,27 +238,34 @@ class RequestParser:
                     parent = None
                     if item.flags & PUT_FLAG_PARENT:
                         if remaining < KEY_SIZE:
-                            raise BadFrameError("PUT parent key runs past the frame body")
+                            raise BadFrameError(f"{name} parent key runs past the frame body")
                         raw_parent = yield Exact(KEY_SIZE)
                         assert raw_parent is not None
                         parent = bytes(raw_parent)
                         remaining -= KEY_SIZE
-                    if item.value_len > remaining:
+                    if inline and item.value_len > remaining:
                         raise BadFrameError("PUT value runs past the frame body")
                     if item.value_len > limits.max_value_bytes:
                         raise ValueTooLargeError(
                             f"value of {item.value_len} bytes exceeds max_value_bytes "
                             f"{limits.max_value_bytes}")
-                    reservation = self._reserve(item.key, item.value_len)
-                    if reservation is None:
-                        yield Skip(item.value_len)
-                    else:
-                        self._pending.append(reservation)
-                        yield Into(reservation.view)
-                    remaining -= item.value_len
+                    reservation = None
+                    if inline:
+                        reservation = self._reserve(item.key, item.value_len)
+                        if reservation is None:
+                            yield Skip(item.value_len)
+                        else:
+                            self._pending.append(reservation)
+                            yield Into(reservation.view)
+                        remaining -= item.value_len
+                    else:  # the node reserves once it knows the connection may write
+                        reserved += item.value_len
+                        if reserved > limits.max_frame_bytes:
+                            raise FrameTooLargeError(
+                                f"PUT_SHM of more than max_frame_bytes {limits.max_frame_bytes}")
                     request.items.append(PutItem(item, reservation, parent))
                 if remaining:
-                    raise BadFrameError(f"{remaining} stray bytes after the PUT items")
+                    raise BadFrameError(f"{remaining} stray bytes after the {name} items")
                 self._pending = []
                 self._ready.append(request)
             elif header.op in KEY_OPS:

@@ -101,7 +101,11 @@ class ServerConfig:
     shm: bool = knob(True, "same-host fast path: co-located clients read values straight from "
                      "the DRAM arena's shared memory (Linux)", flag="--shm", env="KVPOOL_SHM",
                      kind="bool")
-    shm_lease_s: float = knob(5.0, "longest a fast-path reader may keep values from eviction",
+    shm_write: bool = knob(True, "fast-path clients of the node's own user may also PUT by "
+                           "writing into reserved arena slots", flag="--shm-write",
+                           env="KVPOOL_SHM_WRITE", kind="bool")
+    shm_lease_s: float = knob(5.0, "longest a fast-path client may hold values from eviction "
+                              "(reads) or slots uncommitted (writes)",
                               flag="--shm-lease", env="KVPOOL_SHM_LEASE")
     shm_allow: str = knob("", "who may map the arena: uid:N,gid:N,... ('' = the node's own "
                           "user)", flag="--shm-allow", env="KVPOOL_SHM_ALLOW")

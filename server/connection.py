@@ -242,6 +242,8 @@ class NodeConnection(asyncio.BufferedProtocol):
                     dram.assign(slot, scoper(slot.key, scope), self._quota_tenant)
                 if item.parent is not None:
                     item.parent = scoper(item.parent, scope)
+            if request.header.op == Op.PUT_SHM:  # the node reserves its slots under these
+                request.keys = [scoper(item.header.key, scope) for item in request.items]
         elif request.keys:
             request.client_keys = request.keys
             request.keys = [scoper(k, scope) for k in request.keys]

@@ -47,7 +47,7 @@ from kvpool.protocol.frames import (
     encode_statuses,
     pack_get_item,
 )
-from kvpool.protocol.parsers import Limits, Request
+from kvpool.protocol.parsers import Limits, PutItem, Request
 from kvpool.server.auth import ANONYMOUS, Role, TokenTable
 from kvpool.server.events import EventBus
 from kvpool.server.membership import Membership
@@ -65,7 +65,8 @@ Buffers = list[bytes | bytearray | memoryview]
 _STATUS_OF_TIER = bytes([Status.NOT_FOUND] + [Status.OK] * 255)
 #: ops whose keys are placed by the cluster map (a stale client may have sent them astray)
 _ROUTED_OPS = frozenset({Op.PUT, Op.GET, Op.EXISTS, Op.DELETE, Op.LOOKUP, Op.PIN, Op.UNPIN,
-                         Op.GET_SHM})
+                         Op.GET_SHM, Op.PUT_SHM})
+_PUT_OPS = frozenset({Op.PUT, Op.PUT_SHM})
 Pending = Coroutine[Any, Any, "Reply"]
 
 
@@ -120,6 +121,8 @@ class Handlers:
             Op.CLUSTER: self.cluster,
             Op.GET_SHM: self.get_shm,
             Op.RELEASE: self.release,
+            Op.PUT_SHM: self.put_shm,
+            Op.COMMIT: self.commit,
         }
 
     @property
@@ -138,7 +141,7 @@ class Handlers:
         header = request.header
         self.stats.count(header.op, header.count)
         if header.epoch < self.membership.epoch and header.op in _ROUTED_OPS:
-            keys = [i.header.key for i in request.items] if header.op == Op.PUT else \
+            keys = [i.header.key for i in request.items] if header.op in _PUT_OPS else \
                 request.client_keys if request.client_keys is not None else request.keys
             if not self.membership.accepts(keys):
                 return self._wrong_owner(request)
@@ -205,13 +208,17 @@ class Handlers:
         return self._reply(request, [encode_json(info)])
 
     def put(self, request: Request) -> Reply | Pending:
-        statuses = [Status.OK] * len(request.items)
+        return self._store(request, request.items)
+
+    def _store(self, request: Request, items: Sequence[PutItem]) -> Reply | Pending:
+        """Publish received slots (a PUT's, or a committed PUT_SHM's); reply one Status each."""
+        statuses = [Status.OK] * len(items)
         slots: list[Slot] = []
         where: list[int] = []
         ttls: list[float | None] = []
         pins: list[bool] = []
         parents: list[bytes | None] = []
-        for i, item in enumerate(request.items):
+        for i, item in enumerate(items):
             if item.reservation is None:
                 statuses[i] = Status.NO_CAPACITY
                 continue
@@ -376,6 +383,47 @@ class Handlers:
         done = self.shm.release(request.session, ids)
         return self._reply(request, [encode_statuses(
             [Status.OK if d else Status.NOT_FOUND for d in done])])
+
+    def put_shm(self, request: Request) -> Reply:
+        """Reserve a slot per item for the client to write into; they wait for COMMIT."""
+        shm, session = self.shm, request.session
+        if shm is None or not isinstance(session, Session) or not session.write:
+            raise BadFrameError("PUT_SHM needs a connection granted the arena for writing")
+        principal = session.principal
+        tenant = None if principal.role == Role.ADMIN else principal.tenant
+        keys = request.keys or [item.header.key for item in request.items]  # scoped, if any
+        body: Buffers = []
+        reserved = 0
+        for key, item in zip(keys, request.items, strict=True):
+            slot = self.dram.reserve(key, item.header.value_len, tenant)
+            item.reservation = slot
+            if slot is None:
+                body.append(ShmItem(Status.NO_CAPACITY, 0, 0, 0).pack())
+            else:
+                body.append(ShmItem(Status.OK, slot.offset, slot.length, 0).pack())
+                reserved += 1
+        lease = shm.reserve(session, request.items) if reserved else 0
+        return self._reply(request, [encode_lease_ids([lease]), *body])
+
+    def commit(self, request: Request) -> Reply | Pending:
+        """Publish the slots of a PUT_SHM lease (NOT_FOUND for all: it had expired)."""
+        shm, session = self.shm, request.session
+        if shm is None or not isinstance(session, Session) or not session.write:
+            raise BadFrameError("COMMIT needs a connection granted the arena for writing")
+        (lease,) = decode_lease_ids(request.body, 1)
+        items = shm.take(session, lease)
+        count = request.header.count
+        if items is None:
+            self.stats.error(Status.NOT_FOUND, Op.COMMIT)
+            return self._reply(request, [encode_statuses([Status.NOT_FOUND] * count)])
+        if len(items) != count:
+            for item in items:
+                if item.reservation is not None:
+                    item.reservation.release()
+            raise BadFrameError(f"COMMIT of {count} items for a lease of {len(items)}")
+        shm.counters.committed += count
+        shm.counters.bytes_in += sum(i.header.value_len for i in items if i.reservation)
+        return self._store(request, items)
 
     def _shm_reply(self, request: Request, entries: list[Entry | None]) -> Reply:
         """Where each value lies in the arena; the entries stay held under one lease."""

@@ -77,6 +77,13 @@ def _one(field: str) -> Callable[[Snapshot], Iterable[Sample]]:
     return lambda snap: [(snap[field], {})]
 
 
+def _received(snap: Snapshot) -> Iterator[Sample]:
+    shm = snap["shm"]["bytes_in"] if "shm" in snap else 0
+    yield snap["bytes_in"] - shm, {"path": "tcp"}
+    if "shm" in snap:
+        yield shm, {"path": "shm"}
+
+
 def _sent(snap: Snapshot) -> Iterator[Sample]:
     yield snap["bytes_out"], {"path": "tcp"}
     if "shm" in snap:
@@ -142,8 +149,9 @@ METRICS: tuple[Metric, ...] = (
            "data-path requests by op and reply status (ok, or the error)", _requests),
     Metric("kvpool_request_keys", "counter", "", "op", "keys (batch items) carried by requests",
            _keys),
-    Metric("kvpool_received", "counter", "By", "", "PUT payload bytes received (envelopes "
-           "included)", _one("bytes_in")),
+    Metric("kvpool_received", "counter", "By", "path", "PUT payload bytes stored (envelopes "
+           "included), by path: tcp (received on the socket), shm (written by co-located "
+           "clients into the arena)", _received),
     Metric("kvpool_sent", "counter", "By", "path", "GET payload bytes served, by path: tcp "
            "(sent on the socket), shm (read by co-located clients from shared memory)",
            _sent),

@@ -174,7 +174,8 @@ class Node:
                 self._metrics_task = asyncio.create_task(self._refresh_metrics_loop())
         if self.config.server.shm and sys.platform.startswith("linux"):
             self.shm = ShmService(self.dram, lease_s=self.config.server.shm_lease_s,
-                                  allow=self.config.server.shm_allow)
+                                  allow=self.config.server.shm_allow,
+                                  write=self.config.server.shm_write)
             await self.shm.start()
             self.handlers.shm = self.shm
             self.handlers.extra_stats["shm"] = self.shm_stats

@@ -19,6 +19,16 @@ How a client gets in:
    or dead reader for longer. The client copies from its mapping, verifies
    the envelope checksum of what it copied and re-reads the generation (see
    ``tiers/arena.py``): a value freed mid-copy is never returned torn.
+4. PUT the other way: a client of the node's **own user** (who could write
+   the node's memory anyway) gets a writable descriptor instead (unless the
+   node runs with ``--no-shm-write``). ``PUT_SHM`` reserves arena slots under
+   a lease and says where they are; the client writes each envelope and
+   payload there and sends ``COMMIT``, which publishes them as a PUT would.
+   A slot stays invisible to readers until then; a lease not committed by
+   its deadline (or whose connection closes) gives its slots back, and a late
+   COMMIT stores nothing. Readers verify every value's checksum, so a client
+   that writes outside its slots can make chunks unreadable (dropped as
+   corrupt), never returned wrong.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from dataclasses import dataclass, field
 
 from kvpool.client._shm import host_id
 from kvpool.protocol.errors import ConfigError
+from kvpool.protocol.parsers import PutItem
 from kvpool.server.auth import ANONYMOUS, Principal
 from kvpool.tiers.dram import DramTier, Entry
 
@@ -68,6 +79,8 @@ class Session:
     """Per data connection: whether it may use the arena, and its open leases."""
 
     shm: bool = False
+    #: granted a writable mapping: may PUT through the arena (PUT_SHM, COMMIT)
+    write: bool = False
     leases: set[int] = field(default_factory=set)
     #: the arena holds every tenant's chunks: with tenants configured, only admin tokens
     #: may map it from another uid (a process of the node's own uid can read its memory
@@ -81,9 +94,12 @@ class Session:
 
 @dataclass(slots=True, eq=False)
 class Lease:
+    """Values a client reads (``entries``), or slots it writes (``items``, PUT_SHM)."""
+
     entries: list[Entry]
     deadline: float
     session: Session
+    items: list[PutItem] | None = None
 
 
 @dataclass(slots=True)
@@ -95,16 +111,24 @@ class ShmCounters:
     expired: int = 0
     bytes_out: int = 0
     items_out: int = 0
+    #: writable grants (the node's own user), PUT_SHM leases, and what COMMIT stored
+    write_grants: int = 0
+    put_leases: int = 0
+    committed: int = 0
+    bytes_in: int = 0
 
 
 class ShmService:
     """Grants the arena to co-located clients and keeps their leases."""
 
-    def __init__(self, dram: DramTier, *, lease_s: float, allow: str = "") -> None:
+    def __init__(self, dram: DramTier, *, lease_s: float, allow: str = "",
+                 write: bool = True) -> None:
         if lease_s <= 0:
             raise ConfigError("shm_lease_s must be > 0")
         self.dram = dram
         self.lease_s = lease_s
+        #: whether clients of the node's own user get a writable mapping (PUT_SHM)
+        self.write = write
         self.uids, self.gids = parse_allow(allow)
         self.host = host_id()
         self.name = f"kvpool-shm-{os.getpid()}-{secrets.token_hex(6)}"
@@ -194,6 +218,11 @@ class ShmService:
                 log.info("shared-memory fast path refused to pid %d (uid %d gid %d)", pid, uid,
                          gid)
                 answer = b"NO this user may not map the arena"
+            elif self.write and uid == os.getuid():
+                found[0].shm = found[0].write = True
+                self.counters.grants += 1
+                self.counters.write_grants += 1
+                answer, fds = b"OK rw", [self.dram.arena.fd]
             else:
                 found[0].shm = True
                 self.counters.grants += 1
@@ -213,12 +242,29 @@ class ShmService:
         self.counters.leases += 1
         return lease_id
 
+    def reserve(self, session: Session, items: list[PutItem]) -> int:
+        """Hold PUT_SHM slots (``items``' reservations) for the client to write into."""
+        lease_id = next(self._ids)
+        self._leases[lease_id] = Lease([], time.monotonic() + self.lease_s, session, items)
+        session.leases.add(lease_id)
+        self.counters.put_leases += 1
+        return lease_id
+
+    def take(self, session: Session, lease_id: int) -> list[PutItem] | None:
+        """The slots of ``session``'s PUT_SHM lease, now the caller's (None: expired)."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.session is not session or lease.items is None:
+            return None
+        del self._leases[lease_id]
+        session.leases.discard(lease_id)
+        return lease.items
+
     def release(self, session: Session, ids: list[int]) -> list[bool]:
         """End the given leases of ``session``; False for one that had expired (or is not its)."""
         done = []
         for lease_id in ids:
             lease = self._leases.get(lease_id)
-            if lease is None or lease.session is not session:
+            if lease is None or lease.session is not session or lease.items is not None:
                 done.append(False)
                 continue
             self._end(lease_id)
@@ -245,3 +291,6 @@ class ShmService:
         lease.session.leases.discard(lease_id)
         for entry in lease.entries:
             self.dram.release(entry)
+        for item in lease.items or ():
+            if item.reservation is not None:
+                item.reservation.release()

@@ -77,7 +77,7 @@ def used_bytes(node: NodeProcess) -> int:
 
 CASES = {
     "bad magic": (b"GARBAGE!" * 3, Status.BAD_FRAME, "magic"),
-    "unknown opcode": (FrameHeader(77, 5, 0, 0).pack(), Status.UNKNOWN_OP, "opcode 77"),
+    "unknown opcode": (FrameHeader(31, 5, 0, 0).pack(), Status.UNKNOWN_OP, "opcode 31"),
     "key of wrong length": (FrameHeader(Op.GET, 5, 1, 15).pack() + b"k" * 15,
                             Status.BAD_FRAME, "16 body bytes"),
     "batch too large": (FrameHeader(Op.EXISTS, 5, 65, 65 * 16).pack(), Status.FRAME_TOO_LARGE,
@@ -91,6 +91,11 @@ CASES = {
                           "no body"),
     "GET_SHM without a grant": (FrameHeader(Op.GET_SHM, 5, 1, 16).pack() + b"k" * 16,
                                 Status.BAD_FRAME, "shared-memory arena"),
+    "PUT_SHM without a grant": (FrameHeader(Op.PUT_SHM, 5, 1, 32).pack()
+                                + PutItemHeader(b"k" * 16, 1000).pack(), Status.BAD_FRAME,
+                                "arena for writing"),
+    "COMMIT without a grant": (FrameHeader(Op.COMMIT, 5, 1, 8).pack() + bytes(8),
+                               Status.BAD_FRAME, "arena for writing"),
     "traced frame too short": (FrameHeader(Op.GET | 0x80, 5, 0, 4).pack() + b"abcd",
                                Status.BAD_FRAME, "traced"),
 }

@@ -178,6 +178,35 @@ def test_bad_frames(frame: bytes, error: type[Exception]) -> None:
     assert isinstance(parser.error, error)
 
 
+def test_put_shm_items_carry_no_values_and_reserve_nothing_while_parsed() -> None:
+    reserved = []
+    parser = RequestParser(reserve=lambda key, n: reserved.append(n))  # type: ignore[func-returns-value]
+    body = [PutItemHeader(KEYS[0], 5000, 0, 0).pack(),
+            PutItemHeader(KEYS[1], 70_000, 250, PUT_FLAG_PIN | PUT_FLAG_PARENT).pack(), KEYS[0]]
+    frame = b"".join(encode_frame(Op.PUT_SHM | 0x40, 2, body, count=2))  # shared scope
+    commit = b"".join(encode_frame(Op.COMMIT, 3, [struct.pack("<Q", 7)], count=2))
+    put, done = parser.feed(hello() + frame + commit)[1:]
+    assert (put.header.op, put.scope) == (Op.PUT_SHM, 0x40)
+    assert [(i.header.key, i.header.value_len, i.parent, i.reservation) for i in put.items] == [
+        (KEYS[0], 5000, None, None), (KEYS[1], 70_000, KEYS[0], None)]
+    assert reserved == []  # the node reserves once it knows the connection may write
+    assert (done.header.op, done.header.count, bytes(done.body)) == (
+        Op.COMMIT, 2, struct.pack("<Q", 7))
+
+
+@pytest.mark.parametrize(("frame", "error"), [
+    # one slot past max_frame_bytes (64 MiB here): a PUT_SHM reserves no more than a PUT carries
+    (b"".join(encode_frame(Op.PUT_SHM, 1, [PutItemHeader(bytes([i]) * 16, 1 << 20).pack()
+                                           for i in range(65)], count=65)), FrameTooLargeError),
+    (FrameHeader(Op.PUT_SHM, 1, 1, 40).pack() + PutItemHeader(KEYS[0], 100).pack() + bytes(8),
+     BadFrameError),  # stray bytes after the items
+    (FrameHeader(Op.PUT_SHM, 1, 1, 32).pack() + PutItemHeader(KEYS[0], 2 << 20).pack(),
+     ValueTooLargeError),
+])
+def test_bad_put_shm_frames(frame: bytes, error: type[Exception]) -> None:
+    test_bad_frames(frame, error)
+
+
 def test_abort_releases_half_received_value() -> None:
     released = []
 

@@ -49,6 +49,8 @@ def valid_frames() -> list[bytes]:
         b"".join(encode_frame(Op.PIN, 6, [b"f" * 16], count=1)),
         b"".join(encode_frame(Op.STATS, 7, [])),
         b"".join(encode_frame(Op.RELEASE, 8, [bytes(8)], count=1)),
+        b"".join(encode_frame(Op.PUT_SHM, 9, [PutItemHeader(b"f" * 16, 364).pack()], count=1)),
+        b"".join(encode_frame(Op.COMMIT, 10, [bytes(8)], count=1)),
     ]
 
 

@@ -1,6 +1,7 @@
 """The same-host fast path against real node processes: identical bytes to TCP, values freed
 mid-copy never returned torn (forced with the client's after-copy hook), users without
-permission on TCP, leases that end when a client dies or stalls."""
+permission on TCP, leases that end when a client dies or stalls; PUT through the arena the
+same way (identical bytes, uncommitted slots given back, no write grant: TCP)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 
 from kvpool.client import AsyncClient, Client
+from kvpool.client._node import SHM_PUT_MIN_BYTES
 from kvpool.client._shm import ShmMapping
+from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
 from kvpool.protocol.errors import KvpoolConnectionError
 from kvpool.protocol.frames import ShmItem
 from kvpool.tests.conftest import NodeProcess, http_json, start_node
@@ -202,3 +206,112 @@ async def test_async_client_uses_the_fast_path() -> None:
             assert client.bytes_by_path == {"shm": 7, "tcp": 0}
     finally:
         node.stop()
+
+
+# -- PUT through shared memory ----------------------------------------------------------------
+
+
+def _stats(node: NodeProcess) -> dict[str, Any]:
+    status, stats = http_json(f"{node.admin_url}/v1/stats")
+    assert status == 200
+    return stats
+
+
+def test_put_through_shared_memory_stores_the_same_bytes() -> None:
+    node = start_node("--dram-capacity", "64MiB", "--no-ssd")
+    try:
+        small, big = [1, 4097, SHM_PUT_MIN_BYTES - 1], [SHM_PUT_MIN_BYTES, 1 << 20, (4 << 20) + 3]
+        keys = [os.urandom(16) for _ in small + big]
+        values = [os.urandom(n) for n in small + big]
+        with Client(node.url) as fast, Client(node.url, shm=False) as tcp:
+            fast.put_many(keys, values, chunk_indexes=range(6), num_tokens=256)
+            # small values over TCP (one round trip), the rest written into the arena
+            assert fast.put_bytes_by_path == {"shm": sum(big), "tcp": sum(small)}
+            assert tcp.get_many(keys) == values
+            assert fast.get_many(keys) == values
+            # a value given as several buffers is stored as their concatenation
+            parts = [values[4][:1000], memoryview(values[4])[1000:]]
+            fast.put(keys[0], parts)
+            assert tcp.get(keys[0]) == values[4]
+            assert tcp.put_bytes_by_path == {"shm": 0, "tcp": 0}
+        for i, key in enumerate(keys[1:], 1):  # the envelope the client wrote
+            chunk = http_json(f"{node.admin_url}/v1/chunks/{key.hex()}")[1]
+            assert (chunk["depth"], chunk["num_tokens"]) == (i, 256)
+        stats = _stats(node)
+        shm = stats["shm"]
+        assert shm["write_grants"] >= 1 and shm["put_leases"] == 2 and shm["committed"] == 4
+        assert shm["open_leases"] == 0 and shm["expired"] == 0
+        assert shm["bytes_in"] == sum(big) + len(values[4]) + 4 * ENVELOPE_HEADER_SIZE
+        assert stats["num_objects"] == 6 and stats["requests"]["put_shm"] == 2
+    finally:
+        assert node.stop() == 0
+
+
+def test_slots_not_committed_in_time_are_given_back_and_the_put_goes_over_tcp() -> None:
+    node = start_node("--dram-capacity", "16MiB", "--no-ssd", "--shm-lease", "0.2")
+    try:
+        key, value = os.urandom(16), os.urandom(1 << 20)
+        with Client(node.url, shm=True) as fast:
+            mapping = _mapping(fast)
+            write = mapping.write
+
+            def slow_write(*args: Any, **kwargs: Any) -> None:
+                write(*args, **kwargs)
+                time.sleep(0.8)  # past the lease: the node takes the slot back
+
+            mapping.write = slow_write  # type: ignore[method-assign]
+            fast.put(key, value)
+            assert fast.put_bytes_by_path == {"shm": 0, "tcp": 1 << 20}
+            node_client = fast.async_client._single
+            assert node_client is not None and node_client.shm_put_expired == 1
+            assert fast.get(key) == value
+        stats = _stats(node)
+        assert (stats["shm"]["expired"], stats["shm"]["committed"]) == (1, 0)
+        # one copy stored; the expired slot's memory is free again
+        assert stats["tiers"]["dram"]["allocated_bytes"] == (1 << 20) + 4096
+    finally:
+        assert node.stop() == 0
+
+
+def test_without_write_permission_puts_go_over_tcp() -> None:
+    node = start_node("--dram-capacity", "16MiB", "--no-ssd", "--no-shm-write")
+    try:
+        key, value = os.urandom(16), os.urandom(1 << 20)
+        with Client(node.url, shm=True) as fast:
+            assert not _mapping(fast).writable
+            fast.put(key, value)
+            assert fast.get(key) == value
+            assert fast.put_bytes_by_path == {"shm": 0, "tcp": 1 << 20}
+            assert fast.bytes_by_path == {"shm": 1 << 20, "tcp": 0}
+        shm = _stats(node)["shm"]
+        assert shm["grants"] >= 1 and shm["write_grants"] == 0 and shm["put_leases"] == 0
+    finally:
+        assert node.stop() == 0
+
+
+CRASH_WRITER = """
+import os, sys
+from kvpool.client import Client
+with Client(sys.argv[1], shm=True) as c:
+    c.async_client._single._map.write = lambda *a, **k: os._exit(3)
+    c.put(os.urandom(16), os.urandom(1 << 20))
+"""
+
+
+def test_a_crashed_writer_leaves_no_reserved_slots() -> None:
+    node = start_node("--dram-capacity", "16MiB", "--no-ssd", "--shm-lease", "60")
+    try:
+        proc = subprocess.run([sys.executable, "-c", CRASH_WRITER, node.url], timeout=60,
+                              check=False)
+        assert proc.returncode == 3  # died holding a reserved slot, before COMMIT
+        deadline = time.monotonic() + 10
+        while _stats(node)["shm"]["open_leases"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = _stats(node)
+        shm = stats["shm"]
+        # ended by the closed connection, long before the 60 s deadline
+        assert (shm["put_leases"], shm["committed"], shm["open_leases"], shm["expired"]) == (
+            1, 0, 0, 0)
+        assert stats["tiers"]["dram"]["allocated_bytes"] == 0 and stats["num_objects"] == 0
+    finally:
+        assert node.stop() == 0
