@@ -3,13 +3,16 @@
 Each input is one client connection to an in-process node (the real
 NodeConnection, request parser, handlers and DRAM tier; no sockets): the
 first byte picks how the rest is split into reads (1 byte to 64 KiB), and
-a valid HELLO is prepended unless the second byte is odd. After the
-connection closes, the harness checks what a hostile client must never do:
+a valid HELLO is prepended unless the second byte is odd, and its bit 1
+treats the connection as granted the shared-memory arena for writing (so
+GET_SHM, PUT_SHM and COMMIT reach their handlers). After the connection
+closes, the harness checks what a hostile client must never do:
 
 - raise out of the node's callbacks (a crash),
 - leave DRAM reserved after its connection is gone (a leak: unbounded
   allocation over many connections),
-- make a stored witness chunk unreadable or different.
+- make a stored witness chunk unreadable or different,
+- leave a fast-path lease (read or write) open.
 
 Run: ``python -m kvpool.bench.fuzz_frames -atheris_runs=200000`` (libFuzzer
 flags pass through; ``-max_total_time=600`` bounds it by time). A seed corpus
@@ -21,6 +24,7 @@ hypothesis test ``tests/test_hostile.py`` does the same against a node process.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import sys
@@ -32,6 +36,7 @@ from kvpool.protocol.frames import Op, PutItemHeader, encode_frame, encode_json
 from kvpool.protocol.parsers import Limits
 from kvpool.server.connection import NodeConnection
 from kvpool.server.handlers import Handlers
+from kvpool.server.shm import ShmService
 from kvpool.server.stats import NodeStats
 from kvpool.tiers.dram import DramTier
 
@@ -89,8 +94,13 @@ def seed_corpus() -> list[bytes]:
         encode_frame(Op.STATS, 7, []),
         encode_frame(Op.CLUSTER, 7, []),
         encode_frame(Op.RELEASE, 8, [bytes(8)], count=1),
+        # PUT through the arena: reserve, then commit lease 1 (flag byte bit 1 grants writes)
+        [*encode_frame(Op.PUT_SHM, 9, [PutItemHeader(b"s" * 16, len(value)).pack()],
+                       count=1),
+         *encode_frame(Op.COMMIT, 10, [(1).to_bytes(8, "little")], count=1)],
     ]
-    return [bytes([split, 0]) + b"".join(f) for split in (0, 7, 200) for f in frames]
+    return [bytes([split, flags]) + b"".join(f) for split in (0, 7, 200) for flags in (0, 2)
+            for f in frames]
 
 
 class Harness:
@@ -98,6 +108,9 @@ class Harness:
         self.loop = asyncio.new_event_loop()
         self.dram = DramTier(8 << 20)
         self.handlers = Handlers("fuzz", self.dram, Limits(4 << 20, 64, 1 << 20), NodeStats())
+        # the fast path's leases (never started: no socket; sessions are granted by flag)
+        self.shm = ShmService(self.dram, lease_s=5.0)
+        self.handlers.shm = self.shm
         self.registry: set[NodeConnection] = set()
         self.runs = 0
         assert self.dram.put(WITNESS_KEY, WITNESS)
@@ -115,6 +128,8 @@ class Harness:
         conn = NodeConnection(self.handlers, self.registry, idle_timeout_s=0.0)
         transport = Transport()
         conn.connection_made(transport)
+        if data[1] & 2:  # as if granted the arena for writing (GET_SHM, PUT_SHM, COMMIT)
+            conn._session.shm = conn._session.write = True
         for start in range(0, len(stream), step):
             if transport.closed:
                 break
@@ -139,6 +154,8 @@ class Harness:
             raise AssertionError("the witness chunk changed or vanished")
         if self.registry:
             raise AssertionError("a closed connection is still registered")
+        if self.shm.open_leases:
+            raise AssertionError(f"{self.shm.open_leases} leases outlived their connection")
 
 
 def main() -> None:
@@ -147,10 +164,11 @@ def main() -> None:
     logging.disable(logging.CRITICAL)  # every refused connection logs a line otherwise
     cache = os.environ.get("KVPOOL_CACHE_DIR") or Path.home() / ".cache" / "kvpool"
     corpus = Path(cache) / "fuzz-corpus"
-    if not corpus.exists():
-        corpus.mkdir(parents=True)
-        for i, seed in enumerate(seed_corpus()):
-            (corpus / f"seed-{i:03d}").write_bytes(seed)
+    corpus.mkdir(parents=True, exist_ok=True)
+    for seed in seed_corpus():  # new seeds join a corpus grown by earlier runs
+        path = corpus / f"seed-{hashlib.sha1(seed).hexdigest()[:16]}"
+        if not path.exists():
+            path.write_bytes(seed)
     harness = Harness()
     atheris.instrument_all()  # coverage of everything imported: the parser, handlers, tier
     argv = [*sys.argv, str(corpus)] if not any(os.path.isdir(a) for a in sys.argv[1:]) \

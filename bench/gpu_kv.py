@@ -149,7 +149,7 @@ def report(results: dict[str, Any]) -> str:
     t = paths["tcp"]
     lines += ["", f"Transfer: {t['chunks']} chunks of {t['chunk_bytes'] / 2**20:.1f} MiB "
               "(SmolLM2 geometry, 256 tokens), GB/s median [min-max], over TCP and through "
-              "shared memory (GETs, and PUTs of 128 KiB and up):", "",
+              "shared memory (GETs, and put calls of 1 MiB and more):", "",
               "| operation | TCP GB/s | ÷ plain client | shm GB/s | ÷ plain client | shm / TCP |",
               "|---|---|---|---|---|---|"]
     for name in t["rates"]:

@@ -17,8 +17,11 @@ take the same-host fast path (values copied from the node's shared-memory arena)
 and ``memcpy`` is its ceiling: numpy ``copyto`` of the same sizes into a
 preallocated buffer, from as many distinct sources as the node holds values (so
 that, like the fast path, it reads memory, not cache). Fast-path targets: GET at
-1 and 4 MiB >= 2x TCP and >= 0.6x memcpy. ``shm put`` writes into arena slots
-(the client's default from 128 KiB on). Batched series move 8 values a call;
+1 and 4 MiB >= 2x TCP and >= 0.6x memcpy. ``memcpy x8`` / ``memcpy xN`` copy a
+batch's values into the same caller buffers the batched series fill: the
+like-for-like ceiling once the destination no longer fits in cache (the
+"same buffers" ratio). ``shm put`` writes into arena slots
+(the client's default for calls of 1 MiB and more). Batched series move 8 values a call;
 those marked ``xN`` move N values (64 MiB, or every key the node holds), where
 the round trip is amortised. PUT sources are as distinct as GET's.
 """
@@ -26,6 +29,7 @@ the round trip is amortised. PUT sources are as distinct as GET's.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import mmap
 import multiprocessing as mp
@@ -253,6 +257,19 @@ def measure_size(size: int, budget: int, runs: int, client: Client, rds: Any, *,
         np.copyto(dst, shm_src[it["i"] * size : (it["i"] + 1) * size])
 
     ops["memcpy from shmem"] = memcpy_shmem
+    # like for like: the batch's values from distinct sources into the same caller buffers
+    # the batched series fill (8, or xN: too many to stay in cache, as a real load's)
+    dst_sets = {"x8": [np.frombuffer(b, dtype=np.uint8) for b in bufs],
+                big_label: [np.frombuffer(b, dtype=np.uint8) for b in big_bufs]}
+
+    def memcpy_batch(dsts: list[np.ndarray[Any, Any]]) -> None:
+        start = it["i"] = (it["i"] + len(dsts)) % num_keys
+        for j, d in enumerate(dsts):
+            np.copyto(d, sources[(start + j) % num_keys])
+
+    for label, dsts in dst_sets.items():
+        ops[f"memcpy {label}"] = functools.partial(memcpy_batch, dsts)
+        per_call[f"memcpy {label}"] = len(dsts)
     if rds is not None:
         ops["redis set"] = lambda: rds.set(next_key(), raw[it["i"]])
         ops["redis get"] = lambda: rds.get(next_key())
@@ -324,14 +341,19 @@ def _ratio(series: dict[str, float], ref: float | None) -> str:
 def _ratios(series: dict[str, dict[str, float]], name: str, iperf: float | None) -> list[str]:
     """A series' ratios: to iperf3, raw Python, Redis, and (fast path) to TCP and memcpy."""
     if not name.startswith("kvpool"):
-        return [""] * 5
+        return [""] * 6
     s = series[name]
     redis = series.get("redis get" if "get" in name else "redis set", {}).get("median")
     tcp = series.get(name.replace("kvpool shm ", "kvpool "), {}).get("median") \
         if " shm " in name else None
     memcpy = series["memcpy"]["median"] if " shm " in name and "memcpy" in series else None
+    # the same copies into the same buffers as the series (batched: many, mostly uncached)
+    label = name.rsplit(" ", 1)[-1] if name.rsplit(" ", 1)[-1].startswith("x") \
+        else "x8" if "many" in name else ""
+    same = series.get(f"memcpy {label}" if label else "memcpy", {}).get("median") \
+        if " shm " in name else None
     return [_ratio(s, iperf), _ratio(s, series["raw python"]["median"]), _ratio(s, redis),
-            _ratio(s, tcp), _ratio(s, memcpy)]
+            _ratio(s, tcp), _ratio(s, memcpy), _ratio(s, same)]
 
 
 def report(results: dict[str, Any]) -> None:
@@ -342,7 +364,7 @@ def report(results: dict[str, Any]) -> None:
     iperf = results["iperf3_gbps"]["median"] if results.get("iperf3_gbps") else None
     table = Table(title="kvpool single node, 127.0.0.1 (GB/s: median \\[min-max])")
     for col in ("size", "series", "GB/s", "ops/s", "/iperf3", "/raw", "/redis", "/TCP",
-                "/memcpy"):
+                "/memcpy", "/memcpy same bufs"):
         table.add_column(col, justify="right" if col not in ("series",) else "left")
     for label, series in results["sizes"].items():
         for name, s in series.items():
@@ -366,7 +388,8 @@ def markdown(results: dict[str, Any]) -> str:
     """The README's table, from a results JSON."""
     iperf = results["iperf3_gbps"]["median"] if results.get("iperf3_gbps") else None
     lines = ["| size | series | GB/s median [min-max] | ops/s | ÷ iperf3 | ÷ raw Python "
-             "| ÷ Redis | ÷ TCP | ÷ memcpy |", "|---|---|---|---|---|---|---|---|---|"]
+             "| ÷ Redis | ÷ TCP | ÷ memcpy | ÷ memcpy, same buffers |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for label, series in results["sizes"].items():
         for name, s in series.items():
             cells = _ratios(series, name, iperf)

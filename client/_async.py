@@ -21,9 +21,9 @@ connection pool per node.
   GETs through shared memory: the client copies values straight from the
   node's arena (``shm=None``, the default: wherever a node offers it;
   ``True``: required, connecting fails otherwise; ``False``: always TCP).
-  Where the node also grants writes (a client of its own user), values of
-  at least ``shm_put_min_bytes`` (128 KiB) are PUT by writing them into
-  arena slots the node reserved; smaller ones go over TCP (one round trip,
+  Where the node also grants writes (a client of its own user), put calls
+  whose values total at least ``shm_put_min_bytes`` (1 MiB) write them into
+  arena slots the node reserved; smaller calls go over TCP (one round trip,
   not two).
 
 Security: ``token`` (default ``$KVPOOL_TOKEN``) is sent in HELLO to nodes that

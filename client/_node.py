@@ -68,10 +68,11 @@ DEFAULT_PORT = 7700
 #: that no longer owns the key, where no reader looks for it.
 routed_by: contextvars.ContextVar[int] = contextvars.ContextVar("kvpool_routed_by", default=0)
 _TIER_NAMES = {int(t): t.name.lower() for t in Tier}
-#: the smallest value PUT through shared memory; smaller ones go over TCP (one round
-#: trip instead of two). Measured on the 2-core VM, put_many of 8 values, shm / TCP:
-#: 64 KiB 0.87-1.15x, 128 KiB 1.03-1.09x, 256 KiB 1.2-1.4x, 1 MiB 2.4-4.5x
-SHM_PUT_MIN_BYTES = 128 << 10
+#: a put call whose values total fewer bytes goes over TCP: through shared memory it
+#: takes two round trips (PUT_SHM, COMMIT), which small calls do not earn back.
+#: Measured on the 2-core VM (kvpool.bench.throughput, shm / TCP): one 256 KiB value
+#: 0.77x, one 1 MiB 1.01x, one 4 MiB 2.15x; 8 x 256 KiB 1.26x, 8 x 1 MiB 1.90x
+SHM_PUT_MIN_BYTES = 1 << 20
 
 
 def _ignore_result(future: asyncio.Future[Any]) -> None:
@@ -193,7 +194,7 @@ class NodeClient:
         self.bytes_by_path = {"shm": 0, "tcp": 0}
         #: payload bytes stored, by path
         self.put_bytes_by_path = {"shm": 0, "tcp": 0}
-        #: values at least this big are PUT through the arena, when the node allows it
+        #: put calls of at least this many bytes go through the arena, when the node allows
         self.shm_put_min_bytes = shm_put_min_bytes
         #: PUT_SHM leases that ended before their COMMIT (the values went again over TCP)
         self.shm_put_expired = 0
@@ -252,8 +253,9 @@ class NodeClient:
                   ) -> list[int]:
         """One Status per key, in as few frames as the node's limits allow.
 
-        Values of at least :attr:`shm_put_min_bytes` go through the arena when the
-        node granted this client writes (PUT_SHM, then COMMIT); the rest over TCP.
+        A call whose values total at least :attr:`shm_put_min_bytes` goes through
+        the arena when the node granted this client writes (PUT_SHM, then COMMIT);
+        smaller ones over TCP.
         """
         conn = await self._connection()
         max_value = int(self.server_info["max_value_bytes"])
@@ -272,13 +274,11 @@ class NodeClient:
             items.append(_PutItem(i, header, parent, parts, nbytes,
                                   chunk_indexes[i] if chunk_indexes else 0))
         statuses = [0] * len(items)
-        by_shm = [] if shm is None else [it for it in items if it.nbytes >= self.shm_put_min_bytes]
-        by_tcp = [it for it in items if shm is None or it.nbytes < self.shm_put_min_bytes]
-        if by_shm:
-            assert shm is not None
-            expired = await self._put_shm(conn, shm, by_shm, statuses, num_tokens=num_tokens,
-                                          fingerprint=fingerprint)
-            by_tcp += expired  # their slots were given back before COMMIT: send them again
+        by_tcp = items
+        if shm is not None and sum(it.nbytes for it in items) >= self.shm_put_min_bytes:
+            # those whose slots were given back before COMMIT are sent again over TCP
+            by_tcp = await self._put_shm(conn, shm, items, statuses, num_tokens=num_tokens,
+                                         fingerprint=fingerprint)
         if by_tcp:
             await self._put_tcp(conn, by_tcp, statuses, num_tokens=num_tokens,
                                 fingerprint=fingerprint)

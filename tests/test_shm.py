@@ -220,29 +220,33 @@ def _stats(node: NodeProcess) -> dict[str, Any]:
 def test_put_through_shared_memory_stores_the_same_bytes() -> None:
     node = start_node("--dram-capacity", "64MiB", "--no-ssd")
     try:
-        small, big = [1, 4097, SHM_PUT_MIN_BYTES - 1], [SHM_PUT_MIN_BYTES, 1 << 20, (4 << 20) + 3]
-        keys = [os.urandom(16) for _ in small + big]
-        values = [os.urandom(n) for n in small + big]
+        # a call under SHM_PUT_MIN_BYTES in all goes over TCP (one round trip, not two)...
+        small = [1, 4097, SHM_PUT_MIN_BYTES // 2]
+        # ... a bigger one, small values included, through the arena
+        mixed = [1, 4097, 65536, SHM_PUT_MIN_BYTES, (4 << 20) + 3]
+        keys = [os.urandom(16) for _ in small + mixed]
+        values = [os.urandom(n) for n in small + mixed]
         with Client(node.url) as fast, Client(node.url, shm=False) as tcp:
-            fast.put_many(keys, values, chunk_indexes=range(6), num_tokens=256)
-            # small values over TCP (one round trip), the rest written into the arena
-            assert fast.put_bytes_by_path == {"shm": sum(big), "tcp": sum(small)}
+            fast.put_many(keys[:3], values[:3], chunk_indexes=range(3), num_tokens=256)
+            assert fast.put_bytes_by_path == {"shm": 0, "tcp": sum(small)}
+            fast.put_many(keys[3:], values[3:], chunk_indexes=range(3, 8), num_tokens=256)
+            assert fast.put_bytes_by_path == {"shm": sum(mixed), "tcp": sum(small)}
             assert tcp.get_many(keys) == values
             assert fast.get_many(keys) == values
             # a value given as several buffers is stored as their concatenation
-            parts = [values[4][:1000], memoryview(values[4])[1000:]]
+            parts = [values[6][:1000], memoryview(values[6])[1000:]]
             fast.put(keys[0], parts)
-            assert tcp.get(keys[0]) == values[4]
+            assert tcp.get(keys[0]) == values[6]
             assert tcp.put_bytes_by_path == {"shm": 0, "tcp": 0}
         for i, key in enumerate(keys[1:], 1):  # the envelope the client wrote
             chunk = http_json(f"{node.admin_url}/v1/chunks/{key.hex()}")[1]
             assert (chunk["depth"], chunk["num_tokens"]) == (i, 256)
         stats = _stats(node)
         shm = stats["shm"]
-        assert shm["write_grants"] >= 1 and shm["put_leases"] == 2 and shm["committed"] == 4
+        assert shm["write_grants"] >= 1 and shm["put_leases"] == 2 and shm["committed"] == 6
         assert shm["open_leases"] == 0 and shm["expired"] == 0
-        assert shm["bytes_in"] == sum(big) + len(values[4]) + 4 * ENVELOPE_HEADER_SIZE
-        assert stats["num_objects"] == 6 and stats["requests"]["put_shm"] == 2
+        assert shm["bytes_in"] == sum(mixed) + len(values[6]) + 6 * ENVELOPE_HEADER_SIZE
+        assert stats["num_objects"] == 8 and stats["requests"]["put_shm"] == 2
     finally:
         assert node.stop() == 0
 
