@@ -44,6 +44,7 @@ from kvpool.protocol.frames import (
     SCOPE_FLAGS,
     Op,
     PutItemHeader,
+    ShmItem,
     Tier,
     decode_json,
     decode_lookup,
@@ -338,17 +339,18 @@ class NodeClient:
             for frame in frames])
         commits: list[tuple[Connection, int, int, list[Buffer], None]] = []
         committing: list[list[_PutItem]] = []
+        writes: list[tuple[ShmItem, Sequence[memoryview], int]] = []
         for frame, reply in zip(frames, replies, strict=True):
             lease, slots = decode_shm_reply(reply.body, len(frame))
             for item, slot in zip(frame, slots, strict=True):
                 if slot.status == Status.OK:
-                    shm.write(slot, item.parts, chunk_index=item.chunk_index,
-                              num_tokens=num_tokens, fingerprint=fingerprint)
+                    writes.append((slot, item.parts, item.chunk_index))
                 else:
                     statuses[item.index] = slot.status
             if lease:
                 commits.append((conn, Op.COMMIT, len(frame), [encode_lease_ids([lease])], None))
                 committing.append(frame)
+        shm.write_many(writes, num_tokens=num_tokens, fingerprint=fingerprint)
         expired: list[_PutItem] = []
         for frame, reply in zip(committing, await self._gather(commits), strict=True):
             for item, status in zip(frame, decode_statuses(reply.body, len(frame)), strict=True):
@@ -402,29 +404,30 @@ class NodeClient:
         parts = list(_chunks(len(blob) // KEY_SIZE, max_batch))
         replies = await self._gather([(conn, Op.GET_SHM, len(p), [_blob_part(blob, p)], None)
                                       for p in parts])
-        out: list[memoryview | Segments | None] = []
         corrupt: list[bytes] = []
         torn: list[int] = []
         leases: list[int] = []
         too_small = -1
+        found: list[tuple[int, ShmItem]] = []
         for part, reply in zip(parts, replies, strict=True):
             lease, items = decode_shm_reply(reply.body, len(part))
             if lease:
                 leases.append(lease)
-            for i, item in zip(part, items, strict=True):
-                if item.status != Status.OK or too_small >= 0:
-                    out.append(None)
-                    continue
-                status, payload = shm.read(item, sinks[i] if sinks is not None else None)
-                out.append(payload)
-                if status == Status.OK:
-                    self.bytes_by_path["shm"] += item.length - ENVELOPE_HEADER_SIZE
-                elif status == TORN:
-                    torn.append(i)
-                elif status == TOO_SMALL:
-                    too_small = i
-                elif status == Status.CORRUPT:
-                    corrupt.append(_blob_part(blob, range(i, i + 1)))
+            found += [(i, item) for i, item in zip(part, items, strict=True)
+                      if item.status == Status.OK]
+        out: list[memoryview | Segments | None] = [None] * (len(blob) // KEY_SIZE)
+        results = shm.read_many([(item, sinks[i] if sinks is not None else None)
+                                 for i, item in found])
+        for (i, item), (status, payload) in zip(found, results, strict=True):
+            out[i] = payload
+            if status == Status.OK:
+                self.bytes_by_path["shm"] += item.length - ENVELOPE_HEADER_SIZE
+            elif status == TORN:
+                torn.append(i)
+            elif status == TOO_SMALL and too_small < 0:
+                too_small = i
+            elif status == Status.CORRUPT:
+                corrupt.append(_blob_part(blob, range(i, i + 1)))
         if leases:  # copied: the node may evict those values again (no need to wait)
             release = conn.send(Op.RELEASE, len(leases), [encode_lease_ids(leases)],
                                 epoch=self.epoch)
