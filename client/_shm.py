@@ -41,7 +41,7 @@ _PAGE = 4096
 #: Measured on the 2-core VM (1 MiB values from a memfd): 128 KiB blocks copied at
 #: 2.5 GB/s, 1 MiB blocks at 11 GB/s (numpy copyto of the whole value: 16)
 _BLOCK = 1 << 20
-#: a GET batch of at least this many bytes is copied by several threads
+#: a GET or PUT batch of at least this many bytes is copied by several threads
 PARALLEL_MIN_BYTES = 2 << 20
 
 

@@ -19,9 +19,10 @@ How a client gets in:
    or dead reader for longer. The client copies from its mapping, verifies
    the envelope checksum of what it copied and re-reads the generation (see
    ``tiers/arena.py``): a value freed mid-copy is never returned torn.
-4. PUT the other way: a client of the node's **own user** (who could write
-   the node's memory anyway) gets a writable descriptor instead (unless the
-   node runs with ``--no-shm-write``). ``PUT_SHM`` reserves arena slots under
+4. PUT the other way: a client of the node's **own user** gets a writable
+   descriptor instead (unless the node runs with ``--no-shm-write``) -- with
+   tenants configured, only an admin token's: a writer could plant a value
+   with a valid checksum in another tenant's chunk. ``PUT_SHM`` reserves arena slots under
    a lease and says where they are; the client writes each envelope and
    payload there and sends ``COMMIT``, which publishes them as a PUT would.
    A slot stays invisible to readers until then; a lease not committed by
@@ -218,7 +219,9 @@ class ShmService:
                 log.info("shared-memory fast path refused to pid %d (uid %d gid %d)", pid, uid,
                          gid)
                 answer = b"NO this user may not map the arena"
-            elif self.write and uid == os.getuid():
+            elif self.write and uid == os.getuid() and found[0].any_uid:
+                # writes only for the node's own uid, and with tenants only for admins: a
+                # writer could plant a value with a valid checksum in another tenant's chunk
                 found[0].shm = found[0].write = True
                 self.counters.grants += 1
                 self.counters.write_grants += 1

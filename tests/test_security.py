@@ -160,6 +160,20 @@ def test_pipelined_frames_behind_hello_are_scoped(secured: NodeProcess) -> None:
         assert raw.get(k) is None
 
 
+def test_only_admins_may_write_through_shared_memory(secured: NodeProcess) -> None:
+    """Tenants read through the arena (their own uid) but PUT over TCP: a writable mapping
+    would let one tenant plant checksummed values in another's chunks."""
+    value = os.urandom(2 << 20)
+    with Client(secured.url, token=ACME_W, shm=True) as acme, \
+            Client(secured.url, token=ADMIN, shm=True, scope="shared") as admin:
+        acme.put(key(900), value)
+        admin.put(key(901), value)
+        assert acme.get(key(900)) == value and admin.get(key(901)) == value
+        assert acme.put_bytes_by_path == {"shm": 0, "tcp": len(value)}
+        assert admin.put_bytes_by_path == {"shm": len(value), "tcp": 0}
+        assert acme.bytes_by_path == {"shm": len(value), "tcp": 0}
+
+
 def test_admin_api_needs_tokens_and_roles(secured: NodeProcess) -> None:
     base = secured.admin_url
     assert http_json(f"{base}/healthz")[0] == 200

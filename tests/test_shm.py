@@ -223,7 +223,7 @@ def test_put_through_shared_memory_stores_the_same_bytes() -> None:
         # a call under SHM_PUT_MIN_BYTES in all goes over TCP (one round trip, not two)...
         small = [1, 4097, SHM_PUT_MIN_BYTES // 2]
         # ... a bigger one, small values included, through the arena
-        mixed = [1, 4097, 65536, SHM_PUT_MIN_BYTES, (4 << 20) + 3]
+        mixed = [0, 4097, 65536, SHM_PUT_MIN_BYTES, (4 << 20) + 3]
         keys = [os.urandom(16) for _ in small + mixed]
         values = [os.urandom(n) for n in small + mixed]
         with Client(node.url) as fast, Client(node.url, shm=False) as tcp:
