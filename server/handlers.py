@@ -421,8 +421,9 @@ class Handlers:
                 if item.reservation is not None:
                     item.reservation.release()
             raise BadFrameError(f"COMMIT of {count} items for a lease of {len(items)}")
-        shm.counters.committed += count
-        shm.counters.bytes_in += sum(i.header.value_len for i in items if i.reservation)
+        reserved = [i for i in items if i.reservation is not None]
+        shm.counters.committed += len(reserved)
+        shm.counters.bytes_in += sum(i.header.value_len for i in reserved)
         return self._store(request, items)
 
     def _shm_reply(self, request: Request, entries: list[Entry | None]) -> Reply:
