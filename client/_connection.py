@@ -13,7 +13,7 @@ from typing import cast
 
 from kvpool.client._tracing import wire_context
 from kvpool.protocol.errors import KvpoolConnectionError, KvpoolError, KvpoolTimeoutError
-from kvpool.protocol.frames import KEY_OPS, OP_FLAG_TRACE, Op, pack_frame_header
+from kvpool.protocol.frames import OP_FLAG_TRACE, SCOPED_OPS, Op, pack_frame_header
 from kvpool.protocol.parsers import Reply, ReplyParser, Segments
 
 __all__ = ["Connection"]
@@ -21,10 +21,6 @@ __all__ = ["Connection"]
 Buffer = bytes | bytearray | memoryview
 #: a buffer, or a list of buffers used in order as one (like readv/writev)
 BufferOrSegments = Buffer | list[Buffer] | tuple[Buffer, ...]
-
-
-#: ops whose keys are in a scope (the connection's scope flags go on these)
-_SCOPED_OPS = KEY_OPS | {Op.PUT, Op.PUT_SHM}
 
 
 class _Pending:
@@ -90,7 +86,7 @@ class Connection(asyncio.BufferedProtocol):
         self.last_used = loop.time()
         self._pending[request_id] = _Pending(future, sinks, op, loop.time() + self._timeout)
         trace = wire_context()
-        wire_op = op | self.scope_flags if op in _SCOPED_OPS else op
+        wire_op = op | self.scope_flags if op in SCOPED_OPS else op
         if trace is None:
             self._transport.writelines(
                 [pack_frame_header(wire_op, request_id, count, body_len, epoch=epoch), *body])

@@ -80,6 +80,7 @@ __all__ = [
     "PUT_FLAG_PIN",
     "PUT_ITEM_SIZE",
     "SCOPE_FLAGS",
+    "SCOPED_OPS",
     "SHM_ITEM_SIZE",
     "ShmItem",
     "TRACE_CONTEXT_SIZE",
@@ -152,6 +153,8 @@ class Op(enum.IntEnum):
 
 #: Ops whose request body is exactly ``count`` keys.
 KEY_OPS = frozenset({Op.GET, Op.EXISTS, Op.DELETE, Op.LOOKUP, Op.PIN, Op.UNPIN, Op.GET_SHM})
+#: Ops whose op byte may carry scope bits (OP_FLAG_SHARED, OP_FLAG_RAW).
+SCOPED_OPS = KEY_OPS | {Op.PUT, Op.PUT_SHM}
 
 _FRAME = struct.Struct("<2sBBIIIQ")
 FRAME_HEADER_SIZE = _FRAME.size

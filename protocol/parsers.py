@@ -32,6 +32,7 @@ from kvpool.protocol.frames import (
     OP_SCOPE_MASK,
     PUT_FLAG_PARENT,
     PUT_ITEM_SIZE,
+    SCOPED_OPS,
     TRACE_CONTEXT_SIZE,
     FrameHeader,
     GetItemHeader,
@@ -64,8 +65,6 @@ TOO_SMALL = 255
 MAX_CONTROL_BODY = 64 << 10
 
 _KNOWN_OPS = frozenset(int(op) for op in Op)
-#: ops whose op byte may carry scope bits
-_SCOPED_OPS = KEY_OPS | {Op.PUT, Op.PUT_SHM}
 # needs asked for on every frame, made once (a plan never mutates a need)
 _FRAME_HEADER = Exact(FRAME_HEADER_SIZE)
 _PUT_ITEM = Exact(PUT_ITEM_SIZE)
@@ -203,7 +202,7 @@ class RequestParser:
             wire_op = header.op
             header.op &= ~(OP_FLAG_TRACE | OP_SCOPE_MASK)
             if header.op not in _KNOWN_OPS or (scope and (
-                    scope == OP_SCOPE_MASK or header.op not in _SCOPED_OPS)):
+                    scope == OP_SCOPE_MASK or header.op not in SCOPED_OPS)):
                 raise UnknownOpcodeError(f"unknown opcode {wire_op & ~OP_FLAG_TRACE}")
             if header.count > limits.max_batch:
                 raise FrameTooLargeError(
