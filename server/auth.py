@@ -79,6 +79,11 @@ class Principal:
     role: Role
     name: str = ""  #: for logs: "tenant/role"
 
+    @property
+    def quota_tenant(self) -> str | None:
+        """Whose quotas this caller's writes count against (admins: no one's)."""
+        return None if self.role == Role.ADMIN else self.tenant
+
     def __str__(self) -> str:
         return self.name or ("anonymous" if self.tenant is None else f"{self.tenant}/"
                              f"{self.role.name.lower()}")

@@ -26,7 +26,7 @@ from kvpool.protocol.errors import (
 )
 from kvpool.protocol.frames import Op, encode_error
 from kvpool.protocol.parsers import Request, RequestParser, Reservation, Scoper
-from kvpool.server.auth import ANONYMOUS, Role, TokenTable, check, scoper_for
+from kvpool.server.auth import ANONYMOUS, TokenTable, check, scoper_for
 from kvpool.server.handlers import Handlers, Pending, Reply
 from kvpool.server.shm import Session
 from kvpool.tiers.dram import Entry, Slot
@@ -215,8 +215,7 @@ class NodeConnection(asyncio.BufferedProtocol):
                 return False
             principal = self._session.principal
             self._scoper = scoper_for(principal)
-            if principal.role != Role.ADMIN:
-                self._quota_tenant = principal.tenant
+            self._quota_tenant = principal.quota_tenant
             return True
         why = check(self._session.principal, header.op, request.scope)
         if why is not None:

@@ -389,8 +389,7 @@ class Handlers:
         shm, session = self.shm, request.session
         if shm is None or not isinstance(session, Session) or not session.write:
             raise BadFrameError("PUT_SHM needs a connection granted the arena for writing")
-        principal = session.principal
-        tenant = None if principal.role == Role.ADMIN else principal.tenant
+        tenant = session.principal.quota_tenant
         keys = request.keys or [item.header.key for item in request.items]  # scoped, if any
         body: Buffers = []
         reserved = 0
