@@ -239,18 +239,18 @@ class ShmService:
 
     def lease(self, session: Session, entries: list[Entry]) -> int:
         """Keep ``entries`` (already held by the caller) until released or expired."""
-        lease_id = next(self._ids)
-        self._leases[lease_id] = Lease(entries, time.monotonic() + self.lease_s, session)
-        session.leases.add(lease_id)
         self.counters.leases += 1
-        return lease_id
+        return self._open(Lease(entries, time.monotonic() + self.lease_s, session))
 
     def reserve(self, session: Session, items: list[PutItem]) -> int:
         """Hold PUT_SHM slots (``items``' reservations) for the client to write into."""
-        lease_id = next(self._ids)
-        self._leases[lease_id] = Lease([], time.monotonic() + self.lease_s, session, items)
-        session.leases.add(lease_id)
         self.counters.put_leases += 1
+        return self._open(Lease([], time.monotonic() + self.lease_s, session, items))
+
+    def _open(self, lease: Lease) -> int:
+        lease_id = next(self._ids)
+        self._leases[lease_id] = lease
+        lease.session.leases.add(lease_id)
         return lease_id
 
     def take(self, session: Session, lease_id: int) -> list[PutItem] | None:
@@ -258,7 +258,7 @@ class ShmService:
         lease = self._leases.get(lease_id)
         if lease is None or lease.session is not session or lease.items is None:
             return None
-        del self._leases[lease_id]
+        del self._leases[lease_id]  # not _end: the slots are the caller's now
         session.leases.discard(lease_id)
         return lease.items
 

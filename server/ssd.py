@@ -269,19 +269,9 @@ class SsdTier:
             for i in range(0, len(evicted), 16):
                 self._forget(evicted[i : i + 16])
                 c.evicted += 1
-            if status == SsdStatus.OK and overtaken:
-                c.writes += 1  # written, then deleted by the DELETE queued behind it
-                c.write_bytes += length
-                stored = True
-            elif status == SsdStatus.OK:
-                self._forget(key)  # a rewrite replaces the old copy (and its owner)
-                self.index[key] = length
-                if tenant is not None and tenant in self.quotas:
-                    self._owner[key] = tenant
-                    self.owned.setdefault(tenant, {})[key] = length
-                    self.tenant_bytes[tenant] = self.tenant_bytes.get(tenant, 0) + length
-                if durable:
-                    self.s3_index.add(key)
+            if status == SsdStatus.OK:
+                if not overtaken:  # else: written, then deleted by the DELETE queued behind it
+                    self._index(key, length, tenant, durable=durable)
                 c.writes += 1
                 c.write_bytes += length
                 stored = True
@@ -290,6 +280,17 @@ class SsdTier:
             else:
                 c.errors += 1
         on_done(stored)
+
+    def _index(self, key: bytes, length: int, tenant: str | None, *, durable: bool) -> None:
+        """A write-behind of ``key`` reached the SSD (and S3, if ``durable``)."""
+        self._forget(key)  # a rewrite replaces the old copy (and its owner)
+        self.index[key] = length
+        if tenant is not None and tenant in self.quotas:
+            self._owner[key] = tenant
+            self.owned.setdefault(tenant, {})[key] = length
+            self.tenant_bytes[tenant] = self.tenant_bytes.get(tenant, 0) + length
+        if durable:
+            self.s3_index.add(key)
 
     async def read_into(self, key: bytes, offset: int, length: int) -> int:
         """Read ``key`` into arena[offset:offset+length]; an SsdStatus."""
