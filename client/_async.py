@@ -217,15 +217,16 @@ class AsyncClient:
     @property
     def bytes_by_path(self) -> dict[str, int]:
         """Payload bytes GETs received through shared memory ("shm") and over TCP ("tcp")."""
-        nodes = [self._single] if self._single else list(self._nodes.values())
-        return {path: sum(n.bytes_by_path[path] for n in nodes if n is not None)
-                for path in ("shm", "tcp")}
+        return self._by_path(lambda n: n.bytes_by_path)
 
     @property
     def put_bytes_by_path(self) -> dict[str, int]:
         """Payload bytes PUTs stored through shared memory ("shm") and over TCP ("tcp")."""
+        return self._by_path(lambda n: n.put_bytes_by_path)
+
+    def _by_path(self, counts: Callable[[NodeClient], dict[str, int]]) -> dict[str, int]:
         nodes = [self._single] if self._single else list(self._nodes.values())
-        return {path: sum(n.put_bytes_by_path[path] for n in nodes if n is not None)
+        return {path: sum(counts(n)[path] for n in nodes if n is not None)
                 for path in ("shm", "tcp")}
 
     async def __aenter__(self) -> AsyncClient:

@@ -163,6 +163,11 @@ class _PutItem:
     nbytes: int
     chunk_index: int
 
+    def head(self) -> list[Buffer]:
+        """What precedes the value in a PUT frame (all there is of it in PUT_SHM)."""
+        header = self.header.pack()
+        return [header, self.parent] if self.parent else [header]
+
 
 class NodeClient:
     """Connections to one node, its limits, and whether it is reachable right now.
@@ -182,8 +187,6 @@ class NodeClient:
                  token: str = "", scope: str = "tenant",
                  ssl: ssl_module.SSLContext | None = None,
                  shm_put_min_bytes: int = SHM_PUT_MIN_BYTES) -> None:
-        if shm_put_min_bytes < 0:
-            raise ConfigError("shm_put_min_bytes must be >= 0")
         self.host, self.port = host, port
         self.token = token
         self.scope_flags = scope_flags(scope)
@@ -315,10 +318,7 @@ class NodeClient:
                 envelope = seal(list[Buffer](parts) if len(parts) > 1 else parts[0],
                                 chunk_index=item.chunk_index, num_tokens=num_tokens,
                                 fingerprint=fingerprint)
-                body.append(item.header.pack())
-                if item.parent:
-                    body.append(item.parent)
-                body += [envelope, *parts]
+                body += [*item.head(), envelope, *parts]
             calls.append((conn, Op.PUT, len(frame), body, None))
         replies = await self._gather(calls)
         for frame, reply in zip(frames, replies, strict=True):
@@ -333,9 +333,7 @@ class NodeClient:
         """PUT_SHM, write each value into its slot, COMMIT; the items whose lease expired."""
         frames = self._frames(items)
         replies = await self._gather([
-            (conn, Op.PUT_SHM, len(frame),
-             [b for it in frame for b in ((it.header.pack(), it.parent) if it.parent
-                                          else (it.header.pack(),))], None)
+            (conn, Op.PUT_SHM, len(frame), [b for it in frame for b in it.head()], None)
             for frame in frames])
         commits: list[tuple[Connection, int, int, list[Buffer], None]] = []
         committing: list[list[_PutItem]] = []
