@@ -185,12 +185,13 @@ def measure_size(size: int, budget: int, runs: int, client: Client, rds: Any, *,
                  fast: Client) -> dict[str, Any]:
     num_keys = max(BATCH, min(64, (256 * MiB) // size))
     keys = [os.urandom(16) for _ in range(num_keys)]
-    values = [os.urandom(size) for _ in range(min(num_keys, 4))]
-    value_of = [values[i % len(values)] for i in range(num_keys)]
+    # as many distinct sources as the node holds values (so both read DRAM, not cache)
+    raw = [os.urandom(size) for _ in range(num_keys)]
+    sources = [np.frombuffer(r, dtype=np.uint8) for r in raw]
     count = max(BATCH, budget // size)
-    client.put_many(keys, value_of)
+    client.put_many(keys, raw)
     if rds is not None:
-        for k, v in zip(keys, value_of, strict=True):
+        for k, v in zip(keys, raw, strict=True):
             rds.set(k, v)
     buf = bytearray(size)
     bufs = [bytearray(size) for _ in range(BATCH)]
@@ -199,9 +200,6 @@ def measure_size(size: int, budget: int, runs: int, client: Client, rds: Any, *,
     big = max(BATCH, min(num_keys, (64 * MiB) // size))
     big_bufs = [bytearray(size) for _ in range(big)]
     big_label = f"x{big}"
-    # as many distinct sources as the node holds values (so both read DRAM, not cache)
-    raw = [os.urandom(size) for _ in range(num_keys)]
-    sources = [np.frombuffer(r, dtype=np.uint8) for r in raw]
     it = {"i": 0}
 
     def next_key() -> bytes:
@@ -348,8 +346,8 @@ def _ratios(series: dict[str, dict[str, float]], name: str, iperf: float | None)
         if " shm " in name else None
     memcpy = series["memcpy"]["median"] if " shm " in name and "memcpy" in series else None
     # the same copies into the same buffers as the series (batched: many, mostly uncached)
-    label = name.rsplit(" ", 1)[-1] if name.rsplit(" ", 1)[-1].startswith("x") \
-        else "x8" if "many" in name else ""
+    last = name.rsplit(" ", 1)[-1]
+    label = last if last.startswith("x") else "x8" if "many" in name else ""
     same = series.get(f"memcpy {label}" if label else "memcpy", {}).get("median") \
         if " shm " in name else None
     return [_ratio(s, iperf), _ratio(s, series["raw python"]["median"]), _ratio(s, redis),
