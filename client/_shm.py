@@ -75,12 +75,21 @@ def redeem(offer: dict[str, Any], timeout: float) -> tuple[int, bool]:
     return fds[0], answer == b"OK rw"
 
 
+#: below this many bytes a copy is a memoryview assignment (numpy's setup costs more than
+#: the copy, and a copy this small is not worth releasing the GIL for)
+_SMALL = 64 << 10
+
+
 def _copy(dst: memoryview, src: memoryview, hasher: Any) -> None:
     """``dst[:] = src``, hashing each block of the copy while it is still in cache.
 
     numpy's copy and xxhash both release the GIL, so helper threads copy in parallel.
     """
     n = src.nbytes
+    if n <= _SMALL:
+        dst[:] = src
+        hasher.update(dst)
+        return
     d = np.frombuffer(dst, dtype=np.uint8)
     s = np.frombuffer(src, dtype=np.uint8)
     for pos in range(0, n, _BLOCK):
@@ -99,26 +108,27 @@ def _copy_pool() -> ThreadPoolExecutor:
 
 
 def _spread(lengths: Sequence[int], one: Callable[[int], None]) -> None:
-    """``one(i)`` for each job; a batch of at least PARALLEL_MIN_BYTES is split by bytes
-    between this thread and the helper threads (numpy's copy and xxhash release the GIL)."""
+    """``one(i)`` for each job; a batch of at least PARALLEL_MIN_BYTES is shared between
+    this thread and helper threads (numpy's copy and xxhash release the GIL).
+
+    Each thread takes the next job, biggest first, until none is left, so the calling
+    thread (which starts at once, while a helper is still waking up) takes more of them
+    and waits at most for the jobs the helpers are still copying.
+    """
     if not COPY_HELPERS or len(lengths) < 2 or sum(lengths) < PARALLEL_MIN_BYTES:
         for i in range(len(lengths)):
             one(i)
         return
-    groups: list[list[int]] = [[] for _ in range(min(len(lengths), COPY_HELPERS + 1))]
-    loads = [0] * len(groups)
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        g = loads.index(min(loads))
-        groups[g].append(i)
-        loads[g] += lengths[i]
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    todo = iter(order)  # next() on a shared iterator is atomic under the GIL
 
-    def run(group: list[int]) -> None:
-        for i in group:
+    def run() -> None:
+        for i in todo:
             one(i)
 
-    helpers = [_copy_pool().submit(run, group) for group in groups[1:]]
+    helpers = [_copy_pool().submit(run) for _ in range(min(COPY_HELPERS, len(order) - 1))]
     try:
-        run(groups[0])
+        run()
     finally:
         for done in helpers:
             done.result()
