@@ -315,7 +315,9 @@ def key_ops(client: Client, samples: int) -> dict[str, Any]:
 def rss_at_full_tier(capacity_mib: int) -> dict[str, Any]:
     node = start_node("--dram-capacity", f"{capacity_mib}MiB", "--no-ssd")
     try:
-        with Client(node.url) as c:
+        # over TCP: pages a fast-path client writes into the arena count in the client's
+        # RSS, not the node's, which would then look far smaller than what it holds
+        with Client(node.url, shm=False) as c:
             value = os.urandom(4 * MiB)
             for _ in range(int(capacity_mib * 1.5) // 4):
                 c.put(os.urandom(16), value)

@@ -17,8 +17,11 @@ SSD requests are served one at a time, in order, on the main thread. S3 work
 (write-behind uploads of what was written to SSD, FETCH of chunks only S3
 has, deletes, a LIST at start-up and every ``--s3-relist`` seconds) runs on a
 pool of 4 threads, so a slow S3 never delays the SSD; FETCH replies may come
-out of order. A fetched value waits in the worker until the node has reserved
-a DRAM slot of its size and sends COPY. The worker exits when the node's end
+out of order. The S3 work of one key runs in the order the node sent it: a
+DELETE waits for the upload queued before it (else the upload would land
+after the delete and bring the chunk back), a FETCH for both. A fetched value
+waits in the worker until the node has reserved a DRAM slot of its size and
+sends COPY. The worker exits when the node's end
 of the socket closes, so it never outlives its node.
 """
 
@@ -32,7 +35,8 @@ import socket
 import struct
 import sys
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -76,6 +80,8 @@ class Worker:
         self._s3_max_pending = s3_max_pending_bytes
         self.s3_log: list[bytes] = []  # keys known to be in S3, in the order we learned them
         self._s3_logged: set[bytes] = set()
+        #: per key with S3 work in flight, the work queued behind it (see _s3_in_order)
+        self._s3_queues: dict[bytes, deque[tuple[Callable[..., object], tuple[Any, ...]]]] = {}
         self.s3_shed = 0
         self._staged: OrderedDict[bytes, bytes] = OrderedDict()  # fetched, not yet copied
         self._staged_bytes = 0
@@ -123,8 +129,38 @@ class Worker:
         else:
             self._reply(request_id, SsdStatus.ERROR, b"")
 
+    def _in_s3(self, key: bytes) -> bool:
+        """S3 holds ``key`` and no S3 work on it (a delete, say) is queued or running."""
+        assert self.s3 is not None
+        with self._s3_lock:
+            return self.s3.contains(key) and key not in self._s3_queues
+
+    def _s3_in_order(self, key: bytes, fn: Callable[..., object], *args: Any) -> None:
+        """Run ``fn(*args)`` on the pool once the S3 work queued before it for ``key`` is
+        done (work on different keys still runs in parallel)."""
+        with self._s3_lock:
+            queue = self._s3_queues.get(key)
+            if queue is not None:
+                queue.append((fn, args))
+                return
+            self._s3_queues[key] = deque()
+        self._pool.submit(self._s3_run, key, fn, args)
+
+    def _s3_run(self, key: bytes, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
+        while True:
+            try:
+                fn(*args)
+            except Exception as exc:  # keep going: the work behind it still has to run
+                print(f"kvpool ssd worker: S3: {type(exc).__name__}: {exc}", file=sys.stderr)
+            with self._s3_lock:
+                queue = self._s3_queues[key]
+                if not queue:
+                    del self._s3_queues[key]
+                    return
+                fn, args = queue.popleft()
+
     def _write_behind_s3(self, key: bytes, view: memoryview) -> None:
-        if self.s3 is None or self.s3.contains(key):
+        if self.s3 is None or self._in_s3(key):
             return
         with self._s3_lock:
             if self._s3_pending + len(view) > self._s3_max_pending:
@@ -132,7 +168,13 @@ class Worker:
                 return
             self._s3_pending += len(view)
         # a copy: the node reuses the arena slot as soon as this PUT is answered
-        self._pool.submit(self._upload, key, bytes(view))
+        self._s3_in_order(key, self._upload, key, bytes(view))
+
+    def _delete_s3(self, key: bytes) -> None:
+        assert self.s3 is not None
+        self.s3.delete(key)
+        with self._s3_lock:  # uploaded again later, it is logged again
+            self._s3_logged.discard(key)
 
     def _fetch(self, request_id: int, key: bytes) -> None:
         try:
@@ -173,9 +215,9 @@ class Worker:
             evicted = b"".join(tier.last_evicted)
             if self.s3 is None:
                 return SsdStatus.ERROR, b""
-            if self.s3.contains(key):
+            if self._in_s3(key):
                 return SsdStatus.OK, evicted
-            self._pool.submit(self._upload_durable, request_id, key, bytes(view), evicted)
+            self._s3_in_order(key, self._upload_durable, request_id, key, bytes(view), evicted)
             return None
         if op == SsdOp.PUT:
             tier.last_evicted = []
@@ -203,7 +245,7 @@ class Worker:
                     self.fetch_shed += 1
                     return SsdStatus.MISS, b""
                 self._fetches += 1
-            self._pool.submit(self._fetch, request_id, key)
+            self._s3_in_order(key, self._fetch, request_id, key)
             return None
         if op == SsdOp.COPY:
             with self._s3_lock:
@@ -221,7 +263,7 @@ class Worker:
         if op == SsdOp.DELETE:
             found = tier.delete(key)
             if self.s3 is not None:
-                self._pool.submit(self.s3.delete, key)
+                self._s3_in_order(key, self._delete_s3, key)
             return (SsdStatus.OK if found else SsdStatus.MISS), b""
         if op == SsdOp.KEYS:
             return SsdStatus.OK, b"".join(KEY_LEN.pack(k, n)

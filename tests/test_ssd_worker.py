@@ -154,3 +154,45 @@ def test_worker_bounds_fetched_values_and_queued_fetches(
     assert worker.fetch_shed == 1
     node_end.close()
     worker_end.close()
+
+
+def test_s3_ops_on_one_key_land_in_the_order_the_node_sent_them(
+        tmp_path: Path, s3_endpoint: str, s3_bucket: str) -> None:
+    """A DELETE (and a FETCH) queued behind a slow write-behind upload of the same key wait
+    for it: else the upload lands after the delete and the chunk is back in S3."""
+    import socket
+    import threading
+
+    from kvpool.server import ssd_worker
+    from kvpool.server.ssd_messages import REPLY, SsdOp
+    from kvpool.tiers.rocksdb import RocksDbTier
+    from kvpool.tiers.s3 import S3Tier
+
+    s3 = S3Tier(s3_bucket, endpoint_url=s3_endpoint, region="us-east-1")
+    value = value_of(300_000)
+    worker = ssd_worker.Worker(RocksDbTier(tmp_path, 4 << 20), memoryview(bytearray(value)), s3)
+    node_end, worker_end = socket.socketpair()
+    worker._sock = worker_end
+    gate = threading.Event()
+    real_put = s3.put
+
+    def slow_put(k: bytes, v: bytes | bytearray | memoryview) -> bool:
+        gate.wait(30)  # a slow S3 upload, still in flight when the DELETE comes
+        return real_put(k, v)
+
+    s3.put = slow_put  # type: ignore[method-assign]
+    try:
+        assert worker.handle(1, SsdOp.PUT, key(1), 0, len(value)) == (SsdStatus.OK, b"")
+        assert worker.handle(2, SsdOp.DELETE, key(1), 0, 0) == (SsdStatus.OK, b"")
+        assert worker.handle(3, SsdOp.FETCH, key(1), 0, 0) is None  # answered from the pool
+        gate.set()
+        node_end.settimeout(30)
+        request_id, status, _ = REPLY.unpack(node_end.recv(REPLY.size, socket.MSG_WAITALL))
+        assert (request_id, status) == (3, SsdStatus.MISS)
+        assert S3Tier(s3_bucket, endpoint_url=s3_endpoint, region="us-east-1").get(key(1)) \
+            is None
+    finally:
+        gate.set()
+        worker._pool.shutdown(wait=True)
+        node_end.close()
+        worker_end.close()
