@@ -7,8 +7,9 @@ Starts a kvpool node (DRAM only: ``--no-ssd``, this measures the data path; see
 ``kvpool.bench.tiers`` for the SSD tier), ``redis-server`` and ``iperf3 -s`` on
 127.0.0.1 and, for each
 value size, interleaves the runs of every system so that machine noise hits them
-alike. Prints a table (median and min-max GB/s of ``--runs`` runs, ops/s, ratios)
-and writes JSON. Targets are the issue's: GET >= 0.85x iperf3, >= 1.0x raw Python,
+alike. Prints a table (median and min-max GB/s of ``--runs`` runs, ops/s, ratios:
+the median of the per-run ratios, each sample paired with the other series' sample of
+the same run) and writes JSON. Targets are the issue's: GET >= 0.85x iperf3, >= 1.0x raw Python,
 >= 2.0x Redis; PUT >= 0.75x iperf3; EXISTS/LOOKUP of 512 keys p50 <= 1 ms; RSS of a
 full DRAM tier <= capacity x 1.10 + 150 MB.
 
@@ -279,7 +280,8 @@ def measure_size(size: int, budget: int, runs: int, client: Client, rds: Any, *,
             fn()  # warm
             samples[name].append(size * per_op * n / timed(fn, n) / 1e9)
         samples["raw python"].append(raw_python(size, budget))
-    out = {name: {**summary(s), "ops_per_s": statistics.median(s) * 1e9 / size}
+    # the samples too: a ratio to another series pairs the samples of one run
+    out = {name: {**summary(s), "ops_per_s": statistics.median(s) * 1e9 / size, "samples": s}
            for name, s in samples.items()}
     return out
 
@@ -334,25 +336,34 @@ def rss_at_full_tier(capacity_mib: int) -> dict[str, Any]:
 # -- report -------------------------------------------------------------------------------------
 
 
-def _ratio(series: dict[str, float], ref: float | None) -> str:
-    return f"{series['median'] / ref:.2f}x" if ref else ""
+def _ratio(series: dict[str, Any], ref: dict[str, Any] | float | None) -> str:
+    """``series`` over ``ref``: the median of the ratios of the samples taken in the same
+    run, where both have them (a slow spell of the machine that spans a run cancels out;
+    the memcpy baseline alone moved 15-22 GB/s between runs here), else of the medians."""
+    if not ref:
+        return ""
+    if isinstance(ref, dict):
+        mine, theirs = series.get("samples"), ref.get("samples")
+        if mine and theirs and len(mine) == len(theirs):
+            return f"{statistics.median(a / b for a, b in zip(mine, theirs, strict=True)):.2f}x"
+        ref = float(ref["median"])
+    return f"{series['median'] / ref:.2f}x"
 
 
-def _ratios(series: dict[str, dict[str, float]], name: str, iperf: float | None) -> list[str]:
+def _ratios(series: dict[str, dict[str, Any]], name: str, iperf: float | None) -> list[str]:
     """A series' ratios: to iperf3, raw Python, Redis, and (fast path) to TCP and memcpy."""
     if not name.startswith("kvpool"):
         return [""] * 6
     s = series[name]
-    redis = series.get("redis get" if "get" in name else "redis set", {}).get("median")
-    tcp = series.get(name.replace("kvpool shm ", "kvpool "), {}).get("median") \
-        if " shm " in name else None
-    memcpy = series["memcpy"]["median"] if " shm " in name and "memcpy" in series else None
+    redis = series.get("redis get" if "get" in name else "redis set")
+    fast = " shm " in name
+    tcp = series.get(name.replace("kvpool shm ", "kvpool ")) if fast else None
+    memcpy = series.get("memcpy") if fast else None
     # the same copies into the same buffers as the series (batched: many, mostly uncached)
     last = name.rsplit(" ", 1)[-1]
     label = last if last.startswith("x") else "x8" if "many" in name else ""
-    same = series.get(f"memcpy {label}" if label else "memcpy", {}).get("median") \
-        if " shm " in name else None
-    return [_ratio(s, iperf), _ratio(s, series["raw python"]["median"]), _ratio(s, redis),
+    same = series.get(f"memcpy {label}" if label else "memcpy") if fast else None
+    return [_ratio(s, iperf), _ratio(s, series["raw python"]), _ratio(s, redis),
             _ratio(s, tcp), _ratio(s, memcpy), _ratio(s, same)]
 
 
