@@ -339,7 +339,7 @@ def rss_at_full_tier(capacity_mib: int) -> dict[str, Any]:
 def _ratio(series: dict[str, Any], ref: dict[str, Any] | float | None) -> str:
     """``series`` over ``ref``: the median of the ratios of the samples taken in the same
     run, where both have them (a slow spell of the machine that spans a run cancels out;
-    the memcpy baseline alone moved 15-22 GB/s between runs here), else of the medians."""
+    the memcpy baseline alone moved 13-22 GB/s between runs here), else of the medians."""
     if not ref:
         return ""
     if isinstance(ref, dict):
