@@ -207,7 +207,8 @@ class S3Config:
     max_pending_bytes: int = knob(256 << 20, "upload budget; past it, S3 write-behind is shed",
                                   flag="--s3-max-pending", env="KVPOOL_S3_MAX_PENDING",
                                   kind="size")
-    relist_interval_s: float = knob(60.0, "seconds between LISTs that find other nodes' chunks",
+    relist_interval_s: float = knob(60.0, "seconds between LISTs that find other nodes' chunks "
+                                    "(and drop deleted ones)",
                                     flag="--s3-relist", env="KVPOOL_S3_RELIST")
     write_through: bool = knob(False, "acknowledge a PUT only once S3 has the chunk (else "
                                "NotDurableError); chunks with a TTL are never written to S3",

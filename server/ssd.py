@@ -24,7 +24,15 @@ from typing import Any
 
 from kvpool.protocol.envelope import Codec
 from kvpool.protocol.errors import KvpoolError
-from kvpool.server.ssd_messages import REPLY, REQUEST, SsdOp, SsdStatus, decode_keys
+from kvpool.server.ssd_messages import (
+    REPLY,
+    REQUEST,
+    S3_CHANGE,
+    S3Change,
+    SsdOp,
+    SsdStatus,
+    decode_keys,
+)
 
 __all__ = ["SsdCounters", "SsdTier", "SsdUnavailableError"]
 
@@ -83,6 +91,9 @@ class SsdTier:
         #: keys the worker knows to be in S3 (its writes, its LISTs), mirrored every s3_poll_s
         self.s3_index: set[bytes] = set()
         self._s3_log_pos = 0
+        #: keys with DELETEs sent whose S3 half the worker has not logged yet: how many. The
+        #: log may still say PRESENT of them (an upload before the delete), which is stale
+        self._s3_deleting: dict[bytes, int] = {}
         self._s3_poll_s = s3_poll_s
         self._s3_task: asyncio.Task[None] | None = None
         self.start_timeout_s = start_timeout_s
@@ -154,13 +165,22 @@ class SsdTier:
             await asyncio.sleep(self._s3_poll_s)
 
     async def refresh_s3_index(self) -> None:
-        """Pull the keys the worker learned to be in S3 since the last call."""
+        """Apply the changes to what S3 holds that the worker logged since the last call."""
         while True:
             _, payload = await self._call(SsdOp.S3_KEYS, offset=self._s3_log_pos)
-            for i in range(0, len(payload), 16):
-                self.s3_index.add(payload[i : i + 16])
-            self._s3_log_pos += len(payload) // 16
-            if len(payload) < 65536 * 16:
+            deleting, index = self._s3_deleting, self.s3_index
+            for key, change in S3_CHANGE.iter_unpack(payload):
+                if change == S3Change.DELETED:
+                    left = deleting.pop(key, 1) - 1
+                    if left > 0:
+                        deleting[key] = left
+                    index.discard(key)
+                elif change == S3Change.GONE:
+                    index.discard(key)
+                elif key not in deleting:  # else: from before a delete still under way
+                    index.add(key)
+            self._s3_log_pos += len(payload) // S3_CHANGE.size
+            if len(payload) < 65536 * S3_CHANGE.size:
                 return
 
     async def _forward_stderr(self) -> None:
@@ -340,6 +360,8 @@ class SsdTier:
         if key in self._writing:
             self._overtaken[key] = self._writing[key]
         if self.up:
+            if self.s3_args:  # the worker logs one DELETED record for it
+                self._s3_deleting[key] = self._s3_deleting.get(key, 0) + 1
             self._call(SsdOp.DELETE, key).add_done_callback(self._count_failure)
 
     def _count_failure(self, future: asyncio.Future[tuple[int, bytes]]) -> None:

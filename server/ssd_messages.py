@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["KEY_LEN", "REPLY", "REQUEST", "SsdOp", "SsdStatus", "decode_keys"]
+__all__ = ["KEY_LEN", "REPLY", "REQUEST", "S3_CHANGE", "S3Change", "SsdOp", "SsdStatus",
+           "decode_keys"]
 
 REQUEST = struct.Struct("<B3xI16sQQ")
 REPLY = struct.Struct("<IB3xQ")
 KEY_LEN = struct.Struct("<16sQ")
+#: one record of the worker's S3 log: key, S3Change
+S3_CHANGE = struct.Struct("<16sB")
 
 
 class SsdOp:
@@ -22,9 +25,17 @@ class SsdOp:
     STATS = 5
     FETCH = 6  # fetch key from S3 into the worker; reply length = its value_len
     COPY = 7  # copy a fetched value into arena[offset:offset+length]
-    S3_KEYS = 8  # keys known to be in S3, from position ``offset`` of the worker's log
+    S3_KEYS = 8  # changes to what S3 holds, from record ``offset`` of the worker's log
     PUT_DURABLE = 9  # as PUT, then upload to S3 and reply only once S3 has it
     EVICT = 10  # drop key from the SSD only (S3 keeps its copy): a tenant's SSD quota
+
+
+class S3Change:
+    """What one S3-log record says of its key, in the order the worker learned it."""
+
+    GONE = 0  # S3 no longer has it: a 404, a corrupt object, a capacity victim, a LIST
+    PRESENT = 1  # S3 has it: uploaded, fetched, or found by a LIST
+    DELETED = 2  # the node's DELETE of it has run (one record per DELETE the node sent)
 
 
 class SsdStatus:

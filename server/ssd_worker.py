@@ -11,7 +11,7 @@ messages over a socketpair:
     reply    (16 bytes)  request_id u32 | status u8 | 3 pad | length u64, then ``length``
                          payload bytes for KEYS (n x (key 16 | value_len u64)),
                          STATS (JSON), PUT (n x 16-byte keys it evicted), FETCH
-                         (value_len u64) and S3_KEYS (n x 16-byte keys)
+                         (value_len u64) and S3_KEYS (n x (key 16 | S3Change u8)))
 
 SSD requests are served one at a time, in order, on the main thread. S3 work
 (write-behind uploads of what was written to SSD, FETCH of chunks only S3
@@ -19,7 +19,10 @@ has, deletes, a LIST at start-up and every ``--s3-relist`` seconds) runs on a
 pool of 4 threads, so a slow S3 never delays the SSD; FETCH replies may come
 out of order. The S3 work of one key runs in the order the node sent it: a
 DELETE waits for the upload queued before it (else the upload would land
-after the delete and bring the chunk back), a FETCH for both. A fetched value
+after the delete and bring the chunk back), a FETCH for both. Every change to
+what S3 holds (an upload, a delete, a 404, a LIST that finds other nodes'
+chunks or misses deleted ones) is appended to the S3 log, which the node
+reads from where it left off to mirror S3 in its index. A fetched value
 waits in the worker until the node has reserved a DRAM slot of its size and
 sends COPY. The worker exits when the node's end
 of the socket closes, so it never outlives its node.
@@ -41,7 +44,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvpool.protocol.envelope import Codec
-from kvpool.server.ssd_messages import KEY_LEN, REPLY, REQUEST, SsdOp, SsdStatus
+from kvpool.server.ssd_messages import (
+    KEY_LEN,
+    REPLY,
+    REQUEST,
+    S3_CHANGE,
+    S3Change,
+    SsdOp,
+    SsdStatus,
+)
 from kvpool.tiers.rocksdb import RocksDbTier
 from kvpool.tiers.s3 import S3Tier
 
@@ -78,8 +89,9 @@ class Worker:
         self._s3_lock = threading.Lock()
         self._s3_pending = 0
         self._s3_max_pending = s3_max_pending_bytes
-        self.s3_log: list[bytes] = []  # keys known to be in S3, in the order we learned them
-        self._s3_logged: set[bytes] = set()
+        #: S3_CHANGE records, in the order we learned of the changes
+        self.s3_log: list[bytes] = []
+        self._s3_logged: set[bytes] = set()  # keys whose last record says PRESENT
         #: per key with S3 work in flight, the work queued behind it (see _s3_in_order)
         self._s3_queues: dict[bytes, deque[tuple[Callable[..., object], tuple[Any, ...]]]] = {}
         self.s3_shed = 0
@@ -89,6 +101,8 @@ class Worker:
         self.fetch_shed = 0
         self._relist_interval = relist_interval_s
         self._stop = threading.Event()
+        if s3 is not None:
+            s3.listener = self._s3_changed
 
     # -- S3 -------------------------------------------------------------------------------
 
@@ -99,24 +113,29 @@ class Worker:
     def _relist_forever(self) -> None:
         assert self.s3 is not None
         while not self._stop.is_set():
-            before = self.s3.stats().num_objects
-            self.s3.load_index()
-            if self.s3.stats().num_objects != before:
-                self._log_s3_keys(self.s3.keys())
+            self.s3.load_index()  # what it adds and drops reaches the log via _s3_changed
             self._stop.wait(self._relist_interval)
 
-    def _log_s3_keys(self, keys: list[bytes]) -> None:
+    def _s3_changed(self, key: bytes, present: bool) -> None:
+        """The S3 tier's index gained or lost ``key`` (S3Tier.listener)."""
+        self._log_s3(key, S3Change.PRESENT if present else S3Change.GONE)
+
+    def _log_s3(self, key: bytes, change: int) -> None:
         with self._s3_lock:
-            for key in keys:
-                if key not in self._s3_logged:
-                    self._s3_logged.add(key)
-                    self.s3_log.append(key)
+            if change == S3Change.PRESENT:
+                if key in self._s3_logged:
+                    return
+                self._s3_logged.add(key)
+            elif key in self._s3_logged:
+                self._s3_logged.discard(key)
+            elif change == S3Change.GONE:  # not logged as present: nothing to take back
+                return
+            self.s3_log.append(S3_CHANGE.pack(key, change))
 
     def _upload(self, key: bytes, value: bytes) -> None:
         assert self.s3 is not None
         try:
-            if self.s3.put(key, value):
-                self._log_s3_keys([key])
+            self.s3.put(key, value)
         finally:
             with self._s3_lock:
                 self._s3_pending -= len(value)
@@ -124,7 +143,6 @@ class Worker:
     def _upload_durable(self, request_id: int, key: bytes, value: bytes, evicted: bytes) -> None:
         assert self.s3 is not None
         if self.s3.put(key, value):
-            self._log_s3_keys([key])
             self._reply(request_id, SsdStatus.OK, evicted)
         else:
             self._reply(request_id, SsdStatus.ERROR, b"")
@@ -172,9 +190,10 @@ class Worker:
 
     def _delete_s3(self, key: bytes) -> None:
         assert self.s3 is not None
-        self.s3.delete(key)
-        with self._s3_lock:  # uploaded again later, it is logged again
-            self._s3_logged.discard(key)
+        try:
+            self.s3.delete(key)
+        finally:  # the node counts these records (one per DELETE), failed or not
+            self._log_s3(key, S3Change.DELETED)
 
     def _fetch(self, request_id: int, key: bytes) -> None:
         try:
@@ -199,7 +218,6 @@ class Worker:
             while self._staged_bytes > MAX_STAGED_BYTES and len(self._staged) > 1:
                 _, dropped = self._staged.popitem(last=False)
                 self._staged_bytes -= len(dropped)
-        self._log_s3_keys([key])
         self._reply(request_id, SsdStatus.OK, _U64.pack(len(value)))
 
     # -- requests -------------------------------------------------------------------------

@@ -53,6 +53,40 @@ def test_another_node_sees_what_one_wrote(s3_endpoint: str, s3_bucket: str) -> N
     assert not reader.contains(late) and reader.get(late) is not None  # a GET miss asks S3
 
 
+def test_list_drops_what_the_bucket_lost_and_keeps_what_changed_meanwhile(
+        s3_endpoint: str, s3_bucket: str) -> None:
+    tier = tier_for(s3_endpoint, s3_bucket)
+    heard: list[tuple[bytes, bool]] = []
+    tier.listener = lambda k, present: heard.append((k, present))
+    for i in range(6):
+        assert tier.put(key(i), kv_value(5000, i))
+    assert heard == [(key(i), True) for i in range(6)]
+    heard.clear()
+    client = s3(s3_endpoint)
+    client.delete_object(Bucket=s3_bucket, Key=object_name("kvpool", key(0)))  # elsewhere
+    client.delete_object(Bucket=s3_bucket, Key=object_name("kvpool", key(1)))
+    # after the LIST's first page (key(2), key(3)), this tier writes key(1) again and
+    # deletes key(2): the LIST has not seen the one and has already seen the other, and
+    # must undo neither
+    paginator = tier._s3.get_paginator("list_objects_v2")
+    real_paginate = paginator.paginate
+
+    def paginate(**kwargs: object):  # type: ignore[no-untyped-def]
+        for n, page in enumerate(real_paginate(**kwargs)):
+            yield page
+            if n == 0:
+                assert tier.put(key(1), kv_value(5000, 1))
+                tier.delete(key(2))
+
+    paginator.paginate = paginate  # type: ignore[method-assign]
+    tier._s3.get_paginator = lambda _name: paginator
+    tier.load_index(page_size=2)
+    assert [k for k in map(key, range(6)) if tier.contains(k)] == [key(1), key(3), key(4),
+                                                                    key(5)]
+    # key(0) left by the LIST; key(1) came back by put; delete() itself is not heard
+    assert sorted(heard) == [(key(0), False), (key(1), True)]
+
+
 def test_multipart_above_threshold(s3_endpoint: str, s3_bucket: str) -> None:
     tier = tier_for(s3_endpoint, s3_bucket, multipart_threshold=5 << 20, codec=Codec.RAW)
     payload = os.urandom(12 << 20)

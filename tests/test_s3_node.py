@@ -137,3 +137,53 @@ def test_write_through_acknowledges_only_what_s3_holds() -> None:
     finally:
         node.stop()
         server.stop()
+
+
+def test_index_drops_a_chunk_deleted_from_s3_by_someone_else(s3_endpoint: str,
+                                                             s3_bucket: str) -> None:
+    """Another node's DELETE (here: a bare one) reaches this node's LOOKUP at its next LIST,
+    instead of this node reporting the chunk in S3 until a GET of it misses."""
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    node = start_node("--dram-capacity", "16MiB", "--s3-bucket", s3_bucket, "--s3-endpoint",
+                      s3_endpoint, "--s3-region", "us-east-1", "--s3-relist", "0.2")
+    try:
+        with Client(node.url) as c:
+            k = os.urandom(16)
+            s3.put_object(Bucket=s3_bucket, Key=object_name("kvpool", k),
+                          Body=seal(b"from elsewhere") + b"from elsewhere")
+            wait_until(lambda: c.lookup_tiers([k]) == ["s3"])  # a LIST found it
+            s3.delete_object(Bucket=s3_bucket, Key=object_name("kvpool", k))
+            wait_until(lambda: c.lookup([k]) == 0)  # and a later LIST found it gone
+            assert c.get(k) is None
+    finally:
+        assert node.stop() == 0
+
+
+def test_a_deleted_chunk_never_comes_back_in_lookups(s3_endpoint: str, s3_bucket: str) -> None:
+    """A DELETE right after the write-behind upload: the upload's PRESENT record, logged by
+    the worker before the DELETE, reaches the node after it and must not bring it back."""
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    node = start_node("--dram-capacity", "16MiB", "--s3-bucket", s3_bucket, "--s3-endpoint",
+                      s3_endpoint, "--s3-region", "us-east-1")
+    try:
+        with Client(node.url) as c:
+            keys = [os.urandom(16) for _ in range(8)]
+            for k in keys:
+                c.put(k, os.urandom(50_000))
+                # deleted as soon as S3 has it: before the node's next poll of the worker's
+                # log (every second) picks up the upload
+                wait_until(lambda k=k: "Contents" in s3.list_objects_v2(
+                    Bucket=s3_bucket, Prefix=object_name("kvpool", k)), timeout=10)
+                assert c.delete(k)
+            kept = os.urandom(16)
+            c.put(kept, b"kept")
+            wait_until(lambda: tier_stats(c, "s3").get("insertions", 0) >= 9)
+            time.sleep(2.5)  # two polls of the worker's log
+            assert c.lookup_tiers(keys) == []
+            assert c.exists_tiers(keys) == [None] * 8
+            assert tier_stats(c, "s3")["keys_known"] == 1  # only `kept`
+            assert s3.list_objects_v2(Bucket=s3_bucket)["KeyCount"] == 1
+            c.put(keys[0], b"written again")  # after its DELETE: known to be in S3 again
+            wait_until(lambda: tier_stats(c, "s3")["keys_known"] == 2)
+    finally:
+        assert node.stop() == 0

@@ -9,10 +9,13 @@ would check the same bytes a second time.
 
 Presence without a HEAD per key: the tier keeps an index of the keys it knows
 to be in the bucket — those it wrote, and those a paged LIST found
-(``load_index``, which a node runs in the background at start-up). ``contains``
-answers from the index alone; ``get`` goes to S3 even for a key the index
-lacks (another node may have written it since), so only a GET miss pays the
-round trip.
+(``load_index``, which a node runs in the background at start-up and then
+every ``--s3-relist`` seconds: keys gone from the bucket -- another node
+deleted them -- leave the index then). ``contains`` answers from the index alone; ``get`` goes
+to S3 even for a key the index lacks (another node may have written it
+since), so only a GET miss pays the round trip. ``listener``, if set, hears of
+every change to the index that a ``delete`` call did not ask for: the worker
+mirrors the index to its node through it.
 
 Every call has a deadline (connect and read timeouts) and botocore's
 "standard" retries with exponential back-off; an error is counted, logged at
@@ -93,6 +96,13 @@ class S3Tier:
         self.num_errors = 0
         self.num_corrupt = 0
         self.last_error: str | None = None
+        #: called with (key, True) when the index gains a key, (key, False) when it drops one
+        #: by itself (a 404, a corrupt object, a capacity victim, a LIST that lacks it); never
+        #: for a ``delete`` call. Called with the index's lock held, so in the order of the
+        #: changes: it must not call back into this tier.
+        self.listener: Callable[[bytes, bool], None] | None = None
+        #: while a LIST runs, the keys changed meanwhile (the LIST's view of them is stale)
+        self._listing: set[bytes] | None = None
 
     # -- the Tier interface ---------------------------------------------------------------
 
@@ -104,7 +114,7 @@ class S3Tier:
             stored = response["Body"].read()
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in _NOT_FOUND:
-                self._forget(key)
+                self._forget(key, notify=True)
             else:
                 self._error("GET", exc)
             self._stats.misses += 1
@@ -117,13 +127,15 @@ class S3Tier:
             value = decode(stored)
         except CorruptChunkError:
             self.num_corrupt += 1
-            self.delete(key)
+            self._forget(key, notify=True)
+            self._delete_object(key)
             self._stats.misses += 1
             return None
         self._stats.hits += 1
         with self._lock:
             if key not in self._sizes:
                 self._remember(key, len(stored), EnvelopeHeader.unpack(value).chunk_index)
+                self._notify(key, True)
             else:
                 self._lru.touch([(key, self._depths[key])])
         return value
@@ -149,7 +161,10 @@ class S3Tier:
         with self._lock:
             self._forget_locked(key)
             self._remember(key, len(stored), header.chunk_index)
+            self._notify(key, True)
             victims = self._victims() if capacity else []
+            for victim in victims:
+                self._notify(victim, False)
         for victim in victims:
             self._delete_object(victim)
         self._stats.insertions += 1
@@ -178,44 +193,75 @@ class S3Tier:
     # -- index ----------------------------------------------------------------------------
 
     def load_index(self, page_size: int = 1000) -> int:
-        """LIST the prefix (paged) and add every chunk object to the index; how many."""
+        """LIST the prefix (paged) and make the index match it; how many keys it added.
+
+        Keys the LIST lacks leave the index. Keys this tier wrote, read or deleted while
+        the LIST ran keep what those calls made of them: the LIST may predate them. A LIST
+        that fails part way changes nothing.
+        """
         paginator = self._s3.get_paginator("list_objects_v2")
-        found = 0
         prefix = f"{self.prefix}/" if self.prefix else ""
+        listed: dict[bytes, int] = {}
+        with self._lock:
+            self._listing = set()
         try:
             for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix,
                                            PaginationConfig={"PageSize": page_size}):
-                with self._lock:
-                    for obj in page.get("Contents", ()):
-                        try:
-                            key = bytes.fromhex(obj["Key"].rsplit("/", 1)[-1])
-                        except ValueError:
-                            continue
-                        if len(key) == 16 and key not in self._sizes:
-                            self._remember(key, int(obj["Size"]), 0)
-                            found += 1
+                for obj in page.get("Contents", ()):
+                    try:
+                        key = bytes.fromhex(obj["Key"].rsplit("/", 1)[-1])
+                    except ValueError:
+                        continue
+                    if len(key) == 16:
+                        listed[key] = int(obj["Size"])
         except (BotoCoreError, ClientError) as exc:
             self._error("LIST", exc)
+            with self._lock:
+                self._listing = None
+            return 0
+        found = 0
+        with self._lock:
+            changed, self._listing = self._listing, None
+            for key in [k for k in self._sizes if k not in listed and k not in changed]:
+                self._forget_locked(key)
+                self._notify(key, False)
+            for key, size in listed.items():
+                if key not in self._sizes and key not in changed:
+                    self._remember(key, size, 0)
+                    self._notify(key, True)
+                    found += 1
         return found
 
     # -- internals ------------------------------------------------------------------------
 
+    def _notify(self, key: bytes, present: bool) -> None:
+        if self.listener is not None:
+            self.listener(key, present)
+
     def _remember(self, key: bytes, size: int, depth: int) -> None:
+        if self._listing is not None:
+            self._listing.add(key)
         self._sizes[key] = size
         self._depths[key] = depth
         self._used += size
         self._lru.touch([(key, depth)])
 
-    def _forget(self, key: bytes) -> None:
+    def _forget(self, key: bytes, *, notify: bool = False) -> None:
         with self._lock:
-            self._forget_locked(key)
+            if self._forget_locked(key) and notify:
+                self._notify(key, False)
 
-    def _forget_locked(self, key: bytes) -> None:
+    def _forget_locked(self, key: bytes) -> bool:
+        """Drop ``key`` from the index; whether it was there."""
+        if self._listing is not None:
+            self._listing.add(key)
         size = self._sizes.pop(key, None)
-        if size is not None:
-            self._used -= size
-            self._depths.pop(key, None)
-            self._lru.discard(key)
+        if size is None:
+            return False
+        self._used -= size
+        self._depths.pop(key, None)
+        self._lru.discard(key)
+        return True
 
     def _victims(self) -> list[bytes]:
         victims = []
@@ -225,6 +271,8 @@ class S3Tier:
             victims.append(key)
             self._used -= self._sizes[key]
         for key in victims:
+            if self._listing is not None:
+                self._listing.add(key)
             del self._sizes[key]
             del self._depths[key]
             self._lru.discard(key)
