@@ -9,11 +9,15 @@ event and counted in the node's stats, never blocking the data path.
 An event is ``{"type", "key", "parent", "tier", "node", "depth"}``:
 
 - ``stored``: a chunk was stored in ``tier`` ("dram" on PUT or promotion);
-- ``evicted``: a chunk left DRAM to make room and no lower tier of this node
-  holds it (it is gone from this node);
-- ``demoted``: a chunk left DRAM and is still on this node's SSD or in S3
-  (``tier`` says which);
-- ``removed``: a chunk was deleted (DELETE) from this node.
+- ``evicted``: a chunk left DRAM (``tier`` "dram") or the SSD ("ssd") to make
+  room and no lower tier of this node holds it (it is gone from this node);
+- ``demoted``: a chunk left DRAM and is still on this node's SSD or in S3, or
+  left the SSD and is still in S3 (``tier`` says where it is now). A chunk that
+  leaves the SSD while DRAM holds it makes no event;
+- ``removed``: a chunk was deleted (DELETE) from this node (``tier``: the
+  highest tier that held it);
+- ``expired``: a chunk's TTL passed (chunks with a TTL live in DRAM only, so
+  it is gone from this node).
 
 ``parent`` is the key of the previous chunk of the prefix when the writer
 sent it (``put_many(parents=...)``), else null; keys are 32 hex characters.
@@ -28,7 +32,7 @@ from typing import Any
 
 __all__ = ["EVENT_TYPES", "EventBus", "Subscription"]
 
-EVENT_TYPES = ("stored", "evicted", "demoted", "removed")
+EVENT_TYPES = ("stored", "evicted", "demoted", "removed", "expired")
 
 
 @dataclass

@@ -92,6 +92,7 @@ class Handlers:
         self.dram = dram
         self.events = EventBus(node_id)
         dram.on_evict = self._evicted
+        dram.on_expire = self._expired
         self.limits = limits
         self.stats = stats
         self.ssd: SsdTier | None = None
@@ -370,6 +371,22 @@ class Handlers:
         self.events.publish("demoted" if lower else "evicted", entry.key,
                             tier=lower or "dram", parent=entry.parent, depth=entry.depth)
 
+    def _expired(self, entry: Entry) -> None:
+        """DRAM dropped ``entry`` at the end of its TTL (a chunk with a TTL is DRAM-only)."""
+        if self.events.subscribers:
+            self.events.publish("expired", entry.key, tier="dram", parent=entry.parent,
+                                depth=entry.depth)
+
+    def ssd_evicted(self, key: bytes) -> None:
+        """The SSD dropped ``key`` to make room: an evicted or demoted event, unless DRAM
+        still holds it (then this node's view of the chunk has not changed)."""
+        if not self.events.subscribers or self.dram.contains(key):
+            return
+        ssd = self.ssd
+        in_s3 = ssd is not None and key in ssd.s3_index
+        self.events.publish("demoted" if in_s3 else "evicted", key,
+                            tier="s3" if in_s3 else "ssd")
+
     def get_shm(self, request: Request) -> Reply | Pending:
         session = request.session
         if self.shm is None or not isinstance(session, Session) or not session.shm:
@@ -488,16 +505,21 @@ class Handlers:
     def delete_keys(self, keys: Sequence[bytes]) -> list[bool]:
         """Delete from every tier of this node; True where some tier held the key."""
         deleted = self.dram.delete_many(keys)
-        if self.events.subscribers:
-            for key, gone in zip(keys, deleted, strict=True):
-                if gone:
-                    self.events.publish("removed", key, tier="dram")
+        # the highest tier that held each key, for the removed events
+        tiers = ["dram" if gone else "" for gone in deleted]
         ssd = self.ssd
         if ssd is not None and ssd.up:
             for i, key in enumerate(keys):
                 if ssd.holds(key):
+                    if not deleted[i]:
+                        tiers[i] = "ssd" if key in ssd.index or key not in ssd.s3_index \
+                            else "s3"
                     deleted[i] = True
                     ssd.delete(key)
+        if self.events.subscribers:
+            for key, tier in zip(keys, tiers, strict=True):
+                if tier:
+                    self.events.publish("removed", key, tier=tier)
         return deleted
 
     # -- admin ----------------------------------------------------------------------------

@@ -138,6 +138,7 @@ class Node:
                                s3_args=s3_args)
             await self.ssd.start()
             self.handlers.ssd = self.ssd
+            self.ssd.on_evicted = self.handlers.ssd_evicted
             self.handlers.write_through = s3.write_through and bool(s3.bucket)
         self._apply_quotas()
         # bind both ports first (port 0 picks one), join the cluster under the addresses

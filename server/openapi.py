@@ -121,13 +121,13 @@ def openapi_document() -> dict[str, Any]:
                      "type": "array", "items": {"type": "integer", "minimum": 0,
                                                 "maximum": 4294967295}}}}]}}}})},
         "/v1/events": {"get": _op(
-            "KV events (stored, evicted, demoted, removed) as server-sent events",
+            "KV events (stored, evicted, demoted, removed, expired) as server-sent events",
             {"200": {"description": "an endless text/event-stream", "content": {
                 "text/event-stream": {"schema": {"type": "string"}}}}, **_BAD},
             parameters=[{"name": "types", "in": "query", "required": False,
                          "schema": {"type": "string"},
                          "description": "comma-separated subset of stored,evicted,demoted,"
-                                        "removed"}])},
+                                        "removed,expired"}])},
         "/v1/chunks/{key}": {
             "get": _op("what this node knows of a chunk (no data)", {
                 "200": _json({"$ref": "#/components/schemas/Chunk"}), **_BAD,

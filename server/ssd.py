@@ -94,6 +94,8 @@ class SsdTier:
         #: keys with DELETEs sent whose S3 half the worker has not logged yet: how many. The
         #: log may still say PRESENT of them (an upload before the delete), which is stale
         self._s3_deleting: dict[bytes, int] = {}
+        #: called with each key the SSD dropped to make room (its capacity, a tenant's quota)
+        self.on_evicted: Callable[[bytes], object] | None = None
         self._s3_poll_s = s3_poll_s
         self._s3_task: asyncio.Task[None] | None = None
         self.start_timeout_s = start_timeout_s
@@ -250,6 +252,8 @@ class SsdTier:
             oldest = next(iter(owned))
             self._forget(oldest)
             self.quota_evictions += 1
+            if self.on_evicted is not None:
+                self.on_evicted(oldest)
             if self.up:
                 self._call(SsdOp.EVICT, oldest).add_done_callback(self._count_failure)
         return self.tenant_bytes.get(tenant, 0) + length <= quota
@@ -289,6 +293,8 @@ class SsdTier:
             for i in range(0, len(evicted), 16):
                 self._forget(evicted[i : i + 16])
                 c.evicted += 1
+                if self.on_evicted is not None:
+                    self.on_evicted(evicted[i : i + 16])
             if status == SsdStatus.OK:
                 if not overtaken:  # else: written, then deleted by the DELETE queued behind it
                     self._index(key, length, tenant, durable=durable)

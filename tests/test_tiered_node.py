@@ -277,3 +277,60 @@ def test_full_disk_stops_ssd_admission_and_node_keeps_serving(small_disk: Path) 
     finally:
         assert node.stop() == 0
     assert any("is full" in line for line in node.output), node.output  # said once, in the log
+
+
+def test_events_for_ssd_evictions_ssd_only_deletes_and_expiry() -> None:
+    """GET /v1/events: a chunk that leaves the SSD when DRAM no longer holds it is evicted
+    (tier "ssd"); a DELETE of a chunk only the SSD holds is removed (tier "ssd"); a TTL
+    that passes is expired."""
+    import contextlib
+    import json
+    import queue
+    import threading
+    import urllib.request
+
+    node = start_node("--dram-capacity", "1MiB", "--ssd-capacity", "1536KiB",
+                      "--max-value", "512KiB")
+    events: queue.Queue[dict[str, Any]] = queue.Queue()
+    stream = urllib.request.urlopen(f"{node.admin_url}/v1/events", timeout=30)
+
+    def read() -> None:
+        for raw in stream:
+            if raw.startswith(b"data: "):
+                events.put(json.loads(raw[6:]))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    seen: list[dict[str, Any]] = []
+
+    def wait_for(check: Any) -> None:
+        deadline = time.monotonic() + 20
+        while not check() and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                seen.append(events.get(timeout=0.1))
+        assert check(), seen
+
+    try:
+        with Client(node.url) as c:
+            keys = [rkey() for _ in range(10)]
+            for i, k in enumerate(keys):  # 10 x 200 KiB: DRAM keeps ~5, the SSD ~7
+                c.put(k, os.urandom(200 << 10))
+                wait_for_writes(c, i + 1)  # one at a time: the write-behind budget is small
+            wait_for(lambda: any(e["type"] == "evicted" and e["tier"] == "ssd" for e in seen))
+            tiers = c.exists_tiers(keys)
+            gone = {e["key"] for e in seen if e["type"] == "evicted" and e["tier"] == "ssd"}
+            assert gone and all(tiers[keys.index(bytes.fromhex(h))] is None for h in gone)
+            ssd_only = keys[tiers.index("ssd")]
+            assert c.delete(ssd_only)
+            wait_for(lambda: {"type": "removed", "key": ssd_only.hex(), "parent": None,
+                              "tier": "ssd", "node": f"{node.host}:{node.port}",
+                              "depth": None} in seen)
+            brief = rkey()
+            c.put(brief, b"short-lived", ttl=0.2)
+            wait_for(lambda: any(e["type"] == "expired" and e["key"] == brief.hex()
+                                 for e in seen))
+            assert c.get(brief) is None
+    finally:
+        node.stop()  # ends the stream: the reader sees its end
+        reader.join(10)
+        stream.close()

@@ -84,6 +84,8 @@ class DramTier:
         self._used_bytes = 0
         #: called with each entry evicted to make room (not for deletes or expiry)
         self.on_evict: Callable[[Entry], None] | None = None
+        #: called with each entry dropped because its TTL passed
+        self.on_expire: Callable[[Entry], None] | None = None
         #: most bytes each tenant's chunks may hold (reserved or stored); absent = no quota
         self.quotas: dict[str, int] = {}
         #: bytes each tenant's chunks hold now (reserved or stored)
@@ -301,8 +303,7 @@ class DramTier:
         while heap and heap[0][0] <= now:
             expires_at, _, entry = heapq.heappop(heap)
             if entry.live and entry.expires_at == expires_at:
-                self._remove(entry)
-                self._stats.expirations += 1
+                self._expired(entry)
                 n += 1
         return n
 
@@ -348,10 +349,15 @@ class DramTier:
     def _live(self, key: bytes, now: float) -> Entry | None:
         entry = self._index.get(key)
         if entry is not None and entry.expires_at is not None and entry.expires_at <= now:
-            self._remove(entry)
-            self._stats.expirations += 1
+            self._expired(entry)
             return None
         return entry
+
+    def _expired(self, entry: Entry) -> None:
+        self._remove(entry)
+        self._stats.expirations += 1
+        if self.on_expire is not None:
+            self.on_expire(entry)
 
     def _insert(self, entry: Entry, ttl_s: float | None) -> None:
         old = self._index.get(entry.key)
