@@ -548,7 +548,10 @@ class Handlers:
         return info
 
     def evict(self, tier: str | None, namespace: bytes | None) -> dict[str, int]:
-        """Drop unpinned chunks: all of ``tier`` (dram or ssd), or ``namespace``'s in DRAM."""
+        """Drop unpinned chunks: all of ``tier`` (dram or ssd), or ``namespace``'s in DRAM.
+
+        An eviction, not a delete: S3 keeps its copies (it is the cluster's, and a chunk
+        evicted from the SSD is still served from there)."""
         counts = {"dram": 0, "ssd": 0}
         if tier in (None, "dram"):
             keep = None
@@ -563,7 +566,7 @@ class Handlers:
                 self._evicted(entry)
         if tier == "ssd" and self.ssd is not None and self.ssd.up:
             for key in list(self.ssd.index):
-                self.ssd.delete(key)
+                self.ssd.evict(key)
                 counts["ssd"] += 1
         return counts
 

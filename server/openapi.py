@@ -144,7 +144,8 @@ def openapi_document() -> dict[str, Any]:
              **_BAD, **_AUTH, "404": _err("not in this node's DRAM tier, or no such action")},
             parameters=[key_param, _path_param("action", {"enum": ["pin", "unpin"]})])},
         "/v1/admin/evict": {"post": _op(
-            "drop unpinned chunks: a whole tier (dram, ssd) or one namespace's DRAM chunks",
+            "drop unpinned chunks: a whole tier (dram, ssd) or one namespace's DRAM chunks "
+            "(an eviction: S3 keeps its copies)",
             {"200": _json({"type": "object", "required": ["evicted"], "properties": {
                 "evicted": {"type": "object", "properties": {
                     "dram": {"type": "integer"}, "ssd": {"type": "integer"}}}}}),

@@ -249,14 +249,18 @@ class SsdTier:
         owned = self.owned.get(tenant, {})
         length += self._queued.get(tenant, 0)  # queued writes count as written
         while self.tenant_bytes.get(tenant, 0) + length > quota and owned:
-            oldest = next(iter(owned))
-            self._forget(oldest)
+            self.evict(next(iter(owned)))
             self.quota_evictions += 1
-            if self.on_evicted is not None:
-                self.on_evicted(oldest)
-            if self.up:
-                self._call(SsdOp.EVICT, oldest).add_done_callback(self._count_failure)
         return self.tenant_bytes.get(tenant, 0) + length <= quota
+
+    def evict(self, key: bytes) -> None:
+        """Drop ``key`` from the SSD only, now from the index and soon from disk; S3 keeps
+        its copy (unlike :meth:`delete`)."""
+        self._forget(key)
+        if self.up:
+            self._call(SsdOp.EVICT, key).add_done_callback(self._count_failure)
+        if self.on_evicted is not None:
+            self.on_evicted(key)
 
     def _forget(self, key: bytes) -> None:
         """``key`` is no longer on the SSD (S3 is another matter)."""

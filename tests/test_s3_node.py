@@ -187,3 +187,34 @@ def test_a_deleted_chunk_never_comes_back_in_lookups(s3_endpoint: str, s3_bucket
             wait_until(lambda: tier_stats(c, "s3")["keys_known"] == 2)
     finally:
         assert node.stop() == 0
+
+
+def test_evicting_the_ssd_tier_keeps_the_s3_copies(s3_endpoint: str, s3_bucket: str) -> None:
+    """POST /v1/admin/evict {"tier": "ssd"} drops this node's SSD copies; S3, which the
+    whole cluster shares, keeps its own, and a GET is served from there."""
+    import json
+    import urllib.request
+
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    node = start_node("--dram-capacity", "16MiB", "--s3-bucket", s3_bucket, "--s3-endpoint",
+                      s3_endpoint, "--s3-region", "us-east-1")
+
+    def evict(tier: str) -> Any:
+        request = urllib.request.Request(f"{node.admin_url}/v1/admin/evict", method="POST",
+                                         data=json.dumps({"tier": tier}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return json.loads(reply.read())
+
+    try:
+        with Client(node.url) as c:
+            k, value = os.urandom(16), os.urandom(100_000)
+            c.put(k, value)
+            wait_until(lambda: tier_stats(c, "s3").get("keys_known", 0) == 1)  # uploaded
+            assert evict("ssd") == {"evicted": {"dram": 0, "ssd": 1}}
+            assert evict("dram") == {"evicted": {"dram": 1, "ssd": 0}}
+            assert c.exists_tiers([k]) == ["s3"]
+            assert s3.list_objects_v2(Bucket=s3_bucket)["KeyCount"] == 1
+            assert c.get(k) == value  # fetched back from S3
+    finally:
+        assert node.stop() == 0
