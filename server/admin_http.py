@@ -1,8 +1,10 @@
 """A small blocking client of a node's admin REST API, for the CLI.
 
 Plain ``urllib`` so the commands work against any node, local or not, with no
-event loop. The admin token (``--token``, or ``KVPOOL_ADMIN_TOKEN``) goes out
-as a bearer token; reads never need it.
+event loop. The token (``--token``, or ``KVPOOL_ADMIN_TOKEN``) goes out as a
+bearer token: mutating routes need an admin token, and reads need a read token
+on nodes with a tokens file. ``https://`` admin URLs are verified against
+``--cacert`` (or ``KVPOOL_TLS_CA``), else the system's CAs.
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 import urllib.error
 import urllib.request
 from typing import Any
 
-__all__ = ["AdminError", "add_admin_args", "admin_base", "call_admin", "default_token"]
+__all__ = ["AdminError", "add_admin_args", "admin_base", "call_admin", "call_with_args",
+           "default_token"]
 
 
 class AdminError(Exception):
@@ -32,15 +36,26 @@ def default_token() -> str:
     return os.environ.get("KVPOOL_ADMIN_TOKEN", "")
 
 
-def admin_base(admin: str) -> str:
-    """``host:port`` or a URL, as a base URL without a trailing slash."""
+def admin_base(admin: str, like: str = "") -> str:
+    """``host:port`` or a URL, as a base URL without a trailing slash.
+
+    A bare ``host:port`` takes the scheme of ``like`` (the URL the user gave: cluster maps
+    list nodes' admin addresses without one, and a cluster's nodes all serve TLS or none).
+    """
     admin = admin.rstrip("/")
-    return admin if "://" in admin else f"http://{admin}"
+    if "://" in admin:
+        return admin
+    scheme = like.split("://", 1)[0] if "://" in like else "http"
+    return f"{scheme}://{admin}"
 
 
 def call_admin(url: str, body: dict[str, Any] | None = None, *, method: str | None = None,
-               timeout: float = 5.0, token: str = "") -> dict[str, Any]:
-    """One JSON call (POST when there is a body); AdminError on any failure."""
+               timeout: float = 5.0, token: str = "", cafile: str = "") -> dict[str, Any]:
+    """One JSON call (POST when there is a body); AdminError on any failure.
+
+    ``cafile``: the PEM CA bundle an ``https://`` node's certificate must chain to ('' =
+    the system's).
+    """
     data = json.dumps(body).encode() if body is not None else None
     headers = {"Content-Type": "application/json"}
     if token:
@@ -48,7 +63,8 @@ def call_admin(url: str, body: dict[str, Any] | None = None, *, method: str | No
     request = urllib.request.Request(url, data=data, headers=headers,
                                      method=method or ("POST" if data else "GET"))
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        context = ssl.create_default_context(cafile=cafile) if cafile else None
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
             reply: dict[str, Any] = json.load(response)
             return reply
     except urllib.error.HTTPError as exc:
@@ -63,9 +79,21 @@ def call_admin(url: str, body: dict[str, Any] | None = None, *, method: str | No
 
 
 def add_admin_args(parser: argparse.ArgumentParser, *, token: bool = False) -> None:
-    """``--admin`` (any node's admin URL) and, for mutating commands, ``--token``."""
+    """``--admin`` (any node's admin URL), ``--token`` and ``--cacert``; ``token``: the
+    command mutates, so its token must be an admin one."""
     parser.add_argument("--admin", default="http://127.0.0.1:7701",
                         help="admin URL of any node (default: http://127.0.0.1:7701)")
-    if token:
-        parser.add_argument("--token", default=default_token(),
-                            help="the nodes' admin token (default: $KVPOOL_ADMIN_TOKEN)")
+    parser.add_argument("--token", default=default_token(),
+                        help=("the nodes' admin token" if token else
+                              "a token that may read, for nodes with a tokens file")
+                        + " (default: $KVPOOL_ADMIN_TOKEN)")
+    parser.add_argument("--cacert", default=os.environ.get("KVPOOL_TLS_CA", ""),
+                        help="PEM CA bundle that signed the nodes' TLS certificates, for "
+                        "https:// admin URLs (default: $KVPOOL_TLS_CA, else the system's)")
+
+
+def call_with_args(args: argparse.Namespace, url: str, body: dict[str, Any] | None = None, *,
+                   method: str | None = None) -> dict[str, Any]:
+    """:func:`call_admin` with the command's ``--timeout``, ``--token`` and ``--cacert``."""
+    return call_admin(url, body, method=method, timeout=args.timeout, token=args.token,
+                      cafile=args.cacert)

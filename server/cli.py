@@ -12,12 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
-from typing import Any
 
 from kvpool.protocol.errors import ConfigError
+from kvpool.server.admin_http import AdminError, add_admin_args, admin_base, call_with_args
 from kvpool.server.cli_cluster import add_cluster_commands
 from kvpool.server.cli_ops import add_ops_commands
 from kvpool.server.config import add_arguments, format_size, load_config
@@ -32,18 +30,11 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fetch(url: str, timeout: float) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        data: dict[str, Any] = json.load(response)
-        return data
-
-
 def _stats(args: argparse.Namespace) -> int:
-    url = args.admin.rstrip("/") + "/v1/stats"
     try:
-        stats = _fetch(url, args.timeout)
-    except (OSError, urllib.error.URLError, json.JSONDecodeError) as exc:
-        print(f"kvpool stats: cannot read {url}: {exc}", file=sys.stderr)
+        stats = call_with_args(args, admin_base(args.admin) + "/v1/stats")
+    except AdminError as exc:
+        print(f"kvpool stats: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
@@ -124,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(serve)
     serve.set_defaults(func=_serve)
     stats = sub.add_parser("stats", help="show a node's counters (reads its admin API)")
-    stats.add_argument("--admin", default="http://127.0.0.1:7701", help="admin URL of the node")
+    add_admin_args(stats)
     stats.add_argument("--json", action="store_true", help="print raw JSON")
     stats.add_argument("--timeout", type=float, default=5.0, help="seconds")
     stats.set_defaults(func=_stats)

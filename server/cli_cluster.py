@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from kvpool.server.admin_http import AdminError, add_admin_args, admin_base, call_admin
+from kvpool.server.admin_http import AdminError, add_admin_args, admin_base, call_with_args
 from kvpool.server.config import format_size
 
 __all__ = ["add_cluster_commands"]
@@ -21,15 +21,15 @@ __all__ = ["add_cluster_commands"]
 
 def _status(args: argparse.Namespace) -> int:
     try:
-        cmap = call_admin(admin_base(args.admin) + "/v1/cluster", timeout=args.timeout)
+        cmap = call_with_args(args, admin_base(args.admin) + "/v1/cluster")
     except AdminError as exc:
         print(f"kvpool cluster status: {exc}", file=sys.stderr)
         return 2
     rows = []
     for node in cmap["nodes"]:
         try:
-            stats: dict[str, Any] | None = call_admin(admin_base(node["admin"]) + "/v1/stats",
-                                                 timeout=args.timeout)
+            stats: dict[str, Any] | None = call_with_args(
+                args, admin_base(node["admin"], args.admin) + "/v1/stats")
         except AdminError:
             stats = None
         rows.append((node, stats))
@@ -76,8 +76,7 @@ def _hit_rate(stats: dict[str, Any]) -> str:
 def _drain(args: argparse.Namespace) -> int:
     base = admin_base(args.admin)
     try:
-        cmap = call_admin(base + "/v1/cluster/drain", {"id": args.node}, timeout=args.timeout,
-                          token=args.token)
+        cmap = call_with_args(args, base + "/v1/cluster/drain", {"id": args.node})
     except AdminError as exc:
         print(f"kvpool cluster drain: {exc}", file=sys.stderr)
         return 2
@@ -88,7 +87,7 @@ def _drain(args: argparse.Namespace) -> int:
     if args.no_wait:
         print(f"kvpool: {args.node} is {node['state']} (epoch {cmap['epoch']})")
         return 0
-    stats_url = admin_base(node["admin"]) + "/v1/stats"
+    stats_url = admin_base(node["admin"], args.admin) + "/v1/stats"
     deadline = time.monotonic() + args.wait
     progress: dict[str, Any] = {}
     from rich.progress import (
@@ -106,7 +105,7 @@ def _drain(args: argparse.Namespace) -> int:
         task = bar.add_task(f"draining {args.node}", total=None)
         while True:
             try:
-                progress = call_admin(stats_url, timeout=args.timeout).get("drain", {})
+                progress = call_with_args(args, stats_url).get("drain", {})
             except AdminError:
                 progress = {**progress, "state": "gone"}  # stopped after leaving the map
             done = (progress.get("chunks_moved", 0) + progress.get("chunks_skipped", 0)

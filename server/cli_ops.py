@@ -23,7 +23,7 @@ from typing import Any
 
 from kvpool.placement.keys import Namespace
 from kvpool.protocol.errors import ConfigError
-from kvpool.server.admin_http import AdminError, add_admin_args, admin_base, call_admin
+from kvpool.server.admin_http import AdminError, add_admin_args, admin_base, call_with_args
 
 __all__ = ["add_ops_commands", "bench_modules", "read_tokens"]
 
@@ -83,7 +83,7 @@ def _lookup(args: argparse.Namespace) -> int:
     tokens = read_tokens(args.tokens_file)
     body = {"namespace": _namespace(args.namespace), "tokens": tokens}
     try:
-        reply = call_admin(admin_base(args.admin) + "/v1/lookup", body, timeout=args.timeout)
+        reply = call_with_args(args, admin_base(args.admin) + "/v1/lookup", body)
     except AdminError as exc:
         print(f"kvpool lookup: {exc}", file=sys.stderr)
         return 2
@@ -104,7 +104,7 @@ def _lookup(args: argparse.Namespace) -> int:
 def _pin(args: argparse.Namespace) -> int:
     action = args.command
     try:
-        cmap = call_admin(admin_base(args.admin) + "/v1/cluster", timeout=args.timeout)
+        cmap = call_with_args(args, admin_base(args.admin) + "/v1/cluster")
     except AdminError as exc:
         print(f"kvpool {action}: {exc}", file=sys.stderr)
         return 2
@@ -113,9 +113,9 @@ def _pin(args: argparse.Namespace) -> int:
     for key in args.keys:
         results[key] = []
         for node in cmap["nodes"]:
-            url = f"{admin_base(node['admin'])}/v1/chunks/{key}/{action}"
+            url = f"{admin_base(node['admin'], args.admin)}/v1/chunks/{key}/{action}"
             try:
-                call_admin(url, method="POST", timeout=args.timeout, token=args.token)
+                call_with_args(args, url, method="POST")
             except AdminError as exc:
                 if exc.status == 404 and "not_found" in str(exc):
                     continue  # not on this node

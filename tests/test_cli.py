@@ -42,7 +42,7 @@ def test_stats_json_and_table(node: NodeProcess) -> None:
 
 def test_stats_unreachable_node_exit_code() -> None:
     out = kvpool("stats", "--admin", "http://127.0.0.1:1", "--timeout", "2")
-    assert out.returncode == 2 and "cannot read" in out.stderr
+    assert out.returncode == 2 and "cannot reach" in out.stderr
 
 
 def test_bad_flag_is_a_clear_error() -> None:

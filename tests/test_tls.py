@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import ssl
 import urllib.error
 import urllib.request
@@ -75,6 +76,28 @@ def test_admin_port_speaks_tls(tls_node: NodeProcess, pki: dict[str, str]) -> No
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         urllib.request.urlopen(tls_node.admin_url.replace("https", "http") + "/healthz",
                                timeout=10)
+
+
+def test_cli_reaches_a_tls_node_with_its_ca(tls_node: NodeProcess, pki: dict[str, str]) -> None:
+    """kvpool stats / cluster status verify an https admin URL against --cacert (or
+    $KVPOOL_TLS_CA); without it the system's CAs refuse the test CA's certificate."""
+    import subprocess
+    import sys
+
+    def kvpool(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "kvpool.server", *args], text=True,
+                              capture_output=True, timeout=60, check=False,
+                              env={**os.environ, **(env or {})})
+
+    done = kvpool("stats", "--admin", tls_node.admin_url, "--cacert", pki["ca"], "--json")
+    assert done.returncode == 0, done.stderr
+    assert "requests" in json.loads(done.stdout)
+    done = kvpool("cluster", "status", "--admin", tls_node.admin_url, "--json",
+                  env={"KVPOOL_TLS_CA": pki["ca"]})
+    assert done.returncode == 0, done.stderr
+    refused = kvpool("stats", "--admin", tls_node.admin_url,
+                     env={"KVPOOL_TLS_CA": ""})
+    assert refused.returncode == 2 and "CERTIFICATE_VERIFY_FAILED" in refused.stderr
 
 
 def test_client_certificates_when_required(pki: dict[str, str]) -> None:
