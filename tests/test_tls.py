@@ -151,3 +151,16 @@ def test_cluster_over_tls_with_tokens(pki: dict[str, str], tmp_path: Path) -> No
             headers={"Authorization": f"Bearer {acme}", "Content-Type": "application/json"})
         with urllib.request.urlopen(request, context=ctx, timeout=30) as r:
             assert json.load(r)["num_chunks"] == len(keys)
+        # the CLI: a read token and the CA, for the node asked and each node of its map
+        import subprocess
+        import sys
+
+        status = [sys.executable, "-m", "kvpool.server", "cluster", "status", "--json",
+                  "--admin", f"https://127.0.0.1:{node.admin_port}", "--cacert", pki["ca"]]
+        done = subprocess.run([*status, "--token", acme], capture_output=True, text=True,
+                              timeout=60, check=False)
+        assert done.returncode == 0, done.stderr
+        assert all(json.loads(done.stdout)["stats"].values())  # all 3 nodes answered
+        refused = subprocess.run(status, capture_output=True, text=True, timeout=60,
+                                 check=False, env={**os.environ, "KVPOOL_ADMIN_TOKEN": ""})
+        assert refused.returncode == 2 and "401" in refused.stderr
