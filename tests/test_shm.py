@@ -5,6 +5,7 @@ same way (identical bytes, uncommitted slots given back, no write grant: TCP).""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -128,6 +129,48 @@ def test_user_without_permission_gets_tcp() -> None:
         assert _shm_stats(node)["grants"] == 0
     finally:
         node.stop()
+
+
+# started as root, it becomes ``uid`` once everything is imported (the interpreter here may
+# lie where another user cannot read it); the arena is asked for after that
+_OTHER_UID_CLIENT = """
+import concurrent.futures.thread, json, os, sys
+import numpy, uvloop, xxhash
+import kvpool.client._shm
+from kvpool.client import Client
+url, key, uid, big = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3]), os.urandom(2 << 20)
+c = Client(url, shm=True)
+os.setgid(uid)
+os.setuid(uid)
+with c:
+    value = c.get(key)
+    c.put(os.urandom(16), big)
+    print(json.dumps({"uid": os.getuid(), "got": len(value or b""), "get": c.bytes_by_path,
+                      "put": c.put_bytes_by_path}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
+def test_an_allowed_other_uid_reads_through_shm_and_writes_over_tcp() -> None:
+    """--shm-allow uid:N lets another user's client map the arena read-only: its GETs copy
+    from shared memory, its PUTs go over TCP (writes are for the node's own uid only)."""
+    nobody = 65534
+    node = start_node("--dram-capacity", "16MiB", "--no-ssd", "--shm-allow", f"uid:{nobody}")
+    try:
+        key, value = os.urandom(16), os.urandom(1 << 20)
+        with Client(node.url, shm=False) as c:
+            c.put(key, value)
+        done = subprocess.run([sys.executable, "-c", _OTHER_UID_CLIENT, node.url, key.hex(),
+                               str(nobody)], capture_output=True, text=True, timeout=60,
+                              check=False)
+        assert done.returncode == 0, done.stderr
+        seen = json.loads(done.stdout)
+        assert seen == {"uid": nobody, "got": 1 << 20, "get": {"shm": 1 << 20, "tcp": 0},
+                        "put": {"shm": 0, "tcp": 2 << 20}}
+        stats = _shm_stats(node)
+        assert stats["grants"] >= 1 and stats["write_grants"] == 0  # one per connection
+    finally:
+        assert node.stop() == 0
 
 
 def test_no_shm_node_and_forced_tcp() -> None:
