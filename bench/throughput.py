@@ -1,6 +1,6 @@
 """Single-node throughput and latency, against the loopback ceiling and Redis, in one run.
 
-    python -m kvpool.bench.throughput            # full run, ~2-3 minutes on 2 cores
+    python -m kvpool.bench.throughput            # full run, 1-3 minutes on 2 cores
     python -m kvpool.bench.throughput --quick    # smoke run
 
 Starts a kvpool node (DRAM only: ``--no-ssd``, this measures the data path; see
