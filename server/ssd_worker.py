@@ -89,8 +89,10 @@ class Worker:
         self._s3_lock = threading.Lock()
         self._s3_pending = 0
         self._s3_max_pending = s3_max_pending_bytes
-        #: S3_CHANGE records, in the order we learned of the changes
+        #: S3_CHANGE records, in the order we learned of the changes, from record number
+        #: _s3_log_base on (the node has applied those before it: they are dropped)
         self.s3_log: list[bytes] = []
+        self._s3_log_base = 0
         self._s3_logged: set[bytes] = set()  # keys whose last record says PRESENT
         #: per key with S3 work in flight, the work queued behind it (see _s3_in_order)
         self._s3_queues: dict[bytes, deque[tuple[Callable[..., object], tuple[Any, ...]]]] = {}
@@ -288,8 +290,14 @@ class Worker:
                                           for k, n in tier.value_lens().items())
         if op == SsdOp.S3_KEYS:
             with self._s3_lock:
-                keys = self.s3_log[offset : offset + 65536]
-            return SsdStatus.OK, b"".join(keys)
+                # the node asks from the first record it has not applied: the ones before
+                # it are done with
+                done = min(max(0, offset - self._s3_log_base), len(self.s3_log))
+                del self.s3_log[:done]
+                self._s3_log_base += done
+                start = max(0, offset - self._s3_log_base)
+                records = self.s3_log[start : start + 65536]
+            return SsdStatus.OK, b"".join(records)
         if op == SsdOp.STATS:
             stats: dict[str, Any] = tier.stats().to_dict()
             stats["corrupt"] = tier.num_corrupt

@@ -196,3 +196,30 @@ def test_s3_ops_on_one_key_land_in_the_order_the_node_sent_them(
         worker._pool.shutdown(wait=True)
         node_end.close()
         worker_end.close()
+
+
+def test_s3_log_is_read_in_order_and_forgets_what_the_node_applied(tmp_path: Path) -> None:
+    """S3_KEYS from record ``offset`` on: the records before it are dropped (the log would
+    otherwise grow with every upload and delete the worker ever saw)."""
+    from kvpool.server import ssd_worker
+    from kvpool.server.ssd_messages import S3_CHANGE, S3Change, SsdOp
+    from kvpool.tiers.rocksdb import RocksDbTier
+
+    worker = ssd_worker.Worker(RocksDbTier(tmp_path, 4 << 20), memoryview(bytearray(64)))
+
+    def read(offset: int) -> list[tuple[bytes, int]]:
+        reply = worker.handle(1, SsdOp.S3_KEYS, bytes(16), offset, 0)
+        assert reply is not None and reply[0] == SsdStatus.OK
+        return list(S3_CHANGE.iter_unpack(reply[1]))
+
+    worker._log_s3(key(1), S3Change.PRESENT)
+    worker._log_s3(key(1), S3Change.PRESENT)  # no change: not logged again
+    worker._log_s3(key(2), S3Change.GONE)  # never logged present: nothing to take back
+    worker._log_s3(key(1), S3Change.DELETED)
+    worker._log_s3(key(2), S3Change.DELETED)  # one record per DELETE, logged or not
+    assert read(0) == [(key(1), S3Change.PRESENT), (key(1), S3Change.DELETED),
+                       (key(2), S3Change.DELETED)]
+    worker._log_s3(key(1), S3Change.PRESENT)  # written again after its delete
+    assert read(3) == [(key(1), S3Change.PRESENT)]
+    assert len(worker.s3_log) == 1  # the 3 records the node applied are gone
+    assert read(4) == [] and worker.s3_log == []
