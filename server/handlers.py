@@ -256,11 +256,29 @@ class Handlers:
                              durable: Sequence[tuple[int, Entry]]) -> None:
         ssd = self.ssd
         assert ssd is not None
+        # chunks the index says S3 has: asked of S3 itself before they are acked as durable
+        # (another node may have deleted one since this node's last LIST), and held
+        # meanwhile, in case they have to be written after all
+        known = [(i, e) for i, e in durable if e.key in ssd.s3_index]
+        for _, entry in known:
+            self.dram.hold(entry)
+        try:
+            there = await asyncio.gather(*(ssd.confirm(e.key) for _, e in known))
+            confirmed = {i for (i, _), ok in zip(known, there, strict=True) if ok}
+            await self._write_durable(statuses, [(i, e) for i, e in durable
+                                                 if i not in confirmed])
+        finally:
+            for _, entry in known:
+                self.dram.release(entry)
+
+    async def _write_durable(self, statuses: list[Status],
+                             durable: Sequence[tuple[int, Entry]]) -> None:
+        """Write each chunk behind to the SSD and to S3; UNAVAILABLE where S3 lacks it."""
+        ssd = self.ssd
+        assert ssd is not None
         loop = asyncio.get_running_loop()
         waits: list[tuple[int, asyncio.Future[bool]]] = []
         for i, entry in durable:
-            if entry.key in ssd.s3_index:
-                continue
             done: asyncio.Future[bool] = loop.create_future()
             self.dram.hold(entry)
 

@@ -253,6 +253,17 @@ class SsdTier:
             self.quota_evictions += 1
         return self.tenant_bytes.get(tenant, 0) + length <= quota
 
+    async def confirm(self, key: bytes) -> bool:
+        """Whether S3 has ``key``, asked of S3 itself (a HEAD through the worker) rather
+        than of :attr:`s3_index`, which lags another node's DELETE until the next LIST."""
+        if not self.up or not self.s3_args:
+            return False
+        try:
+            status, _ = await self._call(SsdOp.CONFIRM, key)
+        except SsdUnavailableError:
+            return False
+        return status == SsdStatus.OK
+
     def evict(self, key: bytes) -> None:
         """Drop ``key`` from the SSD only, now from the index and soon from disk; S3 keeps
         its copy (unlike :meth:`delete`)."""

@@ -28,6 +28,7 @@ class SsdOp:
     S3_KEYS = 8  # changes to what S3 holds, from record ``offset`` of the worker's log
     PUT_DURABLE = 9  # as PUT, then upload to S3 and reply only once S3 has it
     EVICT = 10  # drop key from the SSD only (S3 keeps its copy): a tenant's SSD quota
+    CONFIRM = 11  # ask S3 itself (a HEAD) whether it has key: OK, or MISS
 
 
 class S3Change:

@@ -149,6 +149,19 @@ class Worker:
         else:
             self._reply(request_id, SsdStatus.ERROR, b"")
 
+    def _confirm(self, request_id: int, key: bytes) -> None:
+        assert self.s3 is not None
+        self._reply(request_id, SsdStatus.OK if self.s3.confirm(key) else SsdStatus.MISS, b"")
+
+    def _confirm_durable(self, request_id: int, key: bytes, value: bytes,
+                         evicted: bytes) -> None:
+        """PUT_DURABLE of a key the index says S3 has: OK if a HEAD agrees, else upload."""
+        assert self.s3 is not None
+        if self.s3.confirm(key):
+            self._reply(request_id, SsdStatus.OK, evicted)
+        else:
+            self._upload_durable(request_id, key, value, evicted)
+
     def _in_s3(self, key: bytes) -> bool:
         """S3 holds ``key`` and no S3 work on it (a delete, say) is queued or running."""
         assert self.s3 is not None
@@ -235,9 +248,10 @@ class Worker:
             evicted = b"".join(tier.last_evicted)
             if self.s3 is None:
                 return SsdStatus.ERROR, b""
-            if self._in_s3(key):
-                return SsdStatus.OK, evicted
-            self._s3_in_order(key, self._upload_durable, request_id, key, bytes(view), evicted)
+            # an index that says S3 has it may be stale (another node deleted it since our
+            # last LIST): a durable ack asks S3 itself, and uploads if S3 lacks it
+            upload = self._confirm_durable if self._in_s3(key) else self._upload_durable
+            self._s3_in_order(key, upload, request_id, key, bytes(view), evicted)
             return None
         if op == SsdOp.PUT:
             tier.last_evicted = []
@@ -278,6 +292,11 @@ class Worker:
                 return SsdStatus.SIZE, b""
             self.arena[offset : offset + length] = value
             return SsdStatus.OK, b""
+        if op == SsdOp.CONFIRM:
+            if self.s3 is None:
+                return SsdStatus.MISS, b""
+            self._s3_in_order(key, self._confirm, request_id, key)
+            return None
         if op == SsdOp.EVICT:
             return (SsdStatus.OK if tier.delete(key) else SsdStatus.MISS), b""
         if op == SsdOp.DELETE:

@@ -218,3 +218,24 @@ def test_evicting_the_ssd_tier_keeps_the_s3_copies(s3_endpoint: str, s3_bucket: 
             assert c.get(k) == value  # fetched back from S3
     finally:
         assert node.stop() == 0
+
+
+def test_write_through_asks_s3_before_acking_a_chunk_its_index_lists(
+        s3_endpoint: str, s3_bucket: str) -> None:
+    """A write-through PUT of a chunk the node's index says S3 has is acked only if S3 says
+    so too: another node may have deleted it since this node's last LIST (60 s here)."""
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    node = start_node("--dram-capacity", "16MiB", "--s3-bucket", s3_bucket, "--s3-endpoint",
+                      s3_endpoint, "--s3-region", "us-east-1", "--s3-write-through")
+    try:
+        with Client(node.url, timeout=60) as c:
+            k, value = os.urandom(16), os.urandom(50_000)
+            c.put(k, value)
+            wait_until(lambda: tier_stats(c, "s3").get("keys_known", 0) == 1)  # the index
+            s3.delete_object(Bucket=s3_bucket, Key=object_name("kvpool", k))  # elsewhere
+            c.put(k, value)  # acked durable: S3 must have it again
+            assert s3.list_objects_v2(Bucket=s3_bucket)["KeyCount"] == 1
+            c.put(k, value)  # and now the index is right: no second upload
+            assert tier_stats(c, "s3")["insertions"] == 2
+    finally:
+        assert node.stop() == 0

@@ -180,6 +180,22 @@ class S3Tier:
     def contains(self, key: bytes) -> bool:
         return key in self._sizes
 
+    def confirm(self, key: bytes) -> bool | None:
+        """Ask S3 (HEAD) whether it has ``key``: True, False (then the index forgets it) or
+        None (S3 did not answer). For a claim that must not rest on the index alone."""
+        try:
+            self._s3.head_object(Bucket=self.bucket, Key=object_name(self.prefix, key))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in _NOT_FOUND:
+                self._forget(key, notify=True)
+                return False
+            self._error("HEAD", exc)
+            return None
+        except BotoCoreError as exc:
+            self._error("HEAD", exc)
+            return None
+        return True
+
     def keys(self) -> list[bytes]:
         with self._lock:
             return list(self._sizes)
