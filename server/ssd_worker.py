@@ -15,7 +15,8 @@ messages over a socketpair:
 
 SSD requests are served one at a time, in order, on the main thread. S3 work
 (write-behind uploads of what was written to SSD, FETCH of chunks only S3
-has, deletes, a LIST at start-up and every ``--s3-relist`` seconds) runs on a
+has, deletes, HEADs that CONFIRM a durable ack, a LIST at start-up and every
+``--s3-relist`` seconds) runs on a
 pool of 4 threads, so a slow S3 never delays the SSD; FETCH replies may come
 out of order. The S3 work of one key runs in the order the node sent it: a
 DELETE waits for the upload queued before it (else the upload would land
