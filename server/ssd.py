@@ -256,7 +256,7 @@ class SsdTier:
     async def confirm(self, key: bytes) -> bool:
         """Whether S3 has ``key``, asked of S3 itself (a HEAD through the worker) rather
         than of :attr:`s3_index`, which lags another node's DELETE until the next LIST."""
-        if not self.up or not self.s3_args:
+        if not self.up or not self.has_s3:
             return False
         try:
             status, _ = await self._call(SsdOp.CONFIRM, key)
@@ -381,7 +381,7 @@ class SsdTier:
         if key in self._writing:
             self._overtaken[key] = self._writing[key]
         if self.up:
-            if self.s3_args:  # the worker logs one DELETED record for it
+            if self.has_s3:  # the worker logs one DELETED record for it
                 self._s3_deleting[key] = self._s3_deleting.get(key, 0) + 1
             self._call(SsdOp.DELETE, key).add_done_callback(self._count_failure)
 
