@@ -49,14 +49,15 @@ from typing import Any
 
 import numpy as np
 import psutil
-import xxhash
 
 from kvpool.bench._procs import Proc, start_iperf3, start_node, start_redis
 from kvpool.client import Client
 from kvpool.client._shm import ShmMapping
-from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, EnvelopeHeader
+from kvpool.protocol.envelope import seal
 from kvpool.protocol.errors import Status
 from kvpool.protocol.frames import ShmItem
+from kvpool.tiers.arena import ALIGN, Arena
+from kvpool.tiers.dram import DramTier
 
 MiB = 1 << 20
 SIZES = [256 << 10, 1 * MiB, 4 * MiB, 16 * MiB]
@@ -190,24 +191,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def _arena_of(values: list[bytes]) -> tuple[ShmMapping, list[ShmItem]]:
-    """``values`` laid out as the node's arena lays them out (page-aligned envelopes in a
-    memfd, then the generation table), mapped read-only as a client maps it."""
-    spans = [ENVELOPE_HEADER_SIZE + len(v) for v in values]
-    offsets = [0]
-    for n in spans[:-1]:
-        offsets.append(offsets[-1] + -(-n // mmap.PAGESIZE) * mmap.PAGESIZE)
-    capacity = offsets[-1] + -(-spans[-1] // mmap.PAGESIZE) * mmap.PAGESIZE
-    file_size = capacity + capacity // mmap.PAGESIZE * 8
-    fd = os.memfd_create("bench-arena")
-    os.ftruncate(fd, file_size)
-    with mmap.mmap(fd, file_size) as out:
-        for offset, value in zip(offsets, values, strict=True):
-            head = EnvelopeHeader(raw_len=len(value), stored_len=len(value),
-                                  checksum=xxhash.xxh3_64_intdigest(value)).pack()
-            out[offset : offset + ENVELOPE_HEADER_SIZE + len(value)] = head + value
-    mapping = ShmMapping(fd, {"socket": "", "capacity": capacity, "file_size": file_size})
-    return mapping, [ShmItem(Status.OK, o, n, 0) for o, n in zip(offsets, spans, strict=True)]
+def _arena_of(values: list[bytes]) -> tuple[DramTier, ShmMapping, list[ShmItem]]:
+    """``values`` stored in a DRAM tier of their own, as a node stores them, and its arena
+    mapped read-only as a client maps it; where each value lies, as GET_SHM says."""
+    envelopes = [seal(v) + v for v in values]
+    dram = DramTier(sum(Arena.extent(len(e)) for e in envelopes))
+    items = []
+    for i, envelope in enumerate(envelopes):
+        key = i.to_bytes(16, "big")
+        if not dram.put(key, envelope):
+            raise RuntimeError("copy+verify: the values do not fit their DRAM tier")
+        entry = dram.peek(key)
+        assert entry is not None
+        items.append(ShmItem(Status.OK, entry.offset, entry.length,
+                             dram.arena.gens[entry.offset // ALIGN]))
+    capacity = dram.arena.capacity
+    offer = {"socket": "", "capacity": capacity, "file_size": Arena.file_size(capacity)}
+    return dram, ShmMapping(os.dup(dram.arena.fd), offer), items
 
 
 def measure_size(size: int, budget: int, runs: int, client: Client, rds: Any, *,
@@ -300,7 +300,7 @@ def measure_size(size: int, budget: int, runs: int, client: Client, rds: Any, *,
     # the fast path with a free round trip: the client's own copy, checksum and generation
     # check (ShmMapping.read_many, helper threads and all) from an arena-shaped memfd into
     # the same buffers -- what the batched shm series would reach if the request cost nothing
-    arena, items = _arena_of(raw)
+    dram, arena, items = _arena_of(raw)
     batch_sets = {"x8": [memoryview(b) for b in bufs], big_label: [memoryview(b) for b in big_bufs]}
 
     def copy_verify(sinks: list[memoryview]) -> None:
@@ -325,6 +325,7 @@ def measure_size(size: int, budget: int, runs: int, client: Client, rds: Any, *,
             samples[name].append(size * per_op * n / timed(fn, n) / 1e9)
         samples["raw python"].append(raw_python(size, budget))
     arena.close()
+    dram.close()
     # the samples too: a ratio to another series pairs the samples of one run
     out = {name: {**summary(s), "ops_per_s": statistics.median(s) * 1e9 / size, "samples": s}
            for name, s in samples.items()}
