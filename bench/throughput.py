@@ -24,7 +24,10 @@ like-for-like ceiling once the destination no longer fits in cache (the
 "same buffers" ratio). ``copy+verify x8`` / ``xN`` is the fast path's own ceiling:
 the client's copy, checksum and generation check of a batch from an arena-shaped
 memfd into those buffers, with no request at all (the ``÷ copy+verify`` ratio is
-what the round trip leaves of it). ``shm put`` writes into arena slots
+what the rest of the call leaves of it). The ``shm get`` series read through the
+node's arena index (no request; the client's default); those marked ``(GET_SHM)``
+ask the node for each call's values under a lease (``shm_index=False``), the
+round trip per call the index saves. ``shm put`` writes into arena slots
 (the client's default for calls of 1 MiB and more). Batched series move 8 values a call;
 those marked ``xN`` move N values (64 MiB, or every key the node holds), where
 the round trip is amortised. PUT sources are as distinct as GET's.
@@ -149,6 +152,10 @@ def latency_ms(fn: Callable[[], object], samples: int) -> dict[str, float]:
     return {"p50": percentile(times, 0.5), "p99": percentile(times, 0.99)}
 
 
+#: the suffix of the fast-path series that ask GET_SHM (a round trip a call), not the index
+LEASED = "(GET_SHM)"
+
+
 def summary(samples: list[float]) -> dict[str, float]:
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples)}
 
@@ -169,18 +176,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         client.connect()
         fast = Client(node.url, pool_size=1, shm=True)
         fast.connect()
+        # the fast path with a request per call (GET_SHM under a lease), not the arena index
+        leased = Client(node.url, pool_size=1, shm=True, shm_index=False)
+        leased.connect()
         rds = redis_client(redis_proc.port) if redis_proc else None
         ceiling = [iperf3(iperf_proc.port, args.iperf_seconds) for _ in range(args.runs)] \
             if iperf_proc else []
         results["iperf3_gbps"] = summary(ceiling) if ceiling else None
         for size in sizes:
             results["sizes"][_label(size)] = measure_size(size, budget, args.runs, client, rds,
-                                                          fast=fast)
+                                                          fast=fast, leased=leased)
             print(f"  measured {_label(size)}", flush=True)
         results["latency_1mib_get_ms"] = latency(client, rds, args.latency_samples)
         results["key_ops_512_ms"] = key_ops(client, args.latency_samples)
         client.close()
         fast.close()
+        leased.close()
         results["node_stats"] = {k: v for k, v in Client(node.url).stats().items()
                                  if k in ("requests", "bytes_in", "bytes_out", "hits", "misses")}
     finally:
@@ -211,7 +222,7 @@ def _arena_of(values: list[bytes]) -> tuple[DramTier, ShmMapping, list[ShmItem]]
 
 
 def measure_size(size: int, budget: int, runs: int, client: Client, rds: Any, *,
-                 fast: Client) -> dict[str, Any]:
+                 fast: Client, leased: Client) -> dict[str, Any]:
     num_keys = max(BATCH, min(64, (256 * MiB) // size))
     keys = [os.urandom(16) for _ in range(num_keys)]
     # as many distinct sources as the node holds values (so both read DRAM, not cache)
@@ -259,6 +270,8 @@ def measure_size(size: int, budget: int, runs: int, client: Client, rds: Any, *,
         "kvpool shm get_many_into": lambda: fast.get_many_into(batch_keys(), bufs),
         f"kvpool shm get_many_into {big_label}": lambda: fast.get_many_into(batch_keys(big),
                                                                                big_bufs),
+        f"kvpool shm get_into {LEASED}": lambda: leased.get_into(next_key(), buf),
+        f"kvpool shm get_many_into {LEASED}": lambda: leased.get_many_into(batch_keys(), bufs),
     }
     per_call = {name: big if name.endswith(big_label) else BATCH if "many" in name else 1
                 for name in ops}
@@ -410,7 +423,8 @@ def _ratios(series: dict[str, dict[str, Any]], name: str, iperf: float | None) -
         return [""] * 7
     redis = series.get("redis get" if "get" in name else "redis set")
     fast = " shm " in name
-    tcp = series.get(name.replace("kvpool shm ", "kvpool ")) if fast else None
+    tcp = series.get(name.replace("kvpool shm ", "kvpool ").removesuffix(f" {LEASED}")) \
+        if fast else None
     memcpy = series.get("memcpy") if fast else None
     ceiling = series.get(f"copy+verify {label}") if fast and "get_many" in name else None
     return [_ratio(s, iperf), _ratio(s, series["raw python"]), _ratio(s, redis),

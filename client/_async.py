@@ -24,7 +24,10 @@ connection pool per node.
   Where the node also grants writes (a client of its own user), put calls
   whose values total at least ``shm_put_min_bytes`` (1 MiB) write them into
   arena slots the node reserved; smaller calls go over TCP (one round trip,
-  not two).
+  not two). GETs look each key up first in the node's *arena index* (shared
+  memory too) and copy what it has with no request at all, then report those
+  reads in one TOUCH they do not wait for; keys not there go as GET_SHM
+  (``shm_index=False``: always GET_SHM, a round trip per call).
 
 Security: ``token`` (default ``$KVPOOL_TOKEN``) is sent in HELLO to nodes that
 require one; it names a tenant and a role, and the node keeps every tenant's
@@ -65,7 +68,7 @@ from kvpool.client._node import (
     scope_flags,
 )
 from kvpool.client._routing import pick
-from kvpool.client._tracing import explicit_tracer, traced
+from kvpool.client._tracing import _tracer, explicit_tracer, traced
 from kvpool.placement.cluster_map import ClusterMap, NodeState
 from kvpool.placement.ring import key_positions
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
@@ -101,6 +104,26 @@ def _rows_blob(blob: bytes, rows: npt.NDArray[np.intp]) -> bytes:
     return keys[rows].tobytes()
 
 
+def _sinks(keys: Sequence[Key], buffers: Sequence[BufferOrSegments]
+           ) -> list[memoryview | Segments]:
+    """The parser's sinks of ``get_many_into``'s buffers (a list or tuple: one readv)."""
+    if len(keys) != len(buffers):
+        raise ValueError("get_many_into needs one buffer per key")
+    sinks: list[memoryview | Segments] = []
+    for b in buffers:
+        views = as_segments(b)
+        if any(v.readonly for v in views):
+            raise ValueError("get_into needs a writable buffer")
+        sinks.append(Segments(views) if isinstance(b, (list, tuple)) else views[0])
+    return sinks
+
+
+def _bytearrays(results: Sequence[memoryview | Segments | None]) -> list[bytearray | None]:
+    # with no caller sinks each payload was received (or copied) into a bytearray of its own
+    return [cast(bytearray, cast(memoryview, r).obj) if r is not None else None
+            for r in results]
+
+
 class AsyncClient:
     """Async client of one kvpool node or a cluster (see the module docstring).
 
@@ -116,7 +139,7 @@ class AsyncClient:
                  tracer_provider: TracerProvider | None = None,
                  shm: bool | None = None, token: str | None = None, scope: str = "tenant",
                  ssl: ssl_module.SSLContext | None = None,
-                 shm_put_min_bytes: int = SHM_PUT_MIN_BYTES) -> None:
+                 shm_put_min_bytes: int = SHM_PUT_MIN_BYTES, shm_index: bool = True) -> None:
         if pool_size < 1:
             raise ConfigError("pool_size must be >= 1")
         if timeout <= 0 or connect_timeout <= 0:
@@ -135,7 +158,8 @@ class AsyncClient:
                                           "connect_timeout": connect_timeout,
                                           "client_name": client_name, "shm": shm,
                                           "token": token, "scope": scope, "ssl": ssl,
-                                          "shm_put_min_bytes": shm_put_min_bytes}
+                                          "shm_put_min_bytes": shm_put_min_bytes,
+                                          "shm_index": shm_index}
         self.timeout = timeout
         #: where client spans go; None: the application's global provider (no spans, and no
         #: trace context on the wire, unless it installed an SDK provider)
@@ -213,6 +237,12 @@ class AsyncClient:
         """Fast-path values freed while being copied, and so fetched again over TCP."""
         nodes = [self._single] if self._single else list(self._nodes.values())
         return sum(n.shm_torn for n in nodes if n is not None)
+
+    @property
+    def shm_index_hits(self) -> int:
+        """Values read through the nodes' arena indexes, with no request."""
+        nodes = [self._single] if self._single else list(self._nodes.values())
+        return sum(n.index_hits for n in nodes if n is not None)
 
     @property
     def bytes_by_path(self) -> dict[str, int]:
@@ -330,10 +360,7 @@ class AsyncClient:
     @traced("get_many")
     async def get_many(self, keys: Sequence[Key]) -> list[bytearray | None]:
         """Payloads as new bytearrays (None for misses), in key order."""
-        results = await self._get(join_keys(keys), None)
-        # with no caller sinks the parser receives each payload into a bytearray of its own
-        return [cast(bytearray, cast(memoryview, r).obj) if r is not None else None
-                for r in results]
+        return _bytearrays(await self._get(join_keys(keys), None))
 
     @traced("get_many_into")
     async def get_many_into(self, keys: Sequence[Key], buffers: Sequence[BufferOrSegments]
@@ -345,16 +372,40 @@ class AsyncClient:
         engine's KV blocks this way. Bytes of a payload that fails its
         checksum may have been written into the buffer; it is reported as a miss.
         """
-        if len(keys) != len(buffers):
-            raise ValueError("get_many_into needs one buffer per key")
-        sinks: list[memoryview | Segments] = []
-        for b in buffers:
-            views = as_segments(b)
-            if any(v.readonly for v in views):
-                raise ValueError("get_into needs a writable buffer")
-            sinks.append(Segments(views) if isinstance(b, (list, tuple)) else views[0])
-        results = await self._get(join_keys(keys), sinks)
+        results = await self._get(join_keys(keys), _sinks(keys, buffers))
         return [len(r) if r is not None else None for r in results]
+
+    def read_local(self, keys: Sequence[Key], buffers: Sequence[BufferOrSegments] | None
+                   ) -> list[bytearray | None] | list[int | None] | None:
+        """``get_many`` (``buffers`` None) or ``get_many_into``, done in this thread with
+        no event loop and no request -- or None: do it with those.
+
+        Only a standalone node's arena index can answer (a same-host node that passed
+        one, ``shm_index`` on, tracing off), and only if it holds every key. The sync
+        client tries this first; the reads are reported to the node later (TOUCH), when
+        :attr:`touch_due` says so.
+        """
+        node = self._single
+        if node is None or _tracer(self) is not None:
+            return None
+        sinks = _sinks(keys, buffers) if buffers is not None else None
+        results = node.read_local(join_keys(keys), sinks)
+        if results is None:
+            return None
+        if buffers is None:
+            return _bytearrays(results)
+        return [len(r) if r is not None else None for r in results]
+
+    @property
+    def touch_due(self) -> bool:
+        """Reads through the arena index wait to be reported (see :meth:`send_touches`)."""
+        return self._single is not None and self._single.touch_due
+
+    async def send_touches(self) -> None:
+        """Report the reads made through the arena index now (one TOUCH a node)."""
+        for node in [self._single] if self._single else list(self._nodes.values()):
+            if node is not None:
+                node.touch_later()
 
     @traced("exists_many")
     async def exists_many(self, keys: Sequence[Key]) -> list[bool]:

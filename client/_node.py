@@ -10,6 +10,7 @@ public API, for one node or many.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import os
@@ -17,7 +18,7 @@ import ssl as ssl_module
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn, overload
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -31,6 +32,7 @@ from kvpool.protocol.errors import (
     ConfigError,
     InvalidKeyError,
     KvpoolConnectionError,
+    KvpoolError,
     KvpoolTimeoutError,
     Status,
     ValueTooLargeError,
@@ -74,6 +76,10 @@ _TIER_NAMES = {int(t): t.name.lower() for t in Tier}
 #: Measured on the 2-core VM (kvpool.bench.throughput, shm / TCP): one 256 KiB value
 #: 0.77x, one 1 MiB 1.01x, one 4 MiB 2.15x; 8 x 256 KiB 1.26x, 8 x 1 MiB 1.90x
 SHM_PUT_MIN_BYTES = 1 << 20
+#: reads through the arena index are reported to the node (TOUCH: its hit counts, byte
+#: counts and LRU recency) once this many are waiting, or this long after the first
+TOUCH_BATCH = 256
+TOUCH_DELAY_S = 0.05
 
 
 def _ignore_result(future: asyncio.Future[Any]) -> None:
@@ -186,7 +192,7 @@ class NodeClient:
                  client_name: str = "kvpool-python", shm: bool | None = None,
                  token: str = "", scope: str = "tenant",
                  ssl: ssl_module.SSLContext | None = None,
-                 shm_put_min_bytes: int = SHM_PUT_MIN_BYTES) -> None:
+                 shm_put_min_bytes: int = SHM_PUT_MIN_BYTES, shm_index: bool = True) -> None:
         self.host, self.port = host, port
         self.token = token
         self.scope_flags = scope_flags(scope)
@@ -204,6 +210,16 @@ class NodeClient:
         self.shm_put_expired = 0
         #: fast-path values freed while they were copied (fetched again over TCP)
         self.shm_torn = 0
+        #: look values up in the node's arena index (no request) before asking GET_SHM
+        self.shm_index = shm_index
+        #: values read through the index; found there but stale (asked with GET_SHM)
+        self.index_hits = 0
+        self.index_stale = 0
+        #: keys read through the index and not yet reported (TOUCH), since when
+        self._touched: list[bytes] = []
+        self._touched_count = 0
+        self._touched_since = 0.0
+        self._touch_timer: asyncio.TimerHandle | None = None
         self.node_id = node_id or f"{host}:{port}"
         self.timeout = timeout
         self.connect_timeout = connect_timeout
@@ -235,6 +251,15 @@ class NodeClient:
         self.close()
 
     def close(self) -> None:
+        """Close the connections (reads through the index still to report are sent first,
+        when the caller's loop runs)."""
+        if self._touched:
+            with contextlib.suppress(RuntimeError):  # no running loop: they are dropped
+                asyncio.get_running_loop()
+                self._send_touch(None)
+        if self._touch_timer is not None:
+            self._touch_timer.cancel()
+            self._touch_timer = None
         for i, conn in enumerate(self._slots):
             if conn is not None:
                 conn.close()
@@ -397,7 +422,141 @@ class NodeClient:
     async def _get_shm(self, conn: Connection, shm: ShmMapping, blob: bytes,
                        sinks: Sequence[memoryview | Segments] | None
                        ) -> list[memoryview | Segments | None]:
-        """GET through the arena: copy each value from the mapping, then release the lease."""
+        """GET through the arena: values the arena index has are copied with no request
+        (and reported later, in one TOUCH for many calls); the rest are asked for with
+        GET_SHM."""
+        if not self.shm_index or shm.index is None:
+            return await self._get_leased(conn, shm, blob, sinks)
+        out, rest = self._read_indexed(shm, blob, sinks, all_or_none=False)
+        self.touch_later(conn)
+        if rest:
+            keys = np.frombuffer(blob, dtype="V16")[np.array(rest, dtype=np.intp)].tobytes()
+            again = await self._get_leased(conn, shm, keys,
+                                           [sinks[i] for i in rest] if sinks is not None
+                                           else None)
+            for i, payload in zip(rest, again, strict=True):
+                out[i] = payload
+        return out
+
+    def read_local(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None
+                   ) -> list[memoryview | Segments | None] | None:
+        """The whole GET from the arena index, in this thread and with no event loop;
+        None where any key is not there (ask with :meth:`get`, which reads them all).
+
+        Only with a connection that is (as far as this thread has seen) open: a sync
+        client runs the loop to report its reads at least every ``TOUCH_DELAY_S``, and
+        so notices a node that went away within that.
+        """
+        shm = self._map
+        if shm is None or shm.index is None or not self.shm_index or self.shm is False \
+                or not any(c is not None and c.is_open and c.shm for c in self._slots):
+            return None
+        found = self._read_indexed(shm, blob, sinks, all_or_none=True)
+        return found[0] if found is not None else None
+
+    @overload
+    def _read_indexed(self, shm: ShmMapping, blob: bytes,
+                      sinks: Sequence[memoryview | Segments] | None, *, all_or_none: Literal[False]
+                      ) -> tuple[list[memoryview | Segments | None], list[int]]: ...
+
+    @overload
+    def _read_indexed(self, shm: ShmMapping, blob: bytes,
+                      sinks: Sequence[memoryview | Segments] | None, *, all_or_none: Literal[True]
+                      ) -> tuple[list[memoryview | Segments | None], list[int]] | None: ...
+
+    def _read_indexed(self, shm: ShmMapping, blob: bytes,
+                      sinks: Sequence[memoryview | Segments] | None, *, all_or_none: bool
+                      ) -> tuple[list[memoryview | Segments | None], list[int]] | None:
+        """Copy what the arena index has: ``(payloads, rows not read)``, the reads noted
+        for the next TOUCH. ``all_or_none``: None, having copied nothing, unless every
+        key is there (then copies that came out stale give None too: nothing is noted)."""
+        index = shm.index
+        assert index is not None
+        count = len(blob) // KEY_SIZE
+        out: list[memoryview | Segments | None] = [None] * count
+        if index.epoch != (routed_by.get() or self.epoch):  # GET_SHM: WRONG_OWNER, or the map
+            return None if all_or_none else (out, list(range(count)))
+        rows: list[int] = []
+        jobs: list[tuple[ShmItem, memoryview | Segments | None]] = []
+        checksums: list[int] = []
+        for i in range(count):
+            slot = index.find(blob[i * KEY_SIZE : (i + 1) * KEY_SIZE])
+            if slot is None:
+                if all_or_none:
+                    return None
+                continue
+            rows.append(i)
+            jobs.append((ShmItem(Status.OK, slot.offset, slot.length, slot.generation),
+                         sinks[i] if sinks is not None else None))
+            checksums.append(slot.checksum)
+        hits: list[int] = []
+        nbytes = 0
+        for i, (item, _), (status, payload) in zip(rows, jobs, shm.read_many(jobs, checksums),
+                                                   strict=True):
+            if status == Status.OK:
+                out[i] = payload
+                hits.append(i)
+                nbytes += item.length - ENVELOPE_HEADER_SIZE
+            else:  # freed, rewritten, or too small a buffer: GET_SHM says for sure
+                self.index_stale += 1
+        if all_or_none and len(hits) < count:
+            return None
+        if hits:
+            self.index_hits += len(hits)
+            self.bytes_by_path["shm"] += nbytes
+            if not self._touched:
+                self._touched_since = time.monotonic()
+            self._touched.append(blob if len(hits) == count else b"".join(
+                blob[i * KEY_SIZE : (i + 1) * KEY_SIZE] for i in hits))
+            self._touched_count += len(hits)
+        if len(hits) == count:
+            return out, []
+        hit = set(hits)
+        return out, [i for i in range(count) if i not in hit]
+
+    @property
+    def touch_due(self) -> bool:
+        """Reads through the index wait to be reported: enough of them, or for long enough."""
+        return bool(self._touched) and (
+            self._touched_count >= TOUCH_BATCH
+            or time.monotonic() - self._touched_since >= TOUCH_DELAY_S)
+
+    def touch_later(self, conn: Connection | None = None) -> None:
+        """Send the reads through the index as one TOUCH now if due, else soon (a timer):
+        the node counts them and refreshes their recency. Needs the running loop."""
+        if not self._touched:
+            return
+        if self.touch_due:
+            self._send_touch(conn)
+        elif self._touch_timer is None:
+            self._touch_timer = asyncio.get_running_loop().call_later(
+                TOUCH_DELAY_S, self._send_touch, None)
+
+    def _send_touch(self, conn: Connection | None) -> None:
+        if self._touch_timer is not None:
+            self._touch_timer.cancel()
+            self._touch_timer = None
+        if conn is None or not conn.is_open:
+            conn = next((c for c in self._slots if c is not None and c.is_open and c.shm),
+                        None)
+        keys, count = b"".join(self._touched), self._touched_count
+        self._touched.clear()
+        self._touched_count = 0
+        if conn is None:  # the connection is gone: so is what it would count
+            return
+        for start in range(0, count, int(self.server_info["max_batch"])):
+            stop = min(count, start + int(self.server_info["max_batch"]))
+            try:
+                touch = conn.send(Op.TOUCH, stop - start,
+                                  [keys[start * KEY_SIZE : stop * KEY_SIZE]], epoch=self.epoch)
+            except KvpoolError:
+                return
+            touch.add_done_callback(_ignore_result)
+
+    async def _get_leased(self, conn: Connection, shm: ShmMapping, blob: bytes,
+                          sinks: Sequence[memoryview | Segments] | None
+                          ) -> list[memoryview | Segments | None]:
+        """GET_SHM: copy each value from the mapping, then release the lease."""
         max_batch = int(self.server_info["max_batch"])
         parts = list(_chunks(len(blob) // KEY_SIZE, max_batch))
         replies = await self._gather([(conn, Op.GET_SHM, len(p), [_blob_part(blob, p)], None)
@@ -576,7 +735,7 @@ class NodeClient:
         offer = self.server_info.get("shm")
         if isinstance(offer, dict):
             try:  # in a thread: the node may share this event loop (a node's own peer client)
-                fd, writable = await asyncio.get_running_loop().run_in_executor(
+                fd, index_fd, writable = await asyncio.get_running_loop().run_in_executor(
                     None, redeem, offer, self.connect_timeout)
             except KvpoolConnectionError as exc:
                 if self.shm:
@@ -587,9 +746,11 @@ class NodeClient:
                 if self._map is None or self._map.socket != offer["socket"] \
                         or self._map.writable != writable:
                     self.close_mapping()  # a restarted node has a new arena
-                    self._map = ShmMapping(fd, offer, writable=writable)
+                    self._map = ShmMapping(fd, offer, writable=writable, index_fd=index_fd)
                 else:
                     os.close(fd)
+                    if index_fd >= 0:
+                        os.close(index_fd)
                 conn.shm = True
                 conn.shm_write = writable
         elif self.shm:

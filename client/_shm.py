@@ -8,6 +8,11 @@ buffer, verifies the envelope checksum of the copy, and checks the value's
 generation afterwards (a seqlock): a value freed while it was being copied
 is reported as ``TORN`` and fetched again over TCP -- never returned.
 
+Where the node also passed its *arena index* (``kvpool.protocol.shm_index``),
+:meth:`ShmIndex.find` says where a value lies with no request at all; the
+copy is checked the same way, and against the checksum the index published.
+A key not found there (or found stale) is asked for with GET_SHM.
+
 A client of the node's own user gets a writable mapping: :meth:`ShmMapping.write`
 fills a slot a PUT_SHM reply reserved (payload, hashed as it is copied, then
 the envelope header), and the client sends COMMIT.
@@ -19,6 +24,7 @@ import functools
 import mmap
 import os
 import socket
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -30,8 +36,19 @@ from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, Codec, EnvelopeHeader
 from kvpool.protocol.errors import CorruptChunkError, KvpoolConnectionError, Status
 from kvpool.protocol.frames import ShmItem
 from kvpool.protocol.parsers import TOO_SMALL, Segments
+from kvpool.protocol.shm_index import (
+    EPOCH_AT,
+    HEADER,
+    HEADER_SIZE,
+    INDEX_MAGIC,
+    SLOT_SIZE,
+    WAYS,
+    IndexSlot,
+    set_of,
+    unpack_slot,
+)
 
-__all__ = ["TORN", "ShmMapping", "host_id", "redeem"]
+__all__ = ["TORN", "ShmIndex", "ShmMapping", "host_id", "redeem"]
 
 #: read outcome: the value was freed (and maybe reused) while it was copied
 TORN = 254
@@ -54,8 +71,9 @@ def host_id() -> str:
         return ""
 
 
-def redeem(offer: dict[str, Any], timeout: float) -> tuple[int, bool]:
-    """Trade the HELLO ticket for the arena's descriptor and whether it is writable.
+def redeem(offer: dict[str, Any], timeout: float) -> tuple[int, int, bool]:
+    """Trade the HELLO ticket for the arena's descriptor, the arena index's (-1: none) and
+    whether the arena is writable.
 
     KvpoolConnectionError if refused.
     """
@@ -64,7 +82,7 @@ def redeem(offer: dict[str, Any], timeout: float) -> tuple[int, bool]:
         try:
             sock.connect("\0" + str(offer["socket"]))
             sock.sendall(str(offer["ticket"]).encode("ascii"))
-            answer, fds, _, _ = socket.recv_fds(sock, 256, 1)
+            answer, fds, _, _ = socket.recv_fds(sock, 256, 2)
         except OSError as exc:
             raise KvpoolConnectionError(f"shared-memory fast path unavailable: {exc}") from exc
     if answer not in (b"OK", b"OK rw") or not fds:
@@ -72,7 +90,9 @@ def redeem(offer: dict[str, Any], timeout: float) -> tuple[int, bool]:
             os.close(fd)
         reason = answer.decode("utf-8", "replace").removeprefix("NO ").strip() or "no answer"
         raise KvpoolConnectionError(f"shared-memory fast path refused: {reason}")
-    return fds[0], answer == b"OK rw"
+    for extra in fds[2:]:
+        os.close(extra)
+    return fds[0], fds[1] if len(fds) > 1 else -1, answer == b"OK rw"
 
 
 #: below this many bytes a copy is a memoryview assignment (numpy's setup costs more than
@@ -134,12 +154,60 @@ def _spread(lengths: Sequence[int], one: Callable[[int], None]) -> None:
             done.result()
 
 
+class ShmIndex:
+    """A read-only mapping of a node's arena index: key -> where its value lies."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        try:
+            self._mmap = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        magic, sets, ways = HEADER.unpack_from(self._mmap)
+        if magic != INDEX_MAGIC or ways != WAYS or sets < 1 or sets & (sets - 1) \
+                or HEADER_SIZE + sets * ways * SLOT_SIZE > size:
+            self._mmap.close()
+            raise KvpoolConnectionError("the node's arena index has an unknown layout")
+        self.sets = sets
+
+    @property
+    def epoch(self) -> int:
+        """The node's cluster-map epoch (a client on another must not use the index)."""
+        return int.from_bytes(self._mmap[EPOCH_AT : EPOCH_AT + 8], "little")
+
+    def find(self, key: bytes) -> IndexSlot | None:
+        """Where ``key``'s value lies (None: not in the index, expired, or being rewritten)."""
+        if self._mmap[: len(INDEX_MAGIC)] != INDEX_MAGIC:  # retired: the node stopped
+            return None
+        start = HEADER_SIZE + set_of(key, self.sets) * WAYS * SLOT_SIZE
+        ways = self._mmap[start : start + WAYS * SLOT_SIZE]  # one copy of the whole set
+        at = ways.find(key)
+        while at >= 0 and at % SLOT_SIZE:
+            at = ways.find(key, at + 1)
+        if at < 0:
+            return None
+        slot = unpack_slot(ways[at : at + SLOT_SIZE])
+        if slot is None or slot.key != key or (slot.expires and slot.expires <= time.time()):
+            return None
+        return slot
+
+    def close(self) -> None:
+        self._mmap.close()
+
+
 class ShmMapping:
     """A mapping of one node's arena (data, then the generation table); read-only unless
     the node granted writes."""
 
-    def __init__(self, fd: int, offer: dict[str, Any], *, writable: bool = False) -> None:
+    def __init__(self, fd: int, offer: dict[str, Any], *, writable: bool = False,
+                 index_fd: int = -1) -> None:
         self.socket = str(offer["socket"])
+        #: the node's arena index, when it passed one (reads with no request)
+        self.index: ShmIndex | None = None
+        if index_fd >= 0:
+            try:
+                self.index = ShmIndex(index_fd, int(offer["index_size"]))
+            except (KvpoolConnectionError, KeyError, ValueError, OSError):
+                self.index = None  # GET_SHM still works
         self.capacity = int(offer["capacity"])
         self.writable = writable
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
@@ -154,12 +222,14 @@ class ShmMapping:
         #: test hook: called between the copy and the generation check
         self.after_copy: Callable[[ShmItem], None] | None = None
 
-    def read(self, item: ShmItem, sink: memoryview | Segments | None
+    def read(self, item: ShmItem, sink: memoryview | Segments | None, checksum: int = -1
              ) -> tuple[int, memoryview | Segments | None]:
         """Copy one value's payload into ``sink`` (None: a new bytearray).
 
         Returns ``(status, payload)``: OK, TORN (freed mid-copy: ask again),
         CORRUPT (bad envelope or checksum) or TOO_SMALL (``sink`` too small).
+        ``checksum`` (from the arena index): the payload's checksum must be this one,
+        or the read is TORN (the index was stale).
         """
         offset, length = item.offset, item.length
         if length < ENVELOPE_HEADER_SIZE or offset + length > self.capacity or offset % _PAGE:
@@ -171,6 +241,8 @@ class ShmMapping:
                 raise CorruptChunkError("envelope does not match the value")
         except CorruptChunkError:
             return self._settled(item, Status.CORRUPT)
+        if checksum >= 0 and envelope.checksum != checksum:
+            return TORN, None
         src = self.view[offset + ENVELOPE_HEADER_SIZE : offset + length]
         hasher = xxhash.xxh3_64()
         out: memoryview | Segments
@@ -224,13 +296,16 @@ class ShmMapping:
             raw_len=nbytes, stored_len=nbytes, checksum=hasher.intdigest(),
             num_tokens=num_tokens, chunk_index=chunk_index, fingerprint=fingerprint).pack()
 
-    def read_many(self, jobs: Sequence[tuple[ShmItem, memoryview | Segments | None]]
+    def read_many(self, jobs: Sequence[tuple[ShmItem, memoryview | Segments | None]],
+                  checksums: Sequence[int] | None = None
                   ) -> list[tuple[int, memoryview | Segments | None]]:
-        """:meth:`read` of each ``(item, sink)``, big batches on several threads."""
+        """:meth:`read` of each ``(item, sink)`` (and ``checksums[i]``), big batches on
+        several threads."""
         out: list[tuple[int, memoryview | Segments | None]] = [(TORN, None)] * len(jobs)
 
         def one(i: int) -> None:
-            out[i] = self.read(*jobs[i])
+            item, sink = jobs[i]
+            out[i] = self.read(item, sink, checksums[i] if checksums is not None else -1)
 
         _spread([item.length for item, _ in jobs], one)
         return out
@@ -253,6 +328,8 @@ class ShmMapping:
         return status, None
 
     def close(self) -> None:
+        if self.index is not None:
+            self.index.close()
         self.gens.release()
         self.view.release()
         self._mmap.close()

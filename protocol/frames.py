@@ -22,6 +22,8 @@ Request bodies:
     PUT_SHM       count x (PUT item header || parent key with PUT_FLAG_PARENT), no values
                   (only on a connection granted the arena for writing)
     COMMIT        one u64 lease id (of a PUT_SHM reply); count = that reply's item count
+    TOUCH         count x 16-byte key: values the client read through the arena index
+                  (only on a connection granted the arena)
 Reply bodies (status OK):
     HELLO, STATS  JSON object
     CLUSTER       JSON object: the node's cluster map (placement.cluster_map.ClusterMap.to_dict)
@@ -38,6 +40,7 @@ Reply bodies (status OK):
                   are the client's until COMMIT, or freed at the lease's deadline
     COMMIT        count x 1-byte Status, as PUT's (all NOT_FOUND: the lease had expired,
                   nothing was stored)
+    TOUCH         count x 1-byte Status (NOT_FOUND: gone from DRAM meanwhile)
 A request may carry W3C trace context: its op byte has OP_FLAG_TRACE (0x80) set and
 its body starts with TRACE_CONTEXT_SIZE (26) bytes -- version 0 (u8), trace id (16),
 parent span id (8), trace flags (u8) -- counted in ``body_len``. Clients set it only
@@ -149,10 +152,13 @@ class Op(enum.IntEnum):
     PUT_SHM = 13
     #: publish the slots of a PUT_SHM lease (the client has written the values)
     COMMIT = 14
+    #: reads made through the arena index, with no request: count them, refresh recency
+    TOUCH = 15
 
 
 #: Ops whose request body is exactly ``count`` keys.
-KEY_OPS = frozenset({Op.GET, Op.EXISTS, Op.DELETE, Op.LOOKUP, Op.PIN, Op.UNPIN, Op.GET_SHM})
+KEY_OPS = frozenset({Op.GET, Op.EXISTS, Op.DELETE, Op.LOOKUP, Op.PIN, Op.UNPIN, Op.GET_SHM,
+                     Op.TOUCH})
 #: Ops whose op byte may carry scope bits (OP_FLAG_SHARED, OP_FLAG_RAW).
 SCOPED_OPS = KEY_OPS | {Op.PUT, Op.PUT_SHM}
 

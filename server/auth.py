@@ -214,8 +214,8 @@ def _scoped(key: bytes, scope: bytes) -> bytes:
 
 
 #: ops a read-only token may send
-READ_OPS = frozenset({Op.HELLO, Op.GET, Op.GET_SHM, Op.RELEASE, Op.EXISTS, Op.LOOKUP, Op.STATS,
-                      Op.CLUSTER})
+READ_OPS = frozenset({Op.HELLO, Op.GET, Op.GET_SHM, Op.RELEASE, Op.TOUCH, Op.EXISTS, Op.LOOKUP,
+                      Op.STATS, Op.CLUSTER})
 
 
 def check(principal: Principal, op: int, scope: int) -> str | None:

@@ -124,6 +124,7 @@ class Handlers:
             Op.RELEASE: self.release,
             Op.PUT_SHM: self.put_shm,
             Op.COMMIT: self.commit,
+            Op.TOUCH: self.touch,
         }
 
     @property
@@ -418,6 +419,19 @@ class Handlers:
         done = self.shm.release(request.session, ids)
         return self._reply(request, [encode_statuses(
             [Status.OK if d else Status.NOT_FOUND for d in done])])
+
+    def touch(self, request: Request) -> Reply:
+        """Values a client read through the arena index: count them, as GET_SHM would."""
+        shm, session = self.shm, request.session
+        if shm is None or not isinstance(session, Session) or not session.shm:
+            raise BadFrameError("TOUCH needs a connection granted the shared-memory arena")
+        entries = self.dram.touch_many(request.keys)
+        found = [e for e in entries if e is not None]
+        shm.counters.index_bytes_out += sum(e.length for e in found)
+        shm.counters.index_items_out += len(found)
+        self.stats.tokens_served += sum(e.num_tokens for e in found)
+        return self._reply(request, [encode_statuses(
+            [Status.NOT_FOUND if e is None else Status.OK for e in entries])])
 
     def put_shm(self, request: Request) -> Reply:
         """Reserve a slot per item for the client to write into; they wait for COMMIT."""

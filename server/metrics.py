@@ -87,7 +87,8 @@ def _received(snap: Snapshot) -> Iterator[Sample]:
 def _sent(snap: Snapshot) -> Iterator[Sample]:
     yield snap["bytes_out"], {"path": "tcp"}
     if "shm" in snap:
-        yield snap["shm"]["bytes_out"], {"path": "shm"}
+        # GET_SHM replies, and reads through the arena index the clients reported (TOUCH)
+        yield snap["shm"]["bytes_out"] + snap["shm"]["index_bytes_out"], {"path": "shm"}
 
 
 def _shm(field: str) -> Callable[[Snapshot], Iterable[Sample]]:

@@ -178,6 +178,7 @@ class Node:
                                   allow=self.config.server.shm_allow,
                                   write=self.config.server.shm_write)
             await self.shm.start()
+            self._publish_epoch()
             self.handlers.shm = self.shm
             self.handlers.extra_stats["shm"] = self.shm_stats
         if tracing_configured():
@@ -284,7 +285,12 @@ class Node:
                 log.exception("metrics snapshot failed")
             await asyncio.sleep(METRICS_REFRESH_S)
 
+    def _publish_epoch(self) -> None:
+        if self.shm is not None and self.shm.index is not None:
+            self.shm.index.set_epoch(self.membership.epoch)
+
     def _map_changed(self, cmap: ClusterMap | None) -> None:
+        self._publish_epoch()
         me = cmap.by_id.get(self.membership.node_id) if cmap is not None else None
         if me is not None and me.state == NodeState.DRAINING and self.handoff is not None \
                 and self.handoff.progress.state in ("idle", "failed"):
@@ -343,8 +349,11 @@ class Node:
     def shm_stats(self) -> dict[str, Any]:
         """The fast path's counters (GET /v1/stats "shm")."""
         assert self.shm is not None
+        index = self.shm.index
         return {"socket": self.shm.name, "lease_s": self.shm.lease_s,
-                "open_leases": self.shm.open_leases, **asdict(self.shm.counters)}
+                "open_leases": self.shm.open_leases, **asdict(self.shm.counters),
+                "index": {} if index is None else {
+                    "entries": len(index), "sets": index.sets, **asdict(index.counters)}}
 
     async def stop(self) -> None:
         """Stop accepting, let open connections flush their replies, then close."""

@@ -19,6 +19,11 @@ How a client gets in:
    or dead reader for longer. The client copies from its mapping, verifies
    the envelope checksum of what it copied and re-reads the generation (see
    ``tiers/arena.py``): a value freed mid-copy is never returned torn.
+   With the arena it also passes (to a connection whose keys carry no tenant
+   scope) a read-only descriptor of the *arena index* (``tiers/arena_index.py``,
+   layout in ``protocol/shm_index.py``): where each DRAM value lies, so the
+   client reads most values with no request and no lease, checking them the
+   same way, and reports them afterwards with ``TOUCH`` (hits, bytes, recency).
 4. PUT the other way: a client of the node's **own user** gets a writable
    descriptor instead (unless the node runs with ``--no-shm-write``) -- with
    tenants configured, only an admin token's: a writer could plant a value
@@ -50,6 +55,7 @@ from kvpool.client._shm import host_id
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.parsers import PutItem
 from kvpool.server.auth import ANONYMOUS, Principal
+from kvpool.tiers.arena_index import ArenaIndex
 from kvpool.tiers.dram import DramTier, Entry
 
 __all__ = ["Lease", "Session", "ShmService", "host_id", "parse_allow"]
@@ -91,6 +97,8 @@ class Session:
     principal: Principal = ANONYMOUS
     #: sha256 of the token it presented (b"" in open mode); a reload that drops it closes us
     token_digest: bytes = b""
+    #: offered the arena index (its keys are stored as sent: no tenant scope)
+    index: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -112,6 +120,9 @@ class ShmCounters:
     expired: int = 0
     bytes_out: int = 0
     items_out: int = 0
+    #: values clients read through the arena index (no GET_SHM), as their TOUCH reported
+    index_bytes_out: int = 0
+    index_items_out: int = 0
     #: writable grants (the node's own user), PUT_SHM leases, and what COMMIT stored
     write_grants: int = 0
     put_leases: int = 0
@@ -140,6 +151,8 @@ class ShmService:
         self._sock: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._ro_fd = -1
+        self.index: ArenaIndex | None = None
+        self._index_fd = -1
         self._granting: set[asyncio.Task[None]] = set()
 
     @property
@@ -151,6 +164,9 @@ class ShmService:
     async def start(self) -> None:
         # a read-only descriptor of the arena's memory file: clients can map it, never write
         self._ro_fd = os.open(f"/proc/self/fd/{self.dram.arena.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        self.index = ArenaIndex(self.dram.arena.capacity)
+        self._index_fd = os.open(f"/proc/self/fd/{self.index.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        self.dram.attach_index(self.index)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind("\0" + self.name)
         sock.listen(64)
@@ -170,6 +186,11 @@ class ShmService:
         if self._ro_fd >= 0:
             os.close(self._ro_fd)
             self._ro_fd = -1
+        if self.index is not None:
+            self.index.retire()
+        if self._index_fd >= 0:  # the index itself is the DRAM tier's now: closed with it
+            os.close(self._index_fd)
+            self._index_fd = -1
 
     # -- granting -------------------------------------------------------------------------
 
@@ -184,8 +205,14 @@ class ShmService:
         ticket = secrets.token_hex(16)
         self._tickets[ticket] = (session, now + TICKET_TTL_S)
         arena = self.dram.arena
-        return {"socket": self.name, "ticket": ticket, "capacity": arena.capacity,
-                "file_size": arena.file_size(arena.capacity), "lease_s": self.lease_s}
+        offer: dict[str, object] = {
+            "socket": self.name, "ticket": ticket, "capacity": arena.capacity,
+            "file_size": arena.file_size(arena.capacity), "lease_s": self.lease_s}
+        # the index holds stored keys; a tenant's are scoped, so it looks its own up by GET_SHM
+        session.index = self.index is not None and session.principal.tenant is None
+        if session.index and self.index is not None:
+            offer["index_size"] = self.index.file_size
+        return offer
 
     def allowed(self, uid: int, gid: int) -> bool:
         return uid in self.uids or gid in self.gids
@@ -230,6 +257,8 @@ class ShmService:
                 found[0].shm = True
                 self.counters.grants += 1
                 answer, fds = b"OK", [self._ro_fd]
+            if fds and found is not None and found[0].index:
+                fds.append(self._index_fd)  # read-only for every client
             # a few bytes into an empty socket buffer: this send does not block
             with contextlib.suppress(OSError):
                 conn.sendmsg([answer], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,

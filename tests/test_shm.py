@@ -1,7 +1,9 @@
 """The same-host fast path against real node processes: identical bytes to TCP, values freed
 mid-copy never returned torn (forced with the client's after-copy hook), users without
-permission on TCP, leases that end when a client dies or stalls; PUT through the arena the
-same way (identical bytes, uncommitted slots given back, no write grant: TCP)."""
+permission on TCP, leases that end when a client dies or stalls; reads through the arena
+index (no request; counted and kept recent by TOUCH; TTLs; a stopped node's index retired);
+PUT through the arena the same way (identical bytes, uncommitted slots given back, no write
+grant: TCP)."""
 
 from __future__ import annotations
 
@@ -39,13 +41,15 @@ def _shm_stats(node: NodeProcess) -> dict[str, int]:
     return shm
 
 
-def test_fast_path_returns_the_same_bytes_as_tcp() -> None:
+@pytest.mark.parametrize("index", [True, False], ids=["index", "leased"])
+def test_fast_path_returns_the_same_bytes_as_tcp(index: bool) -> None:
     node = start_node("--dram-capacity", "128MiB", "--no-ssd")
     try:
         sizes = [1, 100, 4095, 4096, 4097, 65536, 1 << 20, (4 << 20) + 3]
         keys = [os.urandom(16) for _ in sizes]
         values = [os.urandom(n) for n in sizes]
-        with Client(node.url, shm=True) as fast, Client(node.url, shm=False) as tcp:
+        with Client(node.url, shm=True, shm_index=index) as fast, \
+                Client(node.url, shm=False) as tcp:
             fast.put_many(keys, values)
             missing = os.urandom(16)
             assert fast.get_many([*keys, missing]) == [*values, None]
@@ -60,9 +64,16 @@ def test_fast_path_returns_the_same_bytes_as_tcp() -> None:
             assert fast.bytes_by_path["tcp"] == 0
             assert fast.bytes_by_path["shm"] == 2 * sum(sizes) + sizes[-1]
             assert tcp.bytes_by_path == {"shm": 0, "tcp": sum(sizes)}
-        shm = _shm_stats(node)
+            assert fast.async_client.shm_index_hits == (2 * len(sizes) + 1 if index else 0)
+        shm = _shm_stats(node)  # the client's close reported its reads through the index
         assert shm["grants"] >= 1 and shm["released"] == shm["leases"] and shm["expired"] == 0
         assert shm["open_leases"] == 0
+        stored = sum(ENVELOPE_HEADER_SIZE + n for n in sizes)
+        # read twice, the last one three times; the missing key was asked with GET_SHM
+        assert shm["index_bytes_out"] == (2 * stored + ENVELOPE_HEADER_SIZE + sizes[-1]
+                                          if index else 0)
+        assert shm["leases"] == (0 if index else 3)
+        assert shm["index"]["entries"] == len(sizes)
     finally:
         assert node.stop() == 0
 
@@ -91,7 +102,7 @@ def test_a_value_freed_mid_copy_is_never_returned_torn(replace_key: bool) -> Non
     node = start_node("--dram-capacity", "16MiB", "--no-ssd", "--shm-lease", "0.2")
     try:
         key, old = os.urandom(16), os.urandom(1 << 20)
-        with Client(node.url, shm=True) as fast:
+        with Client(node.url, shm=True, shm_index=False) as fast:
             fast.put(key, old)
             new: list[bytes] = []
 
@@ -112,6 +123,102 @@ def test_a_value_freed_mid_copy_is_never_returned_torn(replace_key: bool) -> Non
         assert _shm_stats(node)["expired"] == 1
     finally:
         assert node.stop() == 0
+
+
+@pytest.mark.parametrize("replace_key", [True, False], ids=["deleted", "rewritten"])
+def test_a_value_freed_while_copied_through_the_index_is_never_returned_torn(
+        replace_key: bool) -> None:
+    """No lease holds a value read through the index: the node frees it at once; the
+    client's generation check sees that and asks with GET_SHM instead."""
+    node = start_node("--dram-capacity", "16MiB", "--no-ssd")
+    try:
+        key, old = os.urandom(16), os.urandom(1 << 20)
+        with Client(node.url, shm=True) as fast:
+            fast.put(key, old)
+            new: list[bytes] = []
+
+            def after_copy(item: ShmItem) -> None:
+                mapping.after_copy = None  # once
+                new.append(_overwrite_in_thread(node.url, key, 1 << 20, replace_key))
+                assert mapping.gens[item.offset // 4096] != item.generation
+
+            mapping = _mapping(fast)
+            mapping.after_copy = after_copy
+            got = fast.get(key)
+            assert new, "the hook ran"
+            node_client = fast.async_client._single
+            assert node_client is not None
+            assert got == (None if replace_key else new[0])
+            # asked again: the index has the new value (or nothing, and GET_SHM finds none)
+            assert (node_client.index_stale, node_client.index_hits) == (1, 0 if replace_key
+                                                                         else 1)
+            assert fast.bytes_by_path == {"shm": 0 if replace_key else 1 << 20, "tcp": 0}
+        shm = _shm_stats(node)
+        assert shm["leases"] == 0 and shm["index_items_out"] == (0 if replace_key else 1)
+    finally:
+        assert node.stop() == 0
+
+
+def test_reads_through_the_index_send_no_request_and_keep_values_recent() -> None:
+    """An index read costs the node nothing until the client's TOUCH, which counts it
+    (stats, bytes by path) and refreshes its recency: the value survives an eviction
+    that takes an older-read one."""
+    node = start_node("--dram-capacity", "8MiB", "--no-ssd")
+    try:
+        keys = [os.urandom(16) for _ in range(8)]
+        values = [os.urandom(1 << 20) for _ in keys]
+        with Client(node.url, shm=False) as tcp:
+            tcp.put_many(keys[:7], values[:7])  # 7 extents of 1 MiB + 4 KiB: the arena is full
+        with Client(node.url) as fast:
+            before = _stats(node)
+            assert fast.get(keys[0]) == values[0]  # the oldest, read again
+            assert _stats(node)["requests"] == before["requests"]  # not a frame was sent
+        after = _stats(node)
+        assert after["requests"].get("touch") == 1 and after["shm"]["index_items_out"] == 1
+        assert after["tiers"]["dram"]["hits"] == before["tiers"]["dram"]["hits"] + 1
+        with Client(node.url, shm=False) as tcp:
+            tcp.put(keys[7], values[7])  # evicts the least recently used: keys[1], not [0]
+            assert tcp.exists_many(keys) == [True, False, True, True, True, True, True, True]
+    finally:
+        assert node.stop() == 0
+
+
+def test_index_reads_honour_ttls_and_deletes() -> None:
+    node = start_node("--dram-capacity", "16MiB", "--no-ssd", "--expire-interval", "60",
+                      "--shm-lease", "60")
+    try:
+        short, kept = os.urandom(16), os.urandom(16)
+        with Client(node.url) as fast:
+            fast.put(short, b"s" * 5000, ttl=0.3)
+            fast.put(kept, b"k" * 5000)
+            assert fast.get_many([short, kept]) == [b"s" * 5000, b"k" * 5000]
+            hits = fast.async_client.shm_index_hits
+            assert hits == 2
+            time.sleep(0.5)  # past the TTL; the node's sweep (60 s) has not run
+            assert fast.get(short) is None
+            assert fast.async_client.shm_index_hits == hits  # the index said: expired
+            fast.delete(kept)
+            assert fast.get(kept) is None
+    finally:
+        assert node.stop() == 0
+
+
+def test_a_stopped_nodes_index_is_not_read() -> None:
+    """The mapping outlives the node; its index is retired first, so a client asks the
+    (gone) node instead of returning values frozen in it."""
+    node = start_node("--dram-capacity", "16MiB", "--no-ssd")
+    try:
+        key = os.urandom(16)
+        with Client(node.url, timeout=2, connect_timeout=2) as fast:
+            fast.put(key, b"v" * 5000)
+            assert fast.get(key) == b"v" * 5000
+            hits = fast.async_client.shm_index_hits
+            assert node.stop() == 0
+            with pytest.raises(KvpoolConnectionError):
+                fast.get(key)
+            assert fast.async_client.shm_index_hits == hits
+    finally:
+        node.stop()
 
 
 def test_user_without_permission_gets_tcp() -> None:
@@ -205,6 +312,7 @@ def test_a_stalled_reader_loses_its_lease_and_eviction_goes_on() -> None:
                                               {"tier": "dram"})[1]["evicted"]["dram"])
 
             _mapping(fast).after_copy = stall
+            fast.async_client._single.shm_index = False  # type: ignore[union-attr]
             got = fast.get(key)
         assert seen == {"during": 1, "after": 0, "evicted": 1}
         assert got is None  # freed mid-copy, and gone when asked again over TCP
@@ -216,7 +324,7 @@ def test_a_stalled_reader_loses_its_lease_and_eviction_goes_on() -> None:
 CRASH = """
 import os, sys
 from kvpool.client import Client
-with Client(sys.argv[1], shm=True) as c:
+with Client(sys.argv[1], shm=True, shm_index=False) as c:
     c.async_client._single._map.after_copy = lambda item: os._exit(3)
     c.get(bytes.fromhex(sys.argv[2]))
 """
@@ -247,6 +355,7 @@ async def test_async_client_uses_the_fast_path() -> None:
             await client.put(b"a" * 16, b"payload")
             assert await client.get(b"a" * 16) == b"payload"
             assert client.bytes_by_path == {"shm": 7, "tcp": 0}
+            assert client.shm_index_hits == 1
     finally:
         node.stop()
 

@@ -27,7 +27,7 @@ import tempfile
 
 from sortedcontainers import SortedList
 
-__all__ = ["ALIGN", "Arena"]
+__all__ = ["ALIGN", "Arena", "memory_file"]
 
 #: Extent alignment. A page: keeps slots page-aligned for a later shared-memory
 #: mapping and DMA; costs up to 4 KiB per value, small next to 256 KiB+ chunks.
@@ -50,7 +50,7 @@ class Arena:
             raise ValueError(f"arena capacity must be at least {ALIGN} bytes")
         self.capacity = capacity
         try:
-            self.fd = _memory_file(self.file_size(capacity))
+            self.fd = memory_file(self.file_size(capacity))
             self._mmap = mmap.mmap(self.fd, self.file_size(capacity))
         except OSError as exc:  # e.g. vm.overcommit_memory=2 or a ulimit -v
             raise MemoryError(f"cannot map a {capacity}-byte DRAM arena: {exc}") from exc
@@ -125,12 +125,12 @@ class Arena:
         os.close(self.fd)
 
 
-def _memory_file(size: int) -> int:
+def memory_file(size: int, name: str = "kvpool-arena") -> int:
     """A file descriptor of ``size`` bytes of memory, mode 0600, with no name."""
     if sys.platform.startswith("linux"):
-        fd = os.memfd_create("kvpool-arena", os.MFD_CLOEXEC)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
     else:  # pragma: no cover - macOS: an unlinked file in the temp dir
-        fd, path = tempfile.mkstemp(prefix="kvpool-arena-")
+        fd, path = tempfile.mkstemp(prefix=f"{name}-")
         os.unlink(path)
     os.ftruncate(fd, size)
     return fd

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 from kvpool.protocol.envelope import EnvelopeHeader
 from kvpool.protocol.errors import CorruptChunkError
-from kvpool.tiers.arena import Arena
+from kvpool.protocol.shm_index import IndexSlot
+from kvpool.tiers.arena import ALIGN, Arena
+from kvpool.tiers.arena_index import ArenaIndex
 from kvpool.tiers.base import TierStats
 from kvpool.tiers.eviction import PrefixAwareLRU
 
@@ -40,6 +42,7 @@ class Entry:
     num_tokens: int = 0  #: tokens the chunk holds (from its envelope)
     last_access: float = 0.0  #: wall-clock time of its last PUT or GET
     tenant: str | None = None  #: whose quota the chunk counts against (None: no one's)
+    checksum: int = 0  #: its envelope's payload checksum
 
 
 class Slot:
@@ -93,6 +96,8 @@ class DramTier:
         #: reservations refused or made room for by a tenant's own quota
         self.quota_evictions = 0
         self.quota_rejections = 0
+        #: where co-located clients look values up with no request (see attach_index)
+        self.index: ArenaIndex | None = None
 
     # -- zero-copy data path --------------------------------------------------------------
 
@@ -188,7 +193,8 @@ class DramTier:
             entry = Entry(slot.key, slot.offset, slot.length, depth,
                           pinned=bool(pin[i]) if pin is not None else False,
                           parent=parents[i] if parents is not None else None,
-                          num_tokens=header.num_tokens, tenant=slot.tenant)
+                          num_tokens=header.num_tokens, tenant=slot.tenant,
+                          checksum=header.checksum)
             self._insert(entry, ttl)
             if not entry.pinned:
                 touched.append((entry.key, depth))
@@ -196,8 +202,24 @@ class DramTier:
         self._lru.touch(touched)
         return ok
 
+    def attach_index(self, index: ArenaIndex) -> None:
+        """Publish every value in ``index`` from now on (and those stored already)."""
+        self.index = index
+        for entry in self._index.values():
+            self._publish(entry)
+
     def acquire_many(self, keys: Sequence[bytes]) -> list[Entry | None]:
         """Live entries for ``keys`` (None = miss), held until :meth:`release`."""
+        return self._read_many(keys, hold=True)
+
+    def touch_many(self, keys: Sequence[bytes]) -> list[Entry | None]:
+        """Count reads made without the node (through the arena index): hits, recency.
+
+        Live entries for ``keys`` (None: gone meanwhile, counted as nothing), not held.
+        """
+        return self._read_many(keys, hold=False)
+
+    def _read_many(self, keys: Sequence[bytes], *, hold: bool) -> list[Entry | None]:
         now = self._clock()
         wall = time.time()
         found: list[Entry | None] = []
@@ -209,7 +231,8 @@ class DramTier:
                 found.append(None)
                 continue
             self._stats.hits += 1
-            entry.readers += 1
+            if hold:
+                entry.readers += 1
             entry.last_access = wall
             found.append(entry)
             if not entry.pinned:
@@ -342,6 +365,9 @@ class DramTier:
 
     def close(self) -> None:
         self._index.clear()
+        if self.index is not None:
+            self.index.close()
+            self.index = None
         self.arena.close()
 
     # -- internals ------------------------------------------------------------------------
@@ -372,8 +398,21 @@ class DramTier:
         self._index[entry.key] = entry
         self._used_bytes += entry.length
         self._stats.insertions += 1
+        if self.index is not None:
+            self._publish(entry)
+
+    def _publish(self, entry: Entry) -> None:
+        assert self.index is not None
+        expires = 0.0
+        if entry.expires_at is not None:  # a wall-clock deadline: every process reads it alike
+            expires = time.time() + (entry.expires_at - self._clock())
+        self.index.publish(IndexSlot(entry.key, entry.offset, entry.length,
+                                     self.arena.gens[entry.offset // ALIGN], entry.checksum,
+                                     expires))
 
     def _remove(self, entry: Entry) -> None:
+        if self.index is not None:  # before the extent is freed
+            self.index.withdraw(entry.key)
         del self._index[entry.key]
         self._used_bytes -= entry.length
         self._charge(entry.tenant, -entry.length)
