@@ -409,6 +409,44 @@ def _ratio(series: dict[str, Any], ref: dict[str, Any] | float | None) -> str:
     return f"{series['median'] / ref:.2f}x"
 
 
+def _ratio_range(series: dict[str, Any], ref: dict[str, Any] | None) -> str:
+    """Like :func:`_ratio`, with the min-max of the per-run ratios."""
+    if not ref:
+        return ""
+    pairs = [a / b for a, b in zip(series["samples"], ref["samples"], strict=True)]
+    return f"{statistics.median(pairs):.2f}x [{min(pairs):.2f}-{max(pairs):.2f}]"
+
+
+def fast_path_markdown(results: dict[str, Any]) -> str:
+    """The README's same-host fast-path table, from a results JSON: each shm GET series
+    at 1 and 4 MiB against TCP, memcpy (two ways) and copy+verify."""
+    lines = ["| size | series, shm | GB/s | TCP GB/s | ÷ TCP | ÷ memcpy | "
+             "÷ memcpy, same buffers | ÷ copy+verify |", "|---|---|---|---|---|---|---|---|"]
+    for label in ("1 MiB", "4 MiB"):
+        series = results["sizes"].get(label)
+        if series is None:
+            continue
+        memcpy = series["memcpy"]
+        for name, s in series.items():
+            if not name.startswith("kvpool shm get") and not name.startswith("copy+verify"):
+                continue
+            last = name.rsplit(" ", 1)[-1]
+            batch = last if last.startswith("x") else "x8" if "many" in name else ""
+            same = series.get(f"memcpy {batch}" if batch else "memcpy")
+            tcp = series.get(name.replace("kvpool shm ", "kvpool ").removesuffix(f" {LEASED}")) \
+                if name.startswith("kvpool") else None
+            ceiling = series.get(f"copy+verify {batch}") if "get_many" in name else None
+            shown = name.removeprefix("kvpool shm ")
+            lines.append(
+                f"| {label} | {shown} | {s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}] | "
+                f"{tcp['median']:.2f} | " if tcp else
+                f"| {label} | *{shown}* (no request) | {s['median']:.2f} [{s['min']:.2f}-"
+                f"{s['max']:.2f}] | | ")
+            lines[-1] += " | ".join([_ratio_range(s, tcp), _ratio_range(s, memcpy),
+                                     _ratio_range(s, same), _ratio_range(s, ceiling)]) + " |"
+    return "\n".join(lines) + "\n"
+
+
 def _ratios(series: dict[str, dict[str, Any]], name: str, iperf: float | None) -> list[str]:
     """A series' ratios: to iperf3, raw Python, Redis, and (fast path) to TCP, memcpy and
     the fast path's own copy with no round trip ("copy+verify")."""
@@ -503,9 +541,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 run, small budgets")
     parser.add_argument("--markdown-from", type=Path, metavar="JSON",
                         help="print the README table of an earlier run and exit")
+    parser.add_argument("--fast-path-from", type=Path, metavar="JSON",
+                        help="print the README's fast-path table of an earlier run and exit")
     args = parser.parse_args()
     if args.markdown_from:
         print(markdown(json.loads(args.markdown_from.read_text())))
+        return
+    if args.fast_path_from:
+        print(fast_path_markdown(json.loads(args.fast_path_from.read_text())))
         return
     if args.quick:
         args.runs, args.mib_per_run, args.latency_samples = 1, 32, 50
