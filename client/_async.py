@@ -386,7 +386,7 @@ class AsyncClient:
         :attr:`touch_due` says so.
         """
         node = self._single
-        if node is None or _tracer(self) is not None:
+        if node is None or not node.can_read_local or _tracer(self) is not None:
             return None
         sinks = _sinks(keys, buffers) if buffers is not None else None
         results = node.read_local(join_keys(keys), sinks)

@@ -443,16 +443,23 @@ class NodeClient:
         """The whole GET from the arena index, in this thread and with no event loop;
         None where any key is not there (ask with :meth:`get`, which reads them all).
 
-        Only with a connection that is (as far as this thread has seen) open: a sync
-        client runs the loop to report its reads at least every ``TOUCH_DELAY_S``, and
-        so notices a node that went away within that.
+        Only with a connection that is (as far as this thread has seen) open: the sync
+        client runs its loop before such a read if it has not for ``TOUCH_DELAY_S``, and
+        so hears of a node that went away.
         """
         shm = self._map
-        if shm is None or shm.index is None or not self.shm_index or self.shm is False \
-                or not any(c is not None and c.is_open and c.shm for c in self._slots):
+        if shm is None or not self.can_read_local:
             return None
         found = self._read_indexed(shm, blob, sinks, all_or_none=True)
         return found[0] if found is not None else None
+
+    @property
+    def can_read_local(self) -> bool:
+        """Whether :meth:`read_local` may answer (a mapped index, a granted connection)."""
+        shm = self._map
+        return shm is not None and shm.index is not None and self.shm_index \
+            and self.shm is not False \
+            and any(c is not None and c.is_open and c.shm for c in self._slots)
 
     @overload
     def _read_indexed(self, shm: ShmMapping, blob: bytes,

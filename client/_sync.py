@@ -7,21 +7,24 @@ inside a running event loop; use :class:`AsyncClient` there.
 
 One exception: a GET that a same-host node's arena index can answer whole is
 copied with no loop at all (:meth:`AsyncClient.read_local`; a loop run costs
-~45 us here, as much as copying 1 MiB), and the loop runs only to report
-those reads once they are due.
+~45 us here, as much as copying 1 MiB). The loop still runs before such a read
+when the reads before it are due to be reported, or when it has not run for
+``TOUCH_DELAY_S`` (50 ms): so the client hears of a node that died (its
+connection's end) before reading values frozen in its index.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Coroutine, Sequence
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
 from kvpool.client._async import AsyncClient
 from kvpool.client._connection import BufferOrSegments
-from kvpool.client._node import DEFAULT_PORT, Key
+from kvpool.client._node import DEFAULT_PORT, TOUCH_DELAY_S, Key
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
 
 __all__ = ["Client"]
@@ -45,13 +48,18 @@ class Client:
         self._async = AsyncClient(url, **kwargs)
         self._loop = _new_loop()
         self._lock = threading.Lock()
+        #: until when (monotonic) reads through the index may skip the loop
+        self._loop_until = 0.0
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         with self._lock:
             if self._loop.is_closed():
                 coro.close()
                 raise RuntimeError("this kvpool Client is closed")
-            return self._loop.run_until_complete(coro)
+            try:
+                return self._loop.run_until_complete(coro)
+            finally:
+                self._loop_until = time.monotonic() + TOUCH_DELAY_S
 
     @property
     def async_client(self) -> AsyncClient:
@@ -143,10 +151,11 @@ class Client:
         with self._lock:
             if self._loop.is_closed():
                 raise RuntimeError("this kvpool Client is closed")
-            local = self._async.read_local(keys, buffers)
-            if local is not None and self._async.touch_due:
+            if self._async.touch_due or time.monotonic() >= self._loop_until:
+                # report what is due; hear of connections that ended meanwhile
                 self._loop.run_until_complete(self._async.send_touches())
-            return local
+                self._loop_until = time.monotonic() + TOUCH_DELAY_S
+            return self._async.read_local(keys, buffers)
 
     def exists(self, key: Key) -> bool:
         return self._run(self._async.exists(key))

@@ -172,6 +172,11 @@ def test_only_admins_may_write_through_shared_memory(secured: NodeProcess) -> No
         assert acme.put_bytes_by_path == {"shm": 0, "tcp": len(value)}
         assert admin.put_bytes_by_path == {"shm": len(value), "tcp": 0}
         assert acme.bytes_by_path == {"shm": len(value), "tcp": 0}
+        # the arena index holds stored (scoped) keys: a tenant reads through GET_SHM only
+        for client in (acme, admin):
+            node = client.async_client._single
+            assert node is not None and node._map is not None and node._map.index is None
+            assert client.async_client.shm_index_hits == 0
 
 
 def test_admin_api_needs_tokens_and_roles(secured: NodeProcess) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from kvpool.client import AsyncClient, Client
-from kvpool.client._node import SHM_PUT_MIN_BYTES
+from kvpool.client._node import SHM_PUT_MIN_BYTES, TOUCH_DELAY_S
 from kvpool.client._shm import ShmMapping
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
 from kvpool.protocol.errors import KvpoolConnectionError
@@ -214,6 +214,27 @@ def test_a_stopped_nodes_index_is_not_read() -> None:
             assert fast.get(key) == b"v" * 5000
             hits = fast.async_client.shm_index_hits
             assert node.stop() == 0
+            with pytest.raises(KvpoolConnectionError):
+                fast.get(key)
+            assert fast.async_client.shm_index_hits == hits
+    finally:
+        node.stop()
+
+
+def test_a_crashed_nodes_index_is_not_read() -> None:
+    """Killed, a node cannot retire its index; the sync client runs its loop before an
+    index read once it has not for TOUCH_DELAY_S, hears the connection end, and asks
+    the node (gone) instead of returning what the frozen index still says."""
+    node = start_node("--dram-capacity", "16MiB", "--no-ssd")
+    try:
+        key = os.urandom(16)
+        with Client(node.url, timeout=2, connect_timeout=2) as fast:
+            fast.put(key, b"v" * 5000)
+            assert fast.get(key) == b"v" * 5000
+            hits = fast.async_client.shm_index_hits
+            node.proc.kill()
+            node.proc.wait(10)
+            time.sleep(2 * TOUCH_DELAY_S)
             with pytest.raises(KvpoolConnectionError):
                 fast.get(key)
             assert fast.async_client.shm_index_hits == hits
