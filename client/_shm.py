@@ -258,10 +258,11 @@ class ShmMapping:
                 pos += n
             sink.filled = rest
             out = sink
+        elif sink is None:  # a new bytearray: made from the copy (no zero-fill first)
+            out = memoryview(bytearray(src))
+            hasher.update(out)
         else:
-            if sink is None:
-                sink = memoryview(bytearray(rest))
-            elif sink.nbytes < rest:
+            if sink.nbytes < rest:
                 return TOO_SMALL, None
             out = sink[:rest]
             _copy(out, src, hasher)
