@@ -443,13 +443,13 @@ class NodeClient:
         """The whole GET from the arena index, in this thread and with no event loop;
         None where any key is not there (ask with :meth:`get`, which reads them all).
 
-        Only with a connection that is (as far as this thread has seen) open: the sync
-        client runs its loop before such a read if it has not for ``TOUCH_DELAY_S``, and
-        so hears of a node that went away.
+        Only where :attr:`can_read_local` (the caller asks): with a connection that is,
+        as far as this thread has seen, open -- the sync client runs its loop before
+        such a read if it has not for ``TOUCH_DELAY_S``, and so hears of a node that
+        went away.
         """
         shm = self._map
-        if shm is None or not self.can_read_local:
-            return None
+        assert shm is not None
         found = self._read_indexed(shm, blob, sinks, all_or_none=True)
         return found[0] if found is not None else None
 

@@ -228,21 +228,24 @@ class ShmMapping:
 
         Returns ``(status, payload)``: OK, TORN (freed mid-copy: ask again),
         CORRUPT (bad envelope or checksum) or TOO_SMALL (``sink`` too small).
-        ``checksum`` (from the arena index): the payload's checksum must be this one,
-        or the read is TORN (the index was stale).
+        ``checksum`` (from the arena index, whose slots are checked and which holds raw
+        values only): what the payload must hash to, instead of what its envelope says;
+        a copy that does not is TORN (the index was stale: ask GET_SHM).
         """
         offset, length = item.offset, item.length
         if length < ENVELOPE_HEADER_SIZE or offset + length > self.capacity or offset % _PAGE:
             return Status.CORRUPT, None
-        try:
-            envelope = EnvelopeHeader.unpack(self.view[offset : offset + ENVELOPE_HEADER_SIZE])
-            rest = length - ENVELOPE_HEADER_SIZE
-            if envelope.stored_len != rest or envelope.codec is not Codec.RAW:
-                raise CorruptChunkError("envelope does not match the value")
-        except CorruptChunkError:
-            return self._settled(item, Status.CORRUPT)
-        if checksum >= 0 and envelope.checksum != checksum:
-            return TORN, None
+        rest = length - ENVELOPE_HEADER_SIZE
+        expected = checksum
+        if checksum < 0:
+            try:
+                envelope = EnvelopeHeader.unpack(
+                    self.view[offset : offset + ENVELOPE_HEADER_SIZE])
+                if envelope.stored_len != rest or envelope.codec is not Codec.RAW:
+                    raise CorruptChunkError("envelope does not match the value")
+            except CorruptChunkError:
+                return self._settled(item, Status.CORRUPT)
+            expected = envelope.checksum
         src = self.view[offset + ENVELOPE_HEADER_SIZE : offset + length]
         hasher = xxhash.xxh3_64()
         out: memoryview | Segments
@@ -270,8 +273,8 @@ class ShmMapping:
             self.after_copy(item)
         if self.gens[offset // _PAGE] != item.generation:
             return TORN, None
-        if hasher.intdigest() != envelope.checksum:
-            return Status.CORRUPT, None
+        if hasher.intdigest() != expected:
+            return (Status.CORRUPT if checksum < 0 else TORN), None
         return Status.OK, out
 
     def write(self, item: ShmItem, parts: Sequence[memoryview], *, chunk_index: int,
@@ -302,6 +305,8 @@ class ShmMapping:
                   ) -> list[tuple[int, memoryview | Segments | None]]:
         """:meth:`read` of each ``(item, sink)`` (and ``checksums[i]``), big batches on
         several threads."""
+        if len(jobs) == 1:
+            return [self.read(*jobs[0], checksums[0] if checksums is not None else -1)]
         out: list[tuple[int, memoryview | Segments | None]] = [(TORN, None)] * len(jobs)
 
         def one(i: int) -> None:

@@ -17,7 +17,8 @@ File layout (little-endian)::
                      checksum u64 | expires f64 | check u64
 
 ``offset``, ``length`` and ``generation`` are what a GET_SHM reply says for
-the value; ``checksum`` is its envelope's payload checksum; ``expires`` the
+the value (envelope included); ``checksum`` is its envelope's payload
+checksum (the node publishes raw values only, never compressed ones); ``expires`` the
 wall-clock time (``time.time()``) its TTL ends (0: none); ``check`` is the
 xxh3-64 of the 56 bytes before it. A key lives in set ``xxh3_64(key) %
 sets``, in any of its ways; an empty way is all zeros (which fails the
@@ -27,9 +28,9 @@ node instead.
 
 Nothing in a slot is trusted on its own: the client copies the payload,
 re-reads the extent's generation (a value freed meanwhile is retried with
-GET_SHM) and accepts the copy only if it hashes to the slot's checksum and
-the envelope in the arena says the same -- so a slot seen out of order with
-the arena's memory can cost a round trip, never a wrong value.
+GET_SHM) and accepts the copy only if it hashes to the slot's checksum -- so
+a slot seen out of order with the arena's memory can cost a round trip, never
+a wrong value.
 
 A client reads the index only while its cluster-map epoch is the one in the
 header: a node that no longer owns a key still holds it for a while, and a

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from kvpool.client._shm import ShmIndex
-from kvpool.protocol.envelope import seal
+from kvpool.protocol.envelope import Codec, EnvelopeHeader, seal
 from kvpool.protocol.errors import KvpoolConnectionError
 from kvpool.protocol.shm_index import HEADER_SIZE, SLOT_SIZE, WAYS, IndexSlot, set_of
 from kvpool.tiers.arena import ALIGN
@@ -143,6 +143,11 @@ def test_the_dram_tier_keeps_its_index_true() -> None:
             assert tier.put(key, _value(b"c" * 5000))
         assert tier.stats().evictions > 0
         assert [reader.find(k) is not None for k in keys] == [tier.contains(k) for k in keys]
+        # a compressed value (the client would copy its bytes as the payload) is not published
+        packed = os.urandom(16)
+        lz4 = EnvelopeHeader(raw_len=9000, stored_len=100, checksum=1, codec=Codec.LZ4).pack()
+        assert tier.put(packed, lz4 + bytes(100))
+        assert tier.contains(packed) and reader.find(packed) is None
         reader.close()
     finally:
         tier.close()

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvpool.protocol.envelope import EnvelopeHeader
+from kvpool.protocol.envelope import Codec, EnvelopeHeader
 from kvpool.protocol.errors import CorruptChunkError
 from kvpool.protocol.shm_index import IndexSlot
 from kvpool.tiers.arena import ALIGN, Arena
@@ -42,7 +42,7 @@ class Entry:
     num_tokens: int = 0  #: tokens the chunk holds (from its envelope)
     last_access: float = 0.0  #: wall-clock time of its last PUT or GET
     tenant: str | None = None  #: whose quota the chunk counts against (None: no one's)
-    checksum: int = 0  #: its envelope's payload checksum
+    checksum: int = -1  #: its envelope's payload checksum (-1: not a raw value)
 
 
 class Slot:
@@ -194,7 +194,7 @@ class DramTier:
                           pinned=bool(pin[i]) if pin is not None else False,
                           parent=parents[i] if parents is not None else None,
                           num_tokens=header.num_tokens, tenant=slot.tenant,
-                          checksum=header.checksum)
+                          checksum=header.checksum if header.codec is Codec.RAW else -1)
             self._insert(entry, ttl)
             if not entry.pinned:
                 touched.append((entry.key, depth))
@@ -403,6 +403,8 @@ class DramTier:
 
     def _publish(self, entry: Entry) -> None:
         assert self.index is not None
+        if entry.checksum < 0:  # clients read the index's values as raw payloads
+            return
         expires = 0.0
         if entry.expires_at is not None:  # a wall-clock deadline: every process reads it alike
             expires = time.time() + (entry.expires_at - self._clock())
