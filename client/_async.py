@@ -386,7 +386,7 @@ class AsyncClient:
         :attr:`touch_due` says so.
         """
         node = self._single
-        if node is None or not node.can_read_local or _tracer(self) is not None:
+        if node is None or not self.can_read_local:
             return None
         sinks = _sinks(keys, buffers) if buffers is not None else None
         results = node.read_local(join_keys(keys), sinks)
@@ -395,6 +395,12 @@ class AsyncClient:
         if buffers is None:
             return _bytearrays(results)
         return [len(r) if r is not None else None for r in results]
+
+    @property
+    def can_read_local(self) -> bool:
+        """Whether :meth:`read_local` may answer at all (else it returns None at once)."""
+        node = self._single
+        return node is not None and node.can_read_local and _tracer(self) is None
 
     @property
     def touch_due(self) -> bool:

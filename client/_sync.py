@@ -151,6 +151,8 @@ class Client:
         with self._lock:
             if self._loop.is_closed():
                 raise RuntimeError("this kvpool Client is closed")
+            if not self._async.can_read_local:
+                return None
             if self._async.touch_due or time.monotonic() >= self._loop_until:
                 # report what is due; hear of connections that ended meanwhile
                 self._loop.run_until_complete(self._async.send_touches())
