@@ -95,6 +95,11 @@ def _shm(field: str) -> Callable[[Snapshot], Iterable[Sample]]:
     return lambda snap: [(snap["shm"][field], {})] if "shm" in snap else []
 
 
+def _shm_index(field: str) -> Callable[[Snapshot], Iterable[Sample]]:
+    return lambda snap: [(snap["shm"]["index"][field], {})] \
+        if "shm" in snap and snap["shm"]["index"] else []
+
+
 def _requests(snap: Snapshot) -> Iterator[Sample]:
     errors: dict[tuple[int, int], int] = snap["_op_errors"]
     failed: dict[int, int] = {}
@@ -160,6 +165,10 @@ METRICS: tuple[Metric, ...] = (
            "deadline (a reader slow or gone)", _shm("expired")),
     Metric("kvpool_shm_denied", "counter", "", "", "fast-path grants refused (user not "
            "allowed to map the arena)", _shm("denied")),
+    Metric("kvpool_shm_index_entries", "gauge", "", "", "DRAM values published in the arena "
+           "index (read by co-located clients with no request)", _shm_index("entries")),
+    Metric("kvpool_shm_index_set_full", "counter", "", "", "values the arena index had no "
+           "slot for (their set was full: read with GET_SHM instead)", _shm_index("set_full")),
     Metric("kvpool_tier_read", "counter", "By", "tier", "bytes read from a tier (DRAM: sent "
            "to clients; SSD: promoted)", _tier_read_bytes),
     Metric("kvpool_tier_written", "counter", "By", "tier", "bytes written into a tier (DRAM: "
