@@ -20,6 +20,7 @@ the envelope header), and the client sends COMMIT.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
 import os
@@ -204,10 +205,12 @@ class ShmMapping:
         #: the node's arena index, when it passed one (reads with no request)
         self.index: ShmIndex | None = None
         if index_fd >= 0:
-            try:
-                self.index = ShmIndex(index_fd, int(offer["index_size"]))
-            except (KvpoolConnectionError, KeyError, ValueError, OSError):
-                self.index = None  # GET_SHM still works
+            size = offer.get("index_size")
+            if not isinstance(size, int):
+                os.close(index_fd)
+            else:
+                with contextlib.suppress(KvpoolConnectionError, ValueError, OSError):
+                    self.index = ShmIndex(index_fd, size)  # else GET_SHM still works
         self.capacity = int(offer["capacity"])
         self.writable = writable
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
