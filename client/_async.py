@@ -65,6 +65,7 @@ from kvpool.client._node import (
     key_bytes,
     parse_url,
     routed_by,
+    rows_blob,
     scope_flags,
 )
 from kvpool.client._routing import pick
@@ -94,14 +95,6 @@ _TIER_NAMES = {int(t): t.name.lower() for t in Tier}
 #: map refreshes a single call may wait for before giving up on WRONG_OWNER
 _MAX_REFRESHES = 3
 _CLUSTER_FIELDS = ("epoch", "replication", "fallbacks", "nodes")
-
-
-def _rows_blob(blob: bytes, rows: npt.NDArray[np.intp]) -> bytes:
-    """The keys at ``rows`` (increasing batch positions, as picks give them)."""
-    if len(rows) * KEY_SIZE == len(blob) and (len(rows) < 2 or rows[-1] == len(rows) - 1):
-        return blob
-    keys = np.frombuffer(blob, dtype="V16")
-    return keys[rows].tobytes()
 
 
 def _sinks(keys: Sequence[Key], buffers: Sequence[BufferOrSegments]
@@ -186,8 +179,7 @@ class AsyncClient:
 
     @property
     def num_corrupt(self) -> int:
-        nodes = [self._single] if self._single else list(self._nodes.values())
-        return self._num_corrupt_gone + sum(n.num_corrupt for n in nodes if n is not None)
+        return self._num_corrupt_gone + sum(n.num_corrupt for n in self._node_clients())
 
     @property
     def epoch(self) -> int:
@@ -232,17 +224,19 @@ class AsyncClient:
             node.close()
             node.close_mapping()
 
+    def _node_clients(self) -> list[NodeClient]:
+        """The standalone node's client, or every cluster node's."""
+        return [self._single] if self._single is not None else list(self._nodes.values())
+
     @property
     def shm_retries(self) -> int:
         """Fast-path values freed while being copied, and so fetched again over TCP."""
-        nodes = [self._single] if self._single else list(self._nodes.values())
-        return sum(n.shm_torn for n in nodes if n is not None)
+        return sum(n.shm_torn for n in self._node_clients())
 
     @property
     def shm_index_hits(self) -> int:
         """Values read through the nodes' arena indexes, with no request."""
-        nodes = [self._single] if self._single else list(self._nodes.values())
-        return sum(n.index_hits for n in nodes if n is not None)
+        return sum(n.index_hits for n in self._node_clients())
 
     @property
     def bytes_by_path(self) -> dict[str, int]:
@@ -255,8 +249,7 @@ class AsyncClient:
         return self._by_path(lambda n: n.put_bytes_by_path)
 
     def _by_path(self, counts: Callable[[NodeClient], dict[str, int]]) -> dict[str, int]:
-        nodes = [self._single] if self._single else list(self._nodes.values())
-        return {path: sum(counts(n)[path] for n in nodes if n is not None)
+        return {path: sum(counts(n)[path] for n in self._node_clients())
                 for path in ("shm", "tcp")}
 
     async def __aenter__(self) -> AsyncClient:
@@ -409,9 +402,8 @@ class AsyncClient:
 
     async def send_touches(self) -> None:
         """Report the reads made through the arena index now (one TOUCH a node)."""
-        for node in [self._single] if self._single else list(self._nodes.values()):
-            if node is not None:
-                node.touch_later()
+        for node in self._node_clients():
+            node.touch_later()
 
     @traced("exists_many")
     async def exists_many(self, keys: Sequence[Key]) -> list[bool]:
@@ -485,7 +477,7 @@ class AsyncClient:
 
         def send(node: NodeClient, rows: npt.NDArray[np.intp]
                  ) -> Awaitable[list[memoryview | Segments | None]]:
-            return node.get(_rows_blob(blob, rows),
+            return node.get(rows_blob(blob, rows),
                             [sinks[i] for i in rows] if sinks is not None else None)
 
         def absorb(rows: npt.NDArray[np.intp], views: list[memoryview | Segments | None]
@@ -523,7 +515,7 @@ class AsyncClient:
             return await self._single.exists(blob)
 
         def send(node: NodeClient, rows: npt.NDArray[np.intp]) -> Awaitable[bytes]:
-            return node.exists(_rows_blob(blob, rows))
+            return node.exists(rows_blob(blob, rows))
 
         absent = 255
         best = np.full(len(blob) // KEY_SIZE, absent, dtype=np.uint8)
@@ -551,7 +543,7 @@ class AsyncClient:
             return [s == Status.OK for s in await self._single.statuses(op, blob)]
 
         def send(node: NodeClient, rows: npt.NDArray[np.intp]) -> Awaitable[list[int]]:
-            return node.statuses(op, _rows_blob(blob, rows))
+            return node.statuses(op, rows_blob(blob, rows))
 
         done = np.zeros(len(blob) // KEY_SIZE, dtype=bool)
 
@@ -643,7 +635,7 @@ class AsyncClient:
         if len(unanswered):
             raise KvpoolConnectionError(
                 f"no node of the preference list answered for {len(unanswered)} of {n} keys "
-                f"(e.g. {_rows_blob(blob, unanswered[:1]).hex()}); "
+                f"(e.g. {rows_blob(blob, unanswered[:1]).hex()}); "
                 f"nodes down: {[x.node_id for x in ring_nodes if not x.live]}")
 
     def _draining(self) -> list[NodeClient]:

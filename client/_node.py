@@ -22,6 +22,7 @@ from typing import Any, Literal, NoReturn, overload
 from urllib.parse import urlsplit
 
 import numpy as np
+import numpy.typing as npt
 
 from kvpool.client._connection import Buffer, BufferOrSegments, Connection
 from kvpool.client._shm import TORN, ShmMapping, host_id, redeem
@@ -156,6 +157,14 @@ def _chunks(n: int, size: int) -> Iterator[range]:
 
 def _blob_part(blob: bytes, part: range) -> bytes:
     return blob[part.start * KEY_SIZE : part.stop * KEY_SIZE]
+
+
+def rows_blob(blob: bytes, rows: Sequence[int] | npt.NDArray[np.intp]) -> bytes:
+    """The keys at ``rows`` (increasing batch positions, as picks give them)."""
+    if len(rows) * KEY_SIZE == len(blob) and (len(rows) < 2 or rows[-1] == len(rows) - 1):
+        return blob
+    keys = np.frombuffer(blob, dtype="V16")
+    return keys[np.asarray(rows, dtype=np.intp)].tobytes()
 
 
 @dataclass(slots=True)
@@ -430,8 +439,7 @@ class NodeClient:
         out, rest = self._read_indexed(shm, blob, sinks, all_or_none=False)
         self.touch_later(conn)
         if rest:
-            keys = np.frombuffer(blob, dtype="V16")[np.array(rest, dtype=np.intp)].tobytes()
-            again = await self._get_leased(conn, shm, keys,
+            again = await self._get_leased(conn, shm, rows_blob(blob, rest),
                                            [sinks[i] for i in rest] if sinks is not None
                                            else None)
             for i, payload in zip(rest, again, strict=True):
@@ -458,8 +466,11 @@ class NodeClient:
         """Whether :meth:`read_local` may answer (a mapped index, a granted connection)."""
         shm = self._map
         return shm is not None and shm.index is not None and self.shm_index \
-            and self.shm is not False \
-            and any(c is not None and c.is_open and c.shm for c in self._slots)
+            and self.shm is not False and self._shm_conn() is not None
+
+    def _shm_conn(self) -> Connection | None:
+        """An open connection granted the arena (as far as this thread has seen)."""
+        return next((c for c in self._slots if c is not None and c.is_open and c.shm), None)
 
     @overload
     def _read_indexed(self, shm: ShmMapping, blob: bytes,
@@ -513,8 +524,7 @@ class NodeClient:
             self.bytes_by_path["shm"] += nbytes
             if not self._touched:
                 self._touched_since = time.monotonic()
-            self._touched.append(blob if len(hits) == count else b"".join(
-                blob[i * KEY_SIZE : (i + 1) * KEY_SIZE] for i in hits))
+            self._touched.append(rows_blob(blob, hits))
             self._touched_count += len(hits)
         if len(hits) == count:
             return out, []
@@ -544,18 +554,16 @@ class NodeClient:
             self._touch_timer.cancel()
             self._touch_timer = None
         if conn is None or not conn.is_open:
-            conn = next((c for c in self._slots if c is not None and c.is_open and c.shm),
-                        None)
+            conn = self._shm_conn()
         keys, count = b"".join(self._touched), self._touched_count
         self._touched.clear()
         self._touched_count = 0
         if conn is None:  # the connection is gone: so is what it would count
             return
-        for start in range(0, count, int(self.server_info["max_batch"])):
-            stop = min(count, start + int(self.server_info["max_batch"]))
+        for part in _chunks(count, int(self.server_info["max_batch"])):
             try:
-                touch = conn.send(Op.TOUCH, stop - start,
-                                  [keys[start * KEY_SIZE : stop * KEY_SIZE]], epoch=self.epoch)
+                touch = conn.send(Op.TOUCH, len(part), [_blob_part(keys, part)],
+                                  epoch=self.epoch)
             except KvpoolError:
                 return
             touch.add_done_callback(_ignore_result)
@@ -600,8 +608,7 @@ class NodeClient:
             self._too_small(blob, too_small, sinks)
         if torn:  # freed (and maybe reused) mid-copy: ask again over TCP
             self.shm_torn += len(torn)
-            rows = np.array(torn, dtype=np.intp)
-            again = await self._get_tcp(conn, np.frombuffer(blob, dtype="V16")[rows].tobytes(),
+            again = await self._get_tcp(conn, rows_blob(blob, torn),
                                         [sinks[i] for i in torn] if sinks is not None else None)
             for i, payload in zip(torn, again, strict=True):
                 out[i] = payload

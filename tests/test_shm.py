@@ -97,6 +97,23 @@ def _overwrite_in_thread(url: str, key: bytes, size: int, replace_key: bool) -> 
     return new
 
 
+def _overwrite_after_copy(fast: Client, url: str, key: bytes, replace_key: bool,
+                          wait_s: float = 0.0) -> list[bytes]:
+    """Hook the client's next copy: after it (and ``wait_s``), free ``key``'s extent from
+    another client; the list gets the new value once the hook has run."""
+    mapping = _mapping(fast)
+    new: list[bytes] = []
+
+    def after_copy(item: ShmItem) -> None:
+        mapping.after_copy = None  # once
+        time.sleep(wait_s)
+        new.append(_overwrite_in_thread(url, key, 1 << 20, replace_key))
+        assert mapping.gens[item.offset // 4096] != item.generation
+
+    mapping.after_copy = after_copy
+    return new
+
+
 @pytest.mark.parametrize("replace_key", [True, False], ids=["deleted", "rewritten"])
 def test_a_value_freed_mid_copy_is_never_returned_torn(replace_key: bool) -> None:
     node = start_node("--dram-capacity", "16MiB", "--no-ssd", "--shm-lease", "0.2")
@@ -104,16 +121,8 @@ def test_a_value_freed_mid_copy_is_never_returned_torn(replace_key: bool) -> Non
         key, old = os.urandom(16), os.urandom(1 << 20)
         with Client(node.url, shm=True, shm_index=False) as fast:
             fast.put(key, old)
-            new: list[bytes] = []
-
-            def after_copy(item: ShmItem) -> None:
-                mapping.after_copy = None  # once
-                time.sleep(0.6)  # the lease (0.2 s) ends; the node may free the value
-                new.append(_overwrite_in_thread(node.url, key, 1 << 20, replace_key))
-                assert mapping.gens[item.offset // 4096] != item.generation
-
-            mapping = _mapping(fast)
-            mapping.after_copy = after_copy
+            # the lease (0.2 s) ends before the overwrite; the node may free the value
+            new = _overwrite_after_copy(fast, node.url, key, replace_key, wait_s=0.6)
             got = fast.get(key)
             assert new, "the hook ran"
             # the copy was made while the value was being freed: retried over TCP
@@ -135,15 +144,7 @@ def test_a_value_freed_while_copied_through_the_index_is_never_returned_torn(
         key, old = os.urandom(16), os.urandom(1 << 20)
         with Client(node.url, shm=True) as fast:
             fast.put(key, old)
-            new: list[bytes] = []
-
-            def after_copy(item: ShmItem) -> None:
-                mapping.after_copy = None  # once
-                new.append(_overwrite_in_thread(node.url, key, 1 << 20, replace_key))
-                assert mapping.gens[item.offset // 4096] != item.generation
-
-            mapping = _mapping(fast)
-            mapping.after_copy = after_copy
+            new = _overwrite_after_copy(fast, node.url, key, replace_key)
             got = fast.get(key)
             assert new, "the hook ran"
             node_client = fast.async_client._single
