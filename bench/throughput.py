@@ -417,6 +417,20 @@ def _ratio_range(series: dict[str, Any], ref: dict[str, Any] | None) -> str:
     return f"{statistics.median(pairs):.2f}x [{min(pairs):.2f}-{max(pairs):.2f}]"
 
 
+def _fast_refs(series: dict[str, dict[str, Any]], name: str
+               ) -> tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None]:
+    """A series' like-for-like baselines: memcpy into the same buffers, and (fast path
+    only) its TCP twin and its copy+verify ceiling (batched GETs)."""
+    last = name.rsplit(" ", 1)[-1]
+    label = last if last.startswith("x") else "x8" if "many" in name else ""
+    same = series.get(f"memcpy {label}" if label else "memcpy")
+    if " shm " not in name:
+        return same, None, None
+    tcp = series.get(name.replace("kvpool shm ", "kvpool ").removesuffix(f" {LEASED}"))
+    ceiling = series.get(f"copy+verify {label}") if "get_many" in name else None
+    return same, tcp, ceiling
+
+
 def fast_path_markdown(results: dict[str, Any]) -> str:
     """The README's same-host fast-path table, from a results JSON: each shm GET series
     at 1 and 4 MiB against TCP, memcpy (two ways) and copy+verify."""
@@ -426,24 +440,17 @@ def fast_path_markdown(results: dict[str, Any]) -> str:
         series = results["sizes"].get(label)
         if series is None:
             continue
-        memcpy = series["memcpy"]
         for name, s in series.items():
-            if not name.startswith("kvpool shm get") and not name.startswith("copy+verify"):
+            if not name.startswith(("kvpool shm get", "copy+verify")):
                 continue
-            last = name.rsplit(" ", 1)[-1]
-            batch = last if last.startswith("x") else "x8" if "many" in name else ""
-            same = series.get(f"memcpy {batch}" if batch else "memcpy")
-            tcp = series.get(name.replace("kvpool shm ", "kvpool ").removesuffix(f" {LEASED}")) \
-                if name.startswith("kvpool") else None
-            ceiling = series.get(f"copy+verify {batch}") if "get_many" in name else None
+            same, tcp, ceiling = _fast_refs(series, name)
             shown = name.removeprefix("kvpool shm ")
-            lines.append(
-                f"| {label} | {shown} | {s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}] | "
-                f"{tcp['median']:.2f} | " if tcp else
-                f"| {label} | *{shown}* (no request) | {s['median']:.2f} [{s['min']:.2f}-"
-                f"{s['max']:.2f}] | | ")
-            lines[-1] += " | ".join([_ratio_range(s, tcp), _ratio_range(s, memcpy),
-                                     _ratio_range(s, same), _ratio_range(s, ceiling)]) + " |"
+            if tcp is None:
+                shown = f"*{shown}* (no request)"
+            cells = [label, shown, f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]",
+                     f"{tcp['median']:.2f}" if tcp else "",
+                     *(_ratio_range(s, ref) for ref in (tcp, series["memcpy"], same, ceiling))]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -452,19 +459,14 @@ def _ratios(series: dict[str, dict[str, Any]], name: str, iperf: float | None) -
     the fast path's own copy with no round trip ("copy+verify")."""
     s = series[name]
     # the same copies into the same buffers as the series (batched: many, mostly uncached)
-    last = name.rsplit(" ", 1)[-1]
-    label = last if last.startswith("x") else "x8" if "many" in name else ""
-    same = series.get(f"memcpy {label}" if label else "memcpy")
+    same, tcp, ceiling = _fast_refs(series, name)
     if name.startswith("copy+verify"):
         return ["", "", "", "", _ratio(s, series.get("memcpy")), _ratio(s, same), ""]
     if not name.startswith("kvpool"):
         return [""] * 7
     redis = series.get("redis get" if "get" in name else "redis set")
     fast = " shm " in name
-    tcp = series.get(name.replace("kvpool shm ", "kvpool ").removesuffix(f" {LEASED}")) \
-        if fast else None
     memcpy = series.get("memcpy") if fast else None
-    ceiling = series.get(f"copy+verify {label}") if fast and "get_many" in name else None
     return [_ratio(s, iperf), _ratio(s, series["raw python"]), _ratio(s, redis),
             _ratio(s, tcp), _ratio(s, memcpy), _ratio(s, same if fast else None),
             _ratio(s, ceiling)]
