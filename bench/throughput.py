@@ -7,7 +7,8 @@ Starts a kvpool node (DRAM only: ``--no-ssd``, this measures the data path; see
 ``kvpool.bench.tiers`` for the SSD tier), ``redis-server`` and ``iperf3 -s`` on
 127.0.0.1 and, for each
 value size, interleaves the runs of every system so that machine noise hits them
-alike. Prints a table (median and min-max GB/s of ``--runs`` runs, ops/s, ratios:
+alike (each run's sample of a series is 8 blocks of its calls, taken in turn with the
+other series' blocks). Prints a table (median and min-max GB/s of ``--runs`` runs, ops/s, ratios:
 the median of the per-run ratios, each sample paired with the other series' sample of
 the same run) and writes JSON. Targets are the issue's: GET >= 0.85x iperf3, >= 1.0x raw Python,
 >= 2.0x Redis; PUT >= 0.75x iperf3; EXISTS/LOOKUP of 512 keys p50 <= 1 ms; RSS of a
@@ -128,6 +129,17 @@ def redis_client(port: int) -> Any:
 
 
 # -- measurement helpers --------------------------------------------------------------------
+
+
+#: each run's sample of a series is the sum of this many blocks of its calls, spread over
+#: the run (see measure_size)
+BLOCKS = 8
+
+
+def _block_calls(calls: int, block: int) -> int:
+    """How many of ``calls`` the ``block``-th of BLOCKS blocks makes (spread evenly: a
+    series of fewer calls than blocks skips every other block, not the last ones)."""
+    return (block + 1) * calls // BLOCKS - block * calls // BLOCKS
 
 
 def timed(fn: Callable[[], object], count: int) -> float:
@@ -330,12 +342,21 @@ def measure_size(size: int, budget: int, runs: int, client: Client, rds: Any, *,
         ops["redis set"] = lambda: rds.set(next_key(), raw[it["i"]])
         ops["redis get"] = lambda: rds.get(next_key())
     samples: dict[str, list[float]] = {name: [] for name in [*ops, "raw python"]}
+    calls = {name: max(1, count // per_call.get(name, 1)) for name in ops}
     for _ in range(runs):
-        for name, fn in ops.items():
-            per_op = per_call.get(name, 1)
-            n = max(1, count // per_op)
-            fn()  # warm
-            samples[name].append(size * per_op * n / timed(fn, n) / 1e9)
+        # a run's sample of each series is BLOCKS blocks of its calls, taken in turn with
+        # every other series' blocks: the samples a ratio pairs span the same stretch of
+        # the run, not two moments of it (this VM's memory bandwidth moves within a second)
+        elapsed = dict.fromkeys(ops, 0.0)
+        for block in range(BLOCKS):
+            for name, fn in ops.items():
+                n = _block_calls(calls[name], block)
+                if n:
+                    fn()  # warm: the first call after another series' block
+                    elapsed[name] += timed(fn, n)
+        for name in ops:
+            samples[name].append(size * per_call.get(name, 1) * calls[name]
+                                 / elapsed[name] / 1e9)
         samples["raw python"].append(raw_python(size, budget))
     arena.close()
     dram.close()

@@ -1,9 +1,9 @@
 """The same-host fast path against real node processes: identical bytes to TCP, values freed
-mid-copy never returned torn (forced with the client's after-copy hook), users without
-permission on TCP, leases that end when a client dies or stalls; reads through the arena
-index (no request; counted and kept recent by TOUCH; TTLs; a stopped node's index retired);
-PUT through the arena the same way (identical bytes, uncommitted slots given back, no write
-grant: TCP)."""
+mid-read never returned torn (forced with the client's after-hash and after-copy hooks),
+users without permission on TCP, leases that end when a client dies or stalls; reads
+through the arena index (no request; counted and kept recent by TOUCH; TTLs; a stopped
+node's index retired); PUT through the arena the same way (identical bytes, uncommitted
+slots given back, no write grant: TCP)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from kvpool.client import AsyncClient, Client
+from kvpool.client import _shm as shm_module
 from kvpool.client._node import SHM_PUT_MIN_BYTES, TOUCH_DELAY_S
 from kvpool.client._shm import ShmMapping
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
@@ -97,20 +98,21 @@ def _overwrite_in_thread(url: str, key: bytes, size: int, replace_key: bool) -> 
     return new
 
 
-def _overwrite_after_copy(fast: Client, url: str, key: bytes, replace_key: bool,
-                          wait_s: float = 0.0) -> list[bytes]:
-    """Hook the client's next copy: after it (and ``wait_s``), free ``key``'s extent from
-    another client; the list gets the new value once the hook has run."""
+def _overwrite_during_read(fast: Client, url: str, key: bytes, replace_key: bool, *,
+                           wait_s: float = 0.0, hook: str = "after_copy") -> list[bytes]:
+    """Hook the client's next read (``hook``: after the copy, or ``"after_hash"``: between
+    the hash of the value's first block and its copy): then (and after ``wait_s``) free
+    ``key``'s extent from another client; the list gets the new value once the hook ran."""
     mapping = _mapping(fast)
     new: list[bytes] = []
 
-    def after_copy(item: ShmItem) -> None:
-        mapping.after_copy = None  # once
+    def overwrite(item: ShmItem) -> None:
+        setattr(mapping, hook, None)  # once
         time.sleep(wait_s)
         new.append(_overwrite_in_thread(url, key, 1 << 20, replace_key))
         assert mapping.gens[item.offset // 4096] != item.generation
 
-    mapping.after_copy = after_copy
+    setattr(mapping, hook, overwrite)
     return new
 
 
@@ -122,7 +124,7 @@ def test_a_value_freed_mid_copy_is_never_returned_torn(replace_key: bool) -> Non
         with Client(node.url, shm=True, shm_index=False) as fast:
             fast.put(key, old)
             # the lease (0.2 s) ends before the overwrite; the node may free the value
-            new = _overwrite_after_copy(fast, node.url, key, replace_key, wait_s=0.6)
+            new = _overwrite_during_read(fast, node.url, key, replace_key, wait_s=0.6)
             got = fast.get(key)
             assert new, "the hook ran"
             # the copy was made while the value was being freed: retried over TCP
@@ -144,7 +146,7 @@ def test_a_value_freed_while_copied_through_the_index_is_never_returned_torn(
         key, old = os.urandom(16), os.urandom(1 << 20)
         with Client(node.url, shm=True) as fast:
             fast.put(key, old)
-            new = _overwrite_after_copy(fast, node.url, key, replace_key)
+            new = _overwrite_during_read(fast, node.url, key, replace_key)
             got = fast.get(key)
             assert new, "the hook ran"
             node_client = fast.async_client._single
@@ -156,6 +158,39 @@ def test_a_value_freed_while_copied_through_the_index_is_never_returned_torn(
             assert fast.bytes_by_path == {"shm": 0 if replace_key else 1 << 20, "tcp": 0}
         shm = _shm_stats(node)
         assert shm["leases"] == 0 and shm["index_items_out"] == (0 if replace_key else 1)
+    finally:
+        assert node.stop() == 0
+
+
+@pytest.mark.parametrize("hash_source", [True, False], ids=["hash-then-copy", "copy-then-hash"])
+@pytest.mark.parametrize("into", [True, False], ids=["get_into", "get"])
+def test_pages_reused_between_the_hash_and_the_copy_are_never_returned(
+        hash_source: bool, into: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On x86-64 a read hashes the value where it lies, then copies it: the arena's bytes
+    are replaced by another value's in between (the hash saw the old ones, the copy reads
+    new ones), and only the generation check stands between that copy and the caller.
+    The other order (aarch64's) is checked the same way."""
+    monkeypatch.setattr(shm_module, "HASH_SOURCE", hash_source)
+    node = start_node("--dram-capacity", "16MiB", "--no-ssd")
+    try:
+        key, old = os.urandom(16), os.urandom(1 << 20)
+        with Client(node.url, shm=True) as fast:
+            fast.put(key, old)
+            mapping = _mapping(fast)
+            slot = mapping.index.find(key) if mapping.index is not None else None
+            assert slot is not None
+            new = _overwrite_during_read(fast, node.url, key, True, hook="after_hash")
+            buf = bytearray(1 << 20)
+            got = fast.get_into(key, buf) if into else fast.get(key)
+            assert new, "the hook ran"
+            payload = slot.offset + ENVELOPE_HEADER_SIZE
+            # the old value's pages now hold another value's bytes (what a copy would read)
+            assert mapping.view[payload : payload + (1 << 20)] == new[0]
+            assert got is None  # deleted: the index read was stale, GET_SHM finds nothing
+            node_client = fast.async_client._single
+            assert node_client is not None
+            assert (node_client.index_stale, node_client.index_hits) == (1, 0)
+            assert fast.bytes_by_path == {"shm": 0, "tcp": 0}
     finally:
         assert node.stop() == 0
 
