@@ -61,6 +61,7 @@ from kvpool.client._node import (
     NodeClient,
     _ttl_ms,
     as_segments,
+    flat_view,
     join_keys,
     key_bytes,
     parse_url,
@@ -104,10 +105,16 @@ def _sinks(keys: Sequence[Key], buffers: Sequence[BufferOrSegments]
         raise ValueError("get_many_into needs one buffer per key")
     sinks: list[memoryview | Segments] = []
     for b in buffers:
-        views = as_segments(b)
-        if any(v.readonly for v in views):
-            raise ValueError("get_into needs a writable buffer")
-        sinks.append(Segments(views) if isinstance(b, (list, tuple)) else views[0])
+        if isinstance(b, (list, tuple)):
+            views = as_segments(b)
+            if any(v.readonly for v in views):
+                raise ValueError("get_into needs a writable buffer")
+            sinks.append(Segments(views))
+        else:
+            view = flat_view(b)
+            if view.readonly:
+                raise ValueError("get_into needs a writable buffer")
+            sinks.append(view)
     return sinks
 
 
@@ -440,8 +447,12 @@ class AsyncClient:
 
     @traced("stats")
     async def stats(self) -> dict[str, Any]:
-        """A standalone node's counters; for a cluster, ``{"epoch", "nodes": {id: counters}}``."""
+        """A standalone node's counters; for a cluster, ``{"epoch", "nodes": {id: counters}}``.
+
+        Reads through the arena index not yet reported (TOUCH) are reported first, so the
+        counters include every read this client made."""
         await self.connect()
+        await asyncio.gather(*(node.flush_touches() for node in self._node_clients()))
         if self._single is not None:
             return await self._single.json_op(Op.STATS)
         nodes = list(self._nodes.values())

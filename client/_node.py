@@ -132,14 +132,16 @@ def join_keys(keys: Sequence[Key]) -> bytes:
     return blob
 
 
+def flat_view(buffer: Buffer) -> memoryview:
+    """``buffer`` as a flat byte view."""
+    view = memoryview(buffer)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
 def as_segments(value: BufferOrSegments) -> list[memoryview]:
     """A value as flat byte views: one for a buffer, one per buffer for a list or tuple."""
     parts = value if isinstance(value, (list, tuple)) else (value,)
-    views = []
-    for part in parts:
-        view = memoryview(part)
-        views.append(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
-    return views or [memoryview(b"")]
+    return [flat_view(part) for part in parts] or [memoryview(b"")]
 
 
 def _ttl_ms(ttl: float | None) -> int:
@@ -470,7 +472,10 @@ class NodeClient:
 
     def _shm_conn(self) -> Connection | None:
         """An open connection granted the arena (as far as this thread has seen)."""
-        return next((c for c in self._slots if c is not None and c.is_open and c.shm), None)
+        for conn in self._slots:
+            if conn is not None and conn.is_open and conn.shm:
+                return conn
+        return None
 
     @overload
     def _read_indexed(self, shm: ShmMapping, blob: bytes,
@@ -549,7 +554,16 @@ class NodeClient:
             self._touch_timer = asyncio.get_running_loop().call_later(
                 TOUCH_DELAY_S, self._send_touch, None)
 
-    def _send_touch(self, conn: Connection | None) -> None:
+    async def flush_touches(self) -> None:
+        """Report the reads through the index now, and wait until the node has counted
+        them (so the stats asked next include them)."""
+        if self._touched:
+            sent = self._send_touch(None)
+            if sent:
+                await asyncio.wait(sent)
+
+    def _send_touch(self, conn: Connection | None) -> list[asyncio.Future[Reply]]:
+        """The TOUCH frames sent (none: nothing to report, or no connection for it)."""
         if self._touch_timer is not None:
             self._touch_timer.cancel()
             self._touch_timer = None
@@ -558,15 +572,18 @@ class NodeClient:
         keys, count = b"".join(self._touched), self._touched_count
         self._touched.clear()
         self._touched_count = 0
+        sent: list[asyncio.Future[Reply]] = []
         if conn is None:  # the connection is gone: so is what it would count
-            return
+            return sent
         for part in _chunks(count, int(self.server_info["max_batch"])):
             try:
                 touch = conn.send(Op.TOUCH, len(part), [_blob_part(keys, part)],
                                   epoch=self.epoch)
             except KvpoolError:
-                return
+                break
             touch.add_done_callback(_ignore_result)
+            sent.append(touch)
+        return sent
 
     async def _get_leased(self, conn: Connection, shm: ShmMapping, blob: bytes,
                           sinks: Sequence[memoryview | Segments] | None

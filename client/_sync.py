@@ -151,13 +151,14 @@ class Client:
         with self._lock:
             if self._loop.is_closed():
                 raise RuntimeError("this kvpool Client is closed")
-            if not self._async.can_read_local:
-                return None
-            if self._async.touch_due or time.monotonic() >= self._loop_until:
+            client = self._async
+            if client.touch_due or time.monotonic() >= self._loop_until:
+                if not client.can_read_local:
+                    return None
                 # report what is due; hear of connections that ended meanwhile
-                self._loop.run_until_complete(self._async.send_touches())
+                self._loop.run_until_complete(client.send_touches())
                 self._loop_until = time.monotonic() + TOUCH_DELAY_S
-            return self._async.read_local(keys, buffers)
+            return client.read_local(keys, buffers)  # None where it cannot
 
     def exists(self, key: Key) -> bool:
         return self._run(self._async.exists(key))
