@@ -118,7 +118,8 @@ def _copy(dst: memoryview, src: memoryview, hasher: Any, *, hash_source: bool = 
           between: Callable[[], None] | None = None) -> None:
     """``dst[:] = src`` and ``hasher.update`` of it, block by block while each block is in
     cache: of ``src`` before each block is copied (``hash_source``), else of the copy.
-    ``between`` (a test hook) runs once, between the first block's hash and its copy.
+    ``between`` (a test hook) runs once, before the first block is copied (after its
+    hash, with ``hash_source``).
 
     numpy's copy and xxhash both release the GIL, so helper threads copy in parallel.
     """
