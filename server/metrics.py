@@ -84,11 +84,15 @@ def _received(snap: Snapshot) -> Iterator[Sample]:
         yield shm, {"path": "shm"}
 
 
+def _shm_sent(snap: Snapshot) -> int:
+    """GET_SHM replies, and reads through the arena index the clients reported (TOUCH)."""
+    return snap["shm"]["bytes_out"] + snap["shm"]["index_bytes_out"] if "shm" in snap else 0
+
+
 def _sent(snap: Snapshot) -> Iterator[Sample]:
     yield snap["bytes_out"], {"path": "tcp"}
     if "shm" in snap:
-        # GET_SHM replies, and reads through the arena index the clients reported (TOUCH)
-        yield snap["shm"]["bytes_out"] + snap["shm"]["index_bytes_out"], {"path": "shm"}
+        yield _shm_sent(snap), {"path": "shm"}
 
 
 def _shm(field: str) -> Callable[[Snapshot], Iterable[Sample]]:
@@ -118,7 +122,8 @@ def _keys(snap: Snapshot) -> Iterator[Sample]:
 
 
 def _tier_read_bytes(snap: Snapshot) -> Iterator[Sample]:
-    yield snap["bytes_out"], {"tier": "dram"}  # every GET is served from DRAM (after promotion)
+    # every GET is served from DRAM (after promotion), over TCP or through shared memory
+    yield snap["bytes_out"] + _shm_sent(snap), {"tier": "dram"}
     tiers = _tiers(snap)
     if "ssd" in tiers:
         yield tiers["ssd"].get("read_bytes", 0), {"tier": "ssd"}
@@ -170,7 +175,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("kvpool_shm_index_set_full", "counter", "", "", "values the arena index had no "
            "slot for (their set was full: read with GET_SHM instead)", _shm_index("set_full")),
     Metric("kvpool_tier_read", "counter", "By", "tier", "bytes read from a tier (DRAM: sent "
-           "to clients; SSD: promoted)", _tier_read_bytes),
+           "to clients, by either path; SSD: promoted)", _tier_read_bytes),
     Metric("kvpool_tier_written", "counter", "By", "tier", "bytes written into a tier (DRAM: "
            "PUTs; SSD: write-behind)", _tier_written_bytes),
     Metric("kvpool_tier_hits", "counter", "", "tier", "lookups a tier answered with the chunk",

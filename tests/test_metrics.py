@@ -55,6 +55,7 @@ def test_metrics_count_what_the_node_did() -> None:
         assert m['kvpool_tier_objects{tier="dram"}'] == 7
         assert m['kvpool_sent_bytes_total{path="tcp"}'] == 7 * (1000 + 64)
         assert m['kvpool_sent_bytes_total{path="shm"}'] == 3 * (1000 + 64)
+        assert m['kvpool_tier_read_bytes_total{tier="dram"}'] == 10 * (1000 + 64)  # both paths
         assert m['kvpool_tier_capacity_bytes{tier="dram"}'] == 64 << 20
         assert m['kvpool_cluster_nodes{state="up"}'] == 1
         assert m[f'{HISTOGRAM_NAME}_count{{op="get"}}'] == 2
