@@ -7,7 +7,8 @@
     the blocks) and staged (through the staging ring and the copy thread, the CUDA
     path), vs plain get_many_into of the same chunks into preallocated buffers;
 (c) store from paged blocks, direct and staged, vs plain put_many of the same bytes;
-    all interleaved in the same run.
+    all interleaved in the same run, and each run over TCP then through shared memory
+    (the shm / TCP ratios pair the two paths' samples of a run).
 
     python -m kvpool.bench.gpu_kv            # ~4 minutes; --quick for a smoke run
 
@@ -82,8 +83,14 @@ def bench_ttft(url: str, lengths: list[int], runs: int, chunk_sizes: list[int]
     return rows
 
 
-def bench_transfer(url: str, chunks: int, runs: int, *, shm: bool) -> dict[str, Any]:
-    """Load/store rates through one client path: shared memory (``shm``) or TCP."""
+#: the transfer series, per path
+TRANSFERS = ("load direct", "load staged", "get_many_into", "store direct", "store staged",
+             "put_many")
+
+
+def bench_transfer(url: str, chunks: int, runs: int) -> dict[str, Any]:
+    """Load/store rates through both client paths, TCP and shared memory, a run of each
+    in turn (so that the paired ``shm / TCP`` ratios of a run see the same machine)."""
     # SmolLM2's geometry: 30 layers, 3 KV heads, head dim 64, fp32, vLLM blocks of 16
     layout = KVLayout(30, 3, 64, torch.float32, 16)
     chunk_tokens = 256
@@ -96,40 +103,50 @@ def bench_transfer(url: str, chunks: int, runs: int, *, shm: bool) -> dict[str, 
     dst_blocks = list(range(chunks * per_chunk, 2 * chunks * per_chunk))
     buffers = [bytearray(nbytes) for _ in range(chunks)]
     modes = {"direct": True, "staged": False}
-    out: dict[str, list[float]] = {name: [] for name in (
-        "load direct", "load staged", "get_many_into", "store direct", "store staged",
-        "put_many")}
+    paths = ("tcp", "shm")
+    out: dict[str, dict[str, list[float]]] = {p: {name: [] for name in TRANSFERS}
+                                              for p in paths}
     total = chunks * nbytes
-    with Client(url, shm=shm) as client:
+    with Client(url, shm=False) as tcp, Client(url, shm=True) as fast:
         for _ in range(runs):
-            for mode, direct in modes.items():
-                ns = layout.namespace(f"bench-{uuid.uuid4().hex[:8]}", chunk_tokens=chunk_tokens)
-                caches[:, :, dst_blocks] = 0
-                with PagedKVConnector(client, layout, caches, ns, direct=direct) as conn:
-                    t0 = time.perf_counter()
-                    assert conn.store(tokens, src_blocks) == len(tokens)
-                    out[f"store {mode}"].append(total / (time.perf_counter() - t0) / 1e9)
-                    keys = conn._async.hasher.keys(tokens)
-                    t0 = time.perf_counter()
-                    assert conn.load(tokens, dst_blocks) == len(tokens)
-                    out[f"load {mode}"].append(total / (time.perf_counter() - t0) / 1e9)
-                assert torch.equal(caches[:, :, dst_blocks], caches[:, :, src_blocks])
-                if mode == "staged":
-                    t0 = time.perf_counter()
-                    got = client.get_many_into(keys, buffers)
-                    out["get_many_into"].append(total / (time.perf_counter() - t0) / 1e9)
-                    assert all(g == nbytes for g in got)
-                client.delete_many(keys)
-            plain = [os.urandom(16) for _ in range(chunks)]
-            t0 = time.perf_counter()
-            client.put_many(plain, buffers)
-            out["put_many"].append(total / (time.perf_counter() - t0) / 1e9)
-            client.delete_many(plain)
-    result: dict[str, Any] = {"chunks": chunks, "chunk_bytes": nbytes,
-                              "rates": {k: _summary(v) for k, v in out.items()}}
+            for path, client in zip(paths, (tcp, fast), strict=True):
+                rates = out[path]
+                for mode, direct in modes.items():
+                    ns = layout.namespace(f"bench-{uuid.uuid4().hex[:8]}",
+                                          chunk_tokens=chunk_tokens)
+                    caches[:, :, dst_blocks] = 0
+                    with PagedKVConnector(client, layout, caches, ns, direct=direct) as conn:
+                        t0 = time.perf_counter()
+                        assert conn.store(tokens, src_blocks) == len(tokens)
+                        rates[f"store {mode}"].append(total / (time.perf_counter() - t0) / 1e9)
+                        keys = conn._async.hasher.keys(tokens)
+                        t0 = time.perf_counter()
+                        assert conn.load(tokens, dst_blocks) == len(tokens)
+                        rates[f"load {mode}"].append(total / (time.perf_counter() - t0) / 1e9)
+                    assert torch.equal(caches[:, :, dst_blocks], caches[:, :, src_blocks])
+                    if mode == "staged":
+                        t0 = time.perf_counter()
+                        got = client.get_many_into(keys, buffers)
+                        rates["get_many_into"].append(total / (time.perf_counter() - t0) / 1e9)
+                        assert all(g == nbytes for g in got)
+                    client.delete_many(keys)
+                plain = [os.urandom(16) for _ in range(chunks)]
+                t0 = time.perf_counter()
+                client.put_many(plain, buffers)
+                rates["put_many"].append(total / (time.perf_counter() - t0) / 1e9)
+                client.delete_many(plain)
     base = {"load": "get_many_into", "store": "put_many"}
-    result["ratios"] = {k: result["rates"][k]["median"] / result["rates"][base[k.split()[0]]][
-        "median"] for k in out if k.split()[0] in base}
+    result: dict[str, Any] = {}
+    for path in paths:
+        medians = {k: statistics.median(v) for k, v in out[path].items()}
+        result[path] = {"chunks": chunks, "chunk_bytes": nbytes,
+                        "rates": {k: {**_summary(v), "samples": v} for k, v in out[path].items()},
+                        "ratios": {k: medians[k] / medians[base[k.split()[0]]]
+                                   for k in out[path] if k.split()[0] in base}}
+    # shm over TCP, paired run by run
+    result["shm_over_tcp"] = {k: _summary([a / b for a, b in zip(out["shm"][k], out["tcp"][k],
+                                                                  strict=True)])
+                              for k in TRANSFERS}
     return result
 
 
@@ -149,7 +166,8 @@ def report(results: dict[str, Any]) -> str:
     t = paths["tcp"]
     lines += ["", f"Transfer: {t['chunks']} chunks of {t['chunk_bytes'] / 2**20:.1f} MiB "
               "(SmolLM2 geometry, 256 tokens), GB/s median [min-max], over TCP and through "
-              "shared memory (GETs, and put calls of 1 MiB and more):", "",
+              "shared memory (GETs, and put calls of 1 MiB and more), a run of each in turn; "
+              "shm / TCP: the median [min-max] of the runs' paired ratios:", "",
               "| operation | TCP GB/s | ÷ plain client | shm GB/s | ÷ plain client | shm / TCP |",
               "|---|---|---|---|---|---|"]
     for name in t["rates"]:
@@ -157,8 +175,12 @@ def report(results: dict[str, Any]) -> str:
         for path in ("tcp", "shm"):
             ratio = paths[path]["ratios"].get(name)
             cells += [fmt(paths[path]["rates"][name], 2), f"{ratio:.2f}x" if ratio else ""]
-        gain = paths["shm"]["rates"][name]["median"] / t["rates"][name]["median"]
-        lines.append(f"| {name} | {' | '.join(cells)} | {gain:.2f}x |")
+        paired = paths.get("shm_over_tcp", {}).get(name)
+        if paired:  # the median [min-max] of the runs' paired ratios
+            gain = (f"{paired['median']:.2f}x [{paired['min']:.2f}-{paired['max']:.2f}]")
+        else:  # results from before the paths were paired: the ratio of the medians
+            gain = f"{paths['shm']['rates'][name]['median'] / t['rates'][name]['median']:.2f}x"
+        lines.append(f"| {name} | {' | '.join(cells)} | {gain} |")
     return "\n".join(lines)
 
 
@@ -176,8 +198,7 @@ def main() -> None:
     node = start_node("--dram-capacity", "2GiB", "--no-ssd")
     try:
         transfer_runs = 2 if args.quick else args.transfer_runs
-        transfer = {path: bench_transfer(node.url, args.chunks, transfer_runs, shm=path == "shm")
-                    for path in ("tcp", "shm")}
+        transfer = bench_transfer(node.url, args.chunks, transfer_runs)
         print("  transfer: done", flush=True)
         ttft = [] if args.transfer_only else bench_ttft(node.url, lengths, runs, [256, 64])
     finally:
