@@ -107,8 +107,9 @@ _SMALL = 64 << 10
 #: value read into Segments, copies, then hashes each copy (hashing first measured 7-10%
 #: slower for 8 values into 8 buffers, 5-10% for 60 segments of 192 KiB). That the copy
 #: is the bytes hashed rests on the generation check after it: the node bumps an extent's
-#: generation before the memory is reused, and where loads are not reordered with loads
-#: (x86-64's TSO) a copy that read any reused byte also reads the bumped generation.
+#: generation before the memory is reused, and where stores stay in order with stores and
+#: loads with loads (x86-64's TSO) a copy that read any reused byte also reads the bumped
+#: generation (docs/protocol.md, "Hash, then copy").
 #: Elsewhere (aarch64: Python has no read barrier) every read hashes its copy, as writes
 #: always do.
 HASH_SOURCE = platform.machine().lower() in ("x86_64", "amd64")
