@@ -346,7 +346,8 @@ def measure_size(size: int, budget: int, runs: int, client: Client, rds: Any, *,
     for _ in range(runs):
         # a run's sample of each series is BLOCKS blocks of its calls, taken in turn with
         # every other series' blocks: the samples a ratio pairs span the same stretch of
-        # the run, not two moments of it (this VM's memory bandwidth moves within a second)
+        # the run, not two moments of it (on this VM, samples of one series taken a few
+        # hundred ms apart differed by up to ~1.8x)
         elapsed = dict.fromkeys(ops, 0.0)
         for block in range(BLOCKS):
             for name, fn in ops.items():
