@@ -4,9 +4,11 @@ A client on the node's host asks for the arena in HELLO, redeems the ticket
 on the node's abstract Unix socket and gets a read-only descriptor of the
 arena's memory file, which it maps once per node. A GET_SHM reply then says
 where each value lies; :meth:`ShmMapping.read` copies it into the caller's
-buffer, verifies the envelope checksum of the copy, and checks the value's
-generation afterwards (a seqlock): a value freed while it was being copied
-is reported as ``TORN`` and fetched again over TCP -- never returned.
+buffer, verifies its envelope checksum (of the copy; on x86-64 a single value
+is hashed where it lies, just before each block is copied: see HASH_SOURCE),
+and checks the value's generation afterwards (a seqlock): a value freed while
+it was being copied is reported as ``TORN`` and fetched again over TCP --
+never returned.
 
 Where the node also passed its *arena index* (``kvpool.protocol.shm_index``),
 :meth:`ShmIndex.find` says where a value lies with no request at all; the

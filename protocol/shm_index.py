@@ -28,7 +28,8 @@ node instead.
 
 Nothing in a slot is trusted on its own: the client copies the payload,
 re-reads the extent's generation (a value freed meanwhile is retried with
-GET_SHM) and accepts the copy only if it hashes to the slot's checksum -- so
+GET_SHM) and accepts the copy only if the payload hashes to the slot's checksum
+(hashed where it lies or as copied: docs/protocol.md, "Hash, then copy") -- so
 a slot seen out of order with the arena's memory can cost a round trip, never
 a wrong value.
 

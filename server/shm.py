@@ -17,8 +17,9 @@ How a client gets in:
    evicted, their memory not reused) until the client sends ``RELEASE``, the
    connection closes, or ``lease_s`` passes -- eviction never waits on a slow
    or dead reader for longer. The client copies from its mapping, verifies
-   the envelope checksum of what it copied and re-reads the generation (see
-   ``tiers/arena.py``): a value freed mid-copy is never returned torn.
+   the envelope checksum and re-reads the generation (see ``tiers/arena.py``,
+   and ``docs/protocol.md`` for the order): a value freed mid-copy is never
+   returned torn.
    With the arena it also passes (to a connection whose keys carry no tenant
    scope) a read-only descriptor of the *arena index* (``tiers/arena_index.py``,
    layout in ``protocol/shm_index.py``): where each DRAM value lies, so the
