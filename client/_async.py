@@ -61,6 +61,7 @@ from kvpool.client._node import (
     NodeClient,
     _ttl_ms,
     as_segments,
+    check_u32,
     flat_view,
     join_keys,
     key_bytes,
@@ -323,6 +324,9 @@ class AsyncClient:
             raise ValueError("put_many needs one chunk index per key")
         if parents is not None and len(parents) != len(keys):
             raise ValueError("put_many needs one parent (or None) per key")
+        check_u32("num_tokens", num_tokens)
+        for index in chunk_indexes or ():
+            check_u32("chunk_index", index)
         bparents = [key_bytes(p) if p is not None else None for p in parents] \
             if parents is not None else None
         bkeys = [key_bytes(k) for k in keys]

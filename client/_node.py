@@ -31,6 +31,7 @@ from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, seal
 from kvpool.protocol.errors import (
     BufferTooSmallError,
     ConfigError,
+    InvalidArgumentError,
     InvalidKeyError,
     KvpoolConnectionError,
     KvpoolError,
@@ -77,6 +78,8 @@ _TIER_NAMES = {int(t): t.name.lower() for t in Tier}
 #: Measured on the 2-core VM (kvpool.bench.throughput, shm / TCP): one 256 KiB value
 #: 0.77x, one 1 MiB 1.01x, one 4 MiB 2.15x; 8 x 256 KiB 1.26x, 8 x 1 MiB 1.90x
 SHM_PUT_MIN_BYTES = 1 << 20
+#: back-off doublings past which the back-off is at its ceiling whatever the start
+_MAX_DOUBLINGS = 32
 #: reads through the arena index are reported to the node (TOUCH: its hit counts, byte
 #: counts and LRU recency) once this many are waiting, or this long after the first
 TOUCH_BATCH = 256
@@ -133,8 +136,12 @@ def join_keys(keys: Sequence[Key]) -> bytes:
 
 
 def flat_view(buffer: Buffer) -> memoryview:
-    """``buffer`` as a flat byte view."""
+    """``buffer`` as a flat byte view (InvalidArgumentError if it is not contiguous)."""
     view = memoryview(buffer)
+    if not view.c_contiguous:
+        raise InvalidArgumentError(
+            f"buffers must be C-contiguous; got a {view.ndim}-d view with strides "
+            f"{view.strides} (copy it, or pass a list of contiguous pieces)")
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
@@ -144,12 +151,24 @@ def as_segments(value: BufferOrSegments) -> list[memoryview]:
     return [flat_view(part) for part in parts] or [memoryview(b"")]
 
 
+#: the longest TTL a PUT can carry: a u32 of milliseconds, ~49.7 days
+MAX_TTL_S = 0xFFFFFFFF / 1000
+
+
 def _ttl_ms(ttl: float | None) -> int:
     if ttl is None:
         return 0
-    if ttl <= 0:
-        raise ValueError("ttl must be > 0 seconds (or None for the node default)")
-    return max(1, min(int(ttl * 1000), 0xFFFFFFFF))
+    if not 0 < ttl <= MAX_TTL_S:  # NaN fails this too
+        raise InvalidArgumentError(
+            f"ttl must be seconds in (0, {MAX_TTL_S:.3f}] (~49.7 days), got {ttl!r}; give "
+            "None for the node default TTL, or pin=True to keep a chunk until unpinned")
+    return max(1, int(ttl * 1000))
+
+
+def check_u32(name: str, value: int) -> None:
+    """InvalidArgumentError unless ``value`` fits the envelope's u32 field ``name``."""
+    if not 0 <= value <= 0xFFFFFFFF:
+        raise InvalidArgumentError(f"{name} must be in [0, 2**32), got {value!r}")
 
 
 def _chunks(n: int, size: int) -> Iterator[range]:
@@ -255,7 +274,10 @@ class NodeClient:
 
     def mark_down(self) -> None:
         self.failures += 1
-        backoff = min(self.BACKOFF_MAX_S, self.BACKOFF_START_S * 2 ** (self.failures - 1))
+        # the exponent stops growing once past the ceiling: 2.0 ** 1024 overflows a float,
+        # which a node down for long enough (or a whole cluster) would otherwise reach
+        doublings = min(self.failures - 1, _MAX_DOUBLINGS)
+        backoff = min(self.BACKOFF_MAX_S, self.BACKOFF_START_S * 2.0 ** doublings)
         self.down_until = time.monotonic() + backoff
         log.info("kvpool node %s marked down for %.2fs (%d failures in a row)", self.node_id,
                  backoff, self.failures)

@@ -9,6 +9,7 @@ wire travel as a :class:`Status` code and are rebuilt on the other side by
     KvpoolError
     ├── ConfigError              bad configuration value (node or client)
     ├── InvalidKeyError          a key that is not 16 bytes / 32 hex chars
+    ├── InvalidArgumentError     a call's argument out of range or of the wrong shape
     ├── ProtocolError            the byte stream is not a valid kvpool stream
     │   ├── BadFrameError        malformed or inconsistent frame
     │   ├── FrameTooLargeError   frame or batch larger than the peer allows
@@ -41,6 +42,7 @@ __all__ = [
     "ConfigError",
     "CorruptChunkError",
     "FrameTooLargeError",
+    "InvalidArgumentError",
     "InvalidKeyError",
     "KvpoolConnectionError",
     "KvpoolError",
@@ -94,6 +96,12 @@ class LayoutError(ConfigError):
 
 class InvalidKeyError(KvpoolError, ValueError):
     """A chunk key is not 16 bytes (or 32 lowercase hex characters)."""
+
+
+class InvalidArgumentError(KvpoolError, ValueError):
+    """An argument of an SDK call is out of range or unusable (a TTL that is not a finite
+    positive number of seconds, a chunk index past u32, a buffer that is not contiguous);
+    raised before anything is sent."""
 
 
 class ProtocolError(KvpoolError):

@@ -1,8 +1,9 @@
 """Request and reply parsers: the only place kvpool turns bytes into frames.
 
-Both are pure: the node injects ``reserve`` (where a PUT value lands) and the
-client injects ``sink_for`` (where a GET value lands); the defaults allocate
-``bytearray``s, which is what the unit tests use.
+Both are pure: the node injects ``reserve`` (where a PUT value lands, given its
+key, length and the frame's scope bits) and the client injects ``sink_for``
+(where a GET value lands); the defaults allocate ``bytearray``s, which is what
+the unit tests use.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from kvpool.protocol.frames import (
     decode_keys,
     unpack_trace_context,
 )
-from kvpool.protocol.reader import Exact, Into, Need, Plan, Skip, StreamReader
+from kvpool.protocol.reader import Exact, Hold, Into, Need, Plan, Skip, StreamReader
 
 __all__ = [
     "Segments",
@@ -71,6 +72,7 @@ _PUT_ITEM = Exact(PUT_ITEM_SIZE)
 _GET_ITEM = Exact(GET_ITEM_SIZE)
 _ENVELOPE = Exact(ENVELOPE_HEADER_SIZE)
 _TRACE_CONTEXT = Exact(TRACE_CONTEXT_SIZE)
+_HOLD = Hold()
 
 
 class Reservation(Protocol):
@@ -138,15 +140,24 @@ Scoper = Callable[[bytes, int], bytes]
 
 
 class RequestParser:
-    """Node side: turns a byte stream into :class:`Request` objects."""
+    """Node side: turns a byte stream into :class:`Request` objects.
+
+    With ``hold_after_hello`` the parser stops after each HELLO frame until the
+    owner calls :meth:`resume`: the node serves HELLO (learns who the peer is)
+    before it parses, let alone reserves memory for, anything pipelined behind it.
+    """
 
     def __init__(
         self,
         limits: Limits = Limits(),
-        reserve: Callable[[bytes, int], Reservation | None] = lambda _key, n: BytesReservation(n),
+        reserve: Callable[[bytes, int, int], Reservation | None] = (
+            lambda _key, n, _scope: BytesReservation(n)),
+        *,
+        hold_after_hello: bool = False,
     ) -> None:
         self.limits = limits
         self._reserve = reserve
+        self._hold_after_hello = hold_after_hello
         self._pending: list[Reservation] = []
         self._ready: list[Request] = []
         self._reader = StreamReader(self._plan())
@@ -167,6 +178,19 @@ class RequestParser:
     def feed(self, data: bytes | bytearray | memoryview) -> list[Request]:
         try:
             self._reader.feed(data)
+        except KvpoolError as exc:
+            self.error = exc
+        return self._take()
+
+    @property
+    def holding(self) -> bool:
+        """True when the parser stopped after a HELLO and waits for :meth:`resume`."""
+        return self._reader.holding
+
+    def resume(self) -> list[Request]:
+        """Parse on past a HELLO: the requests completed from what arrived meanwhile."""
+        try:
+            self._reader.resume()
         except KvpoolError as exc:
             self.error = exc
         return self._take()
@@ -250,7 +274,7 @@ class RequestParser:
                             f"{limits.max_value_bytes}")
                     reservation = None
                     if inline:
-                        reservation = self._reserve(item.key, item.value_len)
+                        reservation = self._reserve(item.key, item.value_len, scope)
                         if reservation is None:
                             yield Skip(item.value_len)
                         else:
@@ -284,6 +308,9 @@ class RequestParser:
                 body = yield Exact(header.body_len)
                 assert body is not None
                 self._ready.append(Request(header, body=body, trace=trace, scope=scope))
+                if header.op == Op.HELLO and self._hold_after_hello:
+                    self._in_frame = False
+                    yield _HOLD
 
 
 @dataclass(slots=True)

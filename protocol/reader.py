@@ -2,7 +2,9 @@
 
 :class:`StreamReader` drives a *plan*: a generator that yields what it needs
 next (``Exact(n)`` bytes, ``Into(view)`` a caller buffer, ``Skip(n)``) and is
-sent the bytes. It implements the two halves of ``asyncio.BufferedProtocol``,
+sent the bytes; ``Hold()`` stops it until the owner calls ``resume()`` (bytes that
+arrive meanwhile wait in scratch), so the owner can act on a frame before the
+next one is parsed. It implements the two halves of ``asyncio.BufferedProtocol``,
 so a transport reads large values straight into their destination (a DRAM
 arena slot on the node, the caller's buffer on the client) while headers go
 through a small scratch buffer. ``feed(data)`` does the same for plain bytes,
@@ -17,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
-__all__ = ["Exact", "Into", "Need", "Plan", "Skip", "StreamReader"]
+__all__ = ["Exact", "Hold", "Into", "Need", "Plan", "Skip", "StreamReader"]
 
 
 @dataclass(slots=True)
@@ -42,7 +44,12 @@ class Skip:
     n: int
 
 
-Need = Exact | Into | Skip
+@dataclass(slots=True)
+class Hold:
+    """Parse nothing more until the owner calls :meth:`StreamReader.resume`."""
+
+
+Need = Exact | Into | Skip | Hold
 Plan = Generator[Need, "bytes | bytearray | None", None]
 
 # Exact needs above this size get their own buffer instead of the scratch.
@@ -74,7 +81,7 @@ class StreamReader:
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         need = self._need
-        if isinstance(need, Into) and self._start == self._end:
+        if type(need) is Into and self._start == self._end:
             self._direct = True
             return need.view[self._filled :]
         self._direct = False
@@ -103,9 +110,23 @@ class StreamReader:
         while pos < len(src):
             buf = self.get_buffer(len(src) - pos)
             n = min(len(buf), len(src) - pos)
+            if not n:
+                raise RuntimeError("fed past a Hold with the scratch full: resume() first")
             buf[:n] = src[pos : pos + n]
             pos += n
             self.buffer_updated(n)
+
+    @property
+    def holding(self) -> bool:
+        """True while the plan waits at a :class:`Hold` for :meth:`resume`."""
+        return type(self._need) is Hold
+
+    def resume(self) -> None:
+        """Go on past the plan's :class:`Hold`, parsing what arrived meanwhile."""
+        if type(self._need) is not Hold:
+            raise RuntimeError("resume() without a Hold")
+        self._advance(None)
+        self._drain()
 
     @property
     def buffered(self) -> int:
@@ -138,6 +159,8 @@ class StreamReader:
                 if not len(need.view):  # type: ignore[union-attr]
                     need = plan.send(None)
                     continue
+            elif kind is Hold:
+                pass
             elif need.n == 0:  # type: ignore[union-attr]
                 need = plan.send(None)
                 continue
@@ -150,6 +173,8 @@ class StreamReader:
             need = self._need
             avail = self._end - self._start
             kind = type(need)
+            if kind is Hold:
+                break
             if kind is Exact:
                 n = need.n  # type: ignore[union-attr]
                 if avail < n:

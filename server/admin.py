@@ -35,7 +35,7 @@ from kvpool.protocol.errors import (
     KvpoolError,
     PermissionDeniedError,
 )
-from kvpool.protocol.frames import Tier
+from kvpool.protocol.frames import Op, Tier
 from kvpool.server.auth import ANONYMOUS, Principal, Role, TokenTable, stored_keys
 from kvpool.server.events import EVENT_TYPES, EventBus
 from kvpool.server.membership import StaticMapError
@@ -137,20 +137,22 @@ _PUBLIC = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json"})
 
 
 def _role_needed(request: web.Request) -> Role:
+    """Node administration needs an admin token; chunk routes and lookups ask the data
+    port's table (:func:`kvpool.server.auth.check`) for their op and scope instead."""
     path = request.path
     if path.startswith(("/v1/admin/", "/v1/events")) or (
             path.startswith("/v1/cluster/") and request.method == "POST"):
         return Role.ADMIN
-    if path.startswith("/v1/chunks/") and request.method in ("POST", "DELETE"):
-        return Role.WRITE
     return Role.READ
 
 
-def _scoped(request: web.Request, keys: list[bytes], scope: str | None = None) -> list[bytes]:
-    """The stored keys the caller means (its tenant's scope, or ``?scope=``)."""
+def _scoped(request: web.Request, keys: list[bytes], op: Op,
+            scope: str | None = None) -> list[bytes]:
+    """The stored keys the caller means (its tenant's scope, or ``?scope=``), if it may
+    do ``op`` on them (PermissionDeniedError where the data port would refuse it)."""
     principal: Principal = request.get("principal", ANONYMOUS)
     return stored_keys(principal, keys, scope if scope is not None
-                       else request.query.get("scope", ""))
+                       else request.query.get("scope", ""), op)
 
 
 def make_admin_app(node: AdminBackend) -> web.Application:
@@ -174,7 +176,7 @@ def make_admin_app(node: AdminBackend) -> web.Application:
             body = await _read_json(request)
             scope = body.pop("scope", "") if isinstance(body, dict) else ""
             keys, chunk_tokens = _parse_lookup(body)
-            stored = _scoped(request, keys, scope if isinstance(scope, str) else "?")
+            stored = _scoped(request, keys, Op.LOOKUP, scope if isinstance(scope, str) else "?")
         except (ConfigError, InvalidKeyError) as exc:
             return _error(400, "bad_request", str(exc))
         except PermissionDeniedError as exc:
@@ -259,9 +261,9 @@ def make_admin_app(node: AdminBackend) -> web.Application:
         return web.json_response({"ready": ready, "reason": reason, "node_id": node_id},
                                  status=200 if ready else 503)
 
-    def _key(request: web.Request) -> bytes:
+    def _key(request: web.Request, op: Op) -> bytes:
         try:
-            return _scoped(request, [key_from_hex(request.match_info["key"])])[0]
+            return _scoped(request, [key_from_hex(request.match_info["key"])], op)[0]
         except (InvalidKeyError, ConfigError) as exc:
             raise web.HTTPBadRequest(text=json.dumps(
                 {"error": {"type": "bad_request", "message": str(exc)}}),
@@ -275,22 +277,22 @@ def make_admin_app(node: AdminBackend) -> web.Application:
         return _error(404, "not_found", f"no tier of node {node_id} holds {key.hex()}")
 
     async def chunk_get(request: web.Request) -> web.Response:
-        key = _key(request)
+        key = _key(request, Op.EXISTS)
         info = node.chunk_info(key)
         return web.json_response(info) if info is not None else _missing(key)
 
     async def chunk_delete(request: web.Request) -> web.Response:
-        key = _key(request)
+        key = _key(request, Op.DELETE)
         if not node.delete_chunk(key):
             return _missing(key)
         return web.json_response({"key": key.hex(), "deleted": True})
 
     async def chunk_pin(request: web.Request) -> web.Response:
-        key = _key(request)
         action = request.match_info["action"]
         if action not in ("pin", "unpin"):
             return _error(404, "not_found", f"no action {action!r} on a chunk: pin or unpin")
         pinned = action == "pin"
+        key = _key(request, Op.PIN if pinned else Op.UNPIN)
         if not node.pin_chunk(key, pinned):
             return _error(404, "not_found", f"{key.hex()} is not in node {node_id}'s DRAM tier "
                           "(only DRAM chunks can be pinned)")
@@ -344,11 +346,14 @@ def make_admin_app(node: AdminBackend) -> web.Application:
         if request.path in _PUBLIC:
             response: web.StreamResponse = await handler(request)
             return response
+        # aiohttp decodes header bytes that are not UTF-8 as surrogates: they match no
+        # token (401), and must not fail to encode (500)
         given = request.headers.get("Authorization", "")
         bearer = given[7:] if given.startswith("Bearer ") else ""
         table = node.auth_table
         principal: Principal | None = None
-        if token and hmac.compare_digest(given.encode(), b"Bearer " + token):
+        if token and hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
+                                         b"Bearer " + token):
             principal = ANONYMOUS  # the --admin-token: an admin over stored keys
         elif not table.open:
             principal = table.authenticate(bearer)

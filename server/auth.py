@@ -233,17 +233,20 @@ def check(principal: Principal, op: int, scope: int) -> str | None:
     return None
 
 
-def stored_keys(principal: Principal, keys: list[bytes], scope: str = "") -> list[bytes]:
-    """``keys`` as ``principal`` addresses them in ``scope`` ("", "shared" or "raw").
+def stored_keys(principal: Principal, keys: list[bytes], scope: str, op: Op) -> list[bytes]:
+    """``keys`` as ``principal`` addresses them in ``scope`` ("", "shared" or "raw") to do
+    what ``op`` does on the data port.
 
-    For the admin API, which takes the same scope names as the SDK. Raises
-    PermissionDeniedError for raw keys from a non-admin, ConfigError for a bad name.
+    For the admin API, which takes the same scope names as the SDK and asks the same
+    table (:func:`check`) as the data port. Raises PermissionDeniedError where the data
+    port would answer PERMISSION_DENIED, ConfigError for a bad scope name.
     """
     flags = SCOPE_FLAGS.get(scope or "tenant")
     if flags is None:
         raise ConfigError(f"scope must be tenant, shared or raw, got {scope!r}")
-    if flags & OP_FLAG_RAW and principal.role != Role.ADMIN:
-        raise PermissionDeniedError("only admin tokens may address stored keys (raw scope)")
+    why = check(principal, op, flags)
+    if why is not None:
+        raise PermissionDeniedError(why)
     scoper = scoper_for(principal)
     return keys if scoper is None else [scoper(k, flags) for k in keys]
 

@@ -65,7 +65,8 @@ class NodeConnection(asyncio.BufferedProtocol):
         self._paused_since: float | None = None
         self._rejected = False
         self._tls = False
-        self._parser = RequestParser(handlers.limits, reserve=self._reserve)
+        self._parser = RequestParser(handlers.limits, reserve=self._reserve,
+                                     hold_after_hello=True)
         self._scoper: Scoper | None = None
         #: whose DRAM quota this connection's PUTs count against (None: no one's)
         self._quota_tenant: str | None = None
@@ -139,17 +140,22 @@ class NodeConnection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self._closing:
             return
-        requests = self._parser.buffer_updated(nbytes)
-        for i, request in enumerate(requests):
-            if not self._serve(request):
-                # this frame failed and the connection is closing: what this frame and the
-                # ones parsed behind it received into DRAM slots goes back (a committed
-                # slot's release is a no-op)
-                for dropped in requests[i:]:
-                    dropped.release()
-                return
-        if self._parser.error is not None:
-            self._fail(0, 0, self._parser.error)
+        parser = self._parser
+        requests = parser.buffer_updated(nbytes)
+        while True:
+            for i, request in enumerate(requests):
+                if not self._serve(request):
+                    # this frame failed and the connection is closing: what this frame and
+                    # the ones parsed behind it received into DRAM slots goes back (a
+                    # committed slot's release is a no-op)
+                    for dropped in requests[i:]:
+                        dropped.release()
+                    return
+            if not parser.holding:
+                break
+            requests = parser.resume()  # HELLO served: who the peer is decides what follows
+        if parser.error is not None:
+            self._fail(0, 0, parser.error)
             return
         if self._idle_timeout:
             now = self._last_rx = asyncio.get_running_loop().time()
@@ -247,7 +253,15 @@ class NodeConnection(asyncio.BufferedProtocol):
             request.client_keys = request.keys
             request.keys = [scoper(k, scope) for k in request.keys]
 
-    def _reserve(self, key: bytes, nbytes: int) -> Reservation | None:
+    def _reserve(self, key: bytes, nbytes: int, scope: int) -> Reservation | None:
+        # Authenticate before you allocate: the parser holds after HELLO until it is served,
+        # so a PUT parsed here with no HELLO served came first on the connection, and is
+        # refused before a byte is reserved (or anything evicted) for it. A PUT the caller
+        # may not send is skipped, not received (it is refused when served).
+        if not self._hello_done:
+            raise BadFrameError("the first frame on a connection must be HELLO")
+        if check(self._session.principal, Op.PUT, scope) is not None:
+            return None
         return self._handlers.dram.reserve(key, nbytes, self._quota_tenant)
 
     def _refuse(self, request: Request, exc: KvpoolError) -> None:

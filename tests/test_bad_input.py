@@ -175,3 +175,36 @@ def test_sigterm_with_open_connection_exits_cleanly() -> None:
     with Client(n.url) as c:
         c.put(os.urandom(16), b"x")
         assert n.stop() == 0
+
+
+@pytest.mark.parametrize("shm", [False, True])
+def test_bad_sdk_arguments_are_kvpool_value_errors_sent_nowhere(bad_node: NodeProcess,
+                                                               shm: bool) -> None:
+    """Out-of-range arguments fail before a byte is sent, as InvalidArgumentError (a
+    KvpoolError and a ValueError), and the pooled connection stays usable."""
+    import math
+
+    from kvpool.client import InvalidArgumentError
+
+    k = os.urandom(16)
+    with Client(bad_node.url, shm=shm) as c:
+        c.put(k, b"x" * 1000)
+        strided = memoryview(bytearray(4000))[::2]
+        calls = {
+            "non-contiguous get_into": lambda: c.get_into(k, strided),
+            "non-contiguous put": lambda: c.put(k, strided),
+            "chunk_index -1": lambda: c.put(k, b"v", chunk_index=-1),
+            "chunk_index 2**32": lambda: c.put(k, b"v", chunk_index=1 << 32),
+            "num_tokens 2**32": lambda: c.put_many([k], [b"v"], num_tokens=1 << 32),
+            "ttl inf": lambda: c.put(k, b"v", ttl=math.inf),
+            "ttl nan": lambda: c.put(k, b"v", ttl=math.nan),
+            "ttl past u32 ms": lambda: c.put(k, b"v", ttl=50 * 86400),
+            "ttl 0": lambda: c.put(k, b"v", ttl=0),
+        }
+        for name, call in calls.items():
+            with pytest.raises(InvalidArgumentError) as info:
+                call()
+            assert isinstance(info.value, ValueError), name
+        assert c.get(k) == b"x" * 1000  # nothing was overwritten; the connection serves on
+        c.put(k, b"y", ttl=49 * 86400)
+        assert c.get(k) == b"y"

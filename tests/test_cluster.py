@@ -382,3 +382,31 @@ async def test_kv_events_stream(tmp_path: Path) -> None:
             "node": f"{node.host}:{node.port}", "depth": None} in events
     evicted = [e["key"] for e in events if e["type"] == "evicted"]
     assert evicted and set(evicted) <= {k.hex() for k in keys[1:]}
+
+
+def test_a_long_outage_raises_only_kvpool_errors(tmp_path: Path) -> None:
+    """With every node dead, calls fail with kvpool errors however long it lasts: the
+    retry back-off reaches its ceiling and stays there (it once overflowed a float)."""
+    from kvpool.client import KvpoolError
+
+    with LocalCluster(2, replication=2, data_dir=tmp_path, serve_args=FAST) as cluster:
+        client = Client(cluster.seeds)
+        client.put(b"k" * 16, b"v")
+        cluster.kill(0)
+        cluster.kill(1)
+        raised: dict[str, int] = {}
+        deadline = time.monotonic() + 60
+        for _ in range(2500):  # ~1000 calls reached the overflow; bounded in time too
+            if time.monotonic() > deadline:
+                break
+            for call in (lambda: client.get(b"k" * 16), lambda: client.put(b"k" * 16, b"v"),
+                         lambda: client.lookup([b"k" * 16])):
+                try:
+                    call()
+                except Exception as exc:
+                    assert isinstance(exc, KvpoolError), repr(exc)
+                    raised[type(exc).__name__] = raised.get(type(exc).__name__, 0) + 1
+        failures = [n.failures for n in client.async_client._node_clients()]
+        client.close()
+    assert max(failures) > 1100, failures  # the loop went past where 2.0 ** n overflows
+    assert sum(raised.values()) >= 2500, raised

@@ -33,7 +33,7 @@ from kvpool.protocol.frames import (
     encode_keys_request,
     encode_lookup_reply,
 )
-from kvpool.protocol.parsers import Limits, ReplyParser, RequestParser
+from kvpool.protocol.parsers import BytesReservation, Limits, ReplyParser, RequestParser
 
 KEYS = [bytes([i]) * 16 for i in range(3)]
 
@@ -180,7 +180,8 @@ def test_bad_frames(frame: bytes, error: type[Exception]) -> None:
 
 def test_put_shm_items_carry_no_values_and_reserve_nothing_while_parsed() -> None:
     reserved = []
-    parser = RequestParser(reserve=lambda key, n: reserved.append(n))  # type: ignore[func-returns-value]
+    parser = RequestParser(
+        reserve=lambda key, n, scope: reserved.append(n))  # type: ignore[func-returns-value]
     body = [PutItemHeader(KEYS[0], 5000, 0, 0).pack(),
             PutItemHeader(KEYS[1], 70_000, 250, PUT_FLAG_PIN | PUT_FLAG_PARENT).pack(), KEYS[0]]
     frame = b"".join(encode_frame(Op.PUT_SHM | 0x40, 2, body, count=2))  # shared scope
@@ -207,6 +208,33 @@ def test_bad_put_shm_frames(frame: bytes, error: type[Exception]) -> None:
     test_bad_frames(frame, error)
 
 
+def test_nothing_behind_hello_is_parsed_until_the_owner_resumes() -> None:
+    """A node must know who the peer is before it reserves memory for its PUT values."""
+    reserved: list[tuple[int, int]] = []
+
+    def reserve(key: bytes, n: int, scope: int) -> BytesReservation:
+        reserved.append((n, scope))
+        return BytesReservation(n)
+
+    parser = RequestParser(reserve=reserve, hold_after_hello=True)
+    stream = hello() + put_frame(2, [b"a" * 100]) + hello() + b"".join(
+        encode_keys_request(Op.EXISTS, 4, KEYS[:1]))
+    for cut in (len(stream), 30, len(hello()) + 10):  # in one read, and split mid-frame
+        parser = RequestParser(reserve=reserve, hold_after_hello=True)
+        reserved.clear()
+        got = [r.header.op for r in parser.feed(stream[:cut])]
+        assert got == ([Op.HELLO] if cut >= len(hello()) else [])
+        assert reserved == [] and parser.holding == (cut >= len(hello()))
+        if cut < len(stream):
+            got += [r.header.op for r in parser.feed(stream[cut:])]
+        while parser.holding:
+            got += [r.header.op for r in parser.resume()]
+        assert got == [Op.HELLO, Op.PUT, Op.HELLO, Op.EXISTS]
+        assert reserved == [(64 + 100, 0)]
+    with pytest.raises(RuntimeError):
+        parser.resume()
+
+
 def test_abort_releases_half_received_value() -> None:
     released = []
 
@@ -217,7 +245,7 @@ def test_abort_releases_half_received_value() -> None:
         def release(self) -> None:
             released.append(len(self.view))
 
-    parser = RequestParser(reserve=lambda key, n: Res(n))
+    parser = RequestParser(reserve=lambda key, n, scope: Res(n))
     frame = put_frame(2, [b"z" * 1000])
     assert parser.feed(frame[:-10]) == []
     assert parser.mid_frame
@@ -226,7 +254,7 @@ def test_abort_releases_half_received_value() -> None:
 
 
 def test_full_node_skips_value_and_keeps_stream() -> None:
-    parser = RequestParser(reserve=lambda key, n: None)
+    parser = RequestParser(reserve=lambda key, n, scope: None)
     stream = put_frame(2, [b"a" * 100, b"b" * 100]) + b"".join(
         encode_keys_request(Op.EXISTS, 3, KEYS[:1]))
     put, exists = parser.feed(stream)

@@ -204,6 +204,56 @@ def test_admin_api_needs_tokens_and_roles(secured: NodeProcess) -> None:
     assert "tenant_bytes" not in http_json(f"{base}/v1/stats", token=ACME_R)[1]["auth"]
 
 
+@pytest.mark.parametrize("scope", ["tenant", "shared", "raw"])
+@pytest.mark.parametrize("token", [ACME_R, ACME_W, ADMIN])
+def test_admin_api_and_data_port_answer_from_one_table(secured: NodeProcess, token: str,
+                                                       scope: str) -> None:
+    """Every chunk route and lookup, for every role and scope, is refused exactly where the
+    data port refuses the same op (a write token may not delete or pin shared chunks)."""
+    k = key(50)
+    with Client(secured.url, token=ADMIN, scope="shared") as admin:
+        admin.put(k, b"shared-50")
+    with Client(secured.url, token=ACME_W) as acme:
+        acme.put(k, b"acme-50")
+    base, query = secured.admin_url, f"?scope={scope}"
+    routes = {
+        "exists": (f"/v1/chunks/{k.hex()}{query}", "GET", None),
+        "pin": (f"/v1/chunks/{k.hex()}/pin{query}", "POST", None),
+        "unpin": (f"/v1/chunks/{k.hex()}/unpin{query}", "POST", None),
+        "lookup": ("/v1/lookup", "POST", {"keys": [k.hex()], "scope": scope}),
+        "delete": (f"/v1/chunks/{k.hex()}{query}", "DELETE", None),
+    }
+    with Client(secured.url, token=token, scope=scope) as c:
+        calls = {"exists": lambda: c.exists_many([k]), "pin": lambda: c.pin(k),
+                 "unpin": lambda: c.unpin(k), "lookup": lambda: c.lookup([k]),
+                 "delete": lambda: c.delete(k)}
+        for name, (path, method, body) in routes.items():
+            try:
+                calls[name]()
+                data_port_denied = False
+            except PermissionDeniedError:
+                data_port_denied = True
+            status, reply = http_json(base + path, method, body, token=token)
+            assert (status == 403) == data_port_denied, (name, status, reply)
+            assert status in (200, 403, 404), (name, status, reply)
+
+
+def test_a_non_utf8_authorization_header_is_401(secured: NodeProcess) -> None:
+    node = start_node("--dram-capacity", "8MiB", "--no-ssd", "--admin-token",
+                      "admin-token-0123456789")
+    try:
+        for n in (node, secured):
+            port = int(n.admin_url.rsplit(":", 1)[1])
+            with socket.create_connection((n.host, port), timeout=5) as s:
+                s.sendall(b"POST /v1/admin/flush HTTP/1.1\r\nHost: x\r\n"
+                          b"Authorization: Bearer \xff\xfe\r\nContent-Length: 0\r\n"
+                          b"Connection: close\r\n\r\n")
+                head = s.recv(4096)
+            assert head.startswith(b"HTTP/1.1 401"), head[:80]
+    finally:
+        node.stop()
+
+
 def test_tenant_scope_reaches_ssd_and_s3(s3_endpoint: str, s3_bucket: str) -> None:
     import boto3
 
