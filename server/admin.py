@@ -28,24 +28,25 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from kvpool.placement.cluster_map import ClusterMap
-from kvpool.placement.keys import ChunkHasher, Namespace, key_from_hex
+from kvpool.placement.keys import key_from_hex
+from kvpool.placement.lookup import MAX_LOOKUP_KEYS, MAX_LOOKUP_TOKENS
 from kvpool.protocol.errors import (
     ConfigError,
     InvalidKeyError,
     KvpoolError,
     PermissionDeniedError,
+    ServerError,
 )
 from kvpool.protocol.frames import Op, Tier
 from kvpool.server.auth import ANONYMOUS, Principal, Role, TokenTable, stored_keys
 from kvpool.server.events import EVENT_TYPES, EventBus
+from kvpool.server.lookup_offload import LookupParser
 from kvpool.server.membership import StaticMapError
 from kvpool.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvpool.server.openapi import openapi_document
 
-__all__ = ["MAX_LOOKUP_TOKENS", "make_admin_app"]
+__all__ = ["MAX_LOOKUP_KEYS", "MAX_LOOKUP_TOKENS", "make_admin_app"]
 
-#: the most tokens (or keys) one lookup may carry: 4M tokens is ~16 MiB of JSON
-MAX_LOOKUP_TOKENS = 1 << 22
 _TIER_NAMES = {int(t): t.name.lower() for t in Tier}
 #: seconds between SSE comment lines on an idle event stream (keeps proxies from timing out)
 SSE_HEARTBEAT_S = 15.0
@@ -61,35 +62,6 @@ async def _read_json(request: web.Request) -> Any:
         return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"the body is not JSON: {exc}") from None
-
-
-def _parse_lookup(body: Any) -> tuple[list[bytes], int | None]:
-    """The keys to look up, and the chunk size when the request gave tokens."""
-    if not isinstance(body, dict):
-        raise ConfigError("the body must be a JSON object with 'keys' or 'namespace'+'tokens'")
-    if "keys" in body:
-        if set(body) != {"keys"}:
-            raise ConfigError("give either 'keys' alone or 'namespace' and 'tokens'")
-        keys = body["keys"]
-        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-            raise ConfigError("'keys' must be a list of 32-hex-character strings")
-        if len(keys) > MAX_LOOKUP_TOKENS:
-            raise ConfigError(f"at most {MAX_LOOKUP_TOKENS} keys per lookup")
-        return [key_from_hex(k) for k in keys], None
-    if set(body) != {"namespace", "tokens"}:
-        raise ConfigError("give either 'keys' alone or 'namespace' and 'tokens'")
-    ns, tokens = body["namespace"], body["tokens"]
-    if not isinstance(ns, dict):
-        raise ConfigError("'namespace' must be an object of Namespace fields")
-    if not isinstance(tokens, list) or len(tokens) > MAX_LOOKUP_TOKENS:
-        raise ConfigError(f"'tokens' must be a list of at most {MAX_LOOKUP_TOKENS} token ids")
-    if not all(type(t) is int and 0 <= t < 1 << 32 for t in tokens):
-        raise ConfigError("every token must be an integer in [0, 2**32)")
-    try:
-        namespace = Namespace(**ns)
-    except TypeError as exc:
-        raise ConfigError(f"bad namespace: {exc}") from None
-    return ChunkHasher(namespace).keys(tokens), namespace.chunk_tokens
 
 
 class AdminBackend(Protocol):
@@ -157,6 +129,7 @@ def _scoped(request: web.Request, keys: list[bytes], op: Op,
 
 def make_admin_app(node: AdminBackend) -> web.Application:
     node_id, events, lookup, change = node.node_id, node.events, node.lookup, node.change
+    lookup_parser = LookupParser()
 
     async def healthz(_request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "node_id": node_id})
@@ -173,14 +146,15 @@ def make_admin_app(node: AdminBackend) -> web.Application:
 
     async def lookup_route(request: web.Request) -> web.Response:
         try:
-            body = await _read_json(request)
-            scope = body.pop("scope", "") if isinstance(body, dict) else ""
-            keys, chunk_tokens = _parse_lookup(body)
+            parsed = await lookup_parser.parse(request.read, request.content_length)
+            keys, chunk_tokens, scope = parsed.keys, parsed.chunk_tokens, parsed.scope
             stored = _scoped(request, keys, Op.LOOKUP, scope if isinstance(scope, str) else "?")
         except (ConfigError, InvalidKeyError) as exc:
             return _error(400, "bad_request", str(exc))
         except PermissionDeniedError as exc:
             return _error(403, "forbidden", str(exc))
+        except ServerError as exc:
+            return _error(503, "unavailable", str(exc))
         try:
             tiers = await lookup(stored) if keys else []
         except KvpoolError as exc:

@@ -138,3 +138,64 @@ def _reply_len(data: bytes) -> int:
     if len(data) < first + FRAME.size:
         return first + FRAME.size
     return first + FRAME.size + FRAME.unpack_from(data, first)[6]
+
+
+def _post(url: str, body: bytes, token: str) -> tuple[int, dict[str, object]]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=body, method="POST", headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return reply.status, json.load(reply)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
+
+
+def test_maximal_admin_lookups_do_not_stall_other_clients(tenant_node: NodeProcess) -> None:
+    """Lookups as large as the node allows (and larger) are parsed off the event loop: a
+    witness's TCP GETs meanwhile never wait long (a 4M-token lookup once froze them 2-23 s).
+    The bound here is loose on purpose (a shared CI machine); bench/soak.py reports p99."""
+    import random
+    import threading
+
+    from kvpool.placement.lookup import MAX_LOOKUP_KEYS, MAX_LOOKUP_TOKENS
+
+    rng = random.Random(5)
+    tokens = [rng.randrange(50_000) for _ in range(MAX_LOOKUP_TOKENS)]
+    ns = {"model": "m", "dtype": "bf16", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8}
+    bodies = {
+        "maximal": json.dumps({"namespace": {**ns, "chunk_tokens": 256}, "tokens": tokens}),
+        "too many chunks": json.dumps({"namespace": {**ns, "chunk_tokens": 16},
+                                       "tokens": tokens}),
+        "maximal keys": json.dumps({"keys": [os.urandom(16).hex()
+                                             for _ in range(MAX_LOOKUP_KEYS)]}),
+    }
+    latencies: list[float] = []
+    stop = threading.Event()
+
+    def witness() -> None:
+        with Client(tenant_node.url, token=VICTIM, shm=False) as c:  # TCP: served by the loop
+            c.put(key(1), b"w" * 4096)
+            while not stop.is_set():
+                started = time.perf_counter()
+                assert c.get(key(1)) == b"w" * 4096
+                latencies.append(time.perf_counter() - started)
+                time.sleep(0.002)
+
+    thread = threading.Thread(target=witness)
+    thread.start()
+    try:
+        time.sleep(0.3)
+        answers = {name: _post(f"{tenant_node.admin_url}/v1/lookup", body.encode(), VICTIM)
+                   for name, body in bodies.items()}
+    finally:
+        stop.set()
+        thread.join(30)
+    assert len(latencies) > 50
+    assert max(latencies) < 0.5, sorted(latencies)[-5:]
+    assert answers["maximal"][0] == 200 and answers["maximal"][1]["num_tokens"] == 0
+    assert answers["too many chunks"][0] == 400
+    assert "split it" in str(answers["too many chunks"][1])
+    assert answers["maximal keys"][0] == 200
