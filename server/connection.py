@@ -6,6 +6,12 @@ buffer's high-water mark is 0, so ``pause_writing``/``resume_writing`` tell
 exactly when every queued reply has left the process: until then the
 entries it references stay acquired (never evicted or reused), and no more
 requests are read from this client (backpressure).
+
+TLS encrypts from its own buffers, so there replies are copied, a piece of at
+most ``TLS_PIECE`` bytes at a time and only while the TLS transport holds less
+than ``TLS_HIGH`` bytes: a TLS client that does not read costs the node at most
+about ``TLS_HIGH + TLS_PIECE`` bytes of copies (plus the kernel's socket buffer),
+however many values its GETs name, and its reads are paused as on plain TCP.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
+from collections.abc import Sequence
 from typing import cast
 
 from opentelemetry import trace
@@ -31,9 +39,28 @@ from kvpool.server.handlers import Handlers, Pending, Reply
 from kvpool.server.shm import Session
 from kvpool.tiers.dram import Entry, Slot
 
-__all__ = ["NodeConnection"]
+__all__ = ["TLS_HIGH", "TLS_PIECE", "NodeConnection"]
 
 log = logging.getLogger("kvpool.server")
+
+#: a TLS connection's replies are copied only while its transport holds less than this
+TLS_HIGH = 256 << 10
+TLS_LOW = 64 << 10
+#: and this many bytes at a time
+TLS_PIECE = 256 << 10
+
+
+class _Outgoing:
+    """A reply waiting to be copied into a TLS transport, and the entries it reads."""
+
+    __slots__ = ("buffers", "held", "index", "offset")
+
+    def __init__(self, buffers: Sequence[bytes | bytearray | memoryview],
+                 held: Sequence[Entry]) -> None:
+        self.buffers = buffers
+        self.held = held
+        self.index = 0
+        self.offset = 0
 
 
 class NodeConnection(asyncio.BufferedProtocol):
@@ -72,6 +99,9 @@ class NodeConnection(asyncio.BufferedProtocol):
         self._quota_tenant: str | None = None
         self._transport: asyncio.Transport | None = None
         self._held: list[Entry] = []
+        #: TLS only: replies not yet copied into the transport, in order
+        self._outgoing: deque[_Outgoing] = deque()
+        self._close_when_sent = False
         self._write_paused = False
         self._hello_done = False
         self._closing = False
@@ -93,10 +123,12 @@ class NodeConnection(asyncio.BufferedProtocol):
             self._transport.abort()
             return
         # TLS encrypts replies later, from its own backlog of our buffers, and its flow
-        # control misbehaves with a 0 high-water mark: values are copied out of the arena
-        # (TLS copies them anyway) and the usual limits apply
+        # control misbehaves with a 0 high-water mark: replies are copied out of the arena
+        # piece by piece as the transport drains (see the module doc)
         self._tls = transport.get_extra_info("sslcontext") is not None
-        if not self._tls:
+        if self._tls:
+            self._transport.set_write_buffer_limits(high=TLS_HIGH, low=TLS_LOW)
+        else:
             self._transport.set_write_buffer_limits(high=0, low=0)
         self._registry.add(self)
         stats.connections_open += 1
@@ -179,6 +211,10 @@ class NodeConnection(asyncio.BufferedProtocol):
         self._write_paused = False
         self._paused_since = None
         self._release_held()
+        if self._outgoing:
+            self._pump()
+            if self._write_paused:  # the pump filled the transport again
+                return
         if self._transport is not None and not self._closing:
             self._transport.resume_reading()
 
@@ -191,6 +227,10 @@ class NodeConnection(asyncio.BufferedProtocol):
             return
         self._parser.abort()
         self._release_held()
+        outgoing, self._outgoing = self._outgoing, deque()
+        for out in outgoing:
+            for entry in out.held:
+                self._handlers.dram.release(entry)
         if self._handlers.shm is not None:
             self._handlers.shm.close_session(self._session)
         self._registry.discard(self)
@@ -203,7 +243,11 @@ class NodeConnection(asyncio.BufferedProtocol):
         """Stop reading; close once queued replies are written (graceful shutdown)."""
         if self._transport is not None and not self._closing:
             self._closing = True
-            self._transport.close()
+            if self._outgoing:  # TLS replies still to copy: closed once they are
+                self._close_when_sent = True
+                self._transport.pause_reading()
+            else:
+                self._transport.close()
 
     def _serve(self, request: Request) -> bool:
         header = request.header
@@ -270,9 +314,8 @@ class NodeConnection(asyncio.BufferedProtocol):
         header = request.header
         self._handlers.stats.error(status_for_error(exc), header.op)
         if self._transport is not None and not self._closing:
-            self._transport.writelines(encode_error(header.op, header.request_id,
-                                                    status_for_error(exc), str(exc),
-                                                    epoch=self._handlers.epoch))
+            self._write(encode_error(header.op, header.request_id, status_for_error(exc),
+                                     str(exc), epoch=self._handlers.epoch))
 
     def recheck(self, table: TokenTable) -> bool:
         """After a tokens reload: close (True) unless the token still means the same."""
@@ -339,18 +382,43 @@ class NodeConnection(asyncio.BufferedProtocol):
             for entry in reply.held:  # the client is gone: nothing will read these views
                 self._handlers.dram.release(entry)
             return
-        if self._tls and reply.held:
-            self._transport.writelines([bytes(b) for b in reply.buffers])
-            for entry in reply.held:
-                self._handlers.dram.release(entry)
+        self._write(reply.buffers, reply.held)
+
+    def _write(self, buffers: Sequence[bytes | bytearray | memoryview],
+               held: Sequence[Entry] = ()) -> None:
+        """Queue a reply; ``held`` entries are released once nothing reads their views."""
+        assert self._transport is not None
+        if self._tls:
+            self._outgoing.append(_Outgoing(buffers, held))
+            self._pump()
             return
-        self._transport.writelines(reply.buffers)
-        if reply.held:
+        self._transport.writelines(buffers)
+        if held:
             if self._write_paused:
-                self._held.extend(reply.held)
+                self._held.extend(held)
             else:
-                for entry in reply.held:
+                for entry in held:
                     self._handlers.dram.release(entry)
+
+    def _pump(self) -> None:
+        """TLS: copy queued replies into the transport until it is full (pause_writing)."""
+        transport, outgoing = self._transport, self._outgoing
+        while outgoing and transport is not None and not self._write_paused:
+            out = outgoing[0]
+            while out.index < len(out.buffers) and not self._write_paused:
+                view = memoryview(out.buffers[out.index]).cast("B")
+                piece = view[out.offset : out.offset + TLS_PIECE]
+                out.offset += len(piece)
+                if out.offset >= len(view):
+                    out.index, out.offset = out.index + 1, 0
+                transport.write(bytes(piece))  # may call pause_writing before it returns
+            if out.index < len(out.buffers):
+                return
+            outgoing.popleft()
+            for entry in out.held:
+                self._handlers.dram.release(entry)
+        if not outgoing and self._close_when_sent and transport is not None:
+            transport.close()
 
     def _fail(self, op: int, request_id: int, exc: BaseException) -> None:
         """Reply with the error, then close this connection (and only this one)."""
@@ -360,8 +428,8 @@ class NodeConnection(asyncio.BufferedProtocol):
             self._handlers.stats.protocol_errors += 1
         log.info("%s: closing connection: %s: %s", self.peer, type(exc).__name__, exc)
         if self._transport is not None and not self._closing:
-            self._transport.writelines(encode_error(op, request_id, status, str(exc),
-                                                    epoch=self._handlers.epoch))
+            self._write(encode_error(op, request_id, status, str(exc),
+                                     epoch=self._handlers.epoch))
         self.close()
         self._parser.abort()
 

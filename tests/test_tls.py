@@ -164,3 +164,50 @@ def test_cluster_over_tls_with_tokens(pki: dict[str, str], tmp_path: Path) -> No
         refused = subprocess.run(status, capture_output=True, text=True, timeout=60,
                                  check=False, env={**os.environ, "KVPOOL_ADMIN_TOKEN": ""})
         assert refused.returncode == 2 and "401" in refused.stderr
+
+
+def test_tls_clients_that_never_read_cannot_grow_node_memory(
+        tls_node: NodeProcess, pki: dict[str, str]) -> None:
+    """12 TLS clients each ask for one 4 MiB value 64 times and 12 times more, and never
+    read: the node copies replies into TLS only as the peer drains them, so its RSS stays
+    bounded (it once grew by >1 GiB) and comes back once they are gone."""
+    import socket
+    import struct
+    import time
+
+    import psutil
+
+    frame = struct.Struct("<2sBBIIIQ")
+    k = b"t" * 16
+    value = os.urandom(4 << 20)
+    ctx = ssl.create_default_context(cafile=pki["ca"])
+    with Client(tls_node.url, ssl=ctx) as c:
+        c.put(k, value)
+        assert c.get(k) == value
+    node = psutil.Process(tls_node.proc.pid)
+    baseline = node.memory_info().rss
+    hello = json.dumps({"protocol": 1}).encode()
+    get_64 = frame.pack(b"KV", 3, 0, 2, 64, 0, 16 * 64) + k * 64
+    get_12 = frame.pack(b"KV", 3, 0, 3, 12, 0, 16 * 12) + k * 12
+    hogs = []
+    try:
+        for _ in range(12):
+            raw = socket.create_connection((tls_node.host, tls_node.port), timeout=10)
+            raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+            s = ctx.wrap_socket(raw, server_hostname="127.0.0.1")
+            s.sendall(frame.pack(b"KV", 1, 0, 1, 0, 0, len(hello)) + hello + get_64 + get_12)
+            hogs.append(s)
+        time.sleep(2.0)
+        grown = node.memory_info().rss - baseline
+    finally:
+        for s in hogs:
+            s.close()
+    # 12 connections x (256 KiB pieces + 256 KiB TLS buffer + socket buffers): tens of MiB;
+    # values copied whole would be 12 x 76 x 4 MiB
+    assert grown < 96 << 20, f"node RSS grew by {grown >> 20} MiB"
+    with Client(tls_node.url, ssl=ctx) as c:  # the node serves on; the value is intact
+        assert c.get(k) == value
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and node.memory_info().rss - baseline > 32 << 20:
+        time.sleep(0.2)
+    assert node.memory_info().rss - baseline < 32 << 20
