@@ -786,7 +786,7 @@ class NodeClient:
             raise
         self.server_info = decode_json(reply.body)
         offer = self.server_info.get("shm")
-        if isinstance(offer, dict):
+        if isinstance(offer, dict) and "refused" not in offer:
             try:  # in a thread: the node may share this event loop (a node's own peer client)
                 fd, index_fd, writable = await asyncio.get_running_loop().run_in_executor(
                     None, redeem, offer, self.connect_timeout)
@@ -808,7 +808,8 @@ class NodeClient:
                 conn.shm_write = writable
         elif self.shm:
             conn.close()
+            refused = offer.get("refused") if isinstance(offer, dict) else None
             raise KvpoolConnectionError(
-                f"node {self.node_id} offers no shared-memory fast path (another host, or "
-                "started with --no-shm)")
+                f"node {self.node_id} offers no shared-memory fast path: "
+                + (str(refused) if refused else "another host, or started with --no-shm"))
         return conn

@@ -31,6 +31,7 @@ from kvpool.server.etcd import EtcdSource
 from kvpool.server.events import EventBus
 from kvpool.server.handlers import Handlers
 from kvpool.server.handoff import Handoff
+from kvpool.server.hardening import forbid_dumps
 from kvpool.server.membership import MapSource, Membership, StaticSource
 from kvpool.server.metrics import NodeMetrics
 from kvpool.server.shm import ShmService
@@ -119,6 +120,9 @@ class Node:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         server = self.config.server
+        if self.config.security.auth_tokens and forbid_dumps():
+            # tenants: no process of this user may reach the arena through /proc or ptrace
+            log.info("tenants configured: this node is non-dumpable")
         if self.config.ssd.enabled:
             path = Path(server.data_dir) / "ssd"
             # chunks waiting for their write-behind cannot be evicted: keep them to a
@@ -135,7 +139,8 @@ class Node:
             self.ssd = SsdTier(path, resolve_ssd_capacity(self.config, path),
                                codec=_CODECS[self.config.ssd.codec], arena_fd=self.dram.arena.fd,
                                arena_size=self.dram.arena.capacity, max_pending_bytes=pending,
-                               s3_args=s3_args)
+                               s3_args=s3_args,
+                               no_dumps=bool(self.config.security.auth_tokens))
             await self.ssd.start()
             self.handlers.ssd = self.ssd
             self.ssd.on_evicted = self.handlers.ssd_evicted

@@ -28,7 +28,20 @@ How a client gets in:
 4. PUT the other way: a client of the node's **own user** gets a writable
    descriptor instead (unless the node runs with ``--no-shm-write``) -- with
    tenants configured, only an admin token's: a writer could plant a value
-   with a valid checksum in another tenant's chunk. ``PUT_SHM`` reserves arena slots under
+   with a valid checksum in another tenant's chunk.
+
+Who gets a mapping at all: open mode and admin tokens. A non-admin tenant is
+never offered one (it reads over TCP): the arena holds every tenant's chunks,
+and a process of the node's own user *owns* the memory file, so it could
+``fchmod`` a read-only descriptor and reopen it (``/proc/self/fd/N``) for
+writing. With a tokens file the node also makes itself non-dumpable
+(``PR_SET_DUMPABLE`` 0), so a process of its user cannot reach the arena
+through ``/proc/<node>/fd``, ``/proc/<node>/mem`` or ptrace either. For
+another user (``--shm-allow``) a read-only descriptor stays read-only: the
+files are mode 0600 and the node's (no reopening for writing), the arena's
+size is sealed, and the index refuses every new writable mapping
+(``F_SEAL_FUTURE_WRITE``). Root can still write the arena: it can write any
+process's memory. ``PUT_SHM`` reserves arena slots under
    a lease and says where they are; the client writes each envelope and
    payload there and sends ``COMMIT``, which publishes them as a PUT would.
    A slot stays invisible to readers until then; a lease not committed by
@@ -90,9 +103,8 @@ class Session:
     #: granted a writable mapping: may PUT through the arena (PUT_SHM, COMMIT)
     write: bool = False
     leases: set[int] = field(default_factory=set)
-    #: the arena holds every tenant's chunks: with tenants configured, only admin tokens
-    #: may map it from another uid (a process of the node's own uid can read its memory
-    #: anyway)
+    #: may map the arena (open mode, admin tokens): it holds every tenant's chunks, so
+    #: with tenants configured a non-admin tenant is never offered it
     any_uid: bool = True
     #: who authenticated on this connection (set by HELLO)
     principal: Principal = ANONYMOUS
@@ -196,9 +208,14 @@ class ShmService:
     # -- granting -------------------------------------------------------------------------
 
     def offer(self, session: Session, hello: dict[str, object]) -> dict[str, object] | None:
-        """What HELLO answers a client that asked for the fast path (None: not offered)."""
+        """What HELLO answers a client that asked for the fast path (None: not offered;
+        ``{"refused": why}``: not to this client)."""
         if hello.get("shm") is not True or not self.host or hello.get("host") != self.host:
             return None
+        if not session.any_uid:  # a non-admin tenant: see the module doc
+            self.counters.denied += 1
+            return {"refused": "a tenant's token reads over TCP: only admin tokens may map "
+                               "the arena, which holds every tenant's chunks"}
         now = time.monotonic()
         for ticket, (_, expires) in list(self._tickets.items()):
             if expires < now:
@@ -242,7 +259,7 @@ class ShmService:
             fds: list[int] = []
             if found is None:
                 answer = b"NO unknown or expired ticket"
-            elif not self.allowed(uid, gid) or (not found[0].any_uid and uid != os.getuid()):
+            elif not self.allowed(uid, gid) or not found[0].any_uid:
                 self.counters.denied += 1
                 log.info("shared-memory fast path refused to pid %d (uid %d gid %d)", pid, uid,
                          gid)

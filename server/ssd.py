@@ -84,8 +84,11 @@ class _Replies(asyncio.Protocol):
 class SsdTier:
     def __init__(self, path: Path, capacity_bytes: int, *, codec: Codec, arena_fd: int,
                  arena_size: int, max_pending_bytes: int, start_timeout_s: float = 60.0,
-                 s3_args: list[str] | None = None, s3_poll_s: float = 1.0) -> None:
+                 s3_args: list[str] | None = None, s3_poll_s: float = 1.0,
+                 no_dumps: bool = False) -> None:
         self.path = path
+        #: the worker maps the arena writable: make it non-dumpable like the node
+        self.no_dumps = no_dumps
         #: worker flags for the S3 tier (``--s3-bucket`` ...), None for no S3
         self.s3_args = s3_args
         #: keys the worker knows to be in S3 (its writes, its LISTs), mirrored every s3_poll_s
@@ -139,6 +142,7 @@ class SsdTier:
             "--capacity", str(self.capacity_bytes), "--codec", str(int(self.codec)),
             "--arena-fd", str(self._arena_fd), "--arena-size", str(self._arena_size),
             "--sock-fd", str(child.fileno()), *(self.s3_args or ()),
+            *(["--no-dumps"] if self.no_dumps else []),
             pass_fds=(self._arena_fd, child.fileno()), stderr=asyncio.subprocess.PIPE)
         child.close()
         loop = asyncio.get_running_loop()

@@ -20,6 +20,7 @@ ordering for these aligned u64s as far as a Python reader can observe.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import sys
@@ -27,7 +28,7 @@ import tempfile
 
 from sortedcontainers import SortedList
 
-__all__ = ["ALIGN", "Arena", "memory_file"]
+__all__ = ["ALIGN", "Arena", "memory_file", "seal_writes"]
 
 #: Extent alignment. A page: keeps slots page-aligned for a later shared-memory
 #: mapping and DMA; costs up to 4 KiB per value, small next to 256 KiB+ chunks.
@@ -125,12 +126,33 @@ class Arena:
         os.close(self.fd)
 
 
+#: F_SEAL_FUTURE_WRITE (Linux 5.1): no new writable mapping and no write(), whoever asks
+#: (root too); mappings made before it keep writing. Python's fcntl does not name it.
+F_SEAL_FUTURE_WRITE = 0x0010
+
+
 def memory_file(size: int, name: str = "kvpool-arena") -> int:
-    """A file descriptor of ``size`` bytes of memory, mode 0600, with no name."""
-    if sys.platform.startswith("linux"):
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
-    else:  # pragma: no cover - macOS: an unlinked file in the temp dir
+    """A file descriptor of ``size`` bytes of memory, mode 0600, with no name.
+
+    On Linux its size is sealed: a process handed a descriptor cannot shrink it under
+    the node's mapping (a SIGBUS) or grow it. Mode 0600 keeps a process of another user
+    that was handed a read-only descriptor from reopening it (``/proc/self/fd/N``)
+    for writing; memfds are made 0777. See :func:`seal_writes` for the index.
+    """
+    linux = sys.platform.startswith("linux")
+    if linux:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.fchmod(fd, 0o600)
+    else:  # pragma: no cover - macOS: an unlinked file in the temp dir (mode 0600)
         fd, path = tempfile.mkstemp(prefix=f"{name}-")
         os.unlink(path)
     os.ftruncate(fd, size)
+    if linux:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
     return fd
+
+
+def seal_writes(fd: int) -> None:
+    """After the owner has mapped ``fd`` writable: nobody else ever can (Linux only)."""
+    if sys.platform.startswith("linux"):
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)

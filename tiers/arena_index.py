@@ -24,7 +24,7 @@ from kvpool.protocol.shm_index import (
     pack_slot,
     set_of,
 )
-from kvpool.tiers.arena import memory_file
+from kvpool.tiers.arena import memory_file, seal_writes
 
 __all__ = ["ArenaIndex", "IndexCounters"]
 
@@ -52,6 +52,9 @@ class ArenaIndex:
         except OSError as exc:
             os.close(self.fd)
             raise MemoryError(f"cannot map a {self.file_size}-byte arena index: {exc}") from exc
+        # only the node writes the index (readers check values against it): once mapped,
+        # the file refuses every other writable mapping, root's and its own user's too
+        seal_writes(self.fd)
         self._view = memoryview(self._mmap)
         self._view[:HEADER.size] = HEADER.pack(INDEX_MAGIC, self.sets, WAYS)
         #: key -> byte offset of its slot
