@@ -7,7 +7,6 @@ then the ticket on the node's Unix socket and the descriptors out of SCM_RIGHTS.
 from __future__ import annotations
 
 import array
-import errno
 import json
 import mmap
 import os
