@@ -178,10 +178,15 @@ class SsdConfig:
                                   "it, SSD writes are shed",
                                   flag="--ssd-max-pending", env="KVPOOL_SSD_MAX_PENDING",
                                   kind="size")
+    full_retry_s: float = knob(10.0, "once the disk is full (the tier serves its chunks and "
+                               "refuses writes), try to take writes again this often",
+                               flag="--ssd-full-retry", env="KVPOOL_SSD_FULL_RETRY")
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 0:
             raise ConfigError("ssd capacity must be >= 0")
+        if not self.full_retry_s > 0:
+            raise ConfigError("ssd full_retry_s must be > 0 seconds")
         if not 0 < self.capacity_fraction <= 0.95:
             raise ConfigError("ssd capacity_fraction must be in (0, 0.95]")
         if self.codec not in SSD_CODECS:

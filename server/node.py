@@ -140,7 +140,8 @@ class Node:
                                codec=_CODECS[self.config.ssd.codec], arena_fd=self.dram.arena.fd,
                                arena_size=self.dram.arena.capacity, max_pending_bytes=pending,
                                s3_args=s3_args,
-                               no_dumps=bool(self.config.security.auth_tokens))
+                               no_dumps=bool(self.config.security.auth_tokens),
+                               full_retry_s=self.config.ssd.full_retry_s)
             await self.ssd.start()
             self.handlers.ssd = self.ssd
             self.ssd.on_evicted = self.handlers.ssd_evicted

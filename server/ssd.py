@@ -59,6 +59,8 @@ class SsdCounters:
     evicted: int = 0
     pending_writes: int = 0
     pending_write_bytes: int = 0
+    #: times the tier took writes again after a full disk
+    recovered: int = 0
 
 
 class _Replies(asyncio.Protocol):
@@ -85,8 +87,10 @@ class SsdTier:
     def __init__(self, path: Path, capacity_bytes: int, *, codec: Codec, arena_fd: int,
                  arena_size: int, max_pending_bytes: int, start_timeout_s: float = 60.0,
                  s3_args: list[str] | None = None, s3_poll_s: float = 1.0,
-                 no_dumps: bool = False) -> None:
+                 no_dumps: bool = False, full_retry_s: float = 10.0) -> None:
         self.path = path
+        #: seconds between attempts to take writes again once the disk was full
+        self.full_retry_s = full_retry_s
         #: the worker maps the arena writable: make it non-dumpable like the node
         self.no_dumps = no_dumps
         #: worker flags for the S3 tier (``--s3-bucket`` ...), None for no S3
@@ -101,6 +105,7 @@ class SsdTier:
         self.on_evicted: Callable[[bytes], object] | None = None
         self._s3_poll_s = s3_poll_s
         self._s3_task: asyncio.Task[None] | None = None
+        self._full_task: asyncio.Task[None] | None = None
         self.start_timeout_s = start_timeout_s
         self.capacity_bytes = capacity_bytes
         self.codec = codec
@@ -160,9 +165,35 @@ class SsdTier:
                 why = err or why
             raise SsdUnavailableError(f"SSD tier at {self.path} did not start: {why}") from exc
         self.index = decode_keys(payload)
+        status, reason = await self._call(SsdOp.REOPEN)
+        if status == SsdStatus.FULL:  # a full disk at start: its chunks are served read-only
+            self._mark_full(reason.decode(errors="replace"))
         self._stderr_task = asyncio.create_task(self._forward_stderr())
         if self.s3_args:
             self._s3_task = asyncio.create_task(self._poll_s3_keys())
+
+    def _mark_full(self, why: str) -> None:
+        if self.full is not None:
+            return
+        self.full = why
+        log.error("SSD tier at %s is full (%s): it serves the chunks it holds and refuses "
+                  "writes; it tries again every %gs", self.path, why, self.full_retry_s)
+        self._full_task = asyncio.create_task(self._retry_writes())
+
+    async def _retry_writes(self) -> None:
+        """While the disk is full, ask the worker now and then to take writes again."""
+        while self.up and self.full is not None:
+            await asyncio.sleep(self.full_retry_s)
+            try:
+                status, why = await self._call(SsdOp.REOPEN)
+            except SsdUnavailableError:
+                return
+            if status == SsdStatus.OK:
+                log.warning("SSD tier at %s takes writes again", self.path)
+                self.full = None
+                self.counters.recovered += 1
+            else:
+                self.full = why.decode(errors="replace")
 
     async def _poll_s3_keys(self) -> None:
         while self.up:
@@ -205,7 +236,7 @@ class SsdTier:
             except TimeoutError:
                 self._proc.kill()
                 await self._proc.wait()
-        for task in (self._stderr_task, self._s3_task):
+        for task in (self._stderr_task, self._s3_task, self._full_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -304,10 +335,7 @@ class SsdTier:
         else:
             status, evicted = future.result()
             if status == SsdStatus.FULL:
-                if self.full is None:
-                    self.full = evicted.decode(errors="replace")
-                    log.error("SSD tier at %s is full (%s): it keeps serving reads and "
-                              "refuses writes until the node restarts", self.path, self.full)
+                self._mark_full(evicted.decode(errors="replace"))
                 evicted = b""  # the payload is the reason, not evicted keys
             for i in range(0, len(evicted), 16):
                 self._forget(evicted[i : i + 16])

@@ -29,6 +29,7 @@ class SsdOp:
     PUT_DURABLE = 9  # as PUT, then upload to S3 and reply only once S3 has it
     EVICT = 10  # drop key from the SSD only (S3 keeps its copy): a tenant's SSD quota
     CONFIRM = 11  # ask S3 itself (a HEAD) whether it has key: OK, or MISS
+    REOPEN = 12  # after a full disk: try to take writes again: OK, or FULL and why not
 
 
 class S3Change:

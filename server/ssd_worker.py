@@ -299,6 +299,10 @@ class Worker:
                 return SsdStatus.MISS, b""
             self._s3_in_order(key, self._confirm, request_id, key)
             return None
+        if op == SsdOp.REOPEN:
+            if tier.reopen():
+                return SsdStatus.OK, b""
+            return SsdStatus.FULL, (tier.full or "").encode()
         if op == SsdOp.EVICT:
             return (SsdStatus.OK if tier.delete(key) else SsdStatus.MISS), b""
         if op == SsdOp.DELETE:

@@ -22,6 +22,7 @@ it from its event loop's process (docs/architecture.md).
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import time
 from collections.abc import Callable
@@ -70,6 +71,10 @@ def _options(write_buffer_bytes: int, blob_files: bool = False) -> rocksdict.Opt
     return opts
 
 
+def _out_of_space(exc: BaseException) -> bool:
+    return "No space left on device" in str(exc)
+
+
 class RocksDbTier:
     """get / put / delete / contains / stats over a RocksDB directory."""
 
@@ -86,12 +91,22 @@ class RocksDbTier:
         self._clock = clock
         if write_buffer_bytes is None:
             write_buffer_bytes = default_write_buffer(capacity_bytes)
-        opts = _options(write_buffer_bytes, blob_files)
+        self._opts = _options(write_buffer_bytes, blob_files)
         # metadata rows are 28 bytes each: a small memtable holds thousands of them
-        meta_opts = _options(min(write_buffer_bytes, 2 << 20))
-        self._db = rocksdict.Rdict(str(self.path), opts, column_families={_META_CF: meta_opts})
-        self._meta = self._db.get_column_family(_META_CF)
-        self._meta_handle = self._db.get_column_family_handle(_META_CF)
+        self._meta_opts = _options(min(write_buffer_bytes, 2 << 20))
+        #: why the tier stopped admitting writes (the disk filled up), or None
+        self.full: str | None = None
+        #: keys deleted while the disk was full: deleted for real once writes work again
+        self._unwritten_deletes: set[bytes] = set()
+        try:
+            self._open(read_only=False)
+        except Exception as exc:  # rocksdict raises plain Exception for RocksDB IO errors
+            if not _out_of_space(exc):
+                raise
+            # opening read-write replays the log into new files: with no space, serve what
+            # is there read-only until reopen() succeeds
+            self._open(read_only=True)
+            self.full = f"opened read-only: {exc}"
         self._sizes: dict[bytes, int] = {}
         self._value_lens: dict[bytes, int] = {}
         self._depths: dict[bytes, int] = {}
@@ -101,11 +116,48 @@ class RocksDbTier:
         self._used = 0
         self._stats = TierStats(self.name, capacity_bytes)
         self.num_corrupt = 0
-        #: why the tier stopped admitting writes (the disk filled up), or None
-        self.full: str | None = None
         self._rebuild()
 
+    def _open(self, *, read_only: bool) -> None:
+        access = rocksdict.AccessType.read_only() if read_only \
+            else rocksdict.AccessType.read_write()
+        self._db = rocksdict.Rdict(str(self.path), self._opts, access_type=access,
+                                   column_families={_META_CF: self._meta_opts})
+        self._meta = self._db.get_column_family(_META_CF)
+        self._meta_handle = self._db.get_column_family_handle(_META_CF)
+
+    def reopen(self) -> bool:
+        """After the disk filled up: try to take writes again (True once it does).
+
+        RocksDB refuses every write after a write error until it is reopened, and a
+        full disk at start-up opened it read-only. Deletes it refused meanwhile are
+        made now, so a deleted chunk never comes back.
+        """
+        if self.full is None:
+            return True
+        self._close_db()
+        try:
+            self._open(read_only=False)
+            batch = rocksdict.WriteBatch(raw_mode=True)
+            for key in self._unwritten_deletes:
+                batch.delete(key)
+                batch.delete(key, self._meta_handle)
+            self._db.write(batch)
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                self._close_db()
+            self._open(read_only=True)
+            self.full = f"still no room: {exc}"
+            self._reset_index()
+            return False
+        self.full = None
+        self._unwritten_deletes.clear()
+        self._reset_index()
+        return True
+
     def _reset_index(self) -> None:
+        """Rebuild the in-memory index from the metadata rows (keys deleted while full stay
+        deleted)."""
         self._sizes.clear()
         self._value_lens.clear()
         self._depths.clear()
@@ -117,6 +169,8 @@ class RocksDbTier:
         rows: list[tuple[int, int, bytes]] = []
         for raw_key, raw in self._meta.items():
             key = cast(bytes, raw_key)  # raw mode: keys and values are bytes
+            if key in self._unwritten_deletes:
+                continue
             stored_len, value_len, depth, written_at = _META.unpack(cast(bytes, raw))
             self._sizes[key] = stored_len
             self._value_lens[key] = value_len
@@ -202,10 +256,14 @@ class RocksDbTier:
         batch.delete(key)
         batch.delete(key, self._meta_handle)
         self._forget(key)  # unreachable from now on, even if a full disk refuses the delete
+        if self.full is not None:
+            self._unwritten_deletes.add(key)
+            return True
         try:
             self._db.write(batch)
         except Exception as exc:
             self.full = str(exc)
+            self._unwritten_deletes.add(key)
         return True
 
     def contains(self, key: bytes) -> bool:
@@ -223,6 +281,9 @@ class RocksDbTier:
         return dict(self._value_lens)
 
     def close(self) -> None:
+        self._close_db()
+
+    def _close_db(self) -> None:
         # the column-family handles keep the database (and its LOCK) alive: drop them first
         del self._meta, self._meta_handle
         try:
