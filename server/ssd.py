@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import socket
 import struct
 import sys
@@ -147,7 +148,7 @@ class SsdTier:
             "--capacity", str(self.capacity_bytes), "--codec", str(int(self.codec)),
             "--arena-fd", str(self._arena_fd), "--arena-size", str(self._arena_size),
             "--sock-fd", str(child.fileno()), *(self.s3_args or ()),
-            *(["--no-dumps"] if self.no_dumps else []),
+            *(["--no-dumps"] if self.no_dumps else []), "--parent-pid", str(os.getpid()),
             pass_fds=(self._arena_fd, child.fileno()), stderr=asyncio.subprocess.PIPE)
         child.close()
         loop = asyncio.get_running_loop()

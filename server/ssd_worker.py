@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvpool.protocol.envelope import Codec
-from kvpool.server.hardening import forbid_dumps
+from kvpool.server.hardening import die_with_parent, forbid_dumps
 from kvpool.server.ssd_messages import (
     KEY_LEN,
     REPLY,
@@ -371,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arena-size", type=int, required=True)
     parser.add_argument("--sock-fd", type=int, required=True)
     parser.add_argument("--nice", type=int, default=5)
+    parser.add_argument("--parent-pid", type=int, default=0,
+                        help="exit when this process (the node) dies")
     parser.add_argument("--no-dumps", action="store_true",
                         help="make this process non-dumpable (the node serves tenants)")
     parser.add_argument("--s3-bucket", default="")
@@ -381,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--s3-max-pending", type=int, default=256 << 20)
     parser.add_argument("--s3-relist", type=float, default=60.0)
     args = parser.parse_args(argv)
+    if args.parent_pid:
+        die_with_parent(args.parent_pid)
     if args.no_dumps:
         forbid_dumps()
     # background work: on a busy machine the node's event loop should win the CPU

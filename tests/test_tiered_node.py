@@ -15,7 +15,7 @@ from kvpool.client import Client
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, Codec
 from kvpool.tiers.rocksdb import RocksDbTier
 
-from .conftest import NodeProcess, start_node
+from .conftest import NodeProcess, http_json, start_node
 
 
 def rkey() -> bytes:
@@ -334,3 +334,27 @@ def test_events_for_ssd_evictions_ssd_only_deletes_and_expiry() -> None:
         node.stop()  # ends the stream: the reader sees its end
         reader.join(10)
         stream.close()
+
+
+def test_a_node_restarted_at_once_after_kill_9_finds_its_ssd_unlocked() -> None:
+    """The SSD worker dies with its node (PDEATHSIG), so the RocksDB lock is free for a node
+    restarted straight away (a supervisor's restart) and the chunks are all there."""
+    node = start_node("--dram-capacity", "16MiB")
+    values = [os.urandom(64 << 10) for _ in range(8)]
+    keys = [bytes([i]) * 16 for i in range(8)]
+    with Client(node.url, shm=False) as c:
+        c.put_many(keys, values)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        status, stats = http_json(f"{node.admin_url}/v1/stats")
+        if stats["tiers"]["ssd"]["num_objects"] == 8:
+            break
+        time.sleep(0.1)
+    node.proc.send_signal(signal.SIGKILL)
+    node.proc.wait(10)
+    again = start_node("--dram-capacity", "16MiB", data_dir=node.data_dir)
+    try:
+        with Client(again.url, shm=False) as c:
+            assert c.get_many(keys) == values
+    finally:
+        again.stop()
