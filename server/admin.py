@@ -146,7 +146,7 @@ def make_admin_app(node: AdminBackend) -> web.Application:
 
     async def lookup_route(request: web.Request) -> web.Response:
         try:
-            parsed = await lookup_parser.parse(request.read, request.content_length)
+            parsed = await lookup_parser.parse(request.content, request.content_length)
             keys, chunk_tokens, scope = parsed.keys, parsed.chunk_tokens, parsed.scope
             stored = _scoped(request, keys, Op.LOOKUP, scope if isinstance(scope, str) else "?")
         except (ConfigError, InvalidKeyError) as exc:
