@@ -14,19 +14,31 @@ What runs, all on 127.0.0.1:
   values 2-16 KiB whose bytes are a function of their key, so every value
   read back is checked;
 - faults on a schedule: SIGKILL a node and restart it 15 s later (three
-  times, a different node each time), stop S3 for 20 s (twice).
+  times, a different node each time), stop S3 for 20 s (twice);
+- hostile clients for the whole run (``bench/_attacks.py``; ``--no-attacks``
+  leaves them out): silent connections sending PUT headers for 12 MiB values
+  without HELLO, to every cluster node; back-to-back maximal admin lookups
+  (4M tokens) to every node; and against a fourth, standalone TLS node (DRAM
+  only, 64 MiB) holding 40 canary chunks of 1 MiB: the same two attacks plus
+  8 TLS clients that ask for a 4 MiB value 76 times each and never read,
+  while a witness reads canaries over TLS and times each GET.
 
 At the end, with every node and S3 back, every chunk whose PUT was acked
 and which was not deleted is read back from the cluster. Printed and written
 to ``bench/results/soak.json``: operations done, errors by kind, wrong bytes
 (must be 0), acked-durable chunks lost (must be 0), node RSS over time, and
-latency percentiles per op. Exit status 1 if wrong bytes or lost chunks.
+latency percentiles per op; with the attacks, the target's evictions (must
+be 0: nothing was allowed to evict its canaries), canaries intact, its RSS
+growth against ATTACK_RSS_BOUND_MIB, and the witness's GET p50/p99/max. Exit
+status 1 if wrong bytes, lost chunks, a target eviction, a damaged canary or
+the RSS bound broken.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -38,13 +50,15 @@ import tempfile
 import threading
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import psutil
 import xxhash
 
-from kvpool.client import AsyncClient
+from kvpool.bench._attacks import MaximalLookups, TlsNonReaders, UnauthenticatedPuts
+from kvpool.client import AsyncClient, Client
 from kvpool.server.local_cluster import LocalCluster, free_ports
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -52,6 +66,11 @@ OPS = (("put", 0.08), ("get", 0.72), ("lookup", 0.10), ("exists", 0.06), ("delet
 PER_CLIENT_OPS_S = 40  # pacing: the cluster should be busy, not drowned
 AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
        "AWS_DEFAULT_REGION": "us-east-1"}
+#: the attacked TLS node's RSS may grow at most this much over its start-of-attack RSS:
+#: 8 non-reading TLS clients x (256 KiB copies + 256 KiB TLS buffer + socket buffers),
+#: two lookups streamed to their parsers, 16 silent connections' scratch (64 KiB each),
+#: with room for allocator slack
+ATTACK_RSS_BOUND_MIB = 64
 
 
 def value_for(key: bytes) -> bytes:
@@ -234,6 +253,103 @@ async def verify(seeds: list[str], keys: list[bytes]) -> dict[str, Any]:
     return {"checked": len(keys), "lost": len(lost), "lost_keys": lost[:20], "wrong": wrong}
 
 
+class AttackTarget:
+    """A standalone TLS node with canary chunks, its attackers and a witness reader."""
+
+    def __init__(self, tmp: str, cluster: LocalCluster, stop: threading.Event) -> None:
+        import ssl
+
+        import trustme  # the test extra: a CA made here, for the TLS node
+
+        from kvpool.bench._procs import start_node
+
+        ca = trustme.CA()
+        cert = ca.issue_cert("127.0.0.1")
+        paths = {name: os.path.join(tmp, f"target-{name}.pem") for name in ("ca", "cert", "key")}
+        ca.cert_pem.write_to_path(paths["ca"])
+        cert.private_key_and_cert_chain_pem.write_to_path(paths["cert"])
+        cert.private_key_pem.write_to_path(paths["key"])
+        self.node = start_node("--dram-capacity", "64MiB", "--no-ssd", "--data-dir",
+                               os.path.join(tmp, "target"), "--tls-cert", paths["cert"],
+                               "--tls-key", paths["key"])
+        self.ssl = ssl.create_default_context(cafile=paths["ca"])
+        self.canaries = {xxhash.xxh3_128_digest(b"canary%d" % i): os.urandom(1 << 20)
+                         for i in range(40)}
+        bait = b"attack-tls-bait!"
+        with Client(self.node.url, ssl=self.ssl, shm=False) as c:
+            c.put_many(list(self.canaries), list(self.canaries.values()))
+            c.put(bait, os.urandom(4 << 20))
+        self.process = psutil.Process(self.node.proc.pid)
+        self.rss_first = self.rss_peak = self.process.memory_info().rss
+        self.stop = stop
+        cluster_data = [tuple(n.seed.rsplit(":", 1)) for n in cluster.nodes]
+        data = [(h, int(p)) for h, p in cluster_data] + [("127.0.0.1", self.node.port)]
+        self.attackers: dict[str, Any] = {
+            "unauthenticated_puts": UnauthenticatedPuts(data, stop),
+            "maximal_lookups": MaximalLookups([n.admin_url for n in cluster.nodes]
+                                              + [self.node.admin_url], stop),
+            "tls_non_readers": TlsNonReaders("127.0.0.1", self.node.port, self.ssl, bait,
+                                             stop),
+        }
+        self.latency_ms: list[float] = []
+        self.witness_wrong = 0
+        self.witness_errors: Counter[str] = Counter()
+        self._threads = [*self.attackers.values(),
+                         threading.Thread(target=self._witness, daemon=True),
+                         threading.Thread(target=self._sample, daemon=True)]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def _witness(self) -> None:
+        keys = list(self.canaries)
+        rng = random.Random(3)
+        with Client(self.node.url, ssl=self.ssl, shm=False, timeout=30) as c:
+            while not self.stop.wait(0.01):
+                key = rng.choice(keys)
+                started = time.perf_counter()
+                try:
+                    got = c.get(key)
+                except Exception as exc:
+                    self.witness_errors[type(exc).__name__] += 1
+                    continue
+                self.latency_ms.append((time.perf_counter() - started) * 1e3)
+                if got is None:
+                    self.witness_errors["miss"] += 1  # evicted: the target has no other load
+                elif bytes(got) != self.canaries[key]:
+                    self.witness_wrong += 1
+
+    def _sample(self) -> None:
+        while not self.stop.wait(0.5):
+            with contextlib.suppress(psutil.Error):
+                self.rss_peak = max(self.rss_peak, self.process.memory_info().rss)
+
+    def finish(self) -> dict[str, Any]:
+        for t in self._threads:
+            t.join(90)
+        with Client(self.node.url, ssl=self.ssl, shm=False, timeout=30) as c:
+            intact = sum(got is not None and bytes(got) == value for got, value in zip(
+                c.get_many(list(self.canaries)), self.canaries.values(), strict=True))
+            stats = c.stats()
+        self.node.stop()
+        growth = (self.rss_peak - self.rss_first) / (1 << 20)
+        lat = self.latency_ms
+        return {
+            "attackers": {name: a.summary() for name, a in self.attackers.items()},
+            "target_evictions": stats["evictions"], "canaries_intact": intact,
+            "canaries": len(self.canaries),
+            "target_rss_first_mib": round(self.rss_first / (1 << 20), 1),
+            "target_rss_growth_mib": round(growth, 1),
+            "rss_bound_mib": ATTACK_RSS_BOUND_MIB, "rss_bound_held": growth <= ATTACK_RSS_BOUND_MIB,
+            "witness": {"n": len(lat), "p50_ms": round(percentile(lat, 0.5), 2),
+                        "p99_ms": round(percentile(lat, 0.99), 2),
+                        "max_ms": round(max(lat), 1) if lat else None,
+                        "wrong_bytes": self.witness_wrong,
+                        "errors": dict(self.witness_errors)},
+        }
+
+
 def percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
@@ -245,6 +361,8 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--workers", type=int, default=4, help="load processes")
     parser.add_argument("--out", default=str(RESULTS / "soak.json"))
+    parser.add_argument("--no-attacks", action="store_true",
+                        help="leave out the hostile clients (bench/_attacks.py)")
     args = parser.parse_args()
     os.environ.update(AWS)
     import boto3
@@ -260,8 +378,14 @@ def main() -> int:
     rss: list[dict[str, Any]] = []
     fault_log: list[dict[str, Any]] = []
     stop = threading.Event()
+    attack_stop = threading.Event()
+    target: AttackTarget | None = None
+    attacks: dict[str, Any] | None = None
     try:
         cluster.start()
+        if not args.no_attacks:
+            target = AttackTarget(tmp, cluster, attack_stop)
+            target.start()
         started = time.monotonic()
         deadline_wall = time.time() + args.duration
         threads = [threading.Thread(target=sample_rss, args=(cluster, started, rss, stop)),
@@ -282,6 +406,10 @@ def main() -> int:
             p.start()
         for p in procs:
             p.join(args.duration + 120)
+        attack_stop.set()
+        if target is not None:
+            attacks = target.finish()
+            target = None
         stop.set()
         for t in threads:
             t.join()
@@ -299,10 +427,13 @@ def main() -> int:
                 snapshots.append(snap)
     finally:
         stop.set()
+        attack_stop.set()
+        if target is not None:
+            target.node.stop()
         codes = cluster.stop()
         s3.close()
     return report(args, loads, check, rss=rss, fault_log=fault_log, snapshots=snapshots,
-                  codes=codes)
+                  codes=codes, attacks=attacks)
 
 
 def urllib_open(url: str) -> Any:
@@ -324,7 +455,8 @@ def _load_entry(seeds: list[str], wid: int, clients: int, deadline_wall: float,
 
 def report(args: argparse.Namespace, loads: list[dict[str, Any]], check: dict[str, Any], *,
            rss: list[dict[str, Any]], fault_log: list[dict[str, Any]],
-           snapshots: list[dict[str, Any]], codes: list[int | None]) -> int:
+           snapshots: list[dict[str, Any]], codes: list[int | None],
+           attacks: dict[str, Any] | None = None) -> int:
     errors: dict[str, int] = {}
     tracebacks: dict[str, str] = {}
     latency: dict[str, list[float]] = {}
@@ -363,6 +495,7 @@ def report(args: argparse.Namespace, loads: list[dict[str, Any]], check: dict[st
                                ("used_bytes", "capacity_bytes", "evictions", "shed",
                                 "refused")} for s in snapshots},
         "node_exit_codes": codes,
+        "attacks": attacks,
     }
     RESULTS.mkdir(exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
@@ -385,7 +518,23 @@ def report(args: argparse.Namespace, loads: list[dict[str, Any]], check: dict[st
               f"| {r['worker_peak_mib']} |")
     print(f"\nGET misses (allowed: a cache may drop): {result['get_misses']}; SSD: "
           f"{json.dumps(result['ssd'])}; written to {args.out}")
-    return 1 if wrong or check["lost"] else 0
+    failed = bool(wrong or check["lost"])
+    if attacks is not None:
+        w = attacks["witness"]
+        print("\n| attacks beside the load | |\n|---|---|")
+        for name, summary in attacks["attackers"].items():
+            print(f"| {name} | {json.dumps(summary)} |")
+        print(f"| target evictions (must be 0) | {attacks['target_evictions']} |")
+        print(f"| canaries intact | {attacks['canaries_intact']} / {attacks['canaries']} |")
+        print(f"| target RSS growth | {attacks['target_rss_growth_mib']} MiB (bound "
+              f"{attacks['rss_bound_mib']} MiB, from {attacks['target_rss_first_mib']} MiB) |")
+        print(f"| witness TLS GET of 1 MiB | n {w['n']}, p50 {w['p50_ms']} ms, p99 "
+              f"{w['p99_ms']} ms, max {w['max_ms']} ms, wrong {w['wrong_bytes']}, errors "
+              f"{w['errors']} |")
+        failed = failed or bool(attacks["target_evictions"] or w["wrong_bytes"]
+                                or attacks["canaries_intact"] != attacks["canaries"]
+                                or not attacks["rss_bound_held"])
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -37,6 +37,11 @@ BENCH_HELP = {
     "gpu_kv": "GPU client: TTFT cold vs warm, load/store bandwidth (needs torch)",
     "gpu_check": "the short CUDA check script (needs a GPU)",
     "rocksdict_gil": "does rocksdict release the GIL (why the SSD tier is a process)",
+    "soak": "3 nodes + S3 under load for 15 min with node kills, S3 outages and hostile "
+            "clients: wrong bytes, lost chunks, RSS",
+    "fuzz_frames": "atheris fuzzing of the frame parsers (needs the fuzz extra)",
+    "conn_memory": "node memory per connection: silent, unauthenticated PUT, idle, TLS "
+                   "non-reader",
 }
 
 

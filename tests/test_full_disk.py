@@ -78,18 +78,19 @@ def test_a_node_restarts_on_a_full_disk_and_recovers_when_space_returns(
     data_dir = str(small_disk / "node")
     values = {i.to_bytes(16, "big"): os.urandom(256 << 10) for i in range(20)}
     node = start_node(*FLAGS, data_dir=data_dir)
-    with Client(node.url, shm=False) as c:  # 5 MiB: within the write-behind budget (8 MiB)
-        c.put_many(list(values), list(values.values()))
-    assert _wait(lambda: _ssd(node)["num_objects"] == 20)
-    filler = _fill(small_disk)
-    with Client(node.url, shm=False) as c:  # a running node on the full disk serves on
-        c.put(b"r" * 16, b"while full")
-        assert c.get(b"r" * 16) == b"while full"
-    if how == "kill -9":
-        node.proc.send_signal(signal.SIGKILL)
-        node.proc.wait(10)
-    else:
-        assert node.stop() == 0
+    try:
+        with Client(node.url, shm=False) as c:  # 5 MiB: within the write-behind budget
+            c.put_many(list(values), list(values.values()))
+        assert _wait(lambda: _ssd(node)["num_objects"] == 20)
+        filler = _fill(small_disk)
+        with Client(node.url, shm=False) as c:  # a running node on the full disk serves on
+            c.put(b"r" * 16, b"while full")
+            assert c.get(b"r" * 16) == b"while full"
+        if how == "kill -9":
+            node.proc.send_signal(signal.SIGKILL)
+            node.proc.wait(10)
+    finally:
+        assert node.stop() == 0 or how == "kill -9"
     assert _wait(lambda: _worker_gone(data_dir + "/ssd"))
 
     node = start_node(*FLAGS, data_dir=data_dir)  # used to exit: "No space left on device"

@@ -346,7 +346,7 @@ def test_a_node_restarted_at_once_after_kill_9_finds_its_ssd_unlocked() -> None:
         c.put_many(keys, values)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        status, stats = http_json(f"{node.admin_url}/v1/stats")
+        _, stats = http_json(f"{node.admin_url}/v1/stats")
         if stats["tiers"]["ssd"]["num_objects"] == 8:
             break
         time.sleep(0.1)
