@@ -108,15 +108,18 @@ class AsyncPagedKVConnector:
         self.chunk_tokens = namespace.chunk_tokens
         self.blocks_per_chunk = self.chunk_tokens // layout.block_size
         self.chunk_nbytes = layout.chunk_nbytes(self.chunk_tokens)
-        self.num_blocks = self.caches[0].shape[1 if layout.kind == "flash" else 0]
+        self.num_blocks = layout.num_blocks_of(self.caches[0])
         self.device = self.caches[0].device
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None  # type: ignore[no-untyped-call]
         self.stats = ConnectorStats()
         if direct is None:
-            direct = not self.cuda
+            direct = not self.cuda and layout.kind != "cpu_attn"
         if direct and self.cuda:
             raise LayoutError("direct transfers need the KV caches in host memory")
+        if direct and layout.kind == "cpu_attn":
+            raise LayoutError("cpu_attn blocks hold K transposed: chunks go through staging "
+                              "(direct=False)")
         self.direct = direct
         #: chunks in flight at once (receives or puts); the staging ring's size
         self.depth = staging_slots
@@ -186,16 +189,17 @@ class AsyncPagedKVConnector:
     def _run_copy(self, fn: Any, *args: Any) -> asyncio.Future[None]:
         return asyncio.wrap_future(self._copier.submit(fn, *args))
 
-    def _to_device(self, slot: _Slot, ids: torch.Tensor) -> None:
-        """Copy thread: staging slot -> the engine's blocks."""
+    def _to_device(self, slot: _Slot, ids: torch.Tensor, first_block: int = 0) -> None:
+        """Copy thread: staging slot -> the engine's blocks (from the chunk's
+        ``first_block`` on; ``ids`` names those blocks)."""
         if self.stream is not None:
             with torch.cuda.stream(self.stream):
                 slot.device.copy_(slot.host, non_blocking=True)
-                scatter(self.layout, self.caches, ids, slot.chunk)
+                scatter(self.layout, self.caches, ids, slot.chunk, first_block=first_block)
                 slot.event.record(self.stream)
             slot.event.synchronize()  # the host slot may be received into again
         else:
-            scatter(self.layout, self.caches, ids, slot.chunk)
+            scatter(self.layout, self.caches, ids, slot.chunk, first_block=first_block)
 
     def _to_host(self, slot: _Slot, ids: torch.Tensor) -> None:
         """Copy thread: the engine's blocks -> staging slot."""
@@ -219,25 +223,37 @@ class AsyncPagedKVConnector:
 
     async def load(self, tokens: Sequence[int] | torch.Tensor,
                    block_ids: Sequence[int] | torch.Tensor, *,
-                   max_tokens: int | None = None) -> int:
+                   max_tokens: int | None = None, skip_tokens: int = 0) -> int:
         """Fill the engine's blocks with the longest cached prefix of ``tokens``.
 
         ``block_ids[j]`` is the engine block holding tokens ``[j*B, (j+1)*B)``.
         Loads at most ``max_tokens`` tokens (an engine that needs logits for the
         last prompt token passes ``len(tokens) - 1``). Returns the number of
         tokens loaded, a multiple of ``chunk_tokens``; the engine computes the rest.
+
+        ``skip_tokens`` (a multiple of the block size): the engine already holds
+        that many leading tokens (its own prefix cache); their blocks are not
+        written, chunks wholly inside them are not fetched, and the return value
+        counts them as present (the length of the prefix now in the blocks).
         """
         tokens = tokens_list(tokens)
         wanted = self._limit(tokens, block_ids, max_tokens)
+        if skip_tokens % self.layout.block_size:
+            raise LayoutError(f"skip_tokens ({skip_tokens}) must be a multiple of the block "
+                              f"size ({self.layout.block_size})")
+        first = max(0, skip_tokens) // self.chunk_tokens
         self.stats.loads += 1
-        if wanted == 0:
-            return 0
+        if wanted <= first:
+            return wanted * self.chunk_tokens if skip_tokens else 0
         keys = self.hasher.keys(tokens[: wanted * self.chunk_tokens])
-        found = await self.client.lookup(keys)
-        if found == 0:
-            return 0
+        found = first + await self.client.lookup(keys[first:])
+        if found == first:
+            return first * self.chunk_tokens
         id_list = self._id_list(block_ids, found * self.blocks_per_chunk)
         ids = None if self.direct else self._block_ids(id_list)
+        skip_blocks = skip_tokens // self.layout.block_size - first * self.blocks_per_chunk
+        if skip_blocks and self.direct:  # a direct receive writes every block of its chunk
+            raise LayoutError("skip_tokens inside a chunk needs staging (direct=False)")
         k = self.depth
         receives: dict[int, asyncio.Task[int | None]] = {}
 
@@ -246,7 +262,7 @@ class AsyncPagedKVConnector:
                 sink: memoryview | list[bytes | bytearray | memoryview] = \
                     self._segments(id_list, i)
             else:
-                slot = self.slots[i % k]
+                slot = self.slots[(i - first) % k]
                 if slot.busy is not None:
                     await slot.busy  # the copy of chunk i-k has left this slot
                 sink = slot.host_view
@@ -255,18 +271,20 @@ class AsyncPagedKVConnector:
             except BufferTooSmallError:
                 return None  # not a chunk of this layout: a miss like any other
 
-        loaded = 0
+        loaded = first
         try:
-            for i in range(min(k, found)):
+            for i in range(first, min(first + k, found)):
                 receives[i] = asyncio.create_task(receive(i))
-            for i in range(found):
+            for i in range(first, found):
                 got = await receives.pop(i)
                 if got != self.chunk_nbytes:  # missing, corrupt (None) or a foreign size
                     self.stats.load_misses += 1
                     break
                 if ids is not None:
-                    slot = self.slots[i % k]
-                    slot.busy = self._run_copy(self._to_device, slot, self._chunk_ids(ids, i))
+                    slot = self.slots[(i - first) % k]
+                    fb = skip_blocks if i == first else 0
+                    slot.busy = self._run_copy(self._to_device, slot,
+                                               self._chunk_ids(ids, i)[fb:], fb)
                 if i + k < found:
                     receives[i + k] = asyncio.create_task(receive(i + k))
                 loaded += 1
@@ -276,8 +294,8 @@ class AsyncPagedKVConnector:
             await self._settle()
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        self.stats.tokens_loaded += loaded * self.chunk_tokens
-        self.stats.bytes_loaded += loaded * self.chunk_nbytes
+        self.stats.tokens_loaded += (loaded - first) * self.chunk_tokens
+        self.stats.bytes_loaded += (loaded - first) * self.chunk_nbytes
         return loaded * self.chunk_tokens
 
     async def store(self, tokens: Sequence[int] | torch.Tensor,
@@ -374,8 +392,9 @@ class PagedKVConnector:
         return self._async.layout
 
     def load(self, tokens: Sequence[int] | torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
-             *, max_tokens: int | None = None) -> int:
-        return self._client.run(self._async.load(tokens, block_ids, max_tokens=max_tokens))
+             *, max_tokens: int | None = None, skip_tokens: int = 0) -> int:
+        return self._client.run(self._async.load(tokens, block_ids, max_tokens=max_tokens,
+                                                 skip_tokens=skip_tokens))
 
     def store(self, tokens: Sequence[int] | torch.Tensor,
               block_ids: Sequence[int] | torch.Tensor) -> int:

@@ -56,7 +56,7 @@ def layout_for(config: Any, *, dtype: torch.dtype = torch.float32,
 class HFCacheConnector:
     """Stores and rebuilds transformers ``DynamicCache`` objects through kvpool."""
 
-    def __init__(self, client: Client, config: Any, *, model_id: str,
+    def __init__(self, client: Client, config: Any, *, model_id: str | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  max_tokens: int = 8192, block_size: int = 16,
                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
@@ -69,7 +69,12 @@ class HFCacheConnector:
         self.pool = torch.zeros((lay.num_layers, *lay.layer_shape(num_blocks)), dtype=dtype,
                                 device=device)
         self.block_ids = list(range(num_blocks))
-        self.namespace = lay.namespace(model_id, chunk_tokens=chunk_tokens)
+        # the same default as the vLLM connector's: the two engines share chunks
+        self.model_id = model_id or str(getattr(config, "kvpool_model_id", None)
+                                        or getattr(config, "name_or_path", ""))
+        if not self.model_id:
+            raise LayoutError("give model_id: the config names no model")
+        self.namespace = lay.namespace(self.model_id, chunk_tokens=chunk_tokens)
         self.connector = PagedKVConnector(client, lay, self.pool, self.namespace,
                                           staging_slots=staging_slots)
 

