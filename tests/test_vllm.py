@@ -103,6 +103,19 @@ def test_cpu_attn_layout_is_bit_exact_against_vllms_own_cache_write(tmp_path: Pa
         assert checks == {"gather_equal": True, "scatter_equal": True}, case
 
 
+def test_connector_settings_fail_with_one_clear_line(tmp_path: Path) -> None:
+    result = driver(tmp_path, "settings", timeout=120)
+    assert result["url only"] == {"ok": True, "seeds": 1}
+    assert result["seed list"] == {"ok": True, "seeds": 2}
+    errors = {name: r.get("error", "") for name, r in result.items() if name != "log"}
+    assert 'needs "kvpool_url"' in errors["no url"]
+    assert "unknown kv_connector_extra_config key(s) ['chunk_token']" in errors["typo"]
+    assert "load_mode must be one of" in errors["bad mode"]
+    assert "chunk_tokens must be an integer >= 1" in errors["bad chunk"]
+    assert "timeout_s must be > 0" in errors["bad timeout"]
+    assert all("\n" not in e for e in errors.values())
+
+
 def test_a_fresh_vllm_loads_the_prefix_another_stored(pool: NodeProcess, tokenizer: Any,
                                                       tmp_path: Path) -> None:
     """Engine A computes and stores three ~1000-token prompts; engine B, a fresh process,
@@ -232,3 +245,19 @@ def test_chunks_move_between_vllm_and_transformers_both_ways(pool: NodeProcess,
             == vllm_own["tokens"]
         own = generate_greedy(model, from_vllm, DynamicCache(config=model.config), STEPS)
         assert own.tokens == vllm_own["tokens"]
+
+
+def test_a_dead_pool_costs_vllm_nothing_but_the_cache(tokenizer: Any, tmp_path: Path) -> None:
+    """The connector pointed at a port where no node listens: every lookup is a miss, no
+    error reaches vLLM, and the output is the output."""
+    from kvpool.server.local_cluster import free_ports
+
+    (port,) = free_ports(1)
+    prompts = [prompt(tokenizer, 600, "outage")]
+    dead = driver(tmp_path, "generate", {"prompts": prompts, "max_tokens": STEPS,
+                                         "connector": {"kvpool_url": f"127.0.0.1:{port}",
+                                                       "timeout_s": 1.0}})
+    alone = driver(tmp_path, "generate", {"prompts": prompts, "max_tokens": STEPS})
+    assert dead["runs"][0]["tokens"] == alone["runs"][0]["tokens"]
+    assert dead["runs"][0]["num_cached_tokens"] == 0
+    assert "lookup failed, treating it as a miss" in dead["log"]

