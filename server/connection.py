@@ -9,9 +9,10 @@ requests are read from this client (backpressure).
 
 TLS encrypts from its own buffers, so there replies are copied, a piece of at
 most ``TLS_PIECE`` bytes at a time and only while the TLS transport holds less
-than ``TLS_HIGH`` bytes: a TLS client that does not read costs the node at most
-about ``TLS_HIGH + TLS_PIECE`` bytes of copies (plus the kernel's socket buffer),
-however many values its GETs name, and its reads are paused as on plain TCP.
+than ``TLS_HIGH`` bytes: a TLS client that does not read costs the node a bounded
+amount, however many values its GETs name (1.1 MiB measured with the TLS
+layer's own buffers, ``bench/conn_memory.py``), and its reads are paused as on
+plain TCP.
 """
 
 from __future__ import annotations
