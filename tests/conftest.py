@@ -182,3 +182,13 @@ def put_corrupt(node: NodeProcess, key: bytes, payload: bytes, flip: int = 0) ->
     envelope = seal(body)
     body[flip] ^= 0xFF
     put_raw(node, key, envelope + bytes(body))
+
+
+def text_prompt(tokenizer: Any, n: int, topic: str) -> list[int]:
+    """``n`` token ids of English text about ``topic`` (different topics share no prefix)."""
+    text = " ".join(f"Note {i} on {topic}: engines recompute attention keys and values for "
+                    f"prefixes they have already seen, and a shared cache avoids it."
+                    for i in range(n // 10))
+    ids: list[int] = tokenizer(text).input_ids
+    assert len(ids) >= n
+    return ids[:n]

@@ -27,7 +27,7 @@ from kvpool.client import Client  # noqa: E402
 from kvpool.gpu.hf import HFCacheConnector, generate_greedy  # noqa: E402
 from kvpool.gpu.models import SMOLLM2_ID, load_smollm2  # noqa: E402
 
-from .conftest import NodeProcess  # noqa: E402
+from .conftest import NodeProcess, text_prompt  # noqa: E402
 
 STEPS = 16
 
@@ -37,22 +37,13 @@ def smollm2() -> tuple[Any, Any]:
     return load_smollm2()  # converted once per machine (~40 s), then ~0.3 s
 
 
-def prompt(tokenizer: Any, n: int, topic: str) -> list[int]:
-    text = " ".join(f"Note {i} on {topic}: engines recompute attention keys and values for "
-                    f"prefixes they have already seen, and a shared cache avoids it."
-                    for i in range(n // 10))
-    ids: list[int] = tokenizer(text).input_ids
-    assert len(ids) >= n
-    return ids[:n]
-
-
 @pytest.mark.timeout(600)
 def test_engine_b_continues_exactly_where_engine_a_stored(
         smollm2: tuple[Any, Any], node: NodeProcess, tmp_path: Path) -> None:
     model, tokenizer = smollm2
     model_id = f"{SMOLLM2_ID}/test-{uuid.uuid4().hex[:8]}"  # a fresh namespace every run
-    first = prompt(tokenizer, 1000, "caching")
-    second = first[:512] + prompt(tokenizer, 300, "routing")  # shares exactly 512 tokens
+    first = text_prompt(tokenizer, 1000, "caching")
+    second = first[:512] + text_prompt(tokenizer, 300, "routing")  # shares exactly 512 tokens
     assert second[512] != first[512]
 
     # engine A: full prefill of the first prompt, store its KV, and reference runs of both

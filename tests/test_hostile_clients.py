@@ -140,19 +140,6 @@ def _reply_len(data: bytes) -> int:
     return first + FRAME.size + FRAME.unpack_from(data, first)[6]
 
 
-def _post(url: str, body: bytes, token: str) -> tuple[int, dict[str, object]]:
-    import urllib.error
-    import urllib.request
-
-    request = urllib.request.Request(url, data=body, method="POST", headers={
-        "Content-Type": "application/json", "Authorization": f"Bearer {token}"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return reply.status, json.load(reply)
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.load(exc)
-
-
 def test_maximal_admin_lookups_do_not_stall_other_clients(tenant_node: NodeProcess) -> None:
     """Lookups as large as the node allows (and larger) are parsed off the event loop: a
     witness's TCP GETs meanwhile never wait long (a 4M-token lookup once froze them 2-23 s).
@@ -166,11 +153,9 @@ def test_maximal_admin_lookups_do_not_stall_other_clients(tenant_node: NodeProce
     tokens = [rng.randrange(50_000) for _ in range(MAX_LOOKUP_TOKENS)]
     ns = {"model": "m", "dtype": "bf16", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8}
     bodies = {
-        "maximal": json.dumps({"namespace": {**ns, "chunk_tokens": 256}, "tokens": tokens}),
-        "too many chunks": json.dumps({"namespace": {**ns, "chunk_tokens": 16},
-                                       "tokens": tokens}),
-        "maximal keys": json.dumps({"keys": [os.urandom(16).hex()
-                                             for _ in range(MAX_LOOKUP_KEYS)]}),
+        "maximal": {"namespace": {**ns, "chunk_tokens": 256}, "tokens": tokens},
+        "too many chunks": {"namespace": {**ns, "chunk_tokens": 16}, "tokens": tokens},
+        "maximal keys": {"keys": [os.urandom(16).hex() for _ in range(MAX_LOOKUP_KEYS)]},
     }
     latencies: list[float] = []
     stop = threading.Event()
@@ -188,7 +173,7 @@ def test_maximal_admin_lookups_do_not_stall_other_clients(tenant_node: NodeProce
     thread.start()
     try:
         time.sleep(0.3)
-        answers = {name: _post(f"{tenant_node.admin_url}/v1/lookup", body.encode(), VICTIM)
+        answers = {name: http_json(f"{tenant_node.admin_url}/v1/lookup", "POST", body, VICTIM)
                    for name, body in bodies.items()}
     finally:
         stop.set()

@@ -23,7 +23,7 @@ import pytest
 
 from kvpool.client import Client
 from kvpool.placement.keys import ChunkHasher, Namespace
-from kvpool.tests.conftest import NodeProcess, put_corrupt, start_node
+from kvpool.tests.conftest import NodeProcess, put_corrupt, start_node, text_prompt
 
 VLLM_PYTHON = os.environ.get("VLLM_CPU_PYTHON", "")
 if platform.machine() != "x86_64":
@@ -70,15 +70,6 @@ def tokenizer() -> Any:
     return AutoTokenizer.from_pretrained(smollm2_folder(), local_files_only=True)
 
 
-def prompt(tokenizer: Any, n: int, topic: str) -> list[int]:
-    text = " ".join(f"Note {i} on {topic}: an engine recomputes the attention keys and values "
-                    f"of prefixes it has already seen, unless a shared cache keeps them."
-                    for i in range(n // 10))
-    ids: list[int] = tokenizer(text).input_ids
-    assert len(ids) >= n
-    return ids[:n]
-
-
 def chunk_keys(tokens: list[int], dtype: str = "bfloat16") -> list[bytes]:
     """The keys the connector gives these tokens' chunks (SmolLM2: 30 layers, 3 KV heads)."""
     from kvpool.gpu.models import SMOLLM2_ID
@@ -122,7 +113,8 @@ def test_a_fresh_vllm_loads_the_prefix_another_stored(pool: NodeProcess, tokeniz
     loads their prefixes: all of the first; of the second, the chunk left after one was
     deleted; of the third, what is left after a chunk corrupted in the pool fails its
     checksum (promised, then recomputed). Greedy output equals A's and a no-connector run's."""
-    prompts = [prompt(tokenizer, 1000, topic) for topic in ("caching", "routing", "paging")]
+    prompts = [text_prompt(tokenizer, 1000, topic)
+               for topic in ("caching", "routing", "paging")]
     connector = {"kvpool_url": pool.url}
     baseline = driver(tmp_path, "generate", {"prompts": prompts, "max_tokens": STEPS})
     stored = driver(tmp_path, "generate", {"prompts": prompts, "max_tokens": STEPS,
@@ -170,7 +162,8 @@ def test_vllm_serve_answers_a_restarted_servers_request_from_the_pool(
            "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype",
            "bfloat16", "--max-model-len", "4096", "--enable-prompt-tokens-details",
            "--kv-transfer-config", transfer]
-    body = json.dumps({"model": str(smollm2_folder()), "prompt": prompt(tokenizer, 1000, "serve"),
+    body = json.dumps({"model": str(smollm2_folder()),
+                       "prompt": text_prompt(tokenizer, 1000, "serve"),
                        "max_tokens": STEPS, "temperature": 0}).encode()
     answers = []
     for _ in range(2):
@@ -225,7 +218,8 @@ def test_chunks_move_between_vllm_and_transformers_both_ways(pool: NodeProcess,
     from kvpool.gpu.models import load_smollm2
 
     model, _ = load_smollm2()
-    from_hf, from_vllm = prompt(tokenizer, 1000, "transformers"), prompt(tokenizer, 1000, "vllm")
+    from_hf = text_prompt(tokenizer, 1000, "transformers")
+    from_vllm = text_prompt(tokenizer, 1000, "vllm")
     with Client(pool.url) as client, HFCacheConnector(client, model.config) as hf:
         from transformers import DynamicCache
 
@@ -253,7 +247,7 @@ def test_a_dead_pool_costs_vllm_nothing_but_the_cache(tokenizer: Any, tmp_path: 
     from kvpool.server.local_cluster import free_ports
 
     (port,) = free_ports(1)
-    prompts = [prompt(tokenizer, 600, "outage")]
+    prompts = [text_prompt(tokenizer, 600, "outage")]
     dead = driver(tmp_path, "generate", {"prompts": prompts, "max_tokens": STEPS,
                                          "connector": {"kvpool_url": f"127.0.0.1:{port}",
                                                        "timeout_s": 1.0}})
