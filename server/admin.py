@@ -29,7 +29,6 @@ from aiohttp import web
 
 from kvpool.placement.cluster_map import ClusterMap
 from kvpool.placement.keys import key_from_hex
-from kvpool.placement.lookup import MAX_LOOKUP_KEYS, MAX_LOOKUP_TOKENS
 from kvpool.protocol.errors import (
     ConfigError,
     InvalidKeyError,
@@ -45,7 +44,7 @@ from kvpool.server.membership import StaticMapError
 from kvpool.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvpool.server.openapi import openapi_document
 
-__all__ = ["MAX_LOOKUP_KEYS", "MAX_LOOKUP_TOKENS", "make_admin_app"]
+__all__ = ["make_admin_app"]
 
 _TIER_NAMES = {int(t): t.name.lower() for t in Tier}
 #: seconds between SSE comment lines on an idle event stream (keeps proxies from timing out)

@@ -54,8 +54,6 @@ class LookupParser:
 
     def __init__(self, max_concurrent: int = MAX_CONCURRENT) -> None:
         self._slots = asyncio.Semaphore(max_concurrent)
-        #: lookups parsed in a child process (for tests and stats)
-        self.offloaded = 0
 
     async def parse(self, body: BodyStream, content_length: int | None) -> LookupRequest:
         """Parse the request body; ConfigError/InvalidKeyError if it is bad.
@@ -68,7 +66,6 @@ class LookupParser:
         if content_length is not None and content_length <= INLINE_BYTES:
             return parse_lookup(await body.read())
         async with self._slots:
-            self.offloaded += 1
             return await _in_child(body)
 
 

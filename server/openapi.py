@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpool.placement.lookup import MAX_LOOKUP_KEYS, MAX_LOOKUP_TOKENS
+
 __all__ = ["openapi_document"]
 
 VERSION = "1"
@@ -114,12 +116,14 @@ def openapi_document() -> dict[str, Any]:
              **_BAD, "503": _err("peers unreachable")},
             requestBody={"required": True, "content": {"application/json": {"schema": {"oneOf": [
                 {"type": "object", "required": ["keys"], "additionalProperties": False,
-                 "properties": {"keys": {"type": "array", "items": _KEY}}},
+                 "properties": {"keys": {"type": "array", "items": _KEY,
+                                         "maxItems": MAX_LOOKUP_KEYS}}},
                 {"type": "object", "required": ["namespace", "tokens"],
                  "additionalProperties": False,
                  "properties": {"namespace": _NAMESPACE, "tokens": {
-                     "type": "array", "items": {"type": "integer", "minimum": 0,
-                                                "maximum": 4294967295}}}}]}}}})},
+                     "type": "array", "maxItems": MAX_LOOKUP_TOKENS,
+                     "items": {"type": "integer", "minimum": 0,
+                               "maximum": 4294967295}}}}]}}}})},
         "/v1/events": {"get": _op(
             "KV events (stored, evicted, demoted, removed, expired) as server-sent events",
             {"200": {"description": "an endless text/event-stream", "content": {
