@@ -19,6 +19,7 @@ from kvpool.server.admin_http import AdminError, add_admin_args, admin_base, cal
 from kvpool.server.cli_cluster import add_cluster_commands
 from kvpool.server.cli_ops import add_ops_commands
 from kvpool.server.config import add_arguments, format_size, load_config
+from kvpool.server.healthcheck import add_health_command
 
 __all__ = ["main"]
 
@@ -121,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats.set_defaults(func=_stats)
     add_cluster_commands(sub)
     add_ops_commands(sub)
+    add_health_command(sub)
     cluster = sub.add_parser("cluster", help="clusters: up (local), status, drain")
     csub = cluster.add_subparsers(dest="cluster_command", required=True)
     up = csub.add_parser(

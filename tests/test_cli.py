@@ -65,6 +65,24 @@ def test_healthz(node: NodeProcess) -> None:
         assert json.load(r)["status"] == "ok"
 
 
+def test_health_probes_the_node_its_environment_describes(node: NodeProcess) -> None:
+    import os
+
+    port = node.admin_url.rsplit(":", 1)[1]
+    env = {**os.environ, "KVPOOL_HOST": "0.0.0.0", "KVPOOL_ADMIN_PORT": port}
+    ok = subprocess.run([sys.executable, "-m", "kvpool.server", "health"], env=env,
+                        capture_output=True, text=True, timeout=60, check=False)
+    assert ok.returncode == 0 and ok.stdout.startswith("ok "), ok.stderr
+    assert kvpool("health", "--url", node.admin_url.split("://")[1], "-q").returncode == 0
+    down = kvpool("health", "--url", "127.0.0.1:1")
+    assert down.returncode == 1 and down.stderr.count("\n") == 1
+    assert "127.0.0.1:1/healthz" in down.stderr
+    bad = subprocess.run([sys.executable, "-m", "kvpool.server", "health"],
+                         env={**env, "KVPOOL_ADMIN_PORT": "x"}, capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert bad.returncode == 2 and "KVPOOL_ADMIN_PORT" in bad.stderr
+
+
 def test_readme_documents_every_knob() -> None:
     from pathlib import Path
 
