@@ -1,26 +1,38 @@
-# kvpool node image: the node and the SDK only (no torch), running as a non-root user.
+# kvpool node image: the node and the SDK only (no torch), in a venv, running as a non-root
+# user, healthy when the node answers /healthz.
 #   docker build -t kvpool .
-#   docker run -p 7700:7700 -p 7701:7701 -v kvpool-data:/data kvpool
-FROM python:3.11-slim
+#   docker run --network host -v kvpool-data:/data kvpool
+# BASE_IMAGE: any Debian-like image with python3 >= 3.11 and its venv module (default
+# python:3.11-slim; offline, a local debootstrapped Debian: deploy/local/build-images.sh).
+# A wheels/ folder in the build context (pip wheel --wheel-dir wheels .) is installed with
+# --no-index, so the build needs no package index; without one, pip uses the index.
+ARG BASE_IMAGE=python:3.11-slim
 
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
+FROM ${BASE_IMAGE} AS build
+# the legacy builder keeps this stage as an untagged image: the label lets it be pruned
+LABEL io.kvpool.stage=build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
+COPY . /src
+RUN python3 -m venv /opt/kvpool \
+    && if [ -d /src/wheels ]; then \
+           /opt/kvpool/bin/pip install --no-index --find-links /src/wheels kvpool; \
+       else \
+           /opt/kvpool/bin/pip install /src; \
+       fi \
+    && /opt/kvpool/bin/python -c "import importlib.util as u, sys; \
+sys.exit('torch is in the image' if u.find_spec('torch') else 0)"
+
+FROM ${BASE_IMAGE}
+ENV PATH=/opt/kvpool/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
     KVPOOL_HOST=0.0.0.0 KVPOOL_DATA_DIR=/data
-WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY protocol protocol
-COPY placement placement
-COPY tiers tiers
-COPY server server
-COPY client client
-COPY gpu gpu
-COPY bench bench
-COPY tests tests
-RUN pip install . && useradd --system --uid 10001 --home /data kvpool \
-    && mkdir -p /data && chown kvpool /data
+COPY --from=build /opt/kvpool /opt/kvpool
+RUN useradd --system --uid 10001 --user-group --home-dir /data --no-create-home kvpool \
+    && mkdir -p /data && chown kvpool:kvpool /data
 USER kvpool
 WORKDIR /data
 VOLUME /data
 EXPOSE 7700 7701
-HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
-    CMD python -c "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('KVPOOL_ADMIN_PORT', '7701'), timeout=2)"
+STOPSIGNAL SIGTERM
+HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
+    CMD ["kvpool", "health", "--quiet"]
 ENTRYPOINT ["kvpool", "serve"]

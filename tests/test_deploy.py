@@ -1,6 +1,7 @@
 """The Docker Compose deployment, checked without a Docker engine: the files parse, every
 node's environment is accepted by the real config loader, ports, the cluster and Prometheus'
-targets agree, and every metric the Grafana dashboard queries is one a real node exports."""
+targets agree, the local override swaps only images, and every metric the Grafana dashboard
+queries is one a real node exports. tests/test_docker.py runs the stack for real."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ from kvpool.server.config import load_config, unknown_env_vars
 
 from .conftest import start_node
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
 
 
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    data: dict[str, Any] = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    data: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     return data
 
 
@@ -39,31 +41,38 @@ def test_compose_has_the_whole_stack(compose: dict[str, Any]) -> None:
     assert len(nodes) == 3
     for name, svc in nodes.items():
         assert svc["build"]["dockerfile"] == "Dockerfile"
-        assert (DEPLOY / svc["build"]["context"] / "Dockerfile").is_file()
+        assert (ROOT / svc["build"]["context"] / "Dockerfile").is_file()
         assert svc["volumes"] == [f"{name}-data:/data"] and f"{name}-data" in compose["volumes"]
         assert svc["depends_on"]["minio-init"]["condition"] == "service_completed_successfully"
-    for svc in compose["services"].values():  # every mounted config file exists
-        for volume in svc.get("volumes", []):
+    for svc in compose["services"].values():
+        # host networking (clients on the host reach the addresses nodes advertise), so no
+        # published ports: Compose v1 refuses them beside network_mode host
+        assert svc["network_mode"] == "host" and "ports" not in svc
+        for volume in svc.get("volumes", []):  # every mounted config file exists
             source = volume.split(":")[0]
             if source.startswith("./"):
-                assert (DEPLOY / source).exists(), source
+                assert (ROOT / source).exists(), source
 
 
 def test_every_node_environment_is_accepted_by_the_config_loader(
         compose: dict[str, Any]) -> None:
-    ids = set()
+    ids: set[str] = set()
+    ports: set[int] = set()
     for name, svc in kvpool_services(compose).items():
         env = {k: str(v) for k, v in svc["environment"].items()}
         assert unknown_env_vars(env) == [], name
         config = load_config(None, env)  # raises on any bad value
-        assert config.server.node_id == name and config.server.advertise_host == name
-        assert config.cluster.etcd == "http://etcd:2379"
-        assert config.s3.bucket == "kvpool" and config.s3.endpoint_url == "http://minio:9000"
-        # the published ports lead to the ports the node listens on
-        published = {int(p.split(":")[1]) for p in svc["ports"]}
-        assert published == {config.server.data_port, config.server.admin_port}
+        assert config.server.node_id == name and config.server.host == "127.0.0.1"
+        assert config.cluster.etcd == "http://127.0.0.1:2379"
+        assert config.s3.bucket == "kvpool" and config.s3.endpoint_url == "http://127.0.0.1:9000"
         ids.add(config.server.node_id)
-    assert len(ids) == 3
+        ports.update({config.server.data_port, config.server.admin_port})
+    assert len(ids) == 3 and len(ports) == 6  # one network: every node its own ports
+    seeds = re.search(r"seeds +(kvpool://\S+)", (ROOT / "docker-compose.yml").read_text())
+    assert seeds is not None
+    data_ports = sorted(load_config(None, {k: str(v) for k, v in svc["environment"].items()})
+                        .server.data_port for svc in kvpool_services(compose).values())
+    assert seeds[1] == "kvpool://" + ",".join(f"127.0.0.1:{p}" for p in data_ports)
     minio = compose["services"]["minio"]["environment"]
     node_env = next(iter(kvpool_services(compose).values()))["environment"]
     assert node_env["AWS_ACCESS_KEY_ID"] == minio["MINIO_ROOT_USER"]
@@ -76,9 +85,9 @@ def test_prometheus_scrapes_every_node_admin_port(compose: dict[str, Any]) -> No
     targets = {t for job in prometheus["scrape_configs"] for sc in job["static_configs"]
                for t in sc["targets"]}
     expected = set()
-    for name, svc in kvpool_services(compose).items():
+    for svc in kvpool_services(compose).values():
         config = load_config(None, {k: str(v) for k, v in svc["environment"].items()})
-        expected.add(f"{name}:{config.server.admin_port}")
+        expected.add(f"{config.server.host}:{config.server.admin_port}")
     assert targets == expected
     assert all(job["metrics_path"] == "/metrics" for job in prometheus["scrape_configs"])
 
@@ -88,8 +97,37 @@ def test_otel_collector_receives_what_the_nodes_send(compose: dict[str, Any]) ->
     http = collector["receivers"]["otlp"]["protocols"]["http"]["endpoint"]
     for svc in kvpool_services(compose).values():
         endpoint = svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"]
-        assert endpoint == f"http://otel-collector:{http.rsplit(':', 1)[1]}"
+        assert endpoint == f"http://{http}"
     assert set(collector["service"]["pipelines"]) >= {"metrics", "traces"}
+
+
+def test_the_local_override_swaps_images_and_nothing_of_the_deployment(
+        compose: dict[str, Any]) -> None:
+    """docker-compose.local.yml (what CI runs) may change how a service is made and started,
+    never its network, volumes, or a node's configuration."""
+    local = yaml.safe_load((ROOT / "docker-compose.local.yml").read_text())
+    assert set(local) == {"services"}
+    for name, svc in local["services"].items():
+        assert name in compose["services"], name
+        assert set(svc) <= {"image", "build", "entrypoint", "command", "environment"}, name
+        if name.startswith("kvpool"):
+            assert set(svc) == {"build", "environment"}
+            assert set(svc["build"]) == {"args"}
+            assert svc["environment"] == {"OTEL_EXPORTER_OTLP_ENDPOINT": ""}
+        elif "image" in svc:
+            assert svc["image"].startswith(("kvpool-local/", "kvpool:")), name
+    built = {svc["image"] for svc in local["services"].values() if "image" in svc}
+    script = (DEPLOY / "local" / "build-images.sh").read_text()
+    assert all(image in script for image in built - {"kvpool:latest"})
+
+
+def test_grafana_and_prometheus_agree_on_the_address(compose: dict[str, Any]) -> None:
+    source = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
+    url = source["datasources"][0]["url"]
+    listen = next(a for a in compose["services"]["prometheus"]["command"]
+                  if a.startswith("--web.listen-address="))
+    assert url == "http://" + listen.split("=", 1)[1]
 
 
 def test_dashboard_queries_only_metrics_a_real_node_exports() -> None:

