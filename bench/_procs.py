@@ -127,7 +127,9 @@ def start_seaweedfs(root: Path, access_key: str, secret_key: str, bucket: str,
     ports = {name: free_port() for name in SEAWEED_PORTS}
     (root / "data").mkdir(exist_ok=True)
     log = (root / "weed.log").open("w")
-    proc = subprocess.Popen([weed, "mini", f"-dir={root / 'data'}", "-ip=127.0.0.1",
+    # its unix sockets default to /tmp/seaweedfs-*-<port>.sock and outlive it: keep them here
+    sockets = [f"-s3.localSocket={root / 's3.sock'}", f"-filer.localSocket={root / 'filer.sock'}"]
+    proc = subprocess.Popen([weed, "mini", f"-dir={root / 'data'}", "-ip=127.0.0.1", *sockets,
                              "-ip.bind=127.0.0.1", f"-s3.config={config}", "-s3.port.iceberg=0",
                              "-s3.port.lance=0", *(f"-{n}={p}" for n, p in ports.items())],
                             stdout=log, stderr=subprocess.STDOUT, text=True)

@@ -454,7 +454,7 @@ def _fast_refs(series: dict[str, dict[str, Any]], name: str
 
 
 def fast_path_markdown(results: dict[str, Any]) -> str:
-    """The README's same-host fast-path table, from a results JSON: each shm GET series
+    """docs/fast-path.md's table, from a results JSON: each shm GET series
     at 1 and 4 MiB against TCP, memcpy (two ways) and copy+verify."""
     lines = ["| size | series, shm | GB/s | TCP GB/s | ÷ TCP | ÷ memcpy | "
              "÷ memcpy, same buffers | ÷ copy+verify |", "|---|---|---|---|---|---|---|---|"]
@@ -523,7 +523,7 @@ def report(results: dict[str, Any]) -> None:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    """The README's table, from a results JSON."""
+    """docs/benchmarks.md's table, from a results JSON."""
     iperf = results["iperf3_gbps"]["median"] if results.get("iperf3_gbps") else None
     lines = ["| size | series | GB/s median [min-max] | ops/s | ÷ iperf3 | ÷ raw Python "
              "| ÷ Redis | ÷ TCP | ÷ memcpy | ÷ memcpy, same buffers | ÷ copy+verify |",
@@ -564,9 +564,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/throughput.json"))
     parser.add_argument("--quick", action="store_true", help="1 run, small budgets")
     parser.add_argument("--markdown-from", type=Path, metavar="JSON",
-                        help="print the README table of an earlier run and exit")
+                        help="print docs/benchmarks.md's table of an earlier run and exit")
     parser.add_argument("--fast-path-from", type=Path, metavar="JSON",
-                        help="print the README's fast-path table of an earlier run and exit")
+                        help="print docs/fast-path.md's table of an earlier run and exit")
     args = parser.parse_args()
     if args.markdown_from:
         print(markdown(json.loads(args.markdown_from.read_text())))

@@ -65,6 +65,7 @@ from kvpool.client._node import (
     flat_view,
     join_keys,
     key_bytes,
+    parse_seeds,
     parse_url,
     routed_by,
     rows_blob,
@@ -132,9 +133,14 @@ class AsyncClient:
     as it arrives. A value that fails verification is treated as a **miss**
     (``get`` returns None), counted in :attr:`num_corrupt`, and deleted from
     the node so the next writer replaces it.
+
+    ``url``: a node URL (``kvpool://host:port`` or ``host:port``), a list of them, or
+    comma-separated seeds as ``kvpool cluster up`` prints them; any one node of a cluster
+    is enough (it hands out the map). Default: ``$KVPOOL_URL``, else kvpool://127.0.0.1:7700.
+    ``token`` defaults to ``$KVPOOL_TOKEN``.
     """
 
-    def __init__(self, url: str | Sequence[str] = f"kvpool://127.0.0.1:{DEFAULT_PORT}", *,
+    def __init__(self, url: str | Sequence[str] | None = None, *,
                  pool_size: int = 2, timeout: float = 10.0, connect_timeout: float = 5.0,
                  client_name: str = "kvpool-python",
                  tracer_provider: TracerProvider | None = None,
@@ -147,10 +153,11 @@ class AsyncClient:
             raise ConfigError("timeouts must be > 0 seconds")
         if shm_put_min_bytes < 0:
             raise ConfigError("shm_put_min_bytes must be >= 0")
-        urls = [url] if isinstance(url, str) else list(url)
-        if not urls:
+        if url is None:
+            url = os.environ.get("KVPOOL_URL") or f"kvpool://127.0.0.1:{DEFAULT_PORT}"
+        if not isinstance(url, str) and not list(url):
             raise ConfigError("give at least one node URL")
-        self.seeds = [parse_url(u) for u in urls]
+        self.seeds = parse_seeds(url)
         self.host, self.port = self.seeds[0]
         scope_flags(scope)  # ConfigError now, not at connect
         if token is None:

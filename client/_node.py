@@ -60,7 +60,7 @@ from kvpool.protocol.frames import (
 from kvpool.protocol.parsers import TOO_SMALL, Reply, Segments
 
 __all__ = ["DEFAULT_PORT", "SHM_PUT_MIN_BYTES", "Key", "NodeClient", "join_keys", "key_bytes",
-           "parse_url"]
+           "parse_seeds", "parse_url"]
 
 log = logging.getLogger("kvpool.client")
 
@@ -104,6 +104,29 @@ def parse_url(url: str) -> tuple[str, int]:
     if not parts.hostname:
         raise ConfigError(f"no host in node URL {url!r}")
     return parts.hostname, port
+
+
+def parse_seeds(url: str | Sequence[str]) -> list[tuple[str, int]]:
+    """Node URLs -> [(host, port)]: one URL, a list of them, or comma-separated seeds as
+    ``kvpool cluster up`` prints them (``kvpool://h:p,h:p,...``, the scheme written once or
+    on each, or left out)."""
+    items = [url] if isinstance(url, str) else list(url)
+    seeds = []
+    for item in items:
+        if not isinstance(item, str):
+            raise ConfigError(f"a node URL is a str, got {type(item).__name__}")
+        body = item.strip()
+        scheme = ""
+        if "," in body and "://" in body.split(",", 1)[0]:
+            scheme, body = body.split("://", 1)
+            scheme += "://"
+        for raw in body.split(","):
+            part = raw.strip()
+            if part:
+                seeds.append(parse_url(part if "://" in part else scheme + part))
+    if not seeds:
+        raise ConfigError(f"no node URL in {url!r}")
+    return seeds
 
 
 def scope_flags(scope: str) -> int:

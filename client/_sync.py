@@ -24,7 +24,7 @@ from typing import Any, TypeVar, cast
 
 from kvpool.client._async import AsyncClient
 from kvpool.client._connection import BufferOrSegments
-from kvpool.client._node import DEFAULT_PORT, TOUCH_DELAY_S, Key
+from kvpool.client._node import TOUCH_DELAY_S, Key
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
 
 __all__ = ["Client"]
@@ -43,8 +43,7 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 class Client:
     """Blocking client of one kvpool node or a cluster; see :class:`AsyncClient`."""
 
-    def __init__(self, url: str | Sequence[str] = f"kvpool://127.0.0.1:{DEFAULT_PORT}",
-                 **kwargs: Any) -> None:
+    def __init__(self, url: str | Sequence[str] | None = None, **kwargs: Any) -> None:
         self._async = AsyncClient(url, **kwargs)
         self._loop = _new_loop()
         self._lock = threading.Lock()

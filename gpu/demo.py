@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
+
+from kvpool.protocol.errors import KvpoolError
 
 __all__ = ["main"]
 
@@ -35,8 +38,7 @@ _TEXT = ("Chapter {i}. Large language model servers spend much of their time-to-
          "same prefix again. ")
 
 
-def _start_node() -> tuple[subprocess.Popen[str], str]:
-    data_dir = tempfile.mkdtemp(prefix="kvpool-demo-")
+def _start_node(data_dir: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen([sys.executable, "-m", "kvpool.server", "serve", "--data-port", "0",
                              "--admin-port", "0", "--no-ssd", "--dram-capacity", "1GiB",
                              "--data-dir", data_dir, "--log-level", "warning"],
@@ -55,7 +57,7 @@ def _start_node() -> tuple[subprocess.Popen[str], str]:
             threading.Thread(target=proc.stdout.read, daemon=True).start()
             return proc, f"kvpool://{m.group(1)}:{m.group(2)}"
     proc.kill()
-    raise RuntimeError("the local node did not start:\n" + "".join(lines))
+    raise KvpoolError("the local node did not start:\n" + "".join(lines))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,17 +68,20 @@ def run(args: argparse.Namespace) -> int:
     with console.status("importing torch and transformers") as status:
         import torch
         from transformers import DynamicCache
+        from transformers.utils import logging as hf_logging
 
         from kvpool.client import Client
         from kvpool.gpu.hf import HFCacheConnector, generate_greedy
         from kvpool.gpu.models import SMOLLM2_ID, load_smollm2
 
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # bars vs spinner
         torch.set_grad_enabled(False)
         node = None
         url = args.seed
+        data_dir = tempfile.mkdtemp(prefix="kvpool-demo-")  # the node's; removed at the end
         if not url:
             status.update("starting a local kvpool node")
-            node, url = _start_node()
+            node, url = _start_node(data_dir)
         try:
             model, tokenizer = load_smollm2(progress=status.update)
             status.update("tokenizing the prompt")
@@ -108,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
             if node is not None:
                 node.terminate()
                 node.wait(10)
+            shutil.rmtree(data_dir, ignore_errors=True)
     same = cold.tokens == warm.tokens
     diff = float((cold.logits - warm.logits).abs().max())
     warm_ttft = load_s + warm.ttft_s
@@ -148,7 +154,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvpool demo", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except KvpoolError as exc:  # no model package, node unreachable, ...
+        print(f"kvpool demo: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

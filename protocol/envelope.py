@@ -33,6 +33,8 @@ import xxhash
 from kvpool.protocol.errors import CorruptChunkError
 
 __all__ = [
+    "CODEC_BY_NAME",
+    "CODEC_NAMES",
     "ENVELOPE_HEADER_SIZE",
     "ENVELOPE_MAGIC",
     "ENVELOPE_VERSION",
@@ -60,6 +62,11 @@ class Codec(enum.IntEnum):
     RAW = 0
     LZ4 = 1
     SHUFFLE_LZ4 = 2
+
+
+#: the codecs by the names configuration, start-up lines and stats use
+CODEC_BY_NAME = {"none": Codec.RAW, "lz4": Codec.LZ4, "shuffle-lz4": Codec.SHUFFLE_LZ4}
+CODEC_NAMES = {codec: name for name, codec in CODEC_BY_NAME.items()}
 
 
 Payload = bytes | bytearray | memoryview

@@ -17,8 +17,10 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-__all__ = ["AdminError", "add_admin_args", "admin_base", "call_admin", "call_with_args",
-           "default_token"]
+__all__ = ["AdminError", "add_admin_args", "admin_base", "admin_bases", "call_admin",
+           "call_first", "call_with_args", "default_token"]
+
+DEFAULT_ADMIN = "http://127.0.0.1:7701"
 
 
 class AdminError(Exception):
@@ -47,6 +49,15 @@ def admin_base(admin: str, like: str = "") -> str:
         return admin
     scheme = like.split("://", 1)[0] if "://" in like else "http"
     return f"{scheme}://{admin}"
+
+
+def admin_bases(admin: str) -> list[str]:
+    """A comma-separated list of admin URLs or ``host:port`` -> base URLs, in order."""
+    first = admin.split(",", 1)[0]
+    bases = [admin_base(a.strip(), first) for a in admin.split(",") if a.strip()]
+    if not bases:
+        raise AdminError(f"no admin URL in {admin!r}")
+    return bases
 
 
 def call_admin(url: str, body: dict[str, Any] | None = None, *, method: str | None = None,
@@ -81,8 +92,9 @@ def call_admin(url: str, body: dict[str, Any] | None = None, *, method: str | No
 def add_admin_args(parser: argparse.ArgumentParser, *, token: bool = False) -> None:
     """``--admin`` (any node's admin URL), ``--token`` and ``--cacert``; ``token``: the
     command mutates, so its token must be an admin one."""
-    parser.add_argument("--admin", default="http://127.0.0.1:7701",
-                        help="admin URL of any node (default: http://127.0.0.1:7701)")
+    parser.add_argument("--admin", default=os.environ.get("KVPOOL_ADMIN") or DEFAULT_ADMIN,
+                        help="admin URL of any node, or several, comma-separated, tried in "
+                        f"order (default: $KVPOOL_ADMIN, else {DEFAULT_ADMIN})")
     parser.add_argument("--token", default=default_token(),
                         help=("the nodes' admin token" if token else
                               "a token that may read, for nodes with a tokens file")
@@ -97,3 +109,21 @@ def call_with_args(args: argparse.Namespace, url: str, body: dict[str, Any] | No
     """:func:`call_admin` with the command's ``--timeout``, ``--token`` and ``--cacert``."""
     return call_admin(url, body, method=method, timeout=args.timeout, token=args.token,
                       cafile=args.cacert)
+
+
+def call_first(args: argparse.Namespace, path: str, body: dict[str, Any] | None = None, *,
+               bases: list[str] | None = None) -> tuple[str, dict[str, Any]]:
+    """Ask the ``--admin`` nodes (or ``bases``) in turn; the first that answers, and its
+    reply. A node that answers with an HTTP error is the answer (it was reachable); when
+    none can be reached, the AdminError says so for the first and counts the rest."""
+    bases = bases if bases is not None else admin_bases(args.admin)
+    unreachable: list[AdminError] = []
+    for base in bases:
+        try:
+            return base, call_with_args(args, base + path, body)
+        except AdminError as exc:
+            if exc.status:
+                raise
+            unreachable.append(exc)
+    more = f" (nor {len(unreachable) - 1} other nodes)" if len(unreachable) > 1 else ""
+    raise AdminError(f"{unreachable[0]}{more}")

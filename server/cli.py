@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
 from kvpool.protocol.errors import ConfigError
-from kvpool.server.admin_http import AdminError, add_admin_args, admin_base, call_with_args
-from kvpool.server.cli_cluster import add_cluster_commands
+from kvpool.server.admin_http import AdminError, add_admin_args, call_first
+from kvpool.server.cli_cluster import add_cluster_commands, hit_rate
 from kvpool.server.cli_ops import add_ops_commands
 from kvpool.server.config import add_arguments, format_size, load_config
 from kvpool.server.healthcheck import add_health_command
@@ -33,7 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _stats(args: argparse.Namespace) -> int:
     try:
-        stats = call_with_args(args, admin_base(args.admin) + "/v1/stats")
+        _, stats = call_first(args, "/v1/stats")
     except AdminError as exc:
         print(f"kvpool stats: {exc}", file=sys.stderr)
         return 2
@@ -43,12 +44,11 @@ def _stats(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    lookups = stats["hits"] + stats["misses"]
     table = Table(title=f"kvpool node {stats['node_id']}", show_header=False)
     table.add_row("DRAM used / capacity",
                   f"{format_size(stats['used_bytes'])} / {format_size(stats['capacity_bytes'])}")
     table.add_row("objects", str(stats["num_objects"]))
-    table.add_row("hit rate", f"{stats['hits'] / lookups:.1%}" if lookups else "-")
+    table.add_row("hit rate", hit_rate(stats))
     table.add_row("evictions", str(stats["evictions"]))
     table.add_row("bytes in / out",
                   f"{format_size(stats['bytes_in'])} / {format_size(stats['bytes_out'])}")
@@ -69,25 +69,29 @@ def _cluster_up(args: argparse.Namespace) -> int:
         serve_args = ["--dram-capacity", args.dram_capacity, *serve_args]
     cluster = LocalCluster(args.nodes, replication=args.replication, data_dir=args.data_dir,
                            base_port=args.base_port, serve_args=serve_args,
-                           log_level=args.log_level)
+                           log_level=args.log_level, startup_timeout=args.startup_timeout)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"kvpool: starting {args.nodes} nodes (replication {args.replication}) in "
-          f"{cluster.data_dir}", flush=True)
+    where = cluster.data_dir.resolve()
+    print(f"kvpool: starting {args.nodes} nodes (replication {args.replication}); their data "
+          f"and cluster.toml go to {where}", flush=True)
+
+    def report(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
     with cluster:
         for node in cluster.nodes:
+            pid = node.proc.pid if node.proc is not None else "-"
             print(f"  {node.node_id}  data={node.seed}  admin={node.admin_url}  "
-                  f"dir={node.data_dir}", flush=True)
-        print(f"kvpool: cluster ready seeds={','.join(cluster.seeds)}", flush=True)
-        print("kvpool: Ctrl-C stops every node", flush=True)
-        while not stop.wait(0.5):
-            for node in cluster.nodes:
-                if node.proc is not None and node.proc.poll() is not None and not stop.is_set():
-                    print(f"kvpool: node {node.node_id} exited with {node.proc.returncode}:\n"
-                          + "".join(node.output[-20:]), file=sys.stderr, flush=True)
-                    stop.set()
-    print("kvpool: cluster stopped", flush=True)
+                  f"dir={node.data_dir}  pid={pid}", flush=True)
+        print(f"kvpool: cluster ready, seeds kvpool://{','.join(cluster.seeds)}", flush=True)
+        print("kvpool: Ctrl-C stops every node"
+              + ("" if args.restart else "; a node that dies stays down (--no-restart)"),
+              flush=True)
+        cluster.supervise(stop, restart=args.restart, report=report)
+    print(f"kvpool: cluster stopped; its data stays in {where} (rm -r {where} to remove it)",
+          flush=True)
     return 0
 
 
@@ -141,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--dram-capacity", default="512MiB",
                     help="DRAM tier of each node (default: 512MiB)")
     up.add_argument("--log-level", default="warning", help="nodes' log level")
+    up.add_argument("--no-restart", dest="restart", action="store_false",
+                    help="leave a node that dies down (to watch failover) instead of "
+                    "restarting it with back-off (1 s doubling to 30 s)")
+    up.add_argument("--startup-timeout", type=float, default=120.0,
+                    help="seconds each node may take to get ready (default: 120)")
     up.add_argument("serve_args", nargs=argparse.REMAINDER,
                     help="-- then flags for every node, e.g. -- --no-ssd")
     up.set_defaults(func=_cluster_up)
@@ -160,9 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code: int = args.func(args)
+        sys.stdout.flush()
     except ConfigError as exc:
         print(f"kvpool: configuration error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `kvpool stats --json | head`: the reader left, as with cat
+        # nothing more may reach the closed pipe, not even the interpreter's last flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # what a shell reports for a command that SIGPIPE ended
     return code
 
 

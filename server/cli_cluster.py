@@ -11,25 +11,56 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from kvpool.server.admin_http import AdminError, add_admin_args, admin_base, call_with_args
+from kvpool.protocol.errors import ConfigError
+from kvpool.server.admin_http import (
+    DEFAULT_ADMIN,
+    AdminError,
+    add_admin_args,
+    admin_base,
+    admin_bases,
+    call_first,
+    call_with_args,
+)
 from kvpool.server.config import format_size
 
-__all__ = ["add_cluster_commands"]
+__all__ = ["LOCAL_CLUSTER_FILE", "add_cluster_commands", "hit_rate"]
+
+#: where ``kvpool cluster up`` writes its map by default
+LOCAL_CLUSTER_FILE = Path("kvpool-cluster") / "cluster.toml"
+
+
+def known_admins(args: argparse.Namespace) -> list[str]:
+    """The admin URLs to ask, in order: ``--admin`` (comma-separated), then, when it was not
+    given, every node of the local cluster ``kvpool cluster up`` runs from this directory."""
+    bases = admin_bases(args.admin)
+    if args.admin == DEFAULT_ADMIN and LOCAL_CLUSTER_FILE.is_file():
+        from kvpool.placement.cluster_map import ClusterMap
+
+        try:
+            local = ClusterMap.from_toml(LOCAL_CLUSTER_FILE)
+        except (ConfigError, OSError, ValueError):
+            return bases
+        bases += [b for b in (admin_base(n.admin) for n in local.nodes) if b not in bases]
+    return bases
 
 
 def _status(args: argparse.Namespace) -> int:
+    bases = known_admins(args)
     try:
-        cmap = call_with_args(args, admin_base(args.admin) + "/v1/cluster")
+        asked, cmap = call_first(args, "/v1/cluster", bases=bases)
     except AdminError as exc:
         print(f"kvpool cluster status: {exc}", file=sys.stderr)
         return 2
+    if asked != bases[0]:
+        print(f"kvpool: {bases[0]} did not answer; the map is {asked}'s", file=sys.stderr)
     rows = []
     for node in cmap["nodes"]:
         try:
             stats: dict[str, Any] | None = call_with_args(
-                args, admin_base(node["admin"], args.admin) + "/v1/stats")
+                args, admin_base(node["admin"], asked) + "/v1/stats")
         except AdminError:
             stats = None
         rows.append((node, stats))
@@ -45,14 +76,14 @@ def _status(args: argparse.Namespace) -> int:
                    "objects", "hit rate", "drain"):
         table.add_column(column)
     for node, stats in rows:
-        if stats is None:
-            table.add_row(node["id"], node["state"], node["data"], "[red]unreachable[/]",
+        if stats is None:  # whatever the map says, nobody answers there
+            table.add_row(node["id"], "[red]down[/]", node["data"], "[red]unreachable[/]",
                           "", "", "", "")
             continue
         drain = stats.get("drain", {})
         table.add_row(node["id"], node["state"], node["data"],
                       _usage(stats["tiers"].get("dram")), _usage(stats["tiers"].get("ssd")),
-                      str(stats["num_objects"]), _hit_rate(stats),
+                      str(stats["num_objects"]), hit_rate(stats),
                       "" if drain.get("state", "idle") == "idle" else
                       f"{drain['state']} {drain['chunks_moved']}/{drain['chunks_total']}")
     Console().print(table)
@@ -66,17 +97,16 @@ def _usage(tier: dict[str, Any] | None) -> str:
     return f"{format_size(tier['used_bytes'])} / {format_size(tier['capacity_bytes'])}"
 
 
-def _hit_rate(stats: dict[str, Any]) -> str:
-    """GET hit rate of the node as a whole: chunks served from any tier / chunks asked for."""
-    asked = stats["keys"].get("get", 0)
-    served = stats["hits"] + stats.get("promotions", 0)
-    return f"{min(served / asked, 1.0):.1%}" if asked else "-"
+def hit_rate(stats: dict[str, Any]) -> str:
+    """The node's hit rate, as ``kvpool stats`` shows it: chunks reads got, from any tier
+    and by any path, over chunks they asked for."""
+    asked = stats["hits"] + stats["misses"]
+    return f"{stats['hits'] / asked:.1%}" if asked else "-"
 
 
 def _drain(args: argparse.Namespace) -> int:
-    base = admin_base(args.admin)
     try:
-        cmap = call_with_args(args, base + "/v1/cluster/drain", {"id": args.node})
+        base, cmap = call_first(args, "/v1/cluster/drain", {"id": args.node})
     except AdminError as exc:
         print(f"kvpool cluster drain: {exc}", file=sys.stderr)
         return 2
@@ -87,7 +117,7 @@ def _drain(args: argparse.Namespace) -> int:
     if args.no_wait:
         print(f"kvpool: {args.node} is {node['state']} (epoch {cmap['epoch']})")
         return 0
-    stats_url = admin_base(node["admin"], args.admin) + "/v1/stats"
+    stats_url = admin_base(node["admin"], base) + "/v1/stats"
     deadline = time.monotonic() + args.wait
     progress: dict[str, Any] = {}
     from rich.progress import (

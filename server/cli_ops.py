@@ -23,7 +23,13 @@ from typing import Any
 
 from kvpool.placement.keys import Namespace
 from kvpool.protocol.errors import ConfigError
-from kvpool.server.admin_http import AdminError, add_admin_args, admin_base, call_with_args
+from kvpool.server.admin_http import (
+    AdminError,
+    add_admin_args,
+    admin_base,
+    call_first,
+    call_with_args,
+)
 
 __all__ = ["add_ops_commands", "bench_modules", "read_tokens"]
 
@@ -90,7 +96,7 @@ def _lookup(args: argparse.Namespace) -> int:
     tokens = read_tokens(args.tokens_file)
     body = {"namespace": _namespace(args.namespace), "tokens": tokens}
     try:
-        reply = call_with_args(args, admin_base(args.admin) + "/v1/lookup", body)
+        _, reply = call_first(args, "/v1/lookup", body)
     except AdminError as exc:
         print(f"kvpool lookup: {exc}", file=sys.stderr)
         return 2
@@ -111,7 +117,7 @@ def _lookup(args: argparse.Namespace) -> int:
 def _pin(args: argparse.Namespace) -> int:
     action = args.command
     try:
-        cmap = call_with_args(args, admin_base(args.admin) + "/v1/cluster")
+        asked, cmap = call_first(args, "/v1/cluster")
     except AdminError as exc:
         print(f"kvpool {action}: {exc}", file=sys.stderr)
         return 2
@@ -120,7 +126,7 @@ def _pin(args: argparse.Namespace) -> int:
     for key in args.keys:
         results[key] = []
         for node in cmap["nodes"]:
-            url = f"{admin_base(node['admin'], args.admin)}/v1/chunks/{key}/{action}"
+            url = f"{admin_base(node['admin'], asked)}/v1/chunks/{key}/{action}"
             try:
                 call_with_args(args, url, method="POST")
             except AdminError as exc:

@@ -78,7 +78,8 @@ class ServerConfig:
     advertise_host: str = knob("", "host name or address clients and peers reach this node "
                                "by ('' = --host; a wildcard --host advertises the hostname)",
                                flag="--advertise-host", env="KVPOOL_ADVERTISE_HOST")
-    data_dir: str = knob("./kvpool-data", "directory of the node's on-disk tiers (SSD under ssd/)",
+    data_dir: str = knob("./kvpool-data", "directory of the node's on-disk tiers (SSD under "
+                         "ssd/); one node at a time (it holds data_dir/LOCK)",
                          flag="--data-dir", env="KVPOOL_DATA_DIR")
     max_value_bytes: int = knob(64 << 20, "largest value (envelope included) a PUT may carry",
                                 flag="--max-value", env="KVPOOL_MAX_VALUE", kind="size")
@@ -339,7 +340,7 @@ def _convert(section: str, f: dataclasses.Field[Any], raw: Any, origin: str) -> 
 
 
 def knob_table() -> str:
-    """Every knob as Markdown table rows (the README's configuration table)."""
+    """Every knob as Markdown table rows (docs/configuration.md's table)."""
     rows = []
     for section, cls in _SECTIONS.items():
         for f in dataclasses.fields(cls):
@@ -373,7 +374,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 #: KVPOOL_* variables that are not knobs but are read elsewhere
-OTHER_ENV = frozenset({"KVPOOL_CONFIG", "KVPOOL_CACHE_DIR"})
+#: KVPOOL_* names that are not node knobs: the SDK's (URL, TOKEN), the CLI's (ADMIN), files
+OTHER_ENV = frozenset({"KVPOOL_CONFIG", "KVPOOL_CACHE_DIR", "KVPOOL_URL", "KVPOOL_TOKEN",
+                       "KVPOOL_ADMIN"})
 
 
 def unknown_env_vars(env: Mapping[str, str]) -> list[str]:

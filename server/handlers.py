@@ -25,6 +25,7 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import Tracer
 
+from kvpool.protocol.envelope import CODEC_NAMES
 from kvpool.protocol.errors import (
     AuthenticationError,
     BadFrameError,
@@ -301,6 +302,11 @@ class Handlers:
                 self.stats.error(status, Op.PUT)
         return self._reply(request, [encode_statuses(statuses)])
 
+    def _count_reads(self, entries: Sequence[Entry | None]) -> None:
+        misses = entries.count(None)
+        self.stats.hits += len(entries) - misses
+        self.stats.misses += misses
+
     def get(self, request: Request) -> Reply | Pending:
         entries = self.dram.acquire_many(request.keys)
         if request.trace is not None and self.tracing is not None:
@@ -426,6 +432,7 @@ class Handlers:
         if shm is None or not isinstance(session, Session) or not session.shm:
             raise BadFrameError("TOUCH needs a connection granted the shared-memory arena")
         entries = self.dram.touch_many(request.keys)
+        self.stats.hits += len(entries)  # each was read, whether or not it is still there
         found = [e for e in entries if e is not None]
         shm.counters.index_bytes_out += sum(e.length for e in found)
         shm.counters.index_items_out += len(found)
@@ -499,6 +506,7 @@ class Handlers:
         return self._reply(request, [encode_lease_ids([lease]), *items])
 
     def _get_reply(self, request: Request, entries: list[Entry | None]) -> Reply:
+        self._count_reads(entries)  # every tier has been asked: what is None is a miss
         if request.header.op == Op.GET_SHM:
             return self._shm_reply(request, entries)
         dram = self.dram
@@ -680,8 +688,6 @@ class Handlers:
             "capacity_bytes": dram.capacity_bytes,
             "used_bytes": dram.used_bytes,
             "num_objects": dram.num_objects,
-            "hits": dram.hits,
-            "misses": dram.misses,
             "evictions": dram.evictions,
             "promotions": self.promotions,
             "cluster_epoch": self.epoch,
@@ -702,7 +708,7 @@ class Handlers:
     async def _ssd_stats(ssd: SsdTier) -> dict[str, Any]:
         info: dict[str, Any] = {"name": "ssd", "up": ssd.up, "full": ssd.full,
                                 "capacity_bytes": ssd.capacity_bytes,
-                                "codec": ssd.codec.name.lower(), "num_objects": len(ssd.index),
+                                "codec": CODEC_NAMES[ssd.codec], "num_objects": len(ssd.index),
                                 "raw_bytes": sum(ssd.index.values()), **asdict(ssd.counters)}
         if ssd.up:
             try:

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -53,6 +53,8 @@ class LocalNode:
     data_dir: Path
     proc: subprocess.Popen[str] | None = None
     output: list[str] = field(default_factory=list)
+    #: set by the output reader once the node printed its ready line
+    ready: threading.Event = field(default_factory=threading.Event)
 
     @property
     def seed(self) -> str:
@@ -65,6 +67,22 @@ class LocalNode:
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def exit_reason(self) -> str:
+        """How the process ended: 'exit code N' or 'signal SIGKILL'."""
+        code = self.proc.returncode if self.proc is not None else None
+        if code is None:
+            return "still running"
+        if code < 0:
+            try:
+                return f"signal {signal.Signals(-code).name}"
+            except ValueError:
+                return f"signal {-code}"
+        return f"exit code {code}"
+
+    def last_output(self, lines: int = 10) -> str:
+        tail = "".join(self.output[-lines:]).rstrip()
+        return tail or "(it printed nothing)"
 
 
 class LocalEtcd:
@@ -236,6 +254,52 @@ class LocalCluster:
         self._spawn(node)
         self._wait_ready(node)
 
+    def supervise(self, stop: threading.Event, *, restart: bool = True,
+                  report: Callable[[str], None] = print, backoff_s: float = 1.0,
+                  max_backoff_s: float = 30.0, stable_s: float = 60.0) -> None:
+        """Until ``stop`` is set, watch the nodes: report each one that exits (how, and its
+        last output) and, with ``restart``, start it again on its ports and data dir after
+        a back-off that doubles on each failure (``backoff_s`` up to ``max_backoff_s``; back
+        to ``backoff_s`` once a node has run for ``stable_s``). The other nodes keep
+        serving meanwhile; a dead node stays in the map, so clients read from replicas."""
+        delay = [backoff_s] * len(self.nodes)
+        since = [time.monotonic()] * len(self.nodes)
+        due: dict[int, float] = {}  # node index -> when to start it again
+        down: set[int] = set()  # reported dead, not to be restarted
+        returning: dict[int, int] = {}  # restarted, not ready yet -> restart count
+        restarts = [0] * len(self.nodes)
+        while not stop.wait(0.2):
+            now = time.monotonic()
+            for i, node in enumerate(self.nodes):
+                if node.proc is None or i in down:
+                    continue
+                if node.running:
+                    if i in returning and node.ready.is_set():
+                        report(f"kvpool: node {node.node_id} is back (restart "
+                               f"{returning.pop(i)}, pid {node.proc.pid})")
+                    if now - since[i] > stable_s:
+                        delay[i] = backoff_s
+                    continue
+                if i in due:
+                    if now >= due[i] and not stop.is_set():
+                        del due[i]
+                        self._spawn(node)
+                        since[i] = now
+                        restarts[i] += 1
+                        returning[i] = restarts[i]
+                    continue
+                returning.pop(i, None)
+                report(f"kvpool: node {node.node_id} exited ({node.exit_reason()}); its last "
+                       f"output:\n{node.last_output()}")
+                if not restart:
+                    down.add(i)
+                    report(f"kvpool: {node.node_id} stays down (--no-restart); the other "
+                           "nodes keep serving")
+                    continue
+                due[i] = now + delay[i]
+                report(f"kvpool: restarting {node.node_id} in {delay[i]:g} s")
+                delay[i] = min(delay[i] * 2, max_backoff_s)
+
     def stop(self, timeout: float = 10.0) -> list[int | None]:
         """SIGTERM every node, wait, SIGKILL stragglers; the exit codes."""
         for node in self.nodes:
@@ -285,27 +349,36 @@ class LocalCluster:
                *self.serve_args]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
         node.output = []
+        node.ready = threading.Event()
         node.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env)
+        # read its output for as long as it runs (a full pipe would block the node)
+        threading.Thread(target=_read_output, args=(node.proc, node.output, node.ready),
+                         daemon=True).start()
 
     def _wait_ready(self, node: LocalNode) -> None:
         proc = node.proc
-        assert proc is not None and proc.stdout is not None
+        assert proc is not None
         deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            node.output.append(line)
-            if READY.search(line):
-                # keep draining its output (a full pipe would block the node)
-                threading.Thread(target=_drain, args=(proc, node.output), daemon=True).start()
-                return
-        proc.kill()
-        raise ConfigError(f"node {node.node_id} did not start:\n" + "".join(node.output))
+        while not node.ready.wait(0.05):
+            if proc.poll() is not None:
+                proc.wait()
+                time.sleep(0.1)  # the reader's last lines
+                raise ConfigError(f"node {node.node_id} exited before it was ready "
+                                  f"({node.exit_reason()}); its last output:\n"
+                                  + node.last_output())
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise ConfigError(f"node {node.node_id} was not ready within "
+                                  f"{self.startup_timeout:g} s (a loaded machine? raise "
+                                  "--startup-timeout); its last output:\n" + node.last_output())
 
 
-def _drain(proc: subprocess.Popen[str], lines: list[str]) -> None:
+def _read_output(proc: subprocess.Popen[str], lines: list[str], ready: threading.Event) -> None:
     assert proc.stdout is not None
     for line in proc.stdout:
         lines.append(line)
+        del lines[:-200]  # the tail is what anyone reads
+        if not ready.is_set() and READY.search(line):
+            ready.set()

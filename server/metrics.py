@@ -11,7 +11,7 @@ bucket counts by the data path and exposed on ``/metrics`` by a Prometheus
 collector on the same registry (OpenTelemetry's Python SDK has no
 pre-aggregated histogram to feed them through).
 
-``METRICS`` is the one table of names: the README's metrics table is generated
+``METRICS`` is the one table of names: docs/observability.md's metrics table is generated
 from it (:func:`metrics_table`) and a test keeps them in step.
 """
 
@@ -174,11 +174,17 @@ METRICS: tuple[Metric, ...] = (
            "index (read by co-located clients with no request)", _shm_index("entries")),
     Metric("kvpool_shm_index_set_full", "counter", "", "", "values the arena index had no "
            "slot for (their set was full: read with GET_SHM instead)", _shm_index("set_full")),
+    Metric("kvpool_hits", "counter", "", "", "chunks reads asked for and got, from any tier, "
+           "by any path (TCP, shared memory, the arena index): the hits of kvpool stats and "
+           "kvpool status", _one("hits")),
+    Metric("kvpool_misses", "counter", "", "", "chunks reads asked for that no tier held",
+           _one("misses")),
     Metric("kvpool_tier_read", "counter", "By", "tier", "bytes read from a tier (DRAM: sent "
            "to clients, by either path; SSD: promoted)", _tier_read_bytes),
     Metric("kvpool_tier_written", "counter", "By", "tier", "bytes written into a tier (DRAM: "
            "PUTs; SSD: write-behind)", _tier_written_bytes),
-    Metric("kvpool_tier_hits", "counter", "", "tier", "lookups a tier answered with the chunk",
+    Metric("kvpool_tier_hits", "counter", "", "tier", "reads a tier answered with the chunk "
+           "(DRAM: before promotion; a chunk promoted from SSD is a DRAM miss, an SSD hit)",
            _per_tier("hits")),
     Metric("kvpool_tier_misses", "counter", "", "tier", "lookups a tier did not hold",
            _per_tier("misses")),
@@ -320,7 +326,7 @@ class NodeMetrics:
 
 
 def metrics_table() -> str:
-    """The metrics as a markdown table (the README's copy is generated from this)."""
+    """The metrics as a markdown table (docs/observability.md's copy is generated from this)."""
     rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     for m in METRICS:
         rows.append(f"| `{m.prometheus_name}` | {m.kind} | {m.labels} | {m.help} |")

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import faulthandler
+import fcntl
 import logging
 import os
 import shutil
@@ -20,7 +23,7 @@ from aiohttp import web
 
 from kvpool.client import AsyncClient
 from kvpool.placement.cluster_map import ClusterMap, NodeState
-from kvpool.protocol.envelope import Codec
+from kvpool.protocol.envelope import CODEC_BY_NAME
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.parsers import Limits
 from kvpool.server.admin import make_admin_app
@@ -64,7 +67,7 @@ def resolve_ssd_capacity(config: NodeConfig, path: Path) -> int:
     return int(shutil.disk_usage(path).free * config.ssd.capacity_fraction)
 
 
-_CODECS = {"none": Codec.RAW, "lz4": Codec.LZ4, "shuffle-lz4": Codec.SHUFFLE_LZ4}
+_CODECS = CODEC_BY_NAME
 
 
 class Node:
@@ -108,6 +111,8 @@ class Node:
         self._peers: AsyncClient | None = None
         self.handoff: Handoff | None = None
         self._server: asyncio.Server | None = None
+        #: the flock on data_dir/LOCK, held while the node runs (an SSD tier in data_dir)
+        self._dir_lock: int | None = None
         self._admin: web.AppRunner | None = None
         self._expiry_task: asyncio.Task[None] | None = None
         self._metrics_task: asyncio.Task[None] | None = None
@@ -117,13 +122,10 @@ class Node:
         self.data_address: tuple[str, int] = (server.host, server.data_port)
         self.admin_address: tuple[str, int] = (server.host, server.admin_port)
 
-    async def start(self) -> None:
-        loop = asyncio.get_running_loop()
+    async def _start_ssd(self) -> None:
         server = self.config.server
-        if self.config.security.auth_tokens and forbid_dumps():
-            # tenants: no process of this user may reach the arena through /proc or ptrace
-            log.info("tenants configured: this node is non-dumpable")
         if self.config.ssd.enabled:
+            self._dir_lock = lock_data_dir(Path(server.data_dir))
             path = Path(server.data_dir) / "ssd"
             # chunks waiting for their write-behind cannot be evicted: keep them to a
             # quarter of DRAM so a PUT always finds room (the rest is shed and counted)
@@ -146,17 +148,40 @@ class Node:
             self.handlers.ssd = self.ssd
             self.ssd.on_evicted = self.handlers.ssd_evicted
             self.handlers.write_through = s3.write_through and bool(s3.bucket)
-        self._apply_quotas()
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        server = self.config.server
+        if self.config.security.auth_tokens and forbid_dumps():
+            # tenants: no process of this user may reach the arena through /proc or ptrace
+            log.info("tenants configured: this node is non-dumpable")
         # bind both ports first (port 0 picks one), join the cluster under the addresses
-        # they got, and only then serve: no client sees a node that has no map yet
-        self._server = await loop.create_server(
-            self._accept, server.host, server.data_port, reuse_address=True,
-            start_serving=False, ssl=self.tls,
-            ssl_handshake_timeout=server.hello_timeout_s if self.tls else None)
+        # they got, and only then serve: no client sees a node that has no map yet. Bound
+        # before the SSD tier starts, so a port in use fails at once, in one line.
+        try:
+            self._server = await loop.create_server(
+                self._accept, server.host, server.data_port, reuse_address=True,
+                start_serving=False, ssl=self.tls,
+                ssl_handshake_timeout=server.hello_timeout_s if self.tls else None)
+        except OSError as exc:
+            raise ConfigError(_bind_error(exc, server.host, server.data_port, "--data-port",
+                                          "KVPOOL_DATA_PORT")) from None
         self.data_address = self._server.sockets[0].getsockname()[:2]
         family = socket.AF_INET6 if ":" in server.host else socket.AF_INET
-        admin_sock = socket.create_server((server.host, server.admin_port), family=family)
+        try:
+            admin_sock = socket.create_server((server.host, server.admin_port), family=family)
+        except OSError as exc:
+            self._server.close()
+            raise ConfigError(_bind_error(exc, server.host, server.admin_port, "--admin-port",
+                                          "KVPOOL_ADMIN_PORT")) from None
         self.admin_address = admin_sock.getsockname()[:2]
+        try:
+            await self._start_ssd()
+        except BaseException:
+            self._server.close()
+            admin_sock.close()
+            raise
+        self._apply_quotas()
         self.handlers.addresses = (self.data_address, self.admin_address)
         try:
             await self.membership.start(server.node_id, self._advertised(self.data_address),
@@ -403,6 +428,37 @@ class Node:
             await asyncio.to_thread(self.handlers.tracing.shutdown)
 
 
+def _bind_error(exc: OSError, host: str, port: int, flag: str, env: str) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return (f"port {port} on {host} is in use (another kvpool node?): pick another with "
+                f"{flag} or {env}")
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"cannot bind {host}:{port}: {host} is not an address of this machine (--host)"
+    if exc.errno == errno.EACCES:
+        return f"cannot bind {host}:{port}: permission denied (ports below 1024 need root)"
+    return f"cannot bind {host}:{port}: {exc.strerror or exc}"
+
+
+def lock_data_dir(path: Path) -> int:
+    """Take ``<path>/LOCK`` (flock) for this process's lifetime; ConfigError naming the
+    holder when another node has it. The kernel drops the lock when the process dies."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"cannot use --data-dir {path}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ConfigError(f"another kvpool node (pid {holder}) is using --data-dir {path}: "
+                          "stop it, or give this one another --data-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 async def _serve(config: NodeConfig) -> None:
     node = Node(config)
     try:
@@ -455,6 +511,7 @@ async def _serve(config: NodeConfig) -> None:
 
 def run_node(config: NodeConfig) -> None:
     """Run a node until SIGINT/SIGTERM (uvloop when available)."""
+    faulthandler.enable()  # a crash in native code (RocksDB, uvloop) says where, not nothing
     logging.basicConfig(level=config.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for name in unknown_env_vars(os.environ):

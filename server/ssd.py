@@ -446,7 +446,7 @@ class SsdTier:
             future.set_result((status, payload))
 
     def _lost(self, exc: Exception | None) -> None:
-        if self.up:
+        if self.up and self._stderr_task is not None:  # started (start() says why it failed)
             log.error("SSD worker connection lost (%s); serving from DRAM only", exc)
         self.up = False
         pending, self._pending = self._pending, {}

@@ -33,6 +33,11 @@ class NodeStats:
     latency_sum: dict[int, float] = field(default_factory=lambda: dict.fromkeys(map(int, Op), 0.0))
     timed: bool = True  #: record request latencies (off with --no-metrics)
     tokens_served: int = 0  #: tokens in the chunks GET returned (prefill the engines skipped)
+    #: THE hit and miss counts (stats, status, /v1/stats and /metrics all show these): a hit
+    #: is a chunk a read asked for and got, from any tier, by any path -- GET over TCP,
+    #: GET_SHM, a read through the arena index (reported by TOUCH); a miss, one no tier had
+    hits: int = 0
+    misses: int = 0
     lookup_chunks_found: int = 0  #: chunks LOOKUP and EXISTS reported present
     bytes_in: int = 0
     bytes_out: int = 0
@@ -69,5 +74,7 @@ class NodeStats:
                             "timed_out": self.connections_timed_out},
             "protocol_errors": self.protocol_errors,
             "tokens_served": self.tokens_served,
+            "hits": self.hits,
+            "misses": self.misses,
             "lookup_chunks_found": self.lookup_chunks_found,
         }

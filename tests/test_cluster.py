@@ -299,36 +299,121 @@ async def test_frames_carry_the_epoch_of_the_map_that_routed_them(tmp_path: Path
             assert not any(await node_exists(cluster, 3, fresh))
 
 
+class ClusterUp:
+    """``kvpool cluster up`` as a user runs it, its output read as it comes."""
+
+    def __init__(self, tmp_path: Path, *flags: str, nodes: int = 2) -> None:
+        import threading
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpool.server", "cluster", "up", "--nodes", str(nodes),
+             "--replication", "2", "--base-port", "0", "--data-dir", str(tmp_path),
+             "--dram-capacity", "32MiB", *flags, "--", "--no-ssd"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.seeds = self.wait_for(r"cluster ready, seeds (\S+)")[1]
+        self.pids = {m[1]: int(m[2]) for m in (re.search(r"^  (n\d+) .* pid=(\d+)$", line)
+                                               for line in self.lines) if m}
+        self.admins = {m[1]: m[2] for m in (re.search(r"^  (n\d+) .* admin=(\S+)", line)
+                                            for line in self.lines) if m}
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout: float = 60) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                m = re.search(pattern, line)
+                if m:
+                    return m
+            assert self.proc.poll() is None, "\n".join(self.lines)
+            time.sleep(0.05)
+        raise AssertionError(f"no {pattern!r} in:\n" + "\n".join(self.lines))
+
+    def stop(self) -> str:
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(30)
+        time.sleep(0.1)
+        assert self.proc.returncode == 0, "\n".join(self.lines)
+        return "\n".join(self.lines)
+
+
 def test_kvpool_cluster_up_command(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpool.server", "cluster", "up", "--nodes", "2",
-         "--replication", "2", "--base-port", "0", "--data-dir", str(tmp_path),
-         "--dram-capacity", "32MiB", "--", "--no-ssd"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    seeds = None
-    lines = []
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and seeds is None:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"cluster ready seeds=(\S+)", line)
-        seeds = m.group(1).split(",") if m else None
+    up = ClusterUp(tmp_path)
     try:
-        assert seeds is not None and len(seeds) == 2, "".join(lines)
-        with Client(seeds) as c:
+        assert up.seeds.startswith("kvpool://") and up.seeds.count(",") == 1
+        with Client(up.seeds) as c:  # the seeds as printed
             c.put(bytes(16), b"hello cluster")
             assert c.epoch == 1
-        with Client(seeds[1]) as c:
+        with Client(up.seeds.split(",")[1]) as c:
             assert c.get(bytes(16)) == b"hello cluster"
         assert (tmp_path / "cluster.toml").exists()
     finally:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0, out
-    assert "cluster stopped" in out
+        out = up.stop()
+    assert "cluster stopped" in out and f"rm -r {tmp_path}" in out
+
+
+def test_cluster_up_restarts_a_killed_node_and_the_others_keep_serving(
+        tmp_path: Path) -> None:
+    up = ClusterUp(tmp_path, nodes=3)
+    keys = [os.urandom(16) for _ in range(30)]
+    try:
+        with Client(up.seeds) as c:
+            c.put_many(keys, [k * 4 for k in keys])
+        os.kill(up.pids["n1"], signal.SIGKILL)
+        up.wait_for(r"node n1 exited \(signal SIGKILL\)")
+        up.wait_for(r"restarting n1 in 1 s")
+        with Client(up.seeds) as c:  # replication 2: every chunk has a live copy
+            assert c.get_many(keys) == [k * 4 for k in keys]
+        back = up.wait_for(r"node n1 is back \(restart 1, pid (\d+)\)")
+        assert int(back[1]) != up.pids["n1"]
+        status = subprocess.run([sys.executable, "-m", "kvpool.server", "status", "--admin",
+                                 up.admins["n1"], "--json"], capture_output=True, text=True,
+                                timeout=60, check=False)
+        assert status.returncode == 0, status.stderr
+        assert up.proc.poll() is None
+    finally:
+        up.stop()
+
+
+def test_cluster_up_no_restart_leaves_a_dead_node_down_and_status_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    up = ClusterUp(tmp_path, "--no-restart", nodes=3)
+    keys = [os.urandom(16) for _ in range(30)]
+    try:
+        with Client(up.seeds) as c:
+            c.put_many(keys, [k * 4 for k in keys])
+        os.kill(up.pids["n0"], signal.SIGKILL)
+        up.wait_for(r"n0 stays down \(--no-restart\)")
+        with Client(up.seeds) as c:
+            assert c.get_many(keys) == [k * 4 for k in keys]
+        # kvpool status from the directory cluster up ran in, asking the dead node first:
+        # the map comes from another node, and the dead one shows as down
+        monkeypatch.chdir(tmp_path.parent)
+        (tmp_path.parent / "kvpool-cluster").symlink_to(tmp_path)
+        env = {k: v for k, v in os.environ.items() if k != "KVPOOL_ADMIN"}
+        status = subprocess.run([sys.executable, "-m", "kvpool.server", "status", "--admin",
+                                 up.admins["n0"] + ",http://127.0.0.1:1", "--timeout", "2"],
+                                capture_output=True, text=True, timeout=60, check=False, env=env)
+        assert status.returncode == 2 and "did not answer" not in status.stderr
+        assert "cannot reach" in status.stderr  # neither given URL answered
+        default = subprocess.run([sys.executable, "-m", "kvpool.server", "status", "--timeout",
+                                  "2"], capture_output=True, text=True, timeout=60,
+                                 check=False, env={**env, "COLUMNS": "200"},
+                                 cwd=tmp_path.parent)
+        assert default.returncode == 2, default.stderr  # some node is unreachable
+        row = next(line for line in default.stdout.splitlines() if " n0 " in line)
+        assert "down" in row and "unreachable" in row
+        assert all(" up " in line for line in default.stdout.splitlines()
+                   if " n1 " in line or " n2 " in line)
+        assert up.proc.poll() is None  # cluster up still runs
+    finally:
+        out = up.stop()
+    assert "node n0 exited (signal SIGKILL)" in out
 
 
 def test_admin_lookup_on_a_standalone_node(node: NodeProcess) -> None:

@@ -84,5 +84,53 @@ def test_metrics_can_be_turned_off() -> None:
 
 
 def test_readme_metrics_table_is_current() -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert metrics_table() in readme, "regenerate README's table from metrics.metrics_table()"
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "observability.md").read_text()
+    assert metrics_table() in doc, "regenerate docs/observability.md's table: metrics_table()"
+
+
+def test_one_hit_and_miss_count_on_every_path_and_in_every_view() -> None:
+    """A hit is a chunk a read got, from any tier, by any path; ``kvpool stats``, ``kvpool
+    status``, /v1/stats and /metrics show the same counts (status once counted TCP GETs
+    only, and showed '-' for a node read through shared memory)."""
+    import json
+    import subprocess
+    import sys
+    import urllib.request
+
+    node = start_node("--dram-capacity", "4MiB")
+    keys = [os.urandom(16) for _ in range(6)]
+    try:
+        with Client(node.url, shm=False) as tcp:
+            tcp.put_many(keys, [k * 64 for k in keys])
+            assert tcp.get(keys[0]) == keys[0] * 64  # TCP: a hit
+            assert tcp.get(os.urandom(16)) is None  # TCP: a miss
+        with Client(node.url, shm=True) as index:  # the arena index: no request at all
+            assert index.get(keys[1]) == keys[1] * 64
+        with Client(node.url, shm=True, shm_index=False) as get_shm:  # GET_SHM
+            assert get_shm.get_many([keys[2], os.urandom(16)]) == [keys[2] * 64, None]
+        with urllib.request.urlopen(f"{node.admin_url}/v1/admin/flush", data=b"{}",
+                                    timeout=30):
+            pass
+        with urllib.request.urlopen(f"{node.admin_url}/v1/admin/evict",
+                                    data=json.dumps({"tier": "dram"}).encode(), timeout=30):
+            pass
+        with Client(node.url, shm=False) as tcp:  # promoted from the SSD tier: a hit
+            assert tcp.get(keys[3]) == keys[3] * 64
+        with urllib.request.urlopen(f"{node.admin_url}/v1/stats", timeout=10) as reply:
+            stats = json.load(reply)
+        assert (stats["hits"], stats["misses"]) == (4, 2)
+        assert stats["tiers"]["dram"]["misses"] >= 3  # the tier's own count is another thing
+        metrics = scrape(node)
+        assert metrics["kvpool_hits_total"] == 4 and metrics["kvpool_misses_total"] == 2
+
+        def cli(*args: str) -> str:
+            done = subprocess.run([sys.executable, "-m", "kvpool.server", *args, "--admin",
+                                   node.admin_url], capture_output=True, text=True, timeout=60,
+                                  check=False, env={**os.environ, "COLUMNS": "200"})
+            assert done.returncode == 0, done.stderr
+            return done.stdout
+
+        assert re.search(r"hit rate\W+66\.7%", cli("stats"))
+        assert "66.7%" in cli("status")
+    finally:
+        node.stop()

@@ -63,7 +63,9 @@ binary_image kvpool-local/seaweedfs "$weed" seaweedfs.Dockerfile
 if [ ! -d wheels ]; then
     python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
         || { echo "build-images: the wheelhouse must be made by Python 3.11 (the base's)" >&2; exit 2; }
+    had_build="$([ -d build ] && echo yes || true)"
     python3 -m pip wheel --quiet --disable-pip-version-check --wheel-dir wheels.part . \
         && mv wheels.part wheels
+    [ -n "$had_build" ] || rm -rf build  # setuptools' scratch dir from building kvpool's wheel
 fi
 echo "build-images: $BASE kvpool-local/etcd kvpool-local/seaweedfs kvpool-local/prometheus, ./wheels" >&2
