@@ -4,7 +4,7 @@
 #   docker run --network host -v kvpool-data:/data kvpool
 # BASE_IMAGE: any Debian-like image with python3 >= 3.11 and its venv module (default
 # python:3.11-slim; offline, a local debootstrapped Debian: deploy/local/build-images.sh).
-# A wheels/ folder in the build context (pip wheel --wheel-dir wheels .) is installed with
+# A wheels/ folder in the build context (pip wheel --wheel-dir wheels '.[server]') is installed with
 # --no-index, so the build needs no package index; without one, pip uses the index.
 ARG BASE_IMAGE=python:3.11-slim
 
@@ -15,9 +15,9 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 COPY . /src
 RUN python3 -m venv /opt/kvpool \
     && if [ -d /src/wheels ]; then \
-           /opt/kvpool/bin/pip install --no-index --find-links /src/wheels kvpool; \
+           /opt/kvpool/bin/pip install --no-index --find-links /src/wheels 'kvpool[server]'; \
        else \
-           /opt/kvpool/bin/pip install /src; \
+           /opt/kvpool/bin/pip install '/src[server]'; \
        fi \
     && /opt/kvpool/bin/python -c "import importlib.util as u, sys; \
 sys.exit('torch is in the image' if u.find_spec('torch') else 0)"

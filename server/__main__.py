@@ -1,5 +1,23 @@
+"""``python -m kvpool.server [serve] [flags]``: run one node, as ``kvpool serve`` does.
+
+How the library's own tools start node processes (``LocalCluster``, the benchmarks, the
+demo) without going through the command line package.
+"""
+
+import argparse
 import sys
 
-from kvpool.server.cli import main
+from kvpool.protocol.errors import ConfigError
+from kvpool.server.config import add_arguments, load_config
+from kvpool.server.node import run_node
 
-sys.exit(main())
+argv = sys.argv[1:]
+if argv[:1] == ["serve"]:
+    argv = argv[1:]
+parser = argparse.ArgumentParser(prog="python -m kvpool.server", description="Run one node.")
+add_arguments(parser)
+try:
+    run_node(load_config(parser.parse_args(argv)))
+except ConfigError as exc:
+    print(f"kvpool: configuration error: {exc}", file=sys.stderr)
+    sys.exit(2)

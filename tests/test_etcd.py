@@ -188,7 +188,7 @@ def test_cli_status_and_drain_follow_the_hand_off(etcd: LocalEtcd, tmp_path: Pat
             client.put_many(keys, [value_for(k, 4096) for k in keys])
             assert all(client.exists_many(keys))
         on_n1 = sum(o[0] == "n1" for o in served_map(cluster.nodes[0].admin_url).preference(keys))
-        kvpool = [sys.executable, "-m", "kvpool.server.cli", "cluster"]
+        kvpool = [sys.executable, "-m", "kvpool.cli", "cluster"]
         status = subprocess.run([*kvpool, "status", "--json", "--admin",
                                  cluster.nodes[0].admin_url],
                                 capture_output=True, text=True, timeout=60, check=True)

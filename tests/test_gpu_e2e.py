@@ -73,7 +73,7 @@ def test_engine_b_continues_exactly_where_engine_a_stored(
 @pytest.mark.timeout(300)
 def test_kvpool_demo_runs_as_a_new_user_would(smollm2: tuple[Any, Any]) -> None:
     """`kvpool demo` starts its own node, runs cold and warm, and says the outputs match."""
-    proc = subprocess.run([sys.executable, "-m", "kvpool.server.cli", "demo", "--tokens", "600",
+    proc = subprocess.run([sys.executable, "-m", "kvpool.cli", "demo", "--tokens", "600",
                            "--new-tokens", "4"], capture_output=True, text=True, timeout=280,
                           check=False, env={**os.environ, "COLUMNS": "120"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import NodeProcess
+
 ROOT = Path(__file__).resolve().parent.parent
 # package -> the kvpool packages it may import (DESIGN.md "Layout"; plus server -> client:
 # a node reaches its peers through the SDK, see docs/architecture.md)
@@ -20,6 +22,8 @@ ALLOWED = {
     "server": {"protocol", "placement", "tiers", "client"},
     "client": {"protocol", "placement"},
     "gpu": {"protocol", "placement", "client"},
+    # the command line sits above all of them; nothing in the library imports it
+    "cli": {"protocol", "placement", "tiers", "server", "client", "gpu", "bench"},
 }
 
 
@@ -42,7 +46,8 @@ def test_dependency_arrows(package: str) -> None:
                     f"{path.relative_to(ROOT)} imports bare top-level {name}"
 
 
-@pytest.mark.parametrize("package", ["protocol", "placement", "tiers", "server", "client"])
+@pytest.mark.parametrize("package", ["protocol", "placement", "tiers", "server", "client",
+                                     "cli"])
 def test_exports_exist(package: str) -> None:
     module = importlib.import_module(f"kvpool.{package}")
     assert module.__all__, package
@@ -51,7 +56,49 @@ def test_exports_exist(package: str) -> None:
 
 
 def test_server_does_not_import_torch() -> None:
-    code = ("import sys, kvpool.server.node, kvpool.server.cli, kvpool.client;"
+    code = ("import sys, kvpool.server.node, kvpool.cli.main, kvpool.client;"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+SERVER_ONLY = ("aiohttp", "rocksdict", "boto3", "botocore", "lz4", "sortedcontainers", "psutil",
+               "prometheus_client", "opentelemetry.sdk", "opentelemetry.exporter")
+
+
+def test_pip_install_kvpool_is_the_sdk_without_the_node_dependencies() -> None:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = " ".join(project["dependencies"])
+    for name in ("aiohttp", "rocksdict", "boto3", "lz4", "psutil", "opentelemetry-sdk"):
+        assert name not in base, name
+        assert any(name in d for d in project["optional-dependencies"]["server"]), name
+
+
+def test_the_sdk_and_the_cli_run_without_the_node_dependencies(node: NodeProcess) -> None:
+    """What an engine's process gets from `pip install kvpool`: the server's libraries made
+    unimportable, the SDK still reads and writes, the CLI still talks to a node, and
+    `kvpool serve` says in one line what to install."""
+    code = f"""
+import importlib.abc, os, sys
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith({SERVER_ONLY!r}):
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Hide())
+from kvpool.client import Client
+with Client({node.url!r}) as c:
+    c.put(bytes(16), b"sdk only")
+    assert c.get(bytes(16)) == b"sdk only" and c.lookup([bytes(16)]) == 1
+from kvpool.cli import main
+assert main(["stats", "--admin", {node.admin_url!r}, "--json"]) == 0
+assert main(["serve", "--data-port", "0"]) == 2
+print("loaded:", sorted(m for m in sys.modules if m.startswith({SERVER_ONLY!r})))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("loaded: []")
+    assert "kvpool serve needs the node's dependencies" in done.stderr
+    assert "pip install 'kvpool[server]'" in done.stderr and "Traceback" not in done.stderr

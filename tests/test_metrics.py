@@ -124,7 +124,7 @@ def test_one_hit_and_miss_count_on_every_path_and_in_every_view() -> None:
         assert metrics["kvpool_hits_total"] == 4 and metrics["kvpool_misses_total"] == 2
 
         def cli(*args: str) -> str:
-            done = subprocess.run([sys.executable, "-m", "kvpool.server", *args, "--admin",
+            done = subprocess.run([sys.executable, "-m", "kvpool.cli", *args, "--admin",
                                    node.admin_url], capture_output=True, text=True, timeout=60,
                                   check=False, env={**os.environ, "COLUMNS": "200"})
             assert done.returncode == 0, done.stderr

@@ -85,7 +85,7 @@ def test_cli_reaches_a_tls_node_with_its_ca(tls_node: NodeProcess, pki: dict[str
     import sys
 
     def kvpool(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "kvpool.server", *args], text=True,
+        return subprocess.run([sys.executable, "-m", "kvpool.cli", *args], text=True,
                               capture_output=True, timeout=60, check=False,
                               env={**os.environ, **(env or {})})
 
@@ -155,7 +155,7 @@ def test_cluster_over_tls_with_tokens(pki: dict[str, str], tmp_path: Path) -> No
         import subprocess
         import sys
 
-        status = [sys.executable, "-m", "kvpool.server", "cluster", "status", "--json",
+        status = [sys.executable, "-m", "kvpool.cli", "cluster", "status", "--json",
                   "--admin", f"https://127.0.0.1:{node.admin_port}", "--cacert", pki["ca"]]
         done = subprocess.run([*status, "--token", acme], capture_output=True, text=True,
                               timeout=60, check=False)

@@ -38,7 +38,12 @@ if not VLLM_PYTHON or not Path(VLLM_PYTHON).exists():
 pytestmark = pytest.mark.timeout(900)
 CHUNK = 256
 STEPS = 16
-VLLM_ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+
+
+def vllm_env() -> dict[str, str]:
+    """Read at each start, not at import: $TMPDIR (the run's private temp dir, where vLLM
+    puts its IPC sockets) is set once the session starts."""
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
             # without it, on 2 cores, a configured connector makes vLLM reserve both cores
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
@@ -52,7 +57,7 @@ def driver(tmp: Path, command: str, spec: dict[str, Any] | None = None,
         path.write_text(json.dumps(spec))
         args.append(str(path))
     args.append(str(out))
-    done = subprocess.run(args, env=VLLM_ENV, capture_output=True, text=True, timeout=timeout,
+    done = subprocess.run(args, env=vllm_env(), capture_output=True, text=True, timeout=timeout,
                           check=False)
     assert done.returncode == 0 and out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.read_text())
@@ -168,7 +173,7 @@ def test_vllm_serve_answers_a_restarted_servers_request_from_the_pool(
     answers = []
     for _ in range(2):
         log = (tmp_path / f"serve-{len(answers)}.log").open("w")
-        server = subprocess.Popen(cmd, env=VLLM_ENV, stdout=log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(cmd, env=vllm_env(), stdout=log, stderr=subprocess.STDOUT)
         try:
             _wait_healthy(port, server, tmp_path / f"serve-{len(answers)}.log")
             request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",

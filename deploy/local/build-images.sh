@@ -64,7 +64,7 @@ if [ ! -d wheels ]; then
     python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
         || { echo "build-images: the wheelhouse must be made by Python 3.11 (the base's)" >&2; exit 2; }
     had_build="$([ -d build ] && echo yes || true)"
-    python3 -m pip wheel --quiet --disable-pip-version-check --wheel-dir wheels.part . \
+    python3 -m pip wheel --quiet --disable-pip-version-check --wheel-dir wheels.part '.[server]' \
         && mv wheels.part wheels
     [ -n "$had_build" ] || rm -rf build  # setuptools' scratch dir from building kvpool's wheel
 fi

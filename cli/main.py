@@ -1,7 +1,7 @@
 """The ``kvpool`` command: ``serve`` runs a node, ``stats`` shows one node's counters,
 ``cluster up`` runs a local cluster of node processes, ``status`` and ``drain`` (also as
-``cluster status|drain``, in :mod:`kvpool.server.cli_cluster`) look after a running one,
-``lookup``, ``pin``, ``unpin`` and ``bench`` are in :mod:`kvpool.server.cli_ops`, and
+``cluster status|drain``, in :mod:`kvpool.cli.cluster`) look after a running one,
+``lookup``, ``pin``, ``unpin`` and ``bench`` are in :mod:`kvpool.cli.ops`, and
 ``demo`` runs the SmolLM2 demo.
 
 Exit codes: 0 done, 1 done but something was not (a chunk on no node, a failed drain or
@@ -15,19 +15,22 @@ import os
 import sys
 from collections.abc import Sequence
 
+from kvpool.cli.admin_http import AdminError, add_admin_args, call_first
+from kvpool.cli.cluster import add_cluster_commands, hit_rate
+from kvpool.cli.health import add_health_command
+from kvpool.cli.ops import add_ops_commands
 from kvpool.protocol.errors import ConfigError
-from kvpool.server.admin_http import AdminError, add_admin_args, call_first
-from kvpool.server.cli_cluster import add_cluster_commands, hit_rate
-from kvpool.server.cli_ops import add_ops_commands
 from kvpool.server.config import add_arguments, format_size, load_config
-from kvpool.server.healthcheck import add_health_command
 
 __all__ = ["main"]
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvpool.server.node import run_node
-
+    try:
+        from kvpool.server.node import run_node
+    except ModuleNotFoundError as exc:  # the SDK-only install: no aiohttp, rocksdict, ...
+        raise ConfigError(f"kvpool serve needs the node's dependencies ({exc.name} is "
+                          "missing): pip install 'kvpool[server]'") from None
     run_node(load_config(args))
     return 0
 
@@ -179,6 +182,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141  # what a shell reports for a command that SIGPIPE ended
     return code
 
-
-if __name__ == "__main__":
-    sys.exit(main())
