@@ -169,7 +169,7 @@ class Node:
         self.data_address = self._server.sockets[0].getsockname()[:2]
         family = socket.AF_INET6 if ":" in server.host else socket.AF_INET
         try:
-            admin_sock = socket.create_server((server.host, server.admin_port), family=family)
+            admin_sock = _bound_socket(server.host, server.admin_port, family)
         except OSError as exc:
             self._server.close()
             raise ConfigError(_bind_error(exc, server.host, server.admin_port, "--admin-port",
@@ -432,6 +432,21 @@ class Node:
             self.metrics.shutdown()
         if self.handlers.tracing is not None:  # exports the spans still queued
             await asyncio.to_thread(self.handlers.tracing.shutdown)
+
+
+def _bound_socket(host: str, port: int, family: socket.AddressFamily) -> socket.socket:
+    """Bound, not yet listening (the admin app listens once the node serves): until then a
+    probe is refused at once rather than left waiting while the SSD tier loads."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _bind_error(exc: OSError, host: str, port: int, flag: str, env: str) -> str:
