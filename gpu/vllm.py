@@ -135,7 +135,7 @@ class KvpoolSettings:
 def default_model_id(config: Any, name_or_path: str = "") -> str:
     """The model id a namespace records for ``config`` (a transformers config): its
     ``kvpool_model_id`` attribute if the model folder's config.json has one (the SmolLM2
-    folder of :func:`kvpool.gpu.models.load_smollm2` does), else ``name_or_path``. The
+    folder of :func:`kvpool.examples.models.load_smollm2` does), else ``name_or_path``. The
     transformers adapter uses the same rule, so the two engines share chunks."""
     return str(getattr(config, "kvpool_model_id", None) or name_or_path
                or getattr(config, "name_or_path", "") or "")

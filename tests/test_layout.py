@@ -23,7 +23,9 @@ ALLOWED = {
     "client": {"protocol", "placement"},
     "gpu": {"protocol", "placement", "client"},
     # the command line sits above all of them; nothing in the library imports it
-    "cli": {"protocol", "placement", "tiers", "server", "client", "gpu", "bench"},
+    "cli": {"protocol", "placement", "tiers", "server", "client", "gpu", "bench", "examples"},
+    # the demo and the model loader: users of the library, used by nothing in it
+    "examples": {"protocol", "placement", "client", "gpu"},
 }
 
 

