@@ -31,6 +31,8 @@ class Proc:
     port: int
     url: str = ""
     admin_url: str = ""
+    #: a temp dir of the process's own, removed once it has stopped
+    scratch: str = ""
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -40,6 +42,8 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        if self.scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def free_port() -> int:
@@ -62,7 +66,7 @@ def _wait_port(port: int, proc: subprocess.Popen[str], timeout: float = 15.0) ->
 
 
 def start_node(*flags: str, env: dict[str, str] | None = None) -> Proc:
-    """A node with its data dir in a fresh temp dir (left for the OS to clean).
+    """A node with its data dir in a fresh temp dir (removed by :meth:`Proc.stop`).
 
     ``env`` adds to (or overrides) this process's environment.
     """
@@ -80,10 +84,12 @@ def start_node(*flags: str, env: dict[str, str] | None = None) -> Proc:
             # keep reading its output: a full pipe would block the node mid-benchmark
             threading.Thread(target=lambda: [None for _ in proc.stdout or ()],
                              daemon=True).start()
-            return Proc(proc, int(m.group(2)), f"kvpool://127.0.0.1:{m.group(2)}", m.group(3))
+            return Proc(proc, int(m.group(2)), f"kvpool://127.0.0.1:{m.group(2)}", m.group(3),
+                        scratch=data_dir)
         if not line and proc.poll() is not None:
             break
     proc.kill()
+    shutil.rmtree(data_dir, ignore_errors=True)
     raise RuntimeError("kvpool node did not start")
 
 

@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,7 +52,9 @@ VOCAB = 49152
 
 
 def _engine(python: str, tmp: Path, spec: dict[str, Any]) -> dict[str, Any]:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    # TMPDIR: vLLM's IPC sockets go with the rest of the run's files, removed at the end
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+           "TMPDIR": str(tmp)}
     path, out = tmp / f"spec-{time.monotonic_ns()}.json", tmp / f"out-{time.monotonic_ns()}.json"
     path.write_text(json.dumps(spec))
     done = subprocess.run([python, "-m", "kvpool.tests.vllm_driver", "generate", str(path),
@@ -147,6 +150,7 @@ def main() -> int:
         load = load_path_rate(node.url)
     finally:
         node.stop()
+        shutil.rmtree(tmp, ignore_errors=True)  # ExampleConnector's files among them
     table: dict[str, Any] = {}
     for i, n in enumerate(sizes):
         row: dict[str, Any] = {}

@@ -9,7 +9,12 @@ import sys
 
 from kvpool.protocol.errors import ConfigError
 from kvpool.server.config import add_arguments, load_config
-from kvpool.server.node import run_node
+
+try:
+    from kvpool.server.node import run_node
+except ModuleNotFoundError as exc:  # the SDK-only install
+    sys.exit(f"kvpool: a node needs its dependencies ({exc.name} is missing): "
+             "pip install 'kvpool[server]'")
 
 argv = sys.argv[1:]
 if argv[:1] == ["serve"]:

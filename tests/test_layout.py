@@ -96,6 +96,14 @@ with Client({node.url!r}) as c:
 from kvpool.cli import main
 assert main(["stats", "--admin", {node.admin_url!r}, "--json"]) == 0
 assert main(["serve", "--data-port", "0"]) == 2
+import runpy
+sys.argv = ["python -m kvpool.server", "--data-port", "0"]  # how LocalCluster starts nodes
+try:
+    runpy.run_module("kvpool.server", run_name="__main__")
+except SystemExit as exc:
+    assert "pip install 'kvpool[server]'" in str(exc.code), exc.code
+else:
+    raise AssertionError("python -m kvpool.server ran without the node's dependencies")
 print("loaded:", sorted(m for m in sys.modules if m.startswith({SERVER_ONLY!r})))
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
