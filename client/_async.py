@@ -155,9 +155,7 @@ class AsyncClient:
             raise ConfigError("shm_put_min_bytes must be >= 0")
         if url is None:
             url = os.environ.get("KVPOOL_URL") or f"kvpool://127.0.0.1:{DEFAULT_PORT}"
-        if not isinstance(url, str) and not list(url):
-            raise ConfigError("give at least one node URL")
-        self.seeds = parse_seeds(url)
+        self.seeds = parse_seeds(url)  # ConfigError when it names no node
         self.host, self.port = self.seeds[0]
         scope_flags(scope)  # ConfigError now, not at connect
         if token is None:
