@@ -70,6 +70,9 @@ def _cluster_up(args: argparse.Namespace) -> int:
     serve_args = [a for a in args.serve_args if a != "--"]
     if args.dram_capacity:
         serve_args = ["--dram-capacity", args.dram_capacity, *serve_args]
+    if not any(a.startswith(("--ssd-capacity", "--ssd-fraction")) for a in serve_args):
+        # the nodes share one disk: together they take the half a single node would
+        serve_args = ["--ssd-fraction", f"{0.5 / args.nodes:.4g}", *serve_args]
     cluster = LocalCluster(args.nodes, replication=args.replication, data_dir=args.data_dir,
                            base_port=args.base_port, serve_args=serve_args,
                            log_level=args.log_level, startup_timeout=args.startup_timeout)

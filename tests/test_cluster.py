@@ -302,13 +302,14 @@ async def test_frames_carry_the_epoch_of_the_map_that_routed_them(tmp_path: Path
 class ClusterUp:
     """``kvpool cluster up`` as a user runs it, its output read as it comes."""
 
-    def __init__(self, tmp_path: Path, *flags: str, nodes: int = 2) -> None:
+    def __init__(self, tmp_path: Path, *flags: str, nodes: int = 2,
+                 serve: tuple[str, ...] = ("--no-ssd",)) -> None:
         import threading
 
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvpool.cli", "cluster", "up", "--nodes", str(nodes),
              "--replication", "2", "--base-port", "0", "--data-dir", str(tmp_path),
-             "--dram-capacity", "32MiB", *flags, "--", "--no-ssd"],
+             "--dram-capacity", "32MiB", *flags, "--", *serve],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -355,6 +356,20 @@ def test_kvpool_cluster_up_command(tmp_path: Path) -> None:
     finally:
         out = up.stop()
     assert "cluster stopped" in out and f"rm -r {tmp_path}" in out
+
+
+def test_cluster_up_nodes_share_the_disk_the_default_gives_one_node(tmp_path: Path) -> None:
+    import shutil
+
+    up = ClusterUp(tmp_path, nodes=2, serve=())  # SSD tiers on, capacity by default
+    try:
+        free = shutil.disk_usage(tmp_path).free
+        for admin in up.admins.values():
+            with urllib.request.urlopen(f"{admin}/v1/stats", timeout=10) as reply:
+                ssd = json.load(reply)["tiers"]["ssd"]
+            assert abs(ssd["capacity_bytes"] / free - 0.25) < 0.02  # half the disk, in two
+    finally:
+        up.stop()
 
 
 def test_cluster_up_restarts_a_killed_node_and_the_others_keep_serving(
