@@ -313,7 +313,15 @@ class ClusterUp:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
-        self.seeds = self.wait_for(r"cluster ready, seeds (\S+)")[1]
+        try:
+            self.seeds = self.wait_for(r"cluster ready, seeds (\S+)")[1]
+        except BaseException:  # no object for the test to stop: stop its nodes here
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            raise
         self.pids = {m[1]: int(m[2]) for m in (re.search(r"^  (n\d+) .* pid=(\d+)$", line)
                                                for line in self.lines) if m}
         self.admins = {m[1]: m[2] for m in (re.search(r"^  (n\d+) .* admin=(\S+)", line)
