@@ -125,8 +125,7 @@ class KvpoolSettings:
         return settings
 
     def client(self) -> Client:
-        seeds = [seed.strip() for seed in self.kvpool_url.split(",") if seed.strip()]
-        return Client(seeds if len(seeds) > 1 else seeds[0], token=self.token,
+        return Client(self.kvpool_url, token=self.token,  # one node, or comma-separated seeds
                       scope=self.scope, shm=self.shm,
                       timeout=self.timeout_s, connect_timeout=min(2.0, self.timeout_s),
                       client_name="kvpool-vllm")
