@@ -17,47 +17,22 @@ runs produced the same tokens.
 from __future__ import annotations
 
 import argparse
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 
 from kvpool.protocol.errors import KvpoolError
+from kvpool.server.local_cluster import LocalCluster
 
 __all__ = ["main"]
 
-_READY = re.compile(r"kvpool: ready data=(\S+):(\d+)")
 _TEXT = ("Chapter {i}. Large language model servers spend much of their time-to-first-token "
          "recomputing attention keys and values for prompt prefixes they have seen before: "
          "system prompts, few-shot examples, retrieved documents and earlier turns of a chat. "
          "A shared KV cache keeps those tensors and hands them to any engine that sees the "
          "same prefix again. ")
-
-
-def _start_node(data_dir: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvpool.server", "serve", "--data-port", "0",
-                             "--admin-port", "0", "--no-ssd", "--dram-capacity", "1GiB",
-                             "--data-dir", data_dir, "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    lines = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = _READY.search(line)
-        if m:
-            # keep reading its output: a node blocked on a full pipe would stall the demo
-            threading.Thread(target=proc.stdout.read, daemon=True).start()
-            return proc, f"kvpool://{m.group(1)}:{m.group(2)}"
-    proc.kill()
-    raise KvpoolError("the local node did not start:\n" + "".join(lines))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,13 +51,16 @@ def run(args: argparse.Namespace) -> int:
 
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # bars vs spinner
         torch.set_grad_enabled(False)
-        node = None
+        node: LocalCluster | None = None
         url = args.seed
         data_dir = tempfile.mkdtemp(prefix="kvpool-demo-")  # the node's; removed at the end
-        if not url:
-            status.update("starting a local kvpool node")
-            node, url = _start_node(data_dir)
         try:
+            if not url:
+                status.update("starting a local kvpool node")
+                node = LocalCluster(1, replication=1, standalone=True, data_dir=data_dir,
+                                    serve_args=["--no-ssd", "--dram-capacity", "1GiB"])
+                node.start()  # ConfigError (a KvpoolError) with its output if it cannot
+                url = f"kvpool://{node.seeds[0]}"
             model, tokenizer = load_smollm2(progress=status.update)
             status.update("tokenizing the prompt")
             text = "".join(_TEXT.format(i=i) for i in range(args.tokens // 60 + 1))
@@ -111,8 +89,7 @@ def run(args: argparse.Namespace) -> int:
                     loaded_bytes = engine_b.connector.stats.bytes_loaded
         finally:
             if node is not None:
-                node.terminate()
-                node.wait(10)
+                node.stop()
             shutil.rmtree(data_dir, ignore_errors=True)
     same = cold.tokens == warm.tokens
     diff = float((cold.logits - warm.logits).abs().max())
