@@ -299,6 +299,14 @@ async def test_frames_carry_the_epoch_of_the_map_that_routed_them(tmp_path: Path
             assert not any(await node_exists(cluster, 3, fresh))
 
 
+def kvpool_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """The kvpool command as a user runs it: no $KVPOOL_ADMIN, a wide terminal for tables."""
+    env = {k: v for k, v in os.environ.items() if k != "KVPOOL_ADMIN"}
+    return subprocess.run([sys.executable, "-m", "kvpool.cli", *args], capture_output=True,
+                          text=True, timeout=60, check=False, env={**env, "COLUMNS": "200"},
+                          cwd=cwd)
+
+
 class ClusterUp:
     """``kvpool cluster up`` as a user runs it, its output read as it comes."""
 
@@ -394,9 +402,7 @@ def test_cluster_up_restarts_a_killed_node_and_the_others_keep_serving(
             assert c.get_many(keys) == [k * 4 for k in keys]
         back = up.wait_for(r"node n1 is back \(restart 1, pid (\d+)\)")
         assert int(back[1]) != up.pids["n1"]
-        status = subprocess.run([sys.executable, "-m", "kvpool.cli", "status", "--admin",
-                                 up.admins["n1"], "--json"], capture_output=True, text=True,
-                                timeout=60, check=False)
+        status = kvpool_cli("status", "--admin", up.admins["n1"], "--json")
         assert status.returncode == 0, status.stderr
         assert up.proc.poll() is None
     finally:
@@ -404,7 +410,7 @@ def test_cluster_up_restarts_a_killed_node_and_the_others_keep_serving(
 
 
 def test_cluster_up_no_restart_leaves_a_dead_node_down_and_status_says_so(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path) -> None:
     up = ClusterUp(tmp_path, "--no-restart", nodes=3)
     keys = [os.urandom(16) for _ in range(30)]
     try:
@@ -414,21 +420,17 @@ def test_cluster_up_no_restart_leaves_a_dead_node_down_and_status_says_so(
         up.wait_for(r"n0 stays down \(--no-restart\)")
         with Client(up.seeds) as c:
             assert c.get_many(keys) == [k * 4 for k in keys]
-        # kvpool status from the directory cluster up ran in, asking the dead node first:
-        # the map comes from another node, and the dead one shows as down
-        monkeypatch.chdir(tmp_path.parent)
-        (tmp_path.parent / "kvpool-cluster").symlink_to(tmp_path)
-        env = {k: v for k, v in os.environ.items() if k != "KVPOOL_ADMIN"}
-        status = subprocess.run([sys.executable, "-m", "kvpool.cli", "status", "--admin",
-                                 up.admins["n0"] + ",http://127.0.0.1:1", "--timeout", "2"],
-                                capture_output=True, text=True, timeout=60, check=False, env=env)
+        # --admin naming only dead nodes: one line saying none could be reached
+        status = kvpool_cli("status", "--admin", up.admins["n0"] + ",http://127.0.0.1:1",
+                            "--timeout", "2")
         assert status.returncode == 2 and "did not answer" not in status.stderr
         assert "cannot reach" in status.stderr  # neither given URL answered
-        default = subprocess.run([sys.executable, "-m", "kvpool.cli", "status", "--timeout",
-                                  "2"], capture_output=True, text=True, timeout=60,
-                                 check=False, env={**env, "COLUMNS": "200"},
-                                 cwd=tmp_path.parent)
+        # no --admin, from the directory cluster up ran in: the default port is dead, the
+        # map comes from a node of ./kvpool-cluster, and the dead one shows as down
+        (tmp_path.parent / "kvpool-cluster").symlink_to(tmp_path)
+        default = kvpool_cli("status", "--timeout", "2", cwd=tmp_path.parent)
         assert default.returncode == 2, default.stderr  # some node is unreachable
+        assert "did not answer" in default.stderr
         row = next(line for line in default.stdout.splitlines() if " n0 " in line)
         assert "down" in row and "unreachable" in row
         assert all(" up " in line for line in default.stdout.splitlines()
