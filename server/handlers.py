@@ -432,8 +432,10 @@ class Handlers:
         if shm is None or not isinstance(session, Session) or not session.shm:
             raise BadFrameError("TOUCH needs a connection granted the shared-memory arena")
         entries = self.dram.touch_many(request.keys)
-        self.stats.hits += len(entries)  # each was read, whether or not it is still there
         found = [e for e in entries if e is not None]
+        # hits: the reported keys the node still holds (a client's TOUCH of keys the node
+        # never had counts nothing), as the index counters below count them
+        self.stats.hits += len(found)
         shm.counters.index_bytes_out += sum(e.length for e in found)
         shm.counters.index_items_out += len(found)
         self.stats.tokens_served += sum(e.num_tokens for e in found)
