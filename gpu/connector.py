@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from kvpool.client import AsyncClient, Client
-from kvpool.gpu.layout import KVLayout
+from kvpool.gpu.layout import CPU_ATTN_KINDS, KVLayout
 from kvpool.gpu.paged import gather, scatter
 from kvpool.placement.keys import ChunkHasher, Namespace
 from kvpool.protocol.errors import BufferTooSmallError, LayoutError
@@ -52,6 +52,8 @@ from kvpool.protocol.errors import BufferTooSmallError, LayoutError
 __all__ = ["AsyncPagedKVConnector", "ConnectorStats", "PagedKVConnector"]
 
 DEFAULT_STAGING_SLOTS = 4
+#: chunks a direct load asks for in one request
+DIRECT_BATCH = 32
 
 
 @dataclass
@@ -113,19 +115,26 @@ class AsyncPagedKVConnector:
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None  # type: ignore[no-untyped-call]
         self.stats = ConnectorStats()
+        convert = layout.kind in CPU_ATTN_KINDS and not layout.engine_format
         if direct is None:
-            direct = not self.cuda and layout.kind != "cpu_attn"
+            direct = not self.cuda and not convert
         if direct and self.cuda:
             raise LayoutError("direct transfers need the KV caches in host memory")
-        if direct and layout.kind == "cpu_attn":
-            raise LayoutError("cpu_attn blocks hold K transposed: chunks go through staging "
-                              "(direct=False)")
+        if direct and convert:
+            raise LayoutError("cpu_attn blocks hold K transposed: canonical chunks go through "
+                              "staging (direct=False), or use chunk_format='engine'")
         self.direct = direct
         #: chunks in flight at once (receives or puts); the staging ring's size
         self.depth = staging_slots
         self.slots = [] if direct else [self._make_slot() for _ in range(staging_slots)]
-        # each layer's bytes, for direct transfers (segments of the blocks, no copies)
-        self._bytes = [c.view(torch.uint8).numpy() for c in self.caches] if direct else []
+        # each layer's bytes as one flat view, for direct transfers (segments of the
+        # blocks, no copies)
+        self._flat = [c.view(torch.uint8).numpy().data.cast("B")
+                      for c in self.caches] if direct else []
+        planes = 2 if layout.kind in ("flash", "blocks_first") else 1
+        self._block_bytes = self.caches[0].nbytes // (self.num_blocks * planes)
+        #: where a direct load puts the blocks of a chunk the engine already holds
+        self._scratch: memoryview | None = None
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-copy")
 
     def _make_slot(self) -> _Slot:
@@ -152,25 +161,47 @@ class AsyncPagedKVConnector:
                               f"{min(ids)}..{max(ids)}")
         return ids
 
-    def _segments(self, ids: list[int], chunk: int) -> list[bytes | bytearray | memoryview]:
-        """The chunk's bytes where they lie in the engine's blocks, in payload order."""
+    def _segments(self, ids: list[int], chunk: int, skip_blocks: int = 0
+                  ) -> list[bytes | bytearray | memoryview]:
+        """The chunk's bytes where they lie in the engine's blocks, in payload order: one
+        view per run of consecutive blocks per layer (and K/V plane). The bytes of the
+        chunk's first ``skip_blocks`` blocks go to a scratch buffer instead: blocks the
+        engine already holds, which other requests may be reading, are never written."""
         b = self.blocks_per_chunk
         mine = ids[chunk * b:(chunk + 1) * b]
-        runs: list[tuple[int, int]] = []  # consecutive block ids: one segment per run
-        for block in mine:
-            if runs and runs[-1][1] == block:
-                runs[-1] = (runs[-1][0], block + 1)
-            else:
-                runs.append((block, block + 1))
-        out: list[bytes | bytearray | memoryview] = []
         kind = self.layout.kind
-        for layer in self._bytes:
-            if kind == "flash":
-                out += [layer[kv, lo:hi].data.cast("B") for kv in (0, 1) for lo, hi in runs]
-            elif kind == "blocks_first":
-                out += [layer[block, kv].data.cast("B") for kv in (0, 1) for block in mine]
-            else:
-                out += [layer[lo:hi].data.cast("B") for lo, hi in runs]
+        planes = 2 if kind in ("flash", "blocks_first") else 1
+        size = self._block_bytes  # one block of one plane of one layer
+        if kind == "flash":  # [2, N, ...]: plane kv's block at (kv * N + block)
+            starts = [[(kv * self.num_blocks + block) * size for block in mine]
+                      for kv in range(2)]
+        elif kind == "blocks_first":  # [N, 2, ...]: (2 * block + kv)
+            starts = [[(2 * block + kv) * size for block in mine] for kv in range(2)]
+        else:
+            starts = [[block * size for block in mine]]
+        # (start, end) byte ranges of a layer, runs of adjacent blocks merged; None: scratch
+        ranges: list[tuple[int, int] | None] = []
+        for plane in range(planes):
+            for j, start in enumerate(starts[plane]):
+                last = ranges[-1] if ranges else None
+                if j < skip_blocks:
+                    ranges.append(None)
+                elif last is not None and j > skip_blocks and last[1] == start:
+                    ranges[-1] = (last[0], start + size)
+                else:
+                    ranges.append((start, start + size))
+        if skip_blocks and self._scratch is None:
+            self._scratch = memoryview(bytearray(self.chunk_nbytes))
+        used = 0
+        out: list[bytes | bytearray | memoryview] = []
+        for layer in self._flat:
+            for span in ranges:
+                if span is None:
+                    assert self._scratch is not None
+                    out.append(self._scratch[used:used + size])
+                    used += size
+                else:
+                    out.append(layer[span[0]:span[1]])
         return out
 
     def _block_ids(self, ids: list[int]) -> torch.Tensor:
@@ -246,28 +277,65 @@ class AsyncPagedKVConnector:
         if wanted <= first:
             return wanted * self.chunk_tokens if skip_tokens else 0
         keys = self.hasher.keys(tokens[: wanted * self.chunk_tokens])
-        found = first + await self.client.lookup(keys[first:])
+        # a direct load asks for every chunk at once: its answer says which are there, so
+        # a lookup first would cost a round trip for nothing
+        found = wanted if self.direct else first + await self.client.lookup(keys[first:])
         if found == first:
             return first * self.chunk_tokens
         id_list = self._id_list(block_ids, found * self.blocks_per_chunk)
-        ids = None if self.direct else self._block_ids(id_list)
         skip_blocks = skip_tokens // self.layout.block_size - first * self.blocks_per_chunk
-        if skip_blocks and self.direct:  # a direct receive writes every block of its chunk
-            raise LayoutError("skip_tokens inside a chunk needs staging (direct=False)")
+        if self.direct:
+            loaded = await self._load_direct(keys, id_list, first, found, skip_blocks)
+        else:
+            loaded = await self._load_staged(keys, id_list, first, found, skip_blocks)
+        self.stats.tokens_loaded += (loaded - first) * self.chunk_tokens
+        self.stats.bytes_loaded += (loaded - first) * self.chunk_nbytes
+        return loaded * self.chunk_tokens
+
+    async def _load_direct(self, keys: list[bytes], id_list: list[int], first: int,
+                           found: int, skip_blocks: int) -> int:
+        """Chunks ``first..found-1`` straight into the blocks, in batches of
+        ``DIRECT_BATCH`` (one request each: the client copies a batch's values on
+        several threads); the index past the last chunk loaded."""
+        loaded = first
+        while loaded < found:
+            end = min(found, loaded + DIRECT_BATCH)
+            sinks = [self._segments(id_list, i, skip_blocks if i == first else 0)
+                     for i in range(loaded, end)]
+            try:
+                got: list[int | None] = await self.client.get_many_into(keys[loaded:end], sinks)
+            except BufferTooSmallError:  # a chunk of a foreign size: find it one by one
+                got = []
+                for key, sink in zip(keys[loaded:end], sinks, strict=True):
+                    try:
+                        got.append(await self.client.get_into(key, sink))
+                    except BufferTooSmallError:
+                        got.append(None)  # a miss like any other
+                    if got[-1] != self.chunk_nbytes:
+                        break
+            for n in got:
+                if n != self.chunk_nbytes:  # missing or corrupt (None)
+                    break
+                loaded += 1
+            if loaded < end:
+                self.stats.load_misses += 1
+                break
+        return loaded
+
+    async def _load_staged(self, keys: list[bytes], id_list: list[int], first: int,
+                           found: int, skip_blocks: int) -> int:
+        """Chunks ``first..found-1`` through the staging ring (see the module doc); the
+        index past the last chunk loaded."""
+        ids = self._block_ids(id_list)
         k = self.depth
         receives: dict[int, asyncio.Task[int | None]] = {}
 
         async def receive(i: int) -> int | None:
-            if self.direct:
-                sink: memoryview | list[bytes | bytearray | memoryview] = \
-                    self._segments(id_list, i)
-            else:
-                slot = self.slots[(i - first) % k]
-                if slot.busy is not None:
-                    await slot.busy  # the copy of chunk i-k has left this slot
-                sink = slot.host_view
+            slot = self.slots[(i - first) % k]
+            if slot.busy is not None:
+                await slot.busy  # the copy of chunk i-k has left this slot
             try:
-                return await self.client.get_into(keys[i], sink)
+                return await self.client.get_into(keys[i], slot.host_view)
             except BufferTooSmallError:
                 return None  # not a chunk of this layout: a miss like any other
 
@@ -280,11 +348,10 @@ class AsyncPagedKVConnector:
                 if got != self.chunk_nbytes:  # missing, corrupt (None) or a foreign size
                     self.stats.load_misses += 1
                     break
-                if ids is not None:
-                    slot = self.slots[(i - first) % k]
-                    fb = skip_blocks if i == first else 0
-                    slot.busy = self._run_copy(self._to_device, slot,
-                                               self._chunk_ids(ids, i)[fb:], fb)
+                slot = self.slots[(i - first) % k]
+                fb = skip_blocks if i == first else 0
+                slot.busy = self._run_copy(self._to_device, slot,
+                                           self._chunk_ids(ids, i)[fb:], fb)
                 if i + k < found:
                     receives[i + k] = asyncio.create_task(receive(i + k))
                 loaded += 1
@@ -294,9 +361,7 @@ class AsyncPagedKVConnector:
             await self._settle()
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        self.stats.tokens_loaded += (loaded - first) * self.chunk_tokens
-        self.stats.bytes_loaded += (loaded - first) * self.chunk_nbytes
-        return loaded * self.chunk_tokens
+        return loaded
 
     async def store(self, tokens: Sequence[int] | torch.Tensor,
                     block_ids: Sequence[int] | torch.Tensor) -> int:

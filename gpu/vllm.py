@@ -15,10 +15,15 @@ before the forward. When a request's prefill completes, its full prompt
 chunks are saved (those the pool lacks: one ``exists`` round trip).
 
 Worker side (the model runner's process): ``register_kv_caches`` works out
-the paged layout from the attention backend (``CPU_ATTN`` -> the ``cpu_attn``
-kind) and checks the tensors against it; loads and saves go through
-:class:`~kvpool.gpu.PagedKVConnector` on one I/O thread, so chunks stay in
-kvpool's canonical, engine-neutral layout and load into any engine.
+the paged layout from the attention backend (``CPU_ATTN`` with its ``vec`` or
+``vec16`` kernels -> the ``cpu_attn`` kind, with ``amx`` -> ``cpu_attn_amx``)
+and checks the tensors against it; loads and saves go through
+:class:`~kvpool.gpu.PagedKVConnector` on one I/O thread. By default chunks stay
+in kvpool's canonical, engine-neutral layout and load into any engine (an AMX
+host and an AVX2 host share them); ``chunk_format="engine"`` stores vLLM's own
+block bytes instead (no conversion: loads go straight into the blocks, one
+request for up to 32 chunks), under keys of their own that only engines with
+the same kernels and block size read.
 
 Loads (``load_mode``): ``"sync"`` loads before the forward starts; ``"layer"``
 starts the load in ``start_load_kv`` and waits for it in the first
@@ -36,9 +41,10 @@ Not handled (such requests neither load nor save; counted as ``skipped``):
 multimodal inputs (their placeholder tokens do not identify the images),
 LoRA adapters, prompts given as embeddings. Refused at start (the connector
 then stays idle, logged): pipeline parallelism, fp8 KV caches, and every
-attention backend but ``CPU_ATTN`` with its ``vec``/``vec16`` kernels (vLLM
-0.32 views GPU caches as standardized ``[blocks, heads, block_size, content]``
-tensors that this module does not map yet; nothing here has run on a GPU).
+attention backend but ``CPU_ATTN`` with its ``vec``/``vec16``/``amx`` kernels
+(vLLM 0.32 views GPU caches as standardized ``[blocks, heads, block_size,
+content]`` tensors that this module does not map yet; nothing here has run on a
+GPU).
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ __all__ = ["KvpoolConnector", "KvpoolConnectorMetadata", "KvpoolConnectorStats",
 log = logging.getLogger("kvpool.vllm")
 
 _LOAD_MODES = ("sync", "layer")
+_CHUNK_FORMATS = ("canonical", "engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +102,10 @@ class KvpoolSettings:
     staging_slots: int = DEFAULT_STAGING_SLOTS
     #: same-host shared memory: None = when the node offers it
     shm: bool | None = None
+    #: "canonical" (engine-neutral chunks: any engine reads them) or "engine" (vLLM
+    #: CPU_ATTN's own block bytes: no conversion, loads straight into the blocks, but
+    #: only vLLM CPU engines with the same block size share them)
+    chunk_format: str = "canonical"
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> KvpoolSettings:
@@ -111,6 +122,9 @@ class KvpoolSettings:
             settings = cls(**extra)
         except TypeError as exc:
             raise ConfigError(f"kvpool connector: {exc}") from None
+        if settings.chunk_format not in _CHUNK_FORMATS:
+            raise ConfigError(f"kvpool connector: chunk_format must be one of "
+                              f"{_CHUNK_FORMATS}, got {settings.chunk_format!r}")
         if settings.load_mode not in _LOAD_MODES:
             raise ConfigError(f"kvpool connector: load_mode must be one of {_LOAD_MODES}, got "
                               f"{settings.load_mode!r}")
@@ -221,15 +235,19 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.chunk_tokens = chunk
         self.load_enabled = bool(transfer.is_kv_consumer)
         self.save_enabled = bool(transfer.is_kv_producer)
+        kind = "cpu_attn"
         try:  # both sides decide alike: the scheduler never promises what no worker loads
-            _check_backend(vllm_config)
+            kind = _check_backend(vllm_config)
         except ConfigError as exc:
             log.error("kvpool connector: idle, every request computes its own KV: %s", exc)
             self.load_enabled = self.save_enabled = False
         model = vllm_config.model_config
         self.model_id = self.settings.model_id or default_model_id(model.hf_config,
                                                                    str(model.model))
-        self.namespace = _namespace(vllm_config, self.model_id, chunk)
+        #: canonical chunks are the same whatever the kind; the engine's own are not
+        self.namespace = _namespace(vllm_config, self.model_id, chunk,
+                                    f"{kind}-block{self.block_size}"
+                                    if self.settings.chunk_format == "engine" else None)
         self.hasher = ChunkHasher(self.namespace)
         self.stats = KvpoolConnectorStats()
         self._logged: set[str] = set()
@@ -378,21 +396,25 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         names = sorted(kv_caches, key=extract_layer_index)
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-vllm")
         try:
-            layout = _layout(self._vllm_config, [kv_caches[n] for n in names])
+            layout = _layout(self._vllm_config, [kv_caches[n] for n in names],
+                             self.settings.chunk_format)
             self._paged = self._io.submit(self._open, layout,
                                           [kv_caches[n] for n in names]).result()
         except (KvpoolError, ValueError) as exc:
             log.error("kvpool connector: disabled, every request computes its own KV: %s", exc)
             self._paged = None
             return
-        log.info("kvpool connector: %d layers of %s blocks, chunks of %d tokens (%s, model id "
-                 "%r) from %s", len(names), layout.kind, self.chunk_tokens,
-                 dtype_name(layout.dtype), self.model_id, self.settings.kvpool_url)
+        log.info("kvpool connector: %d layers of %s blocks, %s chunks of %d tokens (%s, "
+                 "model id %r) from %s", len(names), layout.kind, layout.chunk_format,
+                 self.chunk_tokens, dtype_name(layout.dtype), self.model_id,
+                 self.settings.kvpool_url)
 
     def _open(self, layout: KVLayout, caches: Sequence[torch.Tensor]) -> PagedKVConnector:
         """On the I/O thread: the client and the connector it drives."""
+        # canonical cpu_attn chunks go through staging (K is transposed on the way); the
+        # engine's own format goes straight between the pool and the blocks
         return PagedKVConnector(self.settings.client(), layout, list(caches), self.namespace,
-                                staging_slots=self.settings.staging_slots, direct=False)
+                                staging_slots=self.settings.staging_slots)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -509,7 +531,8 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.stats.data["save_s"] += time.perf_counter() - started
 
 
-def _namespace(vllm_config: Any, model_id: str, chunk_tokens: int) -> Namespace:
+def _namespace(vllm_config: Any, model_id: str, chunk_tokens: int,
+               kv_format: str | None = None) -> Namespace:
     """The key namespace of this engine's KV (the scheduler hashes with it too)."""
     model, parallel, cache = (vllm_config.model_config, vllm_config.parallel_config,
                               vllm_config.cache_config)
@@ -531,11 +554,13 @@ def _namespace(vllm_config: Any, model_id: str, chunk_tokens: int) -> Namespace:
                      num_layers=model.get_num_layers(parallel),
                      num_kv_heads=model.get_num_kv_heads(parallel),
                      head_dim=model.get_head_size(), chunk_tokens=chunk_tokens,
-                     tp_size=parallel.tensor_parallel_size, tp_rank=rank)
+                     tp_size=parallel.tensor_parallel_size, tp_rank=rank,
+                     kv_format=kv_format)
 
 
-def _check_backend(vllm_config: Any) -> None:
-    """ConfigError unless this engine's attention backend stores blocks this module maps."""
+def _check_backend(vllm_config: Any) -> str:
+    """The layout kind of this engine's blocks (``cpu_attn`` or ``cpu_attn_amx``);
+    ConfigError unless its attention backend stores blocks this module maps."""
     from vllm.platforms import current_platform
 
     model = vllm_config.model_config
@@ -550,17 +575,23 @@ def _check_backend(vllm_config: Any) -> None:
 
     isa = _get_attn_isa(model.dtype, block_size, head_dim,
                         str(vllm_config.cache_config.cache_dtype))
+    if isa == "amx":
+        return "cpu_attn_amx"
     if isa not in ("vec", "vec16"):
         raise ConfigError(f"kvpool connector: the CPU attention kernels here are {isa!r}, "
-                          "whose packed blocks are not mapped (vec and vec16 are)")
+                          "whose packed blocks are not mapped (vec, vec16 and amx are)")
+    return "cpu_attn"
 
 
-def _layout(vllm_config: Any, caches: Sequence[torch.Tensor]) -> KVLayout:
+def _layout(vllm_config: Any, caches: Sequence[torch.Tensor],
+            chunk_format: str = "canonical") -> KVLayout:
     """The paged layout of this engine's caches, from its attention backend (checked)."""
-    _check_backend(vllm_config)
+    kind = _check_backend(vllm_config)
     model = vllm_config.model_config
     layout = KVLayout(len(caches), model.get_num_kv_heads(vllm_config.parallel_config),
                       model.get_head_size(), model.dtype,
-                      int(vllm_config.cache_config.block_size), kind="cpu_attn")
+                      int(vllm_config.cache_config.block_size),
+                      kind="cpu_attn_amx" if kind == "cpu_attn_amx" else "cpu_attn",
+                      chunk_format="engine" if chunk_format == "engine" else "canonical")
     layout.check(list(caches))
     return layout

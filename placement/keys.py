@@ -16,6 +16,7 @@ prefix up to and including its chunk, for one model/layout/tenant only.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
@@ -38,6 +39,8 @@ __all__ = [
 ]
 
 DEFAULT_CHUNK_TOKENS = 256
+#: engine-native chunk formats (see Namespace.kv_format)
+_ENGINE_FORMAT = re.compile(r"cpu_attn(_amx)?-block[1-9][0-9]*")
 _MAX_TOKEN = 0xFFFFFFFF
 
 
@@ -60,8 +63,11 @@ class Namespace:
     tp_rank: int = 0
     tenant: str | None = None
     adapter: str | None = None
-    #: what one token's entry is: None = a K and a V vector per KV head (standard
-    #: attention); "mla" = one latent vector (num_kv_heads 1, head_dim = latent dim)
+    #: what a chunk's payload is: None = K and V per KV head in the canonical,
+    #: engine-neutral layout; "mla" = one latent vector a token (num_kv_heads 1, head_dim =
+    #: latent dim); "cpu_attn-block<N>" / "cpu_attn_amx-block<N>" = vLLM CPU_ATTN's own
+    #: block bytes (vec / AMX kernels), block size N (an engine-native format: readable
+    #: only by engines with the same blocks)
     kv_format: str | None = None
 
     def __post_init__(self) -> None:
@@ -86,8 +92,9 @@ class Namespace:
                 raise ConfigError(f"namespace {name} must be >= {0 if name == 'tp_rank' else 1}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"tp_rank {self.tp_rank} outside [0, tp_size={self.tp_size})")
-        if self.kv_format not in (None, "mla"):
-            raise ConfigError(f"namespace kv_format must be None or 'mla', got {self.kv_format!r}")
+        if self.kv_format not in (None, "mla") and not _ENGINE_FORMAT.fullmatch(self.kv_format):
+            raise ConfigError(f"namespace kv_format must be None, 'mla', 'cpu_attn-block<N>' "
+                              f"or 'cpu_attn_amx-block<N>', got {self.kv_format!r}")
 
     def fields(self) -> dict[str, Any]:
         """The fields hashed into the digest; unset optional ones are omitted."""

@@ -25,6 +25,9 @@ LAYOUTS = {
     "blocks_first": KVLayout(3, 2, 8, torch.bfloat16, BLOCK, kind="blocks_first"),
     "mla": KVLayout.mla(3, 24, torch.float16, BLOCK),
     "cpu_attn": KVLayout(3, 2, 8, torch.bfloat16, BLOCK, kind="cpu_attn"),
+    # vLLM CPU's own block bytes as the chunk (no transpose; direct on the CPU)
+    "cpu_attn_engine": KVLayout(3, 2, 8, torch.bfloat16, BLOCK, kind="cpu_attn",
+                                chunk_format="engine"),
 }
 
 
@@ -99,9 +102,14 @@ def test_store_then_load_into_other_blocks_is_bit_exact(kind: str, direct: bool,
             assert torch.equal(before[sel], after[sel])
 
 
-@pytest.mark.parametrize("kind", ["flash", "cpu_attn", "mla"])
-def test_a_load_skips_the_blocks_the_engine_already_holds(kind: str, client: Client) -> None:
-    """skip_tokens mid-chunk: the chunk is fetched, but only its later blocks are written."""
+@pytest.mark.parametrize(("kind", "direct"), [
+    ("flash", False), ("flash", True), ("mla", False), ("mla", True),
+    ("cpu_attn", False),  # canonical cpu_attn chunks always go through staging
+    ("cpu_attn_engine", False), ("cpu_attn_engine", True)])
+def test_a_load_skips_the_blocks_the_engine_already_holds(kind: str, direct: bool,
+                                                          client: Client) -> None:
+    """skip_tokens mid-chunk: the chunk is fetched, but only its later blocks are written
+    (a direct load receives the held blocks' bytes into a scratch buffer)."""
     layout = LAYOUTS[kind]
     ns = layout.namespace(f"skip-{kind}-{os.urandom(4).hex()}", chunk_tokens=CHUNK)
     tokens = list(range(3 * CHUNK))
@@ -111,7 +119,7 @@ def test_a_load_skips_the_blocks_the_engine_already_holds(kind: str, client: Cli
     dst = make_caches(layout, 16, seed=6)
     before = [c.clone() for c in dst]
     skip = CHUNK + BLOCK  # one chunk and one block of the next are the engine's own
-    with PagedKVConnector(client, layout, dst, ns, direct=False) as b:
+    with PagedKVConnector(client, layout, dst, ns, direct=direct) as b:
         assert b.load(tokens, list(range(12)), skip_tokens=skip) == 3 * CHUNK
         assert b.stats.tokens_loaded == 2 * CHUNK  # chunks 1 and 2 fetched
         with pytest.raises(LayoutError, match="multiple of the block size"):
@@ -120,6 +128,20 @@ def test_a_load_skips_the_blocks_the_engine_already_holds(kind: str, client: Cli
     assert torch.equal(got[skip:].view(torch.uint8), want[skip:].view(torch.uint8))
     kept = token_rows(layout, before, list(range(12)), skip)
     assert torch.equal(got[:skip].view(torch.uint8), kept.view(torch.uint8))
+
+
+def test_an_engine_format_chunk_is_the_blocks_bytes_layer_by_layer() -> None:
+    layout = LAYOUTS["cpu_attn_engine"]
+    caches = make_caches(layout, 8, seed=3)
+    ids = torch.tensor([5, 1, 2, 7])
+    chunk = torch.empty(layout.chunk_shape(CHUNK), dtype=layout.dtype)
+    assert chunk.nbytes == layout.chunk_nbytes(CHUNK)
+    gather(layout, caches, ids, chunk)
+    assert torch.equal(chunk, torch.stack([c[ids] for c in caches]))
+    back = [torch.zeros_like(c) for c in caches]
+    scatter(layout, back, ids[1:], chunk, first_block=1)
+    for c, b in zip(caches, back, strict=True):
+        assert torch.equal(c[ids[1:]], b[ids[1:]]) and not b[ids[0]].any()
 
 
 def test_chunk_payload_layout_is_the_documented_one(client: Client) -> None:
@@ -205,6 +227,14 @@ def test_layout_errors_are_clear() -> None:
     with pytest.raises(LayoutError, match="does not match"):
         layout.check_namespace(other)
     assert LAYOUTS["mla"].namespace("m", chunk_tokens=CHUNK).kv_format == "mla"
+    engine, canonical = (LAYOUTS[k].namespace("m", chunk_tokens=CHUNK)
+                         for k in ("cpu_attn_engine", "cpu_attn"))
+    assert engine.kv_format == f"cpu_attn-block{BLOCK}" and canonical.kv_format is None
+    assert engine.digest != canonical.digest  # the two formats never share a key
+    with pytest.raises(LayoutError, match="does not match"):
+        LAYOUTS["cpu_attn_engine"].check_namespace(canonical)
+    with pytest.raises(LayoutError, match="cpu_attn kind"):
+        KVLayout(3, 2, 8, torch.float16, BLOCK, kind="flash", chunk_format="engine")
     assert LAYOUTS["mla"].namespace("m", chunk_tokens=CHUNK).digest != \
         KVLayout(3, 1, 24, torch.float16, BLOCK).namespace("m", chunk_tokens=CHUNK).digest
 
@@ -231,3 +261,35 @@ def test_load_and_store_against_a_cluster(tmp_path: object) -> None:
             assert b.load(tokens, list(range(16, 64))) == 12 * CHUNK
         assert torch.equal(token_rows(layout, dst, list(range(16, 64)), 12 * CHUNK),
                            token_rows(layout, src, list(range(48)), 12 * CHUNK))
+
+
+def test_canonical_chunks_move_between_vec_and_amx_blocks(client: Client) -> None:
+    """vLLM CPU's vec kernels (K transposed) and its AMX kernels (K and V in tiles) hold
+    the same tokens differently; a chunk stored from one loads into the other. The
+    packing itself is checked against vLLM's own cache write in tests/test_vllm.py."""
+    block, chunk = 16, 32
+    vec = KVLayout(2, 2, 32, torch.bfloat16, block, kind="cpu_attn")
+    amx = KVLayout(2, 2, 32, torch.bfloat16, block, kind="cpu_attn_amx")
+    ns = vec.namespace(f"amx-{os.urandom(4).hex()}", chunk_tokens=chunk)
+    assert amx.namespace(ns.model, chunk_tokens=chunk) == ns  # canonical: one namespace
+    tokens = list(range(2 * chunk))
+    src = make_caches(vec, 8, seed=9)
+    with PagedKVConnector(client, vec, src, ns) as a:
+        assert a.store(tokens, [5, 1, 7, 0]) == 2 * chunk
+    dst = [torch.zeros(amx.layer_shape(8), dtype=amx.dtype) for _ in range(2)]
+    with PagedKVConnector(client, amx, dst, ns) as b:
+        assert b.load(tokens, [2, 3, 6, 4]) == 2 * chunk
+    for layer in range(2):
+        for (s_blk, d_blk) in zip([5, 1, 7, 0], [2, 3, 6, 4], strict=True):
+            d = 32
+            s_flat, d_flat = src[layer][s_blk].view(2, -1), dst[layer][d_blk].view(2, -1)
+            k_src = s_flat[:, : block * d].view(2, d, block).transpose(1, 2)  # [h, t, d]
+            v_src = s_flat[:, block * d :].view(2, block, d)
+            # AMX: K[t, d] at [t//16, d//2, t%16, d%2]; V[t, d] at [d//16, t//2, d%16, t%2]
+            k_dst = d_flat[:, : block * d].view(2, block // 16, d // 2, 16, 2)
+            k_dst = k_dst.permute(0, 1, 3, 2, 4).reshape(2, block, d)
+            v_dst = d_flat[:, block * d :].view(2, d // 16, block // 2, 16, 2)
+            v_dst = v_dst.permute(0, 2, 4, 1, 3).reshape(2, block, d)
+            assert torch.equal(k_src, k_dst) and torch.equal(v_src, v_dst)
+    with pytest.raises(LayoutError, match="multiples of 16"):
+        KVLayout(2, 2, 32, torch.bfloat16, 8, kind="cpu_attn_amx")

@@ -33,36 +33,41 @@ def layout_check() -> dict[str, Any]:
 
     results: dict[str, Any] = {}
     g = torch.Generator().manual_seed(0)
-    for isa, head_dim in (("vec", 64), ("vec16", 80)):
-        for dtype in (torch.bfloat16, torch.float32):
-            layers, heads, block, num_blocks = 2, 3, 32, 12
-            layout = KVLayout(layers, heads, head_dim, dtype, block, kind="cpu_attn")
-            tokens = 4 * block  # one 128-token chunk = 4 blocks
-            ids = torch.tensor([9, 2, 7, 4])
-            slots = torch.cat([torch.arange(b * block, (b + 1) * block) for b in ids.tolist()])
-            caches, keys, values = [], [], []
-            for _ in range(layers):
-                cache = torch.zeros(layout.layer_shape(num_blocks), dtype=dtype)
-                view = cache.view(num_blocks, heads, 2 * block, head_dim)
-                k_cache, v_cache = view.chunk(2, dim=2)
-                key = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
-                value = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
-                ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, isa)
-                caches.append(cache)
-                keys.append(key)
-                values.append(value)
-            chunk = torch.empty(layout.chunk_shape(tokens), dtype=dtype)
-            gather(layout, caches, ids, chunk)
-            want = torch.stack([torch.stack([k, v]) for k, v in zip(keys, values, strict=True)])
-            back = [torch.zeros_like(c) for c in caches]
-            scatter(layout, back, ids, chunk)
-            name = f"{isa}-{str(dtype).removeprefix('torch.')}"
-            results[name] = {
-                "gather_equal": bool(torch.equal(chunk.view(torch.uint8),
-                                                 want.view(torch.uint8))),
-                "scatter_equal": all(bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
-                                     for a, b in zip(caches, back, strict=True)),
-            }
+    cases = [(isa, head_dim, dtype) for isa, head_dim in (("vec", 64), ("vec16", 80))
+             for dtype in (torch.bfloat16, torch.float32)]
+    if torch.cpu._is_amx_tile_supported():  # vLLM's AMX kernels: bf16 only
+        cases += [("amx", 64, torch.bfloat16), ("amx", 128, torch.bfloat16)]
+    for isa, head_dim, dtype in cases:
+        layers, heads, block, num_blocks = 2, 3, 32, 12
+        layout = KVLayout(layers, heads, head_dim, dtype, block,
+                          kind="cpu_attn_amx" if isa == "amx" else "cpu_attn")
+        tokens = 4 * block  # one 128-token chunk = 4 blocks
+        ids = torch.tensor([9, 2, 7, 4])
+        slots = torch.cat([torch.arange(b * block, (b + 1) * block) for b in ids.tolist()])
+        caches, keys, values = [], [], []
+        for _ in range(layers):
+            cache = torch.zeros(layout.layer_shape(num_blocks), dtype=dtype)
+            view = cache.view(num_blocks, heads, 2 * block, head_dim)
+            k_cache, v_cache = view.chunk(2, dim=2)
+            key = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
+            value = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
+            ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, isa)
+            caches.append(cache)
+            keys.append(key)
+            values.append(value)
+        chunk = torch.empty(layout.chunk_shape(tokens), dtype=dtype)
+        gather(layout, caches, ids, chunk)
+        want = torch.stack([torch.stack([k, v]) for k, v in zip(keys, values, strict=True)])
+        back = [torch.zeros_like(c) for c in caches]
+        scatter(layout, back, ids, chunk)
+        name = f"{isa}-{str(dtype).removeprefix('torch.')}" + \
+            (f"-{head_dim}" if isa == "amx" else "")
+        results[name] = {
+            "gather_equal": bool(torch.equal(chunk.view(torch.uint8),
+                                             want.view(torch.uint8))),
+            "scatter_equal": all(bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+                                 for a, b in zip(caches, back, strict=True)),
+        }
     return results
 
 
@@ -125,6 +130,7 @@ def settings_check() -> dict[str, Any]:
         "bad mode": {"kvpool_url": "x:1", "load_mode": "fast"},
         "bad chunk": {"kvpool_url": "x:1", "chunk_tokens": 0},
         "bad timeout": {"kvpool_url": "x:1", "timeout_s": -1},
+        "bad format": {"kvpool_url": "x:1", "chunk_format": "native"},
     }
     out: dict[str, Any] = {}
     for name, extra in cases.items():
