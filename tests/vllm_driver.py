@@ -2,10 +2,14 @@
 
     $VLLM_CPU_PYTHON -m kvpool.tests.vllm_driver layout OUT.json
     $VLLM_CPU_PYTHON -m kvpool.tests.vllm_driver generate SPEC.json OUT.json
+    $VLLM_CPU_PYTHON -m kvpool.tests.vllm_driver loop SPEC.json
     $VLLM_CPU_PYTHON -m kvpool.tests.vllm_driver serve MODEL [vllm serve flags]
 
 ``layout``: writes K/V with vLLM's own cache-write op (``cpu_attn_reshape_and_cache``)
 and checks kvpool's ``cpu_attn`` gather and scatter against it, bit for bit.
+
+``loop``: the engine of ``generate``'s SPEC kept alive, one prompt a stdin line (see
+:func:`loop`): for benchmarks that alternate requests between engines.
 
 ``generate``: one engine (SmolLM2-135M from ``kvpool.examples.models.smollm2_folder``),
 optionally with the kvpool connector, runs greedy generations of the given prompts
@@ -71,14 +75,13 @@ def layout_check() -> dict[str, Any]:
     return results
 
 
-def generate(spec: dict[str, Any]) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams
+def _engine(spec: dict[str, Any]) -> Any:
+    """The ``LLM`` a spec describes (see the module doc)."""
+    from vllm import LLM
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
 
     from kvpool.examples.models import smollm2_folder
 
-    started = time.perf_counter()
     kwargs: dict[str, Any] = {}
     if spec.get("connector") is not None:
         cls = spec.get("connector_class", "KvpoolConnector")
@@ -88,33 +91,62 @@ def generate(spec: dict[str, Any]) -> dict[str, Any]:
         if cls == "KvpoolConnector":
             transfer["kv_connector_module_path"] = "kvpool.gpu.vllm"
         kwargs["kv_transfer_config"] = KVTransferConfig(**transfer)
-    llm = LLM(model=str(smollm2_folder()), enforce_eager=True, dtype=spec.get("dtype", "bfloat16"),
-              max_model_len=spec.get("max_model_len", 8192), seed=0,
-              enable_prefix_caching=spec.get("prefix_caching", True),
-              disable_log_stats=not spec.get("stats", False), **kwargs)
+    return LLM(model=str(smollm2_folder()), enforce_eager=True,
+               dtype=spec.get("dtype", "bfloat16"), max_model_len=spec.get("max_model_len", 8192),
+               seed=0, enable_prefix_caching=spec.get("prefix_caching", True),
+               disable_log_stats=not spec.get("stats", False), **kwargs)
+
+
+def _run(llm: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One greedy generation: its tokens, cached tokens and vLLM's own timings."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    t0 = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+    wall = time.perf_counter() - t0
+    run: dict[str, Any] = {"tokens": list(out.outputs[0].token_ids),
+                           "text": out.outputs[0].text,
+                           "num_cached_tokens": out.num_cached_tokens,
+                           "prompt_tokens": len(prompt), "wall_s": wall}
+    m = out.metrics  # with "stats": vLLM's own per-request timings
+    if m is not None and getattr(m, "first_token_ts", 0):
+        n = len(run["tokens"])
+        run.update(ttft_s=float(m.first_token_latency),
+                   prefill_s=float(m.first_token_ts - m.scheduled_ts),
+                   decode_tok_s=(n - 1) / (m.last_token_ts - m.first_token_ts)
+                   if n > 1 and m.last_token_ts > m.first_token_ts else None)
+    return run
+
+
+def generate(spec: dict[str, Any]) -> dict[str, Any]:
+    started = time.perf_counter()
+    llm = _engine(spec)
     engine_s = time.perf_counter() - started
-    params = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0.0)
-    runs = []
-    for prompt in spec["prompts"]:
-        for _ in range(spec.get("repeat", 1)):
-            t0 = time.perf_counter()
-            out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params,
-                               use_tqdm=False)[0]
-            wall = time.perf_counter() - t0
-            run: dict[str, Any] = {"tokens": list(out.outputs[0].token_ids),
-                                   "text": out.outputs[0].text,
-                                   "num_cached_tokens": out.num_cached_tokens,
-                                   "prompt_tokens": len(prompt), "wall_s": wall}
-            m = out.metrics  # with "stats": vLLM's own per-request timings
-            if m is not None and getattr(m, "first_token_ts", 0):
-                n = len(run["tokens"])
-                run.update(ttft_s=float(m.first_token_latency),
-                           prefill_s=float(m.first_token_ts - m.scheduled_ts),
-                           decode_tok_s=(n - 1) / (m.last_token_ts - m.first_token_ts)
-                           if n > 1 and m.last_token_ts > m.first_token_ts else None)
-            runs.append(run)
+    runs = [_run(llm, prompt, spec.get("max_tokens", 16))
+            for prompt in spec["prompts"] for _ in range(spec.get("repeat", 1))]
     llm.llm_engine.engine_core.shutdown()  # its processes hold our stdout: end them first
     return {"engine_start_s": engine_s, "runs": runs}
+
+
+#: the line prefix of ``loop``'s answers on stdout (vLLM logs there too)
+ANSWER = "KVPOOL-ANSWER "
+
+
+def loop(spec: dict[str, Any]) -> None:
+    """An engine kept alive: each stdin line is a prompt (a JSON list of token ids), each
+    answer a stdout line ``KVPOOL-ANSWER {run}``; an empty line ends it. The first
+    answer, ``{"ready": seconds}``, says the engine has started."""
+    started = time.perf_counter()
+    llm = _engine(spec)
+    print(ANSWER + json.dumps({"ready": time.perf_counter() - started}), flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        run = _run(llm, json.loads(line), spec.get("max_tokens", 16))
+        print(ANSWER + json.dumps(run), flush=True)
+    llm.llm_engine.engine_core.shutdown()
 
 
 def settings_check() -> dict[str, Any]:
@@ -175,6 +207,11 @@ def main() -> int:
         with open(sys.argv[2]) as f:
             result = generate(json.load(f))
         out = sys.argv[3]
+    elif command == "loop":
+        with open(sys.argv[2]) as f:
+            loop(json.load(f))
+        sys.stdout.flush()
+        os._exit(0)
     else:
         raise SystemExit(f"unknown command {command!r}")
     with open(out, "w") as f:
