@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvpool.client._connection import Buffer, BufferOrSegments, Connection
-from kvpool.client._shm import TORN, ShmMapping, host_id, redeem
+from kvpool.client._shm import TORN, ShmMapping, redeem
 from kvpool.placement.keys import key_from_hex
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, seal
 from kvpool.protocol.errors import (
@@ -57,6 +57,7 @@ from kvpool.protocol.frames import (
     encode_json,
     encode_lease_ids,
 )
+from kvpool.protocol.host import host_id
 from kvpool.protocol.parsers import TOO_SMALL, Reply, Segments
 
 __all__ = ["DEFAULT_PORT", "SHM_PUT_MIN_BYTES", "Key", "NodeClient", "join_keys", "key_bytes",

@@ -52,7 +52,7 @@ from kvpool.protocol.shm_index import (
     unpack_slot,
 )
 
-__all__ = ["TORN", "ShmIndex", "ShmMapping", "host_id", "redeem"]
+__all__ = ["TORN", "ShmIndex", "ShmMapping", "redeem"]
 
 #: read outcome: the value was freed (and maybe reused) while it was copied
 TORN = 254
@@ -64,15 +64,6 @@ _PAGE = 4096
 _BLOCK = 1 << 20
 #: a GET or PUT batch of at least this many bytes is copied by several threads
 PARALLEL_MIN_BYTES = 2 << 20
-
-
-def host_id() -> str:
-    """This boot of this machine's kernel ('' where unknown: no fast path)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def redeem(offer: dict[str, Any], timeout: float) -> tuple[int, int, bool]:

@@ -168,6 +168,9 @@ class Client:
     def exists_tiers(self, keys: Sequence[Key]) -> list[str | None]:
         return self._run(self._async.exists_tiers(keys))
 
+    def exists_codes(self, keys: bytes | Sequence[Key]) -> bytes:
+        return self._run(self._async.exists_codes(keys))
+
     def delete(self, key: Key) -> bool:
         return self._run(self._async.delete(key))
 

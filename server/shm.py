@@ -65,14 +65,14 @@ import struct
 import time
 from dataclasses import dataclass, field
 
-from kvpool.client._shm import host_id
 from kvpool.protocol.errors import ConfigError
+from kvpool.protocol.host import host_id
 from kvpool.protocol.parsers import PutItem
 from kvpool.server.auth import ANONYMOUS, Principal
 from kvpool.tiers.arena_index import ArenaIndex
 from kvpool.tiers.dram import DramTier, Entry
 
-__all__ = ["Lease", "Session", "ShmService", "host_id", "parse_allow"]
+__all__ = ["Lease", "Session", "ShmService", "parse_allow"]
 
 log = logging.getLogger("kvpool.server.shm")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import time
 
@@ -252,3 +253,27 @@ def test_client_takes_a_seed_string_and_kvpool_url(node: NodeProcess,
     monkeypatch.setenv("KVPOOL_URL", f"127.0.0.1:1,{node.host}:{node.port}")
     with Client() as c:  # the first seed is dead: the next one answers
         assert c.get(bytes(16)) == b"seed string"
+
+
+#: AsyncClient coroutines with no blocking twin, and why
+NO_SYNC_TWIN = {
+    "send_touches": "the sync client reports its index reads itself, before its next call",
+}
+
+
+def test_every_async_coroutine_has_a_sync_twin_with_the_same_signature() -> None:
+    """The blocking Client re-declares the async API by hand: nothing else keeps the two
+    from drifting apart (a parameter added to one, a default changed in the other)."""
+    checked = 0
+    for name, fn in inspect.getmembers(AsyncClient, inspect.isfunction):
+        coro = inspect.unwrap(fn)  # traced methods are plain functions returning coroutines
+        if name.startswith("_") or name in NO_SYNC_TWIN or \
+                not inspect.iscoroutinefunction(coro):
+            continue
+        twin = getattr(Client, name, None)
+        assert callable(twin), f"Client has no {name}()"
+        assert not inspect.iscoroutinefunction(twin), f"Client.{name} is a coroutine"
+        assert inspect.signature(twin) == inspect.signature(coro), name
+        checked += 1
+    assert checked >= 20
+    assert all(hasattr(AsyncClient, name) for name in NO_SYNC_TWIN)  # no stale exemption

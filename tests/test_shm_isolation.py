@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvpool.client import Client, KvpoolConnectionError
-from kvpool.client._shm import host_id
+from kvpool.protocol.host import host_id
 from kvpool.tests.conftest import NodeProcess, start_node
 
 FRAME = struct.Struct("<2sBBIIIQ")
