@@ -72,20 +72,35 @@ def _status(args: argparse.Namespace) -> int:
 
     table = Table(title=f"kvpool cluster: epoch {cmap['epoch']}, replication "
                   f"{cmap['replication']}, source {cmap.get('source', '?')}")
-    for column in ("node", "state", "data", "DRAM used / capacity", "SSD used / capacity",
-                   "objects", "hit rate", "drain"):
-        table.add_column(column)
+    draining = any((stats or {}).get("drain", {}).get("state", "idle") != "idle"
+                   for _, stats in rows)
+    # a standalone node's id is its data address: one column says both
+    show_data = any(node["id"] != node["data"] for node, _ in rows)
+    # ids and addresses are never cut; sizes take two lines; the drain column only shows
+    # while a node drains: a standalone node's row fits 80 columns
+    table.add_column("node", no_wrap=True)
+    table.add_column("state")
+    if show_data:
+        table.add_column("data", no_wrap=True)
+    for column in ("DRAM", "SSD"):  # used / capacity
+        table.add_column(column, no_wrap=True)
+    table.add_column("objects", no_wrap=True)
+    table.add_column("hit rate")
+    if draining:
+        table.add_column("drain")
     for node, stats in rows:
+        data = [node["data"]] if show_data else []
         if stats is None:  # whatever the map says, nobody answers there
-            table.add_row(node["id"], "[red]down[/]", node["data"], "[red]unreachable[/]",
-                          "", "", "", "")
+            table.add_row(node["id"], "[red]down[/]", *data, "[red]unreachable[/]", "", "",
+                          "", *([""] if draining else []))
             continue
         drain = stats.get("drain", {})
-        table.add_row(node["id"], node["state"], node["data"],
+        moving = "" if drain.get("state", "idle") == "idle" else \
+            f"{drain['state']} {drain['chunks_moved']}/{drain['chunks_total']}"
+        table.add_row(node["id"], node["state"], *data,
                       _usage(stats["tiers"].get("dram")), _usage(stats["tiers"].get("ssd")),
                       str(stats["num_objects"]), hit_rate(stats),
-                      "" if drain.get("state", "idle") == "idle" else
-                      f"{drain['state']} {drain['chunks_moved']}/{drain['chunks_total']}")
+                      *([moving] if draining else []))
     Console().print(table)
     down = sum(1 for node, stats in rows if stats is None)
     return 2 if down else 0
@@ -94,7 +109,7 @@ def _status(args: argparse.Namespace) -> int:
 def _usage(tier: dict[str, Any] | None) -> str:
     if not tier or "used_bytes" not in tier:
         return "-"
-    return f"{format_size(tier['used_bytes'])} / {format_size(tier['capacity_bytes'])}"
+    return f"{format_size(tier['used_bytes'])} /\n{format_size(tier['capacity_bytes'])}"
 
 
 def hit_rate(stats: dict[str, Any]) -> str:

@@ -44,6 +44,11 @@ def test_status_table_json_and_unreachable(cluster2: LocalCluster) -> None:
     for node in cluster2.nodes:
         assert node.node_id in table.stdout
     assert "64.0 MiB" in table.stdout and "hit rate" in table.stdout
+    # 80 columns (a pipe: rich's default width): nothing is cut, addresses included
+    assert "…" not in table.stdout
+    assert all(len(line) <= 80 for line in table.stdout.splitlines())
+    for info in doc["cluster"]["nodes"]:
+        assert info["data"] in table.stdout
     # `cluster status` is the same command
     assert kvpool("cluster", "status", "--admin", admin, "--json").returncode == 0
     gone = kvpool("status", "--admin", "http://127.0.0.1:1", "--timeout", "2")
