@@ -35,7 +35,9 @@ Failures never reach the engine: a node error, a missing or corrupt chunk is
 a miss, counted and logged once; blocks promised but not loaded are reported
 by ``get_block_ids_with_load_errors`` so that vLLM, with
 ``kv_load_failure_policy="recompute"``, recomputes them (with vLLM's default
-``"fail"`` the request fails instead: set ``recompute``).
+``"fail"`` the request fails instead: set ``recompute``). After a failed pool
+call each side backs off (:class:`Backoff`, ``retry_after_s``): a hung node
+would otherwise cost every request, or every step, ``timeout_s``.
 
 Not handled (such requests neither load nor save; counted as ``skipped``):
 multimodal inputs (their placeholder tokens do not identify the images),
@@ -71,7 +73,7 @@ from kvpool.gpu.layout import KVLayout, dtype_name
 from kvpool.placement.keys import DEFAULT_CHUNK_TOKENS, ChunkHasher, Namespace
 from kvpool.protocol.errors import ConfigError
 
-__all__ = ["KvpoolConnector", "KvpoolConnectorMetadata", "KvpoolConnectorStats",
+__all__ = ["Backoff", "KvpoolConnector", "KvpoolConnectorMetadata", "KvpoolConnectorStats",
            "KvpoolSettings", "default_model_id"]
 
 log = logging.getLogger("kvpool.vllm")
@@ -96,6 +98,9 @@ class KvpoolSettings:
     model_id: str = ""
     #: seconds a pool call may take before it is a miss (the engine never waits longer)
     timeout_s: float = 5.0
+    #: after a pool call fails, the pool is left alone this long (doubling while it keeps
+    #: failing, up to 12x): each call to a hung node would cost the engine ``timeout_s``
+    retry_after_s: float = 5.0
     #: "sync" or "layer" (see the module doc)
     load_mode: str = "layer"
     #: chunks in flight at once per load or save
@@ -133,9 +138,11 @@ class KvpoolSettings:
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"kvpool connector: {name} must be an integer >= 1, got "
                                   f"{value!r}")
-        if not isinstance(settings.timeout_s, (int, float)) or settings.timeout_s <= 0:
-            raise ConfigError(f"kvpool connector: timeout_s must be > 0, got "
-                              f"{settings.timeout_s!r}")
+        for name in ("timeout_s", "retry_after_s"):
+            value = getattr(settings, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not value > 0:
+                raise ConfigError(f"kvpool connector: {name} must be > 0, got {value!r}")
         return settings
 
     def client(self) -> Client:
@@ -152,6 +159,30 @@ def default_model_id(config: Any, name_or_path: str = "") -> str:
     transformers adapter uses the same rule, so the two engines share chunks."""
     return str(getattr(config, "kvpool_model_id", None) or name_or_path
                or getattr(config, "name_or_path", "") or "")
+
+
+class Backoff:
+    """Leaves a failing pool alone for a while: after a failure, :meth:`allow` is False
+    for ``first`` seconds, doubling with each failure in a row up to ``12 * first``;
+    a success resets it. One per process side (scheduler, worker): a hung node then
+    costs the engine one ``timeout_s`` per back-off, not one per request or step."""
+
+    def __init__(self, first: float, clock: Any = time.monotonic) -> None:
+        self.first, self.clock = first, clock
+        self.wait = 0.0  #: the current back-off, 0 while the pool answers
+        self.until = 0.0
+
+    def allow(self) -> bool:
+        return bool(self.clock() >= self.until)
+
+    def failed(self) -> float:
+        """Record a failure; the seconds the pool is now left alone."""
+        self.wait = min(12 * self.first, 2 * self.wait) if self.wait else self.first
+        self.until = self.clock() + self.wait
+        return self.wait
+
+    def succeeded(self) -> None:
+        self.wait = self.until = 0.0
 
 
 @dataclass
@@ -179,7 +210,8 @@ class KvpoolConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 
 _COUNTERS = ("lookups", "lookup_errors", "tokens_looked_up", "tokens_hit", "tokens_loaded",
-             "tokens_stored", "load_errors", "save_errors", "load_s", "save_s", "skipped")
+             "tokens_stored", "load_errors", "save_errors", "load_s", "save_s", "skipped",
+             "backed_off")
 
 
 @dataclass
@@ -251,6 +283,8 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.hasher = ChunkHasher(self.namespace)
         self.stats = KvpoolConnectorStats()
         self._logged: set[str] = set()
+        #: this process's view of the pool's health (scheduler: lookups; worker: I/O)
+        self.backoff = Backoff(self.settings.retry_after_s)
         # scheduler side
         self._client: Client | None = None
         self._matched: dict[str, int] = {}
@@ -272,6 +306,12 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if what not in self._logged:
             self._logged.add(what)
             log.warning("kvpool connector: " + message, *args)
+
+    def _failed(self, what: str) -> None:
+        """A pool call failed: leave the pool alone for a while (logged each time)."""
+        wait = self.backoff.failed()
+        log.warning("kvpool connector: the pool failed a %s; no pool calls for %.0f s "
+                    "(requests compute their own KV meanwhile)", what, wait)
 
     def _scheduler_client(self) -> Client:
         if self._client is None:
@@ -299,6 +339,9 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         limit = (len(tokens) - 1) // self.chunk_tokens * self.chunk_tokens
         if limit <= num_computed_tokens:
             return 0, False
+        if not self.backoff.allow():
+            self.stats.data["backed_off"] += 1
+            return 0, False
         self.stats.data["lookups"] += 1
         self.stats.data["tokens_looked_up"] += limit
         try:
@@ -306,7 +349,9 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         except KvpoolError as exc:
             self.stats.data["lookup_errors"] += 1
             self._once("lookup", "lookup failed, treating it as a miss: %s", exc)
+            self._failed("lookup")
             return 0, False
+        self.backoff.succeeded()
         hit = found * self.chunk_tokens
         self.stats.data["tokens_hit"] += hit
         if hit <= num_computed_tokens:
@@ -499,12 +544,18 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         failed: set[int] = set()
         for load in loads:
             started = time.perf_counter()
-            try:
-                loaded = self._paged.load(load.tokens, load.block_ids, max_tokens=load.end,
-                                          skip_tokens=load.start)
-            except Exception as exc:  # never into the engine: the blocks are recomputed
-                loaded = 0
-                self._once("load", "a load failed, its tokens are recomputed: %s", exc)
+            loaded = 0
+            if not self.backoff.allow():  # promised before the pool failed: recompute
+                self.stats.data["backed_off"] += 1
+            else:
+                try:
+                    loaded = self._paged.load(load.tokens, load.block_ids,
+                                              max_tokens=load.end, skip_tokens=load.start)
+                    self.backoff.succeeded()
+                except Exception as exc:  # never into the engine: the blocks are recomputed
+                    self._once("load", "a load failed, its tokens are recomputed: %s", exc)
+                    if isinstance(exc, KvpoolError):
+                        self._failed("load")
             self.stats.data["load_s"] += time.perf_counter() - started
             self.stats.data["tokens_loaded"] += max(0, min(loaded, load.end) - load.start)
             if loaded < load.end:
@@ -522,12 +573,18 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if save.req_id in valid_until:  # never store blocks a failed load left empty
                 tokens = tokens[: valid_until[save.req_id] // self.chunk_tokens
                                 * self.chunk_tokens]
+            if not self.backoff.allow():
+                self.stats.data["backed_off"] += 1
+                continue
             started = time.perf_counter()
             try:
                 self.stats.data["tokens_stored"] += self._paged.store(tokens, save.block_ids)
+                self.backoff.succeeded()
             except Exception as exc:  # a cache that missed a save is only a colder cache
                 self.stats.data["save_errors"] += 1
                 self._once("save", "a save failed (the pool just misses it): %s", exc)
+                if isinstance(exc, KvpoolError):
+                    self._failed("save")
             self.stats.data["save_s"] += time.perf_counter() - started
 
 

@@ -113,13 +113,23 @@ def test_connector_settings_fail_with_one_clear_line(tmp_path: Path) -> None:
     result = driver(tmp_path, "settings", timeout=120)
     assert result["url only"] == {"ok": True, "seeds": 1}
     assert result["seed list"] == {"ok": True, "seeds": 2}
-    errors = {name: r.get("error", "") for name, r in result.items() if name != "log"}
+    errors = {name: r.get("error", "") for name, r in result.items()
+              if name not in ("log", "backoff")}
     assert 'needs "kvpool_url"' in errors["no url"]
     assert "unknown kv_connector_extra_config key(s) ['chunk_token']" in errors["typo"]
     assert "load_mode must be one of" in errors["bad mode"]
     assert "chunk_tokens must be an integer >= 1" in errors["bad chunk"]
     assert "timeout_s must be > 0" in errors["bad timeout"]
     assert "chunk_format must be one of ('canonical', 'engine')" in errors["bad format"]
+    assert "retry_after_s must be > 0, got 0" in errors["bad retry"]
+    # after a failure the pool is left alone 5 s, then 10, 20, 40, 60 (at most 12x), and
+    # a success resets it
+    assert [tuple(step) for step in result["backoff"]] == [
+        (0, "failed", False), (4.9, "check", False), (5.0, "check", True),
+        (5.0, "failed", False), (14.9, "check", False), (15.0, "failed", False),
+        (36, "failed", False), (76, "failed", False), (137, "failed", False),
+        (197, "check", True), (197, "succeeded", True), (197, "failed", False),
+        (202, "check", True)]
     assert all("\n" not in e for e in errors.values())
 
 
@@ -292,17 +302,47 @@ def test_chunks_move_between_vllm_and_transformers_both_ways(pool: NodeProcess,
         assert own.tokens == vllm_own["tokens"]
 
 
-def test_a_dead_pool_costs_vllm_nothing_but_the_cache(tokenizer: Any, tmp_path: Path) -> None:
-    """The connector pointed at a port where no node listens: every lookup is a miss, no
-    error reaches vLLM, and the output is the output."""
+def test_a_dead_or_hung_pool_costs_vllm_nothing_but_the_cache(tokenizer: Any,
+                                                              tmp_path: Path) -> None:
+    """The connector pointed at a port where no node listens, then at one that accepts
+    connections and never answers: every lookup is a miss, no error reaches vLLM, and
+    the output is the output. After the first failed call each side (the scheduler's
+    lookups, the worker's saves) leaves the pool alone, so a hung node costs one
+    ``timeout_s`` per side, not one per request."""
+    import socket
+    import threading
+
     from kvpool.server.local_cluster import free_ports
 
     (port,) = free_ports(1)
-    prompts = [text_prompt(tokenizer, 600, "outage")]
+    prompts = [text_prompt(tokenizer, 600, topic) for topic in ("outage", "hang", "stall")]
+    alone = driver(tmp_path, "generate", {"prompts": prompts, "max_tokens": STEPS})
     dead = driver(tmp_path, "generate", {"prompts": prompts, "max_tokens": STEPS,
                                          "connector": {"kvpool_url": f"127.0.0.1:{port}",
                                                        "timeout_s": 1.0}})
-    alone = driver(tmp_path, "generate", {"prompts": prompts, "max_tokens": STEPS})
-    assert dead["runs"][0]["tokens"] == alone["runs"][0]["tokens"]
-    assert dead["runs"][0]["num_cached_tokens"] == 0
-    assert "lookup failed, treating it as a miss" in dead["log"]
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        accepted: list[socket.socket] = []
+
+        def hold() -> None:  # accept and never answer, until the server closes
+            while True:
+                try:
+                    accepted.append(server.accept()[0])
+                except OSError:
+                    return
+
+        threading.Thread(target=hold, daemon=True).start()
+        hung = driver(tmp_path, "generate", {
+            "prompts": prompts, "max_tokens": STEPS,
+            "connector": {"kvpool_url": f"127.0.0.1:{server.getsockname()[1]}",
+                          "timeout_s": 1.0, "retry_after_s": 600}})
+        for conn in accepted:
+            conn.close()
+    want = [run["tokens"] for run in alone["runs"]]
+    for run in (dead, hung):
+        assert [r["tokens"] for r in run["runs"]] == want
+        assert [r["num_cached_tokens"] for r in run["runs"]] == [0, 0, 0]
+        assert "lookup failed, treating it as a miss" in run["log"]
+    # one back-off a side for three requests (600 s: the rest of the run)
+    assert hung["log"].count("the pool failed a lookup; no pool calls for 600 s") == 1
+    assert hung["log"].count("the pool failed a save; no pool calls for 600 s") == 1
+    assert accepted, "the hung pool was never asked"

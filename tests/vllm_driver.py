@@ -163,6 +163,7 @@ def settings_check() -> dict[str, Any]:
         "bad chunk": {"kvpool_url": "x:1", "chunk_tokens": 0},
         "bad timeout": {"kvpool_url": "x:1", "timeout_s": -1},
         "bad format": {"kvpool_url": "x:1", "chunk_format": "native"},
+        "bad retry": {"kvpool_url": "x:1", "retry_after_s": 0},
     }
     out: dict[str, Any] = {}
     for name, extra in cases.items():
@@ -173,7 +174,26 @@ def settings_check() -> dict[str, Any]:
             client.close()
         except ConfigError as exc:
             out[name] = {"ok": False, "error": str(exc)}
+    out["backoff"] = backoff_check()
     return out
+
+
+def backoff_check() -> list[list[Any]]:
+    """The connector's Backoff on a scripted clock: [time, event, allowed after it]."""
+    from kvpool.gpu.vllm import Backoff
+
+    now = [0.0]
+    backoff = Backoff(5.0, clock=lambda: now[0])
+    steps: list[list[Any]] = []
+    for at, event in ((0, "failed"), (4.9, "check"), (5.0, "check"), (5.0, "failed"),
+                      (14.9, "check"), (15.0, "failed"), (36, "failed"), (76, "failed"),
+                      (137, "failed"), (197, "check"), (197, "succeeded"), (197, "failed"),
+                      (202, "check")):
+        now[0] = float(at)
+        if event != "check":
+            getattr(backoff, event)()
+        steps.append([at, event, backoff.allow()])
+    return steps
 
 
 def serve(argv: list[str]) -> None:
