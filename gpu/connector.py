@@ -3,8 +3,9 @@
 ``AsyncPagedKVConnector`` is the implementation; ``PagedKVConnector`` runs it
 on a blocking :class:`kvpool.client.Client`'s loop.
 
-**load(tokens, block_ids)**: one lookup round trip finds how many leading
-chunks the pool holds; then a pipeline over those chunks: chunk *i* is
+**load(tokens, block_ids)**, staged (CUDA; canonical chunks of the CPU_ATTN
+kinds): one lookup round trip finds how many leading chunks the pool holds;
+then a pipeline over those chunks: chunk *i* is
 received (``get_into``, checksummed as it arrives) straight into pinned
 staging slot *i mod k* while chunk *i-1* is copied host-to-device on a side
 CUDA stream (``non_blocking``) and scattered into the engine's blocks
@@ -14,7 +15,12 @@ engine's current stream is made to wait for the side stream before ``load``
 returns, so the engine's kernels see the blocks and nothing else waits. A
 chunk that is missing or fails its checksum ends the load at the previous
 chunk: the blocks of later chunks are not touched, and the return value
-tells the engine where to start recomputing.
+tells the engine where to start recomputing. Direct (host memory, nothing to
+convert): the chunks are received straight into the blocks, up to
+``DIRECT_BATCH`` a request and no lookup first; a chunk missing or corrupt
+still ends the load there, but later chunks of its batch may have been written
+into their blocks (which the engine recomputes, as it does any block past the
+returned count).
 
 **store(tokens, block_ids)**: one EXISTS round trip skips chunks the pool
 already has; each remaining chunk's blocks are gathered on the device into a
