@@ -120,8 +120,6 @@ class Request:
     body: bytes | bytearray = b""
     #: the caller's trace context, when the frame carried one (OP_FLAG_TRACE)
     trace: TraceContext | None = None
-    #: per-connection state the node attaches (the parser leaves it None)
-    session: object | None = None
     #: the scope bits of the op byte (OP_FLAG_SHARED, OP_FLAG_RAW; 0 = the tenant's)
     scope: int = 0
     #: the keys as the client sent them, when the node has mapped ``keys`` to stored keys

@@ -37,7 +37,7 @@ from kvpool.protocol.frames import Op, encode_error
 from kvpool.protocol.parsers import Request, RequestParser, Reservation, Scoper
 from kvpool.server.auth import ANONYMOUS, TokenTable, check, scoper_for
 from kvpool.server.handlers import Handlers, Pending, Reply
-from kvpool.server.shm import Session
+from kvpool.server.session import Session
 from kvpool.tiers.dram import Entry, Slot
 
 __all__ = ["TLS_HIGH", "TLS_PIECE", "NodeConnection"]
@@ -252,7 +252,6 @@ class NodeConnection(asyncio.BufferedProtocol):
 
     def _serve(self, request: Request) -> bool:
         header = request.header
-        request.session = self._session
         transport = self._transport
         if transport is None:
             return False
@@ -336,7 +335,7 @@ class NodeConnection(asyncio.BufferedProtocol):
         header = request.header
         started = time.perf_counter()
         try:
-            reply = self._handlers.handle(request)
+            reply = self._handlers.handle(request, self._session)
         except KvpoolError as exc:
             _end_span(span, None, exc)
             self._fail(header.op, header.request_id, exc)

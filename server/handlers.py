@@ -52,7 +52,8 @@ from kvpool.protocol.parsers import Limits, PutItem, Request
 from kvpool.server.auth import ANONYMOUS, Role, TokenTable
 from kvpool.server.events import EventBus
 from kvpool.server.membership import Membership
-from kvpool.server.shm import Session, ShmService
+from kvpool.server.session import Session
+from kvpool.server.shm import ShmService
 from kvpool.server.ssd import SsdTier, SsdUnavailableError
 from kvpool.server.ssd_messages import SsdStatus
 from kvpool.server.stats import NodeStats
@@ -111,7 +112,6 @@ class Handlers:
         self.promotions = 0
         self.started_at = time.time()
         self._table: dict[int, Callable[[Request], Reply | Pending]] = {
-            Op.HELLO: self.hello,
             Op.PUT: self.put,
             Op.GET: self.get,
             Op.EXISTS: self.exists,
@@ -121,6 +121,10 @@ class Handlers:
             Op.UNPIN: self.unpin,
             Op.STATS: self.node_stats,
             Op.CLUSTER: self.cluster,
+        }
+        #: the ops that act on the connection's session (auth, the shared-memory fast path)
+        self._session_table: dict[int, Callable[[Request, Session], Reply | Pending]] = {
+            Op.HELLO: self.hello,
             Op.GET_SHM: self.get_shm,
             Op.RELEASE: self.release,
             Op.PUT_SHM: self.put_shm,
@@ -140,7 +144,8 @@ class Handlers:
         """The tracer where a request span may be current (off the request's frame)."""
         return self.tracing.tracer if self.tracing is not None else None
 
-    def handle(self, request: Request) -> Reply | Pending:
+    def handle(self, request: Request, session: Session) -> Reply | Pending:
+        """Run one request of the connection whose state is ``session``."""
         header = request.header
         self.stats.count(header.op, header.count)
         if header.epoch < self.membership.epoch and header.op in _ROUTED_OPS:
@@ -148,7 +153,8 @@ class Handlers:
                 request.client_keys if request.client_keys is not None else request.keys
             if not self.membership.accepts(keys):
                 return self._wrong_owner(request)
-        return self._table[header.op](request)
+        op = self._session_table.get(header.op)
+        return op(request, session) if op is not None else self._table[header.op](request)
 
     def _wrong_owner(self, request: Request) -> Reply:
         """Refuse the whole frame (nothing is done); the client refreshes its map."""
@@ -170,13 +176,12 @@ class Handlers:
 
     # -- ops ------------------------------------------------------------------------------
 
-    def hello(self, request: Request) -> Reply:
+    def hello(self, request: Request, session: Session) -> Reply:
         body = decode_json(request.body)
         version = body.get("protocol")
         if version != PROTOCOL_VERSION:
             raise VersionMismatchError(
                 f"node speaks kvpool protocol {PROTOCOL_VERSION}, client sent {version!r}")
-        session = request.session
         principal = ANONYMOUS
         if not self.auth.open:
             token = body.get("token")
@@ -187,11 +192,9 @@ class Handlers:
                     "this node requires a token: give AsyncClient(token=...) or set "
                     "KVPOOL_TOKEN" if not token else "unknown token")
             principal = found
-            if isinstance(session, Session):
-                session.token_digest = self.auth.digest(token)
-        if isinstance(session, Session):
-            session.principal = principal
-            session.any_uid = principal.tenant is None or principal.role == Role.ADMIN
+            session.token_digest = self.auth.digest(token)
+        session.principal = principal
+        session.any_uid = principal.tenant is None or principal.role == Role.ADMIN
         info = {
             "protocol": PROTOCOL_VERSION,
             "node_id": self.node_id,
@@ -204,8 +207,8 @@ class Handlers:
             "tenant": principal.tenant,
             "role": principal.role.name.lower(),
         }
-        if self.shm is not None and isinstance(request.session, Session):
-            offer = self.shm.offer(request.session, body)
+        if self.shm is not None:
+            offer = self.shm.offer(session, body)
             if offer is not None:
                 info["shm"] = offer
         return self._reply(request, [encode_json(info)])
@@ -308,6 +311,11 @@ class Handlers:
         self.stats.misses += misses
 
     def get(self, request: Request) -> Reply | Pending:
+        return self._get(request, None)
+
+    def _get(self, request: Request, leasing: Session | None) -> Reply | Pending:
+        """GET, or with ``leasing`` (GET_SHM) where the values lie in the arena, leased to
+        that session until it releases them."""
         entries = self.dram.acquire_many(request.keys)
         if request.trace is not None and self.tracing is not None:
             trace.get_current_span().set_attribute(
@@ -319,13 +327,13 @@ class Handlers:
             promote = [i for i, e in enumerate(entries)
                        if e is None and (request.keys[i] in ssd.index or ssd.has_s3)]
             if promote:
-                return self._get_promoting(request, entries, promote)
-        return self._get_reply(request, entries)
+                return self._get_promoting(request, entries, promote, leasing)
+        return self._get_reply(request, entries, leasing)
 
     async def _get_promoting(self, request: Request, entries: list[Entry | None],
-                             promote: Sequence[int]) -> Reply:
+                             promote: Sequence[int], leasing: Session | None) -> Reply:
         await asyncio.gather(*(self._promote(request.keys[i], entries, i) for i in promote))
-        return self._get_reply(request, entries)
+        return self._get_reply(request, entries, leasing)
 
     async def _promote(self, key: bytes, entries: list[Entry | None], i: int) -> None:
         """Read ``key`` from SSD into a fresh DRAM slot; on success ``entries[i]`` holds it."""
@@ -412,24 +420,23 @@ class Handlers:
         self.events.publish("demoted" if in_s3 else "evicted", key,
                             tier="s3" if in_s3 else "ssd")
 
-    def get_shm(self, request: Request) -> Reply | Pending:
-        session = request.session
-        if self.shm is None or not isinstance(session, Session) or not session.shm:
+    def get_shm(self, request: Request, session: Session) -> Reply | Pending:
+        if self.shm is None or not session.shm:
             raise BadFrameError("GET_SHM needs a connection granted the shared-memory arena")
-        return self.get(request)
+        return self._get(request, session)
 
-    def release(self, request: Request) -> Reply:
-        if self.shm is None or not isinstance(request.session, Session):
+    def release(self, request: Request, session: Session) -> Reply:
+        if self.shm is None:
             raise BadFrameError("RELEASE needs a node with the shared-memory fast path")
         ids = decode_lease_ids(request.body, request.header.count)
-        done = self.shm.release(request.session, ids)
+        done = self.shm.release(session, ids)
         return self._reply(request, [encode_statuses(
             [Status.OK if d else Status.NOT_FOUND for d in done])])
 
-    def touch(self, request: Request) -> Reply:
+    def touch(self, request: Request, session: Session) -> Reply:
         """Values a client read through the arena index: count them, as GET_SHM would."""
-        shm, session = self.shm, request.session
-        if shm is None or not isinstance(session, Session) or not session.shm:
+        shm = self.shm
+        if shm is None or not session.shm:
             raise BadFrameError("TOUCH needs a connection granted the shared-memory arena")
         entries = self.dram.touch_many(request.keys)
         found = [e for e in entries if e is not None]
@@ -442,10 +449,10 @@ class Handlers:
         return self._reply(request, [encode_statuses(
             [Status.NOT_FOUND if e is None else Status.OK for e in entries])])
 
-    def put_shm(self, request: Request) -> Reply:
+    def put_shm(self, request: Request, session: Session) -> Reply:
         """Reserve a slot per item for the client to write into; they wait for COMMIT."""
-        shm, session = self.shm, request.session
-        if shm is None or not isinstance(session, Session) or not session.write:
+        shm = self.shm
+        if shm is None or not session.write:
             raise BadFrameError("PUT_SHM needs a connection granted the arena for writing")
         tenant = session.principal.quota_tenant
         keys = request.keys or [item.header.key for item in request.items]  # scoped, if any
@@ -462,10 +469,10 @@ class Handlers:
         lease = shm.reserve(session, request.items) if reserved else 0
         return self._reply(request, [encode_lease_ids([lease]), *body])
 
-    def commit(self, request: Request) -> Reply | Pending:
+    def commit(self, request: Request, session: Session) -> Reply | Pending:
         """Publish the slots of a PUT_SHM lease (NOT_FOUND for all: it had expired)."""
-        shm, session = self.shm, request.session
-        if shm is None or not isinstance(session, Session) or not session.write:
+        shm = self.shm
+        if shm is None or not session.write:
             raise BadFrameError("COMMIT needs a connection granted the arena for writing")
         (lease,) = decode_lease_ids(request.body, 1)
         items = shm.take(session, lease)
@@ -483,10 +490,11 @@ class Handlers:
         shm.counters.bytes_in += sum(i.header.value_len for i in reserved)
         return self._store(request, items)
 
-    def _shm_reply(self, request: Request, entries: list[Entry | None]) -> Reply:
+    def _shm_reply(self, request: Request, entries: list[Entry | None], session: Session
+                   ) -> Reply:
         """Where each value lies in the arena; the entries stay held under one lease."""
         shm = self.shm
-        assert shm is not None and isinstance(request.session, Session)
+        assert shm is not None
         gens = self.dram.arena.gens
         items: Buffers = []
         found: list[Entry] = []
@@ -501,16 +509,17 @@ class Handlers:
             found.append(entry)
             num_bytes += entry.length
             tokens += entry.num_tokens
-        lease = shm.lease(request.session, found) if found else 0
+        lease = shm.lease(session, found) if found else 0
         shm.counters.bytes_out += num_bytes
         shm.counters.items_out += len(found)
         self.stats.tokens_served += tokens
         return self._reply(request, [encode_lease_ids([lease]), *items])
 
-    def _get_reply(self, request: Request, entries: list[Entry | None]) -> Reply:
+    def _get_reply(self, request: Request, entries: list[Entry | None],
+                   leasing: Session | None) -> Reply:
         self._count_reads(entries)  # every tier has been asked: what is None is a miss
-        if request.header.op == Op.GET_SHM:
-            return self._shm_reply(request, entries)
+        if leasing is not None:
+            return self._shm_reply(request, entries, leasing)
         dram = self.dram
         body: Buffers = []
         held: list[Entry] = []

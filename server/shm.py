@@ -63,16 +63,16 @@ import secrets
 import socket
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.host import host_id
 from kvpool.protocol.parsers import PutItem
-from kvpool.server.auth import ANONYMOUS, Principal
+from kvpool.server.session import Session
 from kvpool.tiers.arena_index import ArenaIndex
 from kvpool.tiers.dram import DramTier, Entry
 
-__all__ = ["Lease", "Session", "ShmService", "parse_allow"]
+__all__ = ["Lease", "ShmService", "parse_allow"]
 
 log = logging.getLogger("kvpool.server.shm")
 
@@ -93,25 +93,6 @@ def parse_allow(text: str) -> tuple[frozenset[int], frozenset[int]]:
     if not uids and not gids:
         uids.add(os.geteuid())
     return frozenset(uids), frozenset(gids)
-
-
-@dataclass(slots=True, eq=False)
-class Session:
-    """Per data connection: whether it may use the arena, and its open leases."""
-
-    shm: bool = False
-    #: granted a writable mapping: may PUT through the arena (PUT_SHM, COMMIT)
-    write: bool = False
-    leases: set[int] = field(default_factory=set)
-    #: may map the arena (open mode, admin tokens): it holds every tenant's chunks, so
-    #: with tenants configured a non-admin tenant is never offered it
-    any_uid: bool = True
-    #: who authenticated on this connection (set by HELLO)
-    principal: Principal = ANONYMOUS
-    #: sha256 of the token it presented (b"" in open mode); a reload that drops it closes us
-    token_digest: bytes = b""
-    #: offered the arena index (its keys are stored as sent: no tenant scope)
-    index: bool = False
 
 
 @dataclass(slots=True, eq=False)
