@@ -616,9 +616,12 @@ class AsyncClient:
                 else:
                     # ask as many more nodes as are still needed
                     need = count - answered[rows]
-                    picks = []
-                    for k in range(int(need.max())):
-                        picks += pick(table, tried, live, rows[need > k])
+                    if (need == need[0]).all():  # one frame a node (the usual first round)
+                        picks = pick(table, tried, live, rows, per_row=int(need[0]))
+                    else:
+                        picks = []
+                        for k in range(int(need.max())):
+                            picks += pick(table, tried, live, rows[need > k])
                 if not picks:
                     break
                 nodes = [ring_nodes[p.node] for p in picks]
