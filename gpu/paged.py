@@ -97,7 +97,7 @@ def scatter(layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,
 
 def _packed_shapes(layout: KVLayout) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """How one (block, head) of a cpu_attn kind holds K and V: their shapes in the block
-    (see gpu/layout.py), K in :func:`_k_units`."""
+    (see gpu/layout.py), K in :func:`_k_units`; read by :func:`_cpu_attn_blocks` only."""
     b, d = layout.block_size, layout.head_dim
     if layout.kind == "cpu_attn_amx":  # AMX tiles: K [b/16, d/2, 16, 2], V [d/16, b/2, 16, 2]
         return (b // 16, d // 2, 16), (d // 16, b // 2, 16, 2)
@@ -165,17 +165,15 @@ def _gather_cpu_attn(layout: KVLayout, caches: Sequence[torch.Tensor], ids: torc
     # the other way round, strided writes into the chunk measured slower (26-27 ms against
     # 22-24): the blocks are copied out into one temporary, transposed for every layer at
     # once into the chunk, which the copy then writes in order
-    first = caches[0]
-    blocks = torch.empty((len(caches), len(ids), first.shape[1], first.shape[2]
-                          * first.shape[3]), dtype=first.dtype, device=first.device)
+    first, n_layers, nb = caches[0], len(caches), len(ids)
+    blocks = torch.empty((n_layers * nb, *first.shape[1:]), dtype=first.dtype,
+                         device=first.device)
     for layer, cache in enumerate(caches):
-        torch.index_select(cache, 0, ids, out=blocks[layer].view(len(ids), *cache.shape[1:]))
-    n_layers, nb, h = blocks.shape[:3]
-    b, d = layout.block_size, layout.head_dim
-    k_shape, v_shape = _packed_shapes(layout)
+        torch.index_select(cache, 0, ids, out=blocks[layer * nb:(layer + 1) * nb])
+    k, v = _cpu_attn_blocks(layout, blocks)  # [layers * nb, H, *packed]
     chunk_k, chunk_v = _chunk_kv(layout, chunk, 0)
-    chunk_k.copy_(_k_units(layout, blocks[..., : b * d]).view(n_layers, nb, h, *k_shape))
-    chunk_v.copy_(blocks[..., b * d :].view(n_layers, nb, h, *v_shape))
+    chunk_k.copy_(k.view(n_layers, nb, *k.shape[1:]))
+    chunk_v.copy_(v.view(n_layers, nb, *v.shape[1:]))
 
 
 def _scatter_cpu_attn(layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,
