@@ -137,8 +137,10 @@ class AsyncPagedKVConnector:
         # blocks, no copies)
         self._flat = [c.view(torch.uint8).numpy().data.cast("B")
                       for c in self.caches] if direct else []
-        planes = 2 if layout.kind in ("flash", "blocks_first") else 1
-        self._block_bytes = self.caches[0].nbytes // (self.num_blocks * planes)
+        #: K and V planes of a layer's tensor (flash, blocks_first: 2; blocks that hold
+        #: both, or MLA's one latent: 1), and one block of one plane's bytes
+        self._planes = 2 if layout.kind in ("flash", "blocks_first") else 1
+        self._block_bytes = self.caches[0].nbytes // (self.num_blocks * self._planes)
         #: where a direct load puts the blocks of a chunk the engine already holds
         self._scratch: memoryview | None = None
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-copy")
@@ -176,8 +178,7 @@ class AsyncPagedKVConnector:
         b = self.blocks_per_chunk
         mine = ids[chunk * b:(chunk + 1) * b]
         kind = self.layout.kind
-        planes = 2 if kind in ("flash", "blocks_first") else 1
-        size = self._block_bytes  # one block of one plane of one layer
+        size = self._block_bytes
         if kind == "flash":  # [2, N, ...]: plane kv's block at (kv * N + block)
             starts = [[(kv * self.num_blocks + block) * size for block in mine]
                       for kv in range(2)]
@@ -187,7 +188,7 @@ class AsyncPagedKVConnector:
             starts = [[block * size for block in mine]]
         # (start, end) byte ranges of a layer, runs of adjacent blocks merged; None: scratch
         ranges: list[tuple[int, int] | None] = []
-        for plane in range(planes):
+        for plane in range(self._planes):
             for j, start in enumerate(starts[plane]):
                 last = ranges[-1] if ranges else None
                 if j < skip_blocks:
