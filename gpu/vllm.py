@@ -69,7 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvpool.client import Client, KvpoolError
 from kvpool.gpu.connector import DEFAULT_STAGING_SLOTS, PagedKVConnector
-from kvpool.gpu.layout import KVLayout, dtype_name
+from kvpool.gpu.layout import KVLayout, LayoutKind, dtype_name
 from kvpool.placement.keys import DEFAULT_CHUNK_TOKENS, ChunkHasher, Namespace
 from kvpool.protocol.errors import ConfigError
 
@@ -267,9 +267,11 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.chunk_tokens = chunk
         self.load_enabled = bool(transfer.is_kv_consumer)
         self.save_enabled = bool(transfer.is_kv_producer)
-        kind = "cpu_attn"
+        #: the paged layout the attention backend gives this engine's blocks (checked
+        #: against the tensors when they are registered); None: not one mapped here
+        self.layout: KVLayout | None = None
         try:  # both sides decide alike: the scheduler never promises what no worker loads
-            kind = _check_backend(vllm_config)
+            self.layout = _layout(vllm_config, self.settings.chunk_format)
         except ConfigError as exc:
             log.error("kvpool connector: idle, every request computes its own KV: %s", exc)
             self.load_enabled = self.save_enabled = False
@@ -278,8 +280,7 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                                                    str(model.model))
         #: canonical chunks are the same whatever the kind; the engine's own are not
         self.namespace = _namespace(vllm_config, self.model_id, chunk,
-                                    f"{kind}-block{self.block_size}"
-                                    if self.settings.chunk_format == "engine" else None)
+                                    self.layout.kv_format if self.layout else None)
         self.hasher = ChunkHasher(self.namespace)
         self.stats = KvpoolConnectorStats()
         self._logged: set[str] = set()
@@ -436,13 +437,12 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
-        if not (self.load_enabled or self.save_enabled):
+        layout = self.layout
+        if layout is None or not (self.load_enabled or self.save_enabled):
             return
         names = sorted(kv_caches, key=extract_layer_index)
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-vllm")
-        try:
-            layout = _layout(self._vllm_config, [kv_caches[n] for n in names],
-                             self.settings.chunk_format)
+        try:  # the connector checks the tensors against the layout
             self._paged = self._io.submit(self._open, layout,
                                           [kv_caches[n] for n in names]).result()
         except (KvpoolError, ValueError) as exc:
@@ -615,7 +615,7 @@ def _namespace(vllm_config: Any, model_id: str, chunk_tokens: int,
                      kv_format=kv_format)
 
 
-def _check_backend(vllm_config: Any) -> str:
+def _check_backend(vllm_config: Any) -> LayoutKind:
     """The layout kind of this engine's blocks (``cpu_attn`` or ``cpu_attn_amx``);
     ConfigError unless its attention backend stores blocks this module maps."""
     from vllm.platforms import current_platform
@@ -640,15 +640,11 @@ def _check_backend(vllm_config: Any) -> str:
     return "cpu_attn"
 
 
-def _layout(vllm_config: Any, caches: Sequence[torch.Tensor],
-            chunk_format: str = "canonical") -> KVLayout:
-    """The paged layout of this engine's caches, from its attention backend (checked)."""
-    kind = _check_backend(vllm_config)
-    model = vllm_config.model_config
-    layout = KVLayout(len(caches), model.get_num_kv_heads(vllm_config.parallel_config),
-                      model.get_head_size(), model.dtype,
-                      int(vllm_config.cache_config.block_size),
-                      kind="cpu_attn_amx" if kind == "cpu_attn_amx" else "cpu_attn",
-                      chunk_format="engine" if chunk_format == "engine" else "canonical")
-    layout.check(list(caches))
-    return layout
+def _layout(vllm_config: Any, chunk_format: str) -> KVLayout:
+    """The paged layout of this engine's caches, from its attention backend and model
+    config; ConfigError (LayoutError) if it is not one this module maps."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    return KVLayout(model.get_num_layers(parallel), model.get_num_kv_heads(parallel),
+                    model.get_head_size(), model.dtype,
+                    int(vllm_config.cache_config.block_size), kind=_check_backend(vllm_config),
+                    chunk_format="engine" if chunk_format == "engine" else "canonical")
