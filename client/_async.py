@@ -614,14 +614,8 @@ class AsyncClient:
                 if sequential:
                     picks = pick(table, tried, live, rows)
                 else:
-                    # ask as many more nodes as are still needed
-                    need = count - answered[rows]
-                    if (need == need[0]).all():  # one frame a node (the usual first round)
-                        picks = pick(table, tried, live, rows, per_row=int(need[0]))
-                    else:
-                        picks = []
-                        for k in range(int(need.max())):
-                            picks += pick(table, tried, live, rows[need > k])
+                    # ask as many more nodes as are still needed, one frame a node
+                    picks = pick(table, tried, live, rows, per_row=count - answered[rows])
                 if not picks:
                     break
                 nodes = [ring_nodes[p.node] for p in picks]

@@ -29,11 +29,14 @@ class Pick(NamedTuple):
 
 
 def pick(table: npt.NDArray[np.int32], tried: npt.NDArray[np.bool_], live: npt.NDArray[np.bool_],
-         rows: IntArray, per_row: int = 1) -> list[Pick]:
-    """Pick up to ``per_row`` untried nodes for each of ``rows``; marks them in ``tried``."""
+         rows: IntArray, per_row: int | IntArray = 1) -> list[Pick]:
+    """Pick up to ``per_row`` untried nodes for each of ``rows`` (one count for all, or
+    one per row); marks them in ``tried``. A node gets one group, whatever the counts."""
+    want = np.broadcast_to(np.asarray(per_row, dtype=np.intp), rows.shape)
     picked_rows: list[IntArray] = []
     picked_cols: list[IntArray] = []
-    for _ in range(per_row):
+    for i in range(int(want.max(initial=0))):
+        rows, want = rows[want > i], want[want > i]
         if not len(rows):
             break
         sub = table[rows]
@@ -42,7 +45,7 @@ def pick(table: npt.NDArray[np.int32], tried: npt.NDArray[np.bool_], live: npt.N
         dead = ~ok.any(axis=1)
         ok[dead] = untried[dead]
         has = ok.any(axis=1)
-        rows = rows[has]
+        rows, want = rows[has], want[has]  # a row whose every node is tried is done
         cols = ok[has].argmax(axis=1)
         tried[rows, cols] = True
         picked_rows.append(rows)

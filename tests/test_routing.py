@@ -36,3 +36,15 @@ def test_rows_with_every_node_tried_get_no_pick() -> None:
     tried[1] = False  # the other rows still get theirs
     picks = pick(table(), tried, live, np.array([0, 1, 2]))
     assert [(p.node, p.rows.tolist()) for p in picks] == [(1, [1])]
+
+
+def test_several_nodes_a_row_come_as_one_group_per_node() -> None:
+    """Replicas or a lookup's every owner: a node gets all its rows in one group (one
+    frame), with each row's own count of nodes still needed."""
+    tried = np.zeros((3, 3), dtype=bool)
+    live = np.ones(3, dtype=bool)
+    picks = pick(table(), tried, live, np.arange(3), per_row=np.array([2, 1, 3]))
+    assert {p.node: p.rows.tolist() for p in picks} == {0: [0, 2], 1: [0, 1, 2], 2: [2]}
+    assert tried.sum(axis=1).tolist() == [2, 1, 3]
+    again = pick(table(), np.zeros((3, 3), dtype=bool), live, np.arange(3), per_row=2)
+    assert sorted(p.node for p in again) == [0, 1, 2]  # each node once
