@@ -61,10 +61,19 @@ STEPS = 33  # 1 prefill token + 32 decoded: decode speed over 32 steps
 VOCAB = 49152
 
 
-def _engine(python: str, tmp: Path, spec: dict[str, Any]) -> dict[str, Any]:
+#: how tests/vllm_driver.py's loop marks its answers (kvpool.tests is not type-checked
+#: with the library, so the bench does not import it)
+ANSWER = "KVPOOL-ANSWER "
+
+
+def _vllm_env(tmp: Path) -> dict[str, str]:
     # TMPDIR: vLLM's IPC sockets go with the rest of the run's files, removed at the end
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-           "TMPDIR": str(tmp)}
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+            "TMPDIR": str(tmp)}
+
+
+def _engine(python: str, tmp: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    env = _vllm_env(tmp)
     path, out = tmp / f"spec-{time.monotonic_ns()}.json", tmp / f"out-{time.monotonic_ns()}.json"
     path.write_text(json.dumps(spec))
     done = subprocess.run([python, "-m", "kvpool.tests.vllm_driver", "generate", str(path),
@@ -76,15 +85,11 @@ def _engine(python: str, tmp: Path, spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-ANSWER = "KVPOOL-ANSWER "  # tests/vllm_driver.py's loop answers
-
-
 class _Loop:
     """An engine kept alive (``vllm_driver loop``): one prompt in, one run out."""
 
     def __init__(self, python: str, tmp: Path, spec: dict[str, Any]) -> None:
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2",
-               "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "TMPDIR": str(tmp)}
+        env = _vllm_env(tmp)
         stamp = time.monotonic_ns()
         path = tmp / f"loop-{stamp}.json"
         path.write_text(json.dumps(spec))
