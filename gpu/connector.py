@@ -51,7 +51,7 @@ import torch
 
 from kvpool.client import AsyncClient, Client
 from kvpool.gpu.layout import CPU_ATTN_KINDS, KVLayout
-from kvpool.gpu.paged import gather, scatter
+from kvpool.gpu.paged import Scatter, gather, scatter
 from kvpool.placement.keys import ChunkHasher, Namespace
 from kvpool.protocol.errors import BufferTooSmallError, LayoutError
 
@@ -100,11 +100,14 @@ class AsyncPagedKVConnector:
     leading layer dimension), checked against ``layout`` up front.
     ``namespace``: from ``layout.namespace(model, ...)``; every engine that
     should share chunks must use the same one.
+    ``scatter``: what a staged load writes each chunk into the blocks with (default
+    :func:`kvpool.gpu.paged.scatter`; an engine may bring its own, faster op).
     """
 
     def __init__(self, client: AsyncClient, layout: KVLayout,
                  kv_caches: torch.Tensor | Sequence[torch.Tensor], namespace: Namespace, *,
-                 staging_slots: int = DEFAULT_STAGING_SLOTS, direct: bool | None = None) -> None:
+                 staging_slots: int = DEFAULT_STAGING_SLOTS, direct: bool | None = None,
+                 scatter: Scatter = scatter) -> None:
         if staging_slots < 1:
             raise LayoutError("staging_slots must be >= 1")
         layout.check_namespace(namespace)
@@ -121,6 +124,7 @@ class AsyncPagedKVConnector:
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None  # type: ignore[no-untyped-call]
         self.stats = ConnectorStats()
+        self._scatter = scatter
         convert = layout.kind in CPU_ATTN_KINDS and not layout.engine_format
         if direct is None:
             direct = not self.cuda and not convert
@@ -233,11 +237,12 @@ class AsyncPagedKVConnector:
         if self.stream is not None:
             with torch.cuda.stream(self.stream):
                 slot.device.copy_(slot.host, non_blocking=True)
-                scatter(self.layout, self.caches, ids, slot.chunk, first_block=first_block)
+                self._scatter(self.layout, self.caches, ids, slot.chunk,
+                              first_block=first_block)
                 slot.event.record(self.stream)
             slot.event.synchronize()  # the host slot may be received into again
         else:
-            scatter(self.layout, self.caches, ids, slot.chunk, first_block=first_block)
+            self._scatter(self.layout, self.caches, ids, slot.chunk, first_block=first_block)
 
     def _to_host(self, slot: _Slot, ids: torch.Tensor) -> None:
         """Copy thread: the engine's blocks -> staging slot."""
@@ -446,10 +451,12 @@ class PagedKVConnector:
 
     def __init__(self, client: Client, layout: KVLayout,
                  kv_caches: torch.Tensor | Sequence[torch.Tensor], namespace: Namespace, *,
-                 staging_slots: int = DEFAULT_STAGING_SLOTS, direct: bool | None = None) -> None:
+                 staging_slots: int = DEFAULT_STAGING_SLOTS, direct: bool | None = None,
+                 scatter: Scatter = scatter) -> None:
         self._client = client
         self._async = AsyncPagedKVConnector(client.async_client, layout, kv_caches, namespace,
-                                            staging_slots=staging_slots, direct=direct)
+                                            staging_slots=staging_slots, direct=direct,
+                                            scatter=scatter)
 
     @property
     def stats(self) -> ConnectorStats:

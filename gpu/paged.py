@@ -21,12 +21,21 @@ without touching blocks other requests may be reading.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from kvpool.gpu.layout import CPU_ATTN_KINDS, KVLayout
 
-__all__ = ["gather", "scatter"]
+__all__ = ["Scatter", "gather", "scatter"]
+
+
+class Scatter(Protocol):
+    """What writes a chunk into an engine's blocks: :func:`scatter`, or an engine's own
+    op with the same effect bit for bit (vLLM's AMX cache write, ``gpu/vllm.py``)."""
+
+    def __call__(self, layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,
+                 chunk: torch.Tensor, *, first_block: int = 0) -> None: ...
 
 
 def _split(layout: KVLayout, chunk: torch.Tensor, layer: int,

@@ -73,8 +73,8 @@ from kvpool.gpu.layout import KVLayout, LayoutKind, dtype_name
 from kvpool.placement.keys import DEFAULT_CHUNK_TOKENS, ChunkHasher, Namespace
 from kvpool.protocol.errors import ConfigError
 
-__all__ = ["Backoff", "KvpoolConnector", "KvpoolConnectorMetadata", "KvpoolConnectorStats",
-           "KvpoolSettings", "default_model_id"]
+__all__ = ["AmxCacheWrite", "Backoff", "KvpoolConnector", "KvpoolConnectorMetadata",
+           "KvpoolConnectorStats", "KvpoolSettings", "default_model_id"]
 
 log = logging.getLogger("kvpool.vllm")
 
@@ -458,6 +458,10 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """On the I/O thread: the client and the connector it drives."""
         # canonical cpu_attn chunks go through staging (K is transposed on the way); the
         # engine's own format goes straight between the pool and the blocks
+        if layout.kind == "cpu_attn_amx" and not layout.engine_format:
+            return PagedKVConnector(self.settings.client(), layout, list(caches),
+                                    self.namespace, staging_slots=self.settings.staging_slots,
+                                    scatter=AmxCacheWrite(caches))
         return PagedKVConnector(self.settings.client(), layout, list(caches), self.namespace,
                                 staging_slots=self.settings.staging_slots)
 
@@ -613,6 +617,37 @@ def _namespace(vllm_config: Any, model_id: str, chunk_tokens: int,
                      head_dim=model.get_head_size(), chunk_tokens=chunk_tokens,
                      tp_size=parallel.tensor_parallel_size, tp_rank=rank,
                      kv_format=kv_format)
+
+
+class AmxCacheWrite:
+    """Canonical chunks into ``cpu_attn_amx`` blocks through vLLM's own cache-write op
+    (``cpu_attn_reshape_and_cache``, the op the engine writes its KV with), a
+    :class:`~kvpool.gpu.paged.Scatter` for ``caches`` (the layers' tensors, in order).
+
+    Equal to :func:`kvpool.gpu.paged.scatter` bit for bit (tests/vllm_driver.py checks
+    both against the op), and faster into AMX tiles: 3.5-3.65 GB/s against 1.4-1.6 on
+    one thread (16 chunks of 256 tokens, SmolLM2's geometry, 2-core VM; into ``vec``
+    blocks the op was the slower, 2.65 against 2.8, so those keep kvpool's copy).
+    """
+
+    def __init__(self, caches: Sequence[torch.Tensor]) -> None:
+        from vllm import _custom_ops as ops
+
+        self._op = ops.cpu_attn_reshape_and_cache
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for cache in caches:  # [N, H, B, 2D] as the backend views it: K rows, then V rows
+            n, h, b, d2 = cache.shape
+            k, v = cache.view(n, h, 2 * b, d2 // 2).chunk(2, dim=2)
+            self._kv.append((k, v))
+
+    def __call__(self, layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,
+                 chunk: torch.Tensor, *, first_block: int = 0) -> None:
+        b = layout.block_size
+        offsets = torch.arange(b, dtype=torch.int64)
+        slots = (ids.to(torch.int64).view(-1, 1) * b + offsets).view(-1)
+        start = first_block * b
+        for layer, (k, v) in enumerate(self._kv):
+            self._op(chunk[layer, 0, start:], chunk[layer, 1, start:], k, v, slots, "amx")
 
 
 def _check_backend(vllm_config: Any) -> LayoutKind:

@@ -69,10 +69,28 @@ def layout_check() -> dict[str, Any]:
         results[name] = {
             "gather_equal": bool(torch.equal(chunk.view(torch.uint8),
                                              want.view(torch.uint8))),
-            "scatter_equal": all(bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
-                                 for a, b in zip(caches, back, strict=True)),
+            "scatter_equal": _same(caches, back),
         }
+        if isa == "amx":  # the connector's scatter on AMX hosts: vLLM's own op
+            from kvpool.gpu.vllm import AmxCacheWrite
+
+            ours = [torch.zeros_like(c) for c in caches]
+            AmxCacheWrite(ours)(layout, ours, ids, chunk)
+            part = [torch.zeros_like(c) for c in caches]
+            tail = [torch.zeros_like(c) for c in caches]
+            AmxCacheWrite(part)(layout, part, ids[1:], chunk, first_block=1)
+            scatter(layout, tail, ids[1:], chunk, first_block=1)
+            results[name]["op_scatter_equal"] = _same(caches, ours) and _same(tail, part) \
+                and not _same(caches, part)
     return results
+
+
+def _same(a: list[Any], b: list[Any]) -> bool:
+    """Every tensor of ``a`` equals its partner in ``b`` byte for byte."""
+    import torch
+
+    return all(bool(torch.equal(x.view(torch.uint8), y.view(torch.uint8)))
+               for x, y in zip(a, b, strict=True))
 
 
 def _engine(spec: dict[str, Any]) -> Any:
