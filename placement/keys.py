@@ -38,7 +38,7 @@ __all__ = [
     "pack_tokens",
 ]
 
-DEFAULT_CHUNK_TOKENS = 256
+DEFAULT_CHUNK_TOKENS = 128
 #: engine-native chunk formats (see Namespace.kv_format)
 _ENGINE_FORMAT = re.compile(r"cpu_attn(_amx)?-block[1-9][0-9]*")
 _MAX_TOKEN = 0xFFFFFFFF

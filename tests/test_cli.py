@@ -105,7 +105,7 @@ def test_readme_example_runs_and_says_what_it_did(node: NodeProcess) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, check=False)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "0 of 3 chunks were cached; now 3 are"
+    assert done.stdout.strip() == "0 of 7 chunks were cached; now 7 are"
 
 
 def test_impossible_dram_capacity_is_a_clear_error() -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from kvpool.client import Client
-from kvpool.placement.keys import ChunkHasher, Namespace
+from kvpool.placement.keys import DEFAULT_CHUNK_TOKENS, ChunkHasher, Namespace
 from kvpool.tests.conftest import NodeProcess, put_corrupt, start_node, text_prompt
 
 VLLM_PYTHON = os.environ.get("VLLM_CPU_PYTHON", "")
@@ -36,7 +36,8 @@ if not VLLM_PYTHON or not Path(VLLM_PYTHON).exists():
                 "(see .ci/run)", allow_module_level=True)
 
 pytestmark = pytest.mark.timeout(900)
-CHUNK = 256
+CHUNK = DEFAULT_CHUNK_TOKENS  # what the connector uses when nothing says otherwise
+FULL = 999 // CHUNK  # chunks a fresh engine loads of a 1000-token prompt (it computes the last)
 STEPS = 16
 
 
@@ -154,8 +155,8 @@ def test_a_fresh_vllm_loads_the_prefix_another_stored(pool: NodeProcess, tokeniz
 
     keys = [chunk_keys(p) for p in prompts]
     with Client(pool.url, shm=False) as c:
-        # three full chunks of each prompt (1000 tokens; the 4th would hold the last token)
-        assert c.exists_many([k for ks in keys for k in ks[:3]]) == [True] * 9
+        # the full chunks of each prompt (1000 tokens)
+        assert c.exists_many([k for ks in keys for k in ks[:FULL]]) == [True] * 3 * FULL
         assert c.delete(keys[1][1])
         original = bytes(c.get(keys[2][1]) or b"")
     assert len(original) == 30 * 2 * CHUNK * 3 * 64 * 2
@@ -165,12 +166,12 @@ def test_a_fresh_vllm_loads_the_prefix_another_stored(pool: NodeProcess, tokeniz
                                            "connector": connector})
     assert [run["tokens"] for run in loaded["runs"]] == expected
     cached = [run["num_cached_tokens"] for run in loaded["runs"]]
-    assert cached[0] == 3 * CHUNK  # loaded from the pool: vLLM's counter
+    assert cached[0] == FULL * CHUNK  # loaded from the pool: vLLM's counter
     assert cached[1] == CHUNK  # the chunk after the deleted one is not a prefix
     # the corrupt chunk was promised (vLLM counts it as cached), failed its checksum on
     # load, and was recomputed: vLLM says so; the pool dropped it, and the save after the
     # recompute put the right bytes back
-    assert cached[2] == 3 * CHUNK
+    assert cached[2] == FULL * CHUNK
     assert "Recovered from KV load failure: 1 request(s) rescheduled" in loaded["log"]
     assert "Recovered from KV load failure" not in stored["log"]
     with Client(pool.url, shm=False) as c:
@@ -204,11 +205,11 @@ def test_engine_format_chunks_load_straight_into_a_fresh_vllm(pool: NodeProcess,
     ns = Namespace(model=SMOLLM2_ID, dtype="bfloat16", num_layers=30, num_kv_heads=3,
                    head_dim=64, chunk_tokens=CHUNK, kv_format=f"{kind}-block128")
     with Client(pool.url, shm=False) as c:
-        assert c.exists_many(ChunkHasher(ns).keys(prompts[0])[:3]) == [True] * 3
-        assert c.exists_many(chunk_keys(prompts[0])[:3]) == [False] * 3
+        assert c.exists_many(ChunkHasher(ns).keys(prompts[0])[:FULL]) == [True] * FULL
+        assert c.exists_many(chunk_keys(prompts[0])[:FULL]) == [False] * FULL
     loaded = driver(tmp_path, "generate", {"prompts": prompts, "max_tokens": STEPS,
                                            "connector": connector})
-    assert loaded["runs"][0]["num_cached_tokens"] == 3 * CHUNK
+    assert loaded["runs"][0]["num_cached_tokens"] == FULL * CHUNK
     assert loaded["runs"][0]["tokens"] == stored["runs"][0]["tokens"]
 
 
@@ -252,7 +253,7 @@ def test_vllm_serve_answers_a_restarted_servers_request_from_the_pool(
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
     details = [a["usage"].get("prompt_tokens_details") or {} for a in answers]
     assert details[0].get("cached_tokens", 0) == 0
-    assert details[1].get("cached_tokens") == 3 * CHUNK  # served from the pool
+    assert details[1].get("cached_tokens") == FULL * CHUNK  # served from the pool
 
 
 def _wait_healthy(port: int, server: subprocess.Popen[bytes], log: Path,
@@ -289,16 +290,16 @@ def test_chunks_move_between_vllm_and_transformers_both_ways(pool: NodeProcess,
 
         cache: Any = DynamicCache(config=model.config)
         hf_tokens = generate_greedy(model, from_hf, cache, STEPS).tokens
-        assert hf.store(from_hf, cache) == 3 * CHUNK + 0 * 1  # 1000 tokens: 3 full chunks
+        assert hf.store(from_hf, cache) == FULL * CHUNK  # 1000 tokens: its full chunks
         run = driver(tmp_path, "generate", {"prompts": [from_hf, from_vllm],
                                             "max_tokens": STEPS, "dtype": "float32",
                                             "connector": {"kvpool_url": pool.url}})
         vllm_from_hf, vllm_own = run["runs"]
-        assert vllm_from_hf["num_cached_tokens"] == 3 * CHUNK  # loaded what transformers stored
+        assert vllm_from_hf["num_cached_tokens"] == FULL * CHUNK  # loaded what transformers stored
         assert vllm_from_hf["tokens"] == hf_tokens
         assert vllm_own["num_cached_tokens"] == 0
         loaded_cache, n = hf.load(from_vllm)
-        assert n == 3 * CHUNK  # loaded what vLLM stored
+        assert n == FULL * CHUNK  # loaded what vLLM stored
         assert generate_greedy(model, from_vllm, loaded_cache, STEPS, start=n).tokens \
             == vllm_own["tokens"]
         own = generate_greedy(model, from_vllm, DynamicCache(config=model.config), STEPS)

@@ -21,7 +21,7 @@ def lcg_tokens(n: int, seed: int, vocab: int) -> list[int]:
 
 CASES = [
     ({"model": "meta-llama/Llama-3.1-8B", "dtype": "bfloat16", "num_layers": 32,
-      "num_kv_heads": 8, "head_dim": 128}, lcg_tokens(1000, 1, 128256)),
+      "num_kv_heads": 8, "head_dim": 128, "chunk_tokens": 256}, lcg_tokens(1000, 1, 128256)),
     ({"model": "tiny", "dtype": "float16", "num_layers": 2, "num_kv_heads": 1, "head_dim": 8,
       "chunk_tokens": 4, "tp_size": 2, "tp_rank": 1}, list(range(18))),
     ({"model": "tiny", "dtype": "float16", "num_layers": 2, "num_kv_heads": 1, "head_dim": 8,
