@@ -35,9 +35,11 @@ from kvpool.protocol.envelope import seal
 from kvpool.protocol.frames import Op, PutItemHeader, encode_frame, encode_json
 from kvpool.protocol.parsers import Limits
 from kvpool.server.connection import NodeConnection
+from kvpool.server.events import EventBus
 from kvpool.server.handlers import Handlers
 from kvpool.server.shm import ShmService
 from kvpool.server.stats import NodeStats
+from kvpool.server.tiering import TierManager
 from kvpool.tiers.dram import DramTier
 
 HELLO = b"".join(encode_frame(Op.HELLO, 1, [encode_json({"protocol": 1})]))
@@ -107,7 +109,8 @@ class Harness:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.dram = DramTier(8 << 20)
-        self.handlers = Handlers("fuzz", self.dram, Limits(4 << 20, 64, 1 << 20), NodeStats())
+        self.handlers = Handlers("fuzz", TierManager(self.dram, EventBus("fuzz")),
+                                 Limits(4 << 20, 64, 1 << 20), NodeStats())
         # the fast path's leases (never started: no socket; sessions are granted by flag)
         self.shm = ShmService(self.dram, lease_s=5.0)
         self.handlers.shm = self.shm

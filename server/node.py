@@ -20,6 +20,7 @@ from typing import Any
 
 import psutil
 from aiohttp import web
+from opentelemetry.trace import Tracer
 
 from kvpool.client import AsyncClient
 from kvpool.placement.cluster_map import ClusterMap, NodeState
@@ -40,6 +41,7 @@ from kvpool.server.metrics import NodeMetrics
 from kvpool.server.shm import ShmService
 from kvpool.server.ssd import SsdTier, SsdUnavailableError
 from kvpool.server.stats import NodeStats
+from kvpool.server.tiering import TieringPolicy, TierManager
 from kvpool.server.tls import client_context, server_context
 from kvpool.server.tracing import NodeTracing, tracing_configured
 from kvpool.tiers.dram import DramTier
@@ -96,7 +98,8 @@ class Node:
             source = StaticSource(file=cluster.file, peers=cluster.peers,
                                   replication=cluster.replication)
         self.membership = Membership(source)
-        self.handlers = Handlers(server.node_id, self.dram, self.limits, self.stats,
+        self.tiers = TierManager(self.dram, EventBus(server.node_id), tracer=self._tracer)
+        self.handlers = Handlers(server.node_id, self.tiers, self.limits, self.stats,
                                  self.membership)
         self.handlers.idle_timeout_s = server.idle_timeout_s
         security = config.security
@@ -122,6 +125,11 @@ class Node:
         self.data_address: tuple[str, int] = (server.host, server.data_port)
         self.admin_address: tuple[str, int] = (server.host, server.admin_port)
 
+    def _tracer(self) -> Tracer | None:
+        """The tracer of the spans tiers make (None: tracing is not configured)."""
+        tracing = self.handlers.tracing
+        return tracing.tracer if tracing is not None else None
+
     async def _start_ssd(self) -> None:
         server = self.config.server
         if self.config.ssd.enabled:
@@ -145,9 +153,8 @@ class Node:
                                no_dumps=bool(self.config.security.auth_tokens),
                                full_retry_s=self.config.ssd.full_retry_s)
             await self.ssd.start()
-            self.handlers.ssd = self.ssd
-            self.ssd.on_evicted = self.handlers.ssd_evicted
-            self.handlers.write_through = s3.write_through and bool(s3.bucket)
+            self.tiers.attach_cold(self.ssd, TieringPolicy(
+                write_through=s3.write_through and bool(s3.bucket)))
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -283,19 +290,19 @@ class Node:
         return True, "ok"
 
     def chunk_info(self, key: bytes) -> dict[str, Any] | None:
-        return self.handlers.chunk_info(key)
+        return self.tiers.chunk_info(key)
 
     def delete_chunk(self, key: bytes) -> bool:
-        return self.handlers.delete_keys([key])[0]
+        return self.tiers.delete([key])[0]
 
     def pin_chunk(self, key: bytes, pinned: bool) -> bool:
         return self.dram.pin_many([key], pinned)[0]
 
     def evict(self, tier: str | None, namespace: bytes | None) -> dict[str, int]:
-        return self.handlers.evict(tier, namespace)
+        return self.tiers.evict(tier, namespace)
 
     async def flush(self, timeout_s: float) -> dict[str, Any]:
-        return await self.handlers.flush(timeout_s)
+        return await self.tiers.flush(timeout_s)
 
     async def metrics_text(self) -> bytes | None:
         """The Prometheus exposition for GET /metrics (None when metrics are off)."""
@@ -360,7 +367,7 @@ class Node:
     async def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """Tier codes of the leading ``keys`` held anywhere in the cluster (admin lookups)."""
         if self.membership.map is None:
-            tiers = self.handlers.tiers(keys)
+            tiers = self.tiers.tiers(keys)
             return tiers[: tiers.index(0)] if 0 in tiers else tiers
         if self._peers is None:
             # the node asks its peers as any client would: through the SDK, seeded by itself

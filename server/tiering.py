@@ -1,0 +1,403 @@
+"""A node's tiers as one store: DRAM over the cold tier (SSD, and S3 below it).
+
+:class:`TierManager` decides where a chunk lives and moves it between tiers; the
+op table (``server/handlers.py``) decodes requests, calls it, and encodes its
+answers. Its rules, all here:
+
+- every chunk committed to DRAM is queued for a write-behind to the SSD tier
+  (skipped if the SSD already has that key: keys are content addresses), so that
+  evicting it from DRAM later is a plain drop; the SSD worker writes it on to S3
+  when the node has a bucket;
+- a chunk with a TTL lives in DRAM only (the cold tiers keep no expiry), so it can
+  never outlive its TTL: a cold copy of its key is deleted instead;
+- with :attr:`TieringPolicy.write_through` (and S3 configured), a PUT is acknowledged
+  only once S3 holds the chunk (:meth:`TierManager.make_durable`);
+- a read that misses DRAM but hits the SSD index reserves a DRAM slot, has the SSD
+  worker fill it (and verify the checksum), commits it and serves it (a promotion);
+  with S3, a miss everywhere else asks S3 too (another node may have written the
+  chunk since this node's last LIST), and the chunk goes behind to the SSD;
+- every change of where a chunk lives is published on :attr:`TierManager.events`.
+
+Nothing here reads a wire request: the manager is tested, and used, with keys,
+slots and entries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from opentelemetry.trace import Tracer
+
+from kvpool.protocol.envelope import CODEC_NAMES
+from kvpool.protocol.frames import Tier
+from kvpool.server.events import EventBus
+from kvpool.server.ssd import SsdTier, SsdUnavailableError
+from kvpool.server.ssd_messages import SsdStatus
+from kvpool.server.tracing import tier_span
+from kvpool.tiers.dram import DramTier, Entry, Slot
+
+__all__ = ["TierManager", "TieringPolicy"]
+
+
+@dataclass(frozen=True)
+class TieringPolicy:
+    """How a node's tiers take a new chunk (the rest of the rules are fixed: module doc).
+
+    ``write_through``: acknowledge a PUT only once S3 holds the chunk (needs S3).
+    """
+
+    write_through: bool = False
+
+
+class TierManager:
+    """DRAM and the cold tier of one node: store, read (promoting), delete, evict, flush.
+
+    ``tracer``: gives the tracer for the spans of promotions (reads of a request, whose
+    span may be current), or None while tracing is off.
+    """
+
+    def __init__(self, dram: DramTier, events: EventBus, *,
+                 tracer: Callable[[], Tracer | None] = lambda: None) -> None:
+        self.dram = dram
+        self.events = events
+        self.ssd: SsdTier | None = None
+        self.policy = TieringPolicy()
+        self.promotions = 0
+        self._tracer = tracer
+        dram.on_evict = self._evicted
+        dram.on_expire = self._expired
+
+    def attach_cold(self, ssd: SsdTier, policy: TieringPolicy) -> None:
+        """The SSD tier (and S3 behind it), once its worker runs, and the policy for it."""
+        self.ssd = ssd
+        self.policy = policy
+        ssd.on_evicted = self._ssd_evicted
+
+    @property
+    def _cold(self) -> SsdTier | None:
+        """The cold tier while its worker is up (None: DRAM only, for now)."""
+        ssd = self.ssd
+        return ssd if ssd is not None and ssd.up else None
+
+    # -- storing ----------------------------------------------------------------------
+
+    def commit(self, slots: Sequence[Slot], *, ttl_s: Sequence[float | None],
+               pin: Sequence[bool], parents: Sequence[bytes | None]) -> list[Entry | None]:
+        """Publish received slots in DRAM: their entries (None where a slot failed its
+        checksum). Then either :meth:`write_behind` them, or, for the indexes
+        :meth:`through` names, wait for :meth:`make_durable`."""
+        committed = self.dram.commit(slots, ttl_s=ttl_s, pin=pin, parents=parents)
+        if self.events.subscribers:
+            for entry in committed:
+                if entry is not None:
+                    self.events.publish("stored", entry.key, tier="dram", parent=entry.parent,
+                                        depth=entry.depth)
+        return committed
+
+    def through(self, committed: Sequence[Entry | None]) -> list[int]:
+        """Indexes of ``committed`` whose PUT waits for S3 (write-through; chunks with a
+        TTL never go below DRAM); empty: write every chunk behind."""
+        ssd = self.ssd
+        if not (self.policy.write_through and ssd is not None and ssd.has_s3):
+            return []
+        return [i for i, e in enumerate(committed) if e is not None and e.expires_at is None]
+
+    def write_behind(self, entries: Iterable[Entry]) -> None:
+        """Queue each chunk for the SSD (held in DRAM meanwhile); a chunk with a TTL
+        deletes its key's SSD copy instead."""
+        ssd = self.ssd
+        if ssd is None:
+            return  # (a worker that is down sheds, and counts, every write)
+        dram = self.dram
+        for entry in entries:
+            if entry.expires_at is not None:
+                # a chunk with a TTL lives in DRAM only, so it can never outlive its TTL
+                if entry.key in ssd.index:
+                    ssd.delete(entry.key)
+                continue
+            if entry.key in ssd.index:  # content-addressed: the SSD copy is the same bytes
+                continue
+            dram.hold(entry)
+            if not ssd.write(entry.key, entry.offset, entry.length,
+                             lambda _stored, e=entry: dram.release(e),  # type: ignore[misc]
+                             tenant=entry.tenant):
+                dram.release(entry)
+
+    async def make_durable(self, entries: Sequence[Entry]) -> list[bool]:
+        """Write-through: True for each chunk S3 has once this returns."""
+        ssd = self.ssd
+        assert ssd is not None
+        # chunks the index says S3 has: asked of S3 itself before they are acked as
+        # durable (another node may have deleted one since this node's last LIST), and
+        # held meanwhile, in case they have to be written after all
+        known = [i for i, e in enumerate(entries) if e.key in ssd.s3_index]
+        for i in known:
+            self.dram.hold(entries[i])
+        try:
+            there = await asyncio.gather(*(ssd.confirm(entries[i].key) for i in known))
+            done = [False] * len(entries)
+            for i, ok in zip(known, there, strict=True):
+                done[i] = ok
+            todo = [i for i, ok in enumerate(done) if not ok]
+            written = await self._write_durable([entries[i] for i in todo])
+            for i, ok in zip(todo, written, strict=True):
+                done[i] = ok
+            return done
+        finally:
+            for i in known:
+                self.dram.release(entries[i])
+
+    async def _write_durable(self, entries: Sequence[Entry]) -> list[bool]:
+        """Write each chunk behind to the SSD and to S3; False where S3 lacks it after."""
+        ssd = self.ssd
+        assert ssd is not None
+        loop = asyncio.get_running_loop()
+        waits: list[asyncio.Future[bool]] = []
+        for entry in entries:
+            done: asyncio.Future[bool] = loop.create_future()
+            self.dram.hold(entry)
+
+            def finished(stored: bool, e: Entry = entry, f: asyncio.Future[bool] = done) -> None:
+                self.dram.release(e)
+                if not f.done():
+                    f.set_result(stored)
+
+            if not ssd.write(entry.key, entry.offset, entry.length, finished, durable=True):
+                finished(False)
+            waits.append(done)
+        return [await done for done in waits]
+
+    # -- reading ----------------------------------------------------------------------
+
+    def acquire(self, keys: Sequence[bytes]) -> list[Entry | None]:
+        """Each key's DRAM entry, held for a reply (None: not in DRAM)."""
+        return self.dram.acquire_many(keys)
+
+    def below(self, keys: Sequence[bytes], entries: Sequence[Entry | None]) -> list[int]:
+        """Indexes of the DRAM misses a lower tier may hold (:meth:`promote` them)."""
+        ssd = self._cold
+        if ssd is None:
+            return []
+        # with S3, a miss everywhere else asks S3 too: another node may have written the
+        # chunk since our last LIST (EXISTS/LOOKUP never pay that round trip)
+        return [i for i, e in enumerate(entries)
+                if e is None and (keys[i] in ssd.index or ssd.has_s3)]
+
+    async def promote(self, keys: Sequence[bytes], entries: list[Entry | None],
+                      which: Sequence[int]) -> None:
+        """Bring ``keys[i]`` for each ``i`` of ``which`` into DRAM; ``entries[i]`` then
+        holds it (held, as :meth:`acquire`'s are), or stays None."""
+        await asyncio.gather(*(self._promote(keys[i], entries, i) for i in which))
+
+    async def _promote(self, key: bytes, entries: list[Entry | None], i: int) -> None:
+        ssd = self.ssd
+        assert ssd is not None
+        value_len = ssd.index.get(key)
+        if value_len is None:
+            if ssd.has_s3:
+                await self._promote_from_s3(key, entries, i)
+            return
+        slot = self.dram.reserve(key, value_len)
+        if slot is None:
+            return
+        with tier_span(self._tracer(), "kvpool.ssd read", bytes=value_len) as span:
+            try:
+                status = await ssd.read_into(key, slot.offset, value_len)
+            except SsdUnavailableError:
+                status = SsdStatus.ERROR
+            if span is not None:
+                span.set_attribute("kvpool.hit", status == SsdStatus.OK)
+        if status != SsdStatus.OK:
+            slot.release()
+            return
+        self._publish(slot, entries, i)
+
+    async def _promote_from_s3(self, key: bytes, entries: list[Entry | None], i: int) -> None:
+        """Fetch ``key`` from S3 (the worker verifies it), into DRAM, then behind to SSD."""
+        ssd = self.ssd
+        assert ssd is not None and ssd.has_s3
+        with tier_span(self._tracer(), "kvpool.s3 read") as span:
+            try:
+                value_len = await ssd.fetch(key)
+                if value_len is None:
+                    return
+                if span is not None:
+                    span.set_attribute("kvpool.bytes", value_len)
+                slot = self.dram.reserve(key, value_len)
+                if slot is None:
+                    return
+                if not await ssd.copy(key, slot.offset, value_len):
+                    slot.release()
+                    return
+            except SsdUnavailableError:
+                return
+        entry = self._publish(slot, entries, i)
+        if entry is not None:
+            self.write_behind([entry])
+
+    def _publish(self, slot: Slot, entries: list[Entry | None], i: int) -> Entry | None:
+        """Commit a promoted slot to DRAM and hold it for the reply being built."""
+        (entry,) = self.dram.commit([slot])
+        if entry is not None:
+            self.dram.hold(entry)
+            entries[i] = entry
+            self.promotions += 1
+            self.events.publish("stored", entry.key, tier="dram", depth=entry.depth)
+        return entry
+
+    def tiers(self, keys: Sequence[bytes]) -> list[int]:
+        """The fastest tier holding each key (a Tier), 0 where none does. No I/O."""
+        in_dram = self.dram.contains_many(keys)
+        ssd = self._cold
+        if ssd is None:
+            return [Tier.DRAM if d else 0 for d in in_dram]
+        index, s3_index = ssd.index, ssd.s3_index
+        return [Tier.DRAM if d else Tier.SSD if k in index else Tier.S3 if k in s3_index else 0
+                for d, k in zip(in_dram, keys, strict=True)]
+
+    # -- removing ---------------------------------------------------------------------
+
+    def delete(self, keys: Sequence[bytes]) -> list[bool]:
+        """Delete from every tier of this node; True where some tier held the key."""
+        deleted = self.dram.delete_many(keys)
+        # the highest tier that held each key, for the removed events
+        tiers = ["dram" if gone else "" for gone in deleted]
+        ssd = self._cold
+        if ssd is not None:
+            for i, key in enumerate(keys):
+                if ssd.holds(key):
+                    if not deleted[i]:
+                        tiers[i] = "ssd" if key in ssd.index or key not in ssd.s3_index \
+                            else "s3"
+                    deleted[i] = True
+                    ssd.delete(key)
+        if self.events.subscribers:
+            for key, tier in zip(keys, tiers, strict=True):
+                if tier:
+                    self.events.publish("removed", key, tier=tier)
+        return deleted
+
+    def evict(self, tier: str | None, namespace: bytes | None) -> dict[str, int]:
+        """Drop unpinned chunks: all of ``tier`` (dram or ssd), or ``namespace``'s in DRAM.
+
+        An eviction, not a delete: S3 keeps its copies (it is the cluster's, and a chunk
+        evicted from the SSD is still served from there)."""
+        counts = {"dram": 0, "ssd": 0}
+        if tier in (None, "dram"):
+            keep = None
+            if namespace is not None:
+                dram = self.dram
+
+                def keep(entry: Entry) -> bool:
+                    return bytes(dram.view(entry)[40:56]) != namespace  # envelope fingerprint
+
+            for entry in self.dram.evict_where(keep):
+                counts["dram"] += 1
+                self._evicted(entry)
+        ssd = self._cold
+        if tier == "ssd" and ssd is not None:
+            for key in list(ssd.index):
+                ssd.evict(key)
+                counts["ssd"] += 1
+        return counts
+
+    async def flush(self, timeout_s: float) -> dict[str, Any]:
+        """Wait until the write-behind queue is empty (or ``timeout_s`` passes)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        # polled: the queue drains through SSD-worker replies, which signal nothing else
+        while (ssd := self._cold) is not None and ssd.counters.pending_writes \
+                and loop.time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        ssd = self._cold
+        pending = ssd.counters.pending_writes if ssd is not None else 0
+        return {"flushed": pending == 0, "pending_writes": pending}
+
+    # -- what happened, and what is there -----------------------------------------------
+
+    def _evicted(self, entry: Entry) -> None:
+        """DRAM made room by dropping ``entry``: an evicted or demoted event."""
+        if not self.events.subscribers:
+            return
+        ssd = self._cold
+        lower = None
+        if ssd is not None:
+            lower = "ssd" if entry.key in ssd.index else "s3" if entry.key in ssd.s3_index \
+                else None
+        self.events.publish("demoted" if lower else "evicted", entry.key,
+                            tier=lower or "dram", parent=entry.parent, depth=entry.depth)
+
+    def _expired(self, entry: Entry) -> None:
+        """DRAM dropped ``entry`` at the end of its TTL (a chunk with a TTL is DRAM-only)."""
+        if self.events.subscribers:
+            self.events.publish("expired", entry.key, tier="dram", parent=entry.parent,
+                                depth=entry.depth)
+
+    def _ssd_evicted(self, key: bytes) -> None:
+        """The SSD dropped ``key`` to make room: an evicted or demoted event, unless DRAM
+        still holds it (then this node's view of the chunk has not changed)."""
+        if not self.events.subscribers or self.dram.contains(key):
+            return
+        ssd = self.ssd
+        in_s3 = ssd is not None and key in ssd.s3_index
+        self.events.publish("demoted" if in_s3 else "evicted", key,
+                            tier="s3" if in_s3 else "ssd")
+
+    def chunk_info(self, key: bytes) -> dict[str, Any] | None:
+        """What this node knows of one chunk, without reading it (None: no tier has it)."""
+        entry = self.dram.peek(key)
+        ssd = self._cold
+        on_ssd = ssd is not None and key in ssd.index
+        in_s3 = ssd is not None and key in ssd.s3_index
+        tiers = [name for name, held in (("dram", entry is not None), ("ssd", on_ssd),
+                                         ("s3", in_s3)) if held]
+        if not tiers:
+            return None
+        info: dict[str, Any] = {"key": key.hex(), "tiers": tiers, "pinned": False,
+                                "ttl_s": None, "last_access": None, "depth": None,
+                                "num_tokens": None, "parent": None, "size_bytes": None}
+        if entry is not None:
+            info.update(size_bytes=entry.length, pinned=entry.pinned,
+                        ttl_s=self.dram.ttl_left(entry), last_access=entry.last_access,
+                        depth=entry.depth, num_tokens=entry.num_tokens,
+                        parent=entry.parent.hex() if entry.parent else None)
+        elif on_ssd:
+            assert ssd is not None
+            info["size_bytes"] = ssd.index[key]
+        return info
+
+    async def snapshot(self) -> dict[str, Any]:
+        """Each tier's counters (the stats snapshot's ``tiers``) and the manager's own."""
+        dram = self.dram.stats()
+        tiers: dict[str, Any] = {"dram": dram.to_dict()}
+        if self.ssd is not None:
+            tiers["ssd"] = await _ssd_stats(self.ssd)
+            s3 = tiers["ssd"].pop("s3", None)
+            if s3 is not None:
+                tiers["s3"] = {"name": "s3", "keys_known": len(self.ssd.s3_index), **s3}
+        return {"tiers": tiers, "promotions": self.promotions,
+                "quota_evictions": self.dram.quota_evictions,
+                "quota_rejections": self.dram.quota_rejections,
+                "ssd_quota_evictions": self.ssd.quota_evictions if self.ssd else 0}
+
+
+async def _ssd_stats(ssd: SsdTier) -> dict[str, Any]:
+    info: dict[str, Any] = {"name": "ssd", "up": ssd.up, "full": ssd.full,
+                            "capacity_bytes": ssd.capacity_bytes,
+                            "codec": CODEC_NAMES[ssd.codec], "num_objects": len(ssd.index),
+                            "raw_bytes": sum(ssd.index.values()), **asdict(ssd.counters)}
+    if ssd.up:
+        try:
+            async with asyncio.timeout(2):
+                worker = await ssd.worker_stats()
+        except (SsdUnavailableError, TimeoutError):
+            info["worker"] = "no answer"
+        else:
+            for name in ("used_bytes", "hits", "misses", "insertions", "evictions",
+                         "rejections", "corrupt", "s3"):
+                if name in worker:
+                    info[name] = worker[name]
+    return info

@@ -1,0 +1,142 @@
+"""The tier manager without the wire: DRAM over a real SSD worker (real RocksDB files)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool.protocol.envelope import Codec, seal
+from kvpool.protocol.frames import Tier
+from kvpool.server.events import EventBus, Subscription
+from kvpool.server.ssd import SsdTier
+from kvpool.server.tiering import TierManager, TieringPolicy
+from kvpool.tiers.dram import DramTier, Entry
+
+
+def value_of(n: int) -> bytes:
+    payload = os.urandom(n)
+    return seal(payload, chunk_index=0) + payload
+
+
+def put(tiers: TierManager, key: bytes, value: bytes, ttl_s: float | None = None
+        ) -> Entry:
+    """What a PUT does to the tiers: a slot received into, committed, written behind."""
+    slot = tiers.dram.reserve(key, len(value))
+    assert slot is not None
+    slot.view[:] = value
+    (entry,) = tiers.commit([slot], ttl_s=[ttl_s], pin=[False], parents=[None])
+    assert entry is not None
+    assert tiers.through([entry]) == []  # no write-through without S3
+    tiers.write_behind([entry])
+    return entry
+
+
+async def settled(ssd: SsdTier) -> None:
+    """Write-behind is asynchronous: wait (bounded) for the queue to drain."""
+    for _ in range(500):
+        if not ssd.counters.pending_writes:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(ssd.counters)
+
+
+def drained(sub: Subscription) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    while not sub.queue.empty():
+        event: dict[str, Any] = sub.queue.get_nowait()
+        out.append((event["type"], event["tier"]))
+    return out
+
+
+@pytest.fixture
+async def tiers(tmp_path: Path) -> AsyncIterator[TierManager]:
+    dram = DramTier(8 << 20)
+    manager = TierManager(dram, EventBus("t"))
+    ssd = SsdTier(tmp_path, 16 << 20, codec=Codec.LZ4, arena_fd=dram.arena.fd,
+                  arena_size=dram.arena.capacity, max_pending_bytes=4 << 20)
+    await ssd.start()
+    manager.attach_cold(ssd, TieringPolicy(write_through=True))  # no S3: nothing to wait on
+    yield manager
+    await ssd.stop()
+
+
+async def test_a_chunk_goes_behind_to_ssd_leaves_dram_and_is_promoted_back(
+        tiers: TierManager) -> None:
+    sub = tiers.events.subscribe()
+    ssd = tiers.ssd
+    assert ssd is not None
+    key, other, value = b"k" * 16, b"o" * 16, value_of(200_000)
+    put(tiers, key, value)
+    await settled(ssd)
+    assert key in ssd.index
+    assert tiers.tiers([key, other]) == [Tier.DRAM, 0]
+    assert tiers.evict("dram", None) == {"dram": 1, "ssd": 0}
+    assert tiers.tiers([key, other]) == [Tier.SSD, 0]
+
+    entries = tiers.acquire([key, other])
+    assert entries == [None, None]
+    assert tiers.below([key, other], entries) == [0]  # only what the SSD index holds
+    await tiers.promote([key, other], entries, [0])
+    entry = entries[0]
+    assert entry is not None and entries[1] is None
+    assert bytes(tiers.dram.view(entry)) == value  # the worker verified and copied it
+    assert entry.readers == 1  # held for the reply being built, as acquire's are
+    tiers.dram.release(entry)
+    assert tiers.promotions == 1
+    assert tiers.tiers([key]) == [Tier.DRAM]
+    assert drained(sub) == [("stored", "dram"), ("demoted", "ssd"), ("stored", "dram")]
+    info = tiers.chunk_info(key)
+    assert info is not None and info["tiers"] == ["dram", "ssd"]
+    snap = await tiers.snapshot()
+    assert snap["promotions"] == 1 and snap["tiers"]["ssd"]["num_objects"] == 1
+
+
+async def test_a_chunk_with_a_ttl_never_goes_below_dram(tiers: TierManager) -> None:
+    ssd = tiers.ssd
+    assert ssd is not None
+    key = b"t" * 16
+    put(tiers, key, value_of(50_000))  # first without a TTL: it reaches the SSD
+    await settled(ssd)
+    assert key in ssd.index
+    assert tiers.delete([key]) == [True]
+    assert tiers.tiers([key]) == [0]
+    put(tiers, key, value_of(50_000))
+    await settled(ssd)
+    tiers.dram.delete_many([key])  # DRAM alone loses it; the SSD copy stays
+    assert tiers.tiers([key]) == [Tier.SSD]
+    put(tiers, key, value_of(50_000), ttl_s=60)  # the same key, now with a TTL
+    await settled(ssd)
+    assert key not in ssd.index  # its cold copy is gone: it cannot outlive the TTL
+    assert tiers.tiers([key]) == [Tier.DRAM]
+
+
+async def test_delete_reaches_every_tier_and_says_which_held_it(tiers: TierManager) -> None:
+    sub = tiers.events.subscribe(frozenset({"removed"}))
+    ssd = tiers.ssd
+    assert ssd is not None
+    keys = [bytes([i]) * 16 for i in range(3)]
+    for key in keys[:2]:
+        put(tiers, key, value_of(10_000))
+    await settled(ssd)
+    tiers.dram.delete_many([keys[1]])  # on the SSD only
+    assert tiers.delete(keys) == [True, True, False]
+    assert tiers.tiers(keys) == [0, 0, 0]
+    assert drained(sub) == [("removed", "dram"), ("removed", "ssd")]
+    assert tiers.chunk_info(keys[0]) is None
+    assert (await tiers.flush(5.0))["flushed"]
+
+
+async def test_dram_only_promotes_nothing() -> None:
+    tiers = TierManager(DramTier(1 << 20), EventBus())
+    key = b"d" * 16
+    put(tiers, key, value_of(1000))
+    entries = tiers.acquire([key, b"x" * 16])
+    assert entries[0] is not None and tiers.below([key, b"x" * 16], entries) == []
+    tiers.dram.release(entries[0])
+    assert tiers.evict("ssd", None) == {"dram": 0, "ssd": 0}
+    assert await tiers.flush(0.1) == {"flushed": True, "pending_writes": 0}
