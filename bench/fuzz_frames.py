@@ -113,7 +113,7 @@ class Harness:
                                  Limits(4 << 20, 64, 1 << 20), NodeStats())
         # the fast path's leases (never started: no socket; sessions are granted by flag)
         self.shm = ShmService(self.dram, lease_s=5.0)
-        self.handlers.shm = self.shm
+        self.handlers.attach_shm(self.shm)
         self.registry: set[NodeConnection] = set()
         self.runs = 0
         assert self.dram.put(WITNESS_KEY, WITNESS)

@@ -36,7 +36,8 @@ from kvpool.protocol.errors import (
 from kvpool.protocol.frames import Op, encode_error
 from kvpool.protocol.parsers import Request, RequestParser, Reservation, Scoper
 from kvpool.server.auth import ANONYMOUS, TokenTable, check, scoper_for
-from kvpool.server.handlers import Handlers, Pending, Reply
+from kvpool.server.handlers import Handlers
+from kvpool.server.reply import Pending, Reply
 from kvpool.server.session import Session
 from kvpool.tiers.dram import Entry, Slot
 

@@ -12,8 +12,7 @@ business (``server/tiering.py``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -29,13 +28,10 @@ from kvpool.protocol.frames import (
     PROTOCOL_VERSION,
     PUT_FLAG_PIN,
     Op,
-    ShmItem,
     decode_json,
-    decode_lease_ids,
     encode_error,
     encode_frame,
     encode_json,
-    encode_lease_ids,
     encode_lookup_reply,
     encode_statuses,
     pack_get_item,
@@ -44,37 +40,32 @@ from kvpool.protocol.parsers import Limits, PutItem, Request
 from kvpool.server.auth import ANONYMOUS, Role, TokenTable
 from kvpool.server.events import EventBus
 from kvpool.server.membership import Membership
+from kvpool.server.reply import Buffers, Pending, Reply
 from kvpool.server.session import Session
 from kvpool.server.shm import ShmService
+from kvpool.server.shm_ops import ShmOps
 from kvpool.server.stats import NodeStats
 from kvpool.server.tiering import TierManager
 from kvpool.server.tracing import NodeTracing, tier_span
-from kvpool.tiers.arena import ALIGN
 from kvpool.tiers.dram import Entry, Slot
 
-__all__ = ["Handlers", "Pending", "Reply"]
+__all__ = ["Handlers"]
 
-Buffers = list[bytes | bytearray | memoryview]
 _STATUS_OF_TIER = bytes([Status.NOT_FOUND] + [Status.OK] * 255)
 #: ops whose keys are placed by the cluster map (a stale client may have sent them astray)
 _ROUTED_OPS = frozenset({Op.PUT, Op.GET, Op.EXISTS, Op.DELETE, Op.LOOKUP, Op.PIN, Op.UNPIN,
                          Op.GET_SHM, Op.PUT_SHM})
 _PUT_OPS = frozenset({Op.PUT, Op.PUT_SHM})
-Pending = Coroutine[Any, Any, "Reply"]
-
-
-@dataclass(slots=True)
-class Reply:
-    buffers: Buffers
-    held: list[Entry] = field(default_factory=list)
-    num_bytes: int = 0
+#: the same-host fast path's ops (server/shm_ops.py)
+_SHM_OPS = (Op.GET_SHM, Op.RELEASE, Op.PUT_SHM, Op.COMMIT, Op.TOUCH)
 
 
 class Handlers:
     """Dispatch table from opcode to handler, shared by every connection of a node."""
 
     def __init__(self, node_id: str, tiers: TierManager, limits: Limits, stats: NodeStats,
-                 membership: Membership | None = None) -> None:
+                 membership: Membership | None = None, *, auth: TokenTable | None = None,
+                 idle_timeout_s: float = 0.0) -> None:
         self.node_id = node_id
         self.store = tiers
         self.membership = membership or Membership()
@@ -87,14 +78,14 @@ class Handlers:
         self.events: EventBus = tiers.events
         self.limits = limits
         self.stats = stats
-        #: the same-host fast path (None: off)
-        self.shm: ShmService | None = None
+        #: the same-host fast path's ops (None: off; :meth:`attach_shm`)
+        self.shm_ops: ShmOps | None = None
         #: spans for requests that carry a trace context (None: tracing is not configured)
         self.tracing: NodeTracing | None = None
         #: the node closes data connections idle this long (0: never); told in HELLO
-        self.idle_timeout_s = 0.0
+        self.idle_timeout_s = idle_timeout_s
         #: tokens -> tenant and role (empty: open mode); replaced whole on SIGHUP
-        self.auth = TokenTable()
+        self.auth = auth if auth is not None else TokenTable()
         self.auth_failures = 0
         self.started_at = time.time()
         self._table: dict[int, Callable[[Request], Reply | Pending]] = {
@@ -111,12 +102,23 @@ class Handlers:
         #: the ops that act on the connection's session (auth, the shared-memory fast path)
         self._session_table: dict[int, Callable[[Request, Session], Reply | Pending]] = {
             Op.HELLO: self.hello,
-            Op.GET_SHM: self.get_shm,
-            Op.RELEASE: self.release,
-            Op.PUT_SHM: self.put_shm,
-            Op.COMMIT: self.commit,
-            Op.TOUCH: self.touch,
+            **dict.fromkeys(_SHM_OPS, self._no_fast_path),
         }
+
+    def attach_shm(self, service: ShmService) -> None:
+        """Serve the same-host fast path's ops (once ``service`` runs)."""
+        self.shm_ops = ShmOps(service, self.dram, self.stats, read=self._get,
+                              store=self._store, reply=self._reply)
+        self._session_table.update(self.shm_ops.table)
+
+    @property
+    def shm(self) -> ShmService | None:
+        """The fast path's leases and grants (None: off)."""
+        return self.shm_ops.service if self.shm_ops is not None else None
+
+    def _no_fast_path(self, request: Request, session: Session) -> Reply:
+        raise BadFrameError(f"{Op(request.header.op).name} needs a node with the "
+                            "shared-memory fast path")
 
     @property
     def epoch(self) -> int:
@@ -274,106 +276,12 @@ class Handlers:
         await self.store.promote(request.keys, entries, promote)
         return self._get_reply(request, entries, leasing)
 
-    def get_shm(self, request: Request, session: Session) -> Reply | Pending:
-        if self.shm is None or not session.shm:
-            raise BadFrameError("GET_SHM needs a connection granted the shared-memory arena")
-        return self._get(request, session)
-
-    def release(self, request: Request, session: Session) -> Reply:
-        if self.shm is None:
-            raise BadFrameError("RELEASE needs a node with the shared-memory fast path")
-        ids = decode_lease_ids(request.body, request.header.count)
-        done = self.shm.release(session, ids)
-        return self._reply(request, [encode_statuses(
-            [Status.OK if d else Status.NOT_FOUND for d in done])])
-
-    def touch(self, request: Request, session: Session) -> Reply:
-        """Values a client read through the arena index: count them, as GET_SHM would."""
-        shm = self.shm
-        if shm is None or not session.shm:
-            raise BadFrameError("TOUCH needs a connection granted the shared-memory arena")
-        entries = self.dram.touch_many(request.keys)
-        found = [e for e in entries if e is not None]
-        # hits: the reported keys the node still holds (a client's TOUCH of keys the node
-        # never had counts nothing), as the index counters below count them
-        self.stats.hits += len(found)
-        shm.counters.index_bytes_out += sum(e.length for e in found)
-        shm.counters.index_items_out += len(found)
-        self.stats.tokens_served += sum(e.num_tokens for e in found)
-        return self._reply(request, [encode_statuses(
-            [Status.NOT_FOUND if e is None else Status.OK for e in entries])])
-
-    def put_shm(self, request: Request, session: Session) -> Reply:
-        """Reserve a slot per item for the client to write into; they wait for COMMIT."""
-        shm = self.shm
-        if shm is None or not session.write:
-            raise BadFrameError("PUT_SHM needs a connection granted the arena for writing")
-        tenant = session.principal.quota_tenant
-        keys = request.keys or [item.header.key for item in request.items]  # scoped, if any
-        body: Buffers = []
-        reserved = 0
-        for key, item in zip(keys, request.items, strict=True):
-            slot = self.dram.reserve(key, item.header.value_len, tenant)
-            item.reservation = slot
-            if slot is None:
-                body.append(ShmItem(Status.NO_CAPACITY, 0, 0, 0).pack())
-            else:
-                body.append(ShmItem(Status.OK, slot.offset, slot.length, 0).pack())
-                reserved += 1
-        lease = shm.reserve(session, request.items) if reserved else 0
-        return self._reply(request, [encode_lease_ids([lease]), *body])
-
-    def commit(self, request: Request, session: Session) -> Reply | Pending:
-        """Publish the slots of a PUT_SHM lease (NOT_FOUND for all: it had expired)."""
-        shm = self.shm
-        if shm is None or not session.write:
-            raise BadFrameError("COMMIT needs a connection granted the arena for writing")
-        (lease,) = decode_lease_ids(request.body, 1)
-        items = shm.take(session, lease)
-        count = request.header.count
-        if items is None:
-            self.stats.error(Status.NOT_FOUND, Op.COMMIT)
-            return self._reply(request, [encode_statuses([Status.NOT_FOUND] * count)])
-        if len(items) != count:
-            for item in items:
-                if item.reservation is not None:
-                    item.reservation.release()
-            raise BadFrameError(f"COMMIT of {count} items for a lease of {len(items)}")
-        reserved = [i for i in items if i.reservation is not None]
-        shm.counters.committed += len(reserved)
-        shm.counters.bytes_in += sum(i.header.value_len for i in reserved)
-        return self._store(request, items)
-
-    def _shm_reply(self, request: Request, entries: list[Entry | None], session: Session
-                   ) -> Reply:
-        """Where each value lies in the arena; the entries stay held under one lease."""
-        shm = self.shm
-        assert shm is not None
-        gens = self.dram.arena.gens
-        items: Buffers = []
-        found: list[Entry] = []
-        num_bytes = tokens = 0
-        miss = ShmItem(Status.NOT_FOUND, 0, 0, 0).pack()
-        for entry in entries:
-            if entry is None:
-                items.append(miss)
-                continue
-            items.append(ShmItem(Status.OK, entry.offset, entry.length,
-                                 gens[entry.offset // ALIGN]).pack())
-            found.append(entry)
-            num_bytes += entry.length
-            tokens += entry.num_tokens
-        lease = shm.lease(session, found) if found else 0
-        shm.counters.bytes_out += num_bytes
-        shm.counters.items_out += len(found)
-        self.stats.tokens_served += tokens
-        return self._reply(request, [encode_lease_ids([lease]), *items])
-
     def _get_reply(self, request: Request, entries: list[Entry | None],
                    leasing: Session | None) -> Reply:
         self._count_reads(entries)  # every tier has been asked: what is None is a miss
         if leasing is not None:
-            return self._shm_reply(request, entries, leasing)
+            assert self.shm_ops is not None  # a GET_SHM, answered where it lies
+            return self.shm_ops.lease_reply(request, entries, leasing)
         dram = self.dram
         body: Buffers = []
         held: list[Entry] = []

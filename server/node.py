@@ -99,12 +99,11 @@ class Node:
                                   replication=cluster.replication)
         self.membership = Membership(source)
         self.tiers = TierManager(self.dram, EventBus(server.node_id), tracer=self._tracer)
-        self.handlers = Handlers(server.node_id, self.tiers, self.limits, self.stats,
-                                 self.membership)
-        self.handlers.idle_timeout_s = server.idle_timeout_s
         security = config.security
-        if security.auth_tokens:
-            self.handlers.auth = load_tokens(security.auth_tokens)
+        self.handlers = Handlers(
+            server.node_id, self.tiers, self.limits, self.stats, self.membership,
+            auth=load_tokens(security.auth_tokens) if security.auth_tokens else None,
+            idle_timeout_s=server.idle_timeout_s)
         self.tls = server_context(security)
         #: how this node connects to its peers: token, scope and TLS
         self.peer_options: dict[str, Any] = {"token": security.peer_token, "scope": "raw",
@@ -220,7 +219,7 @@ class Node:
                                   write=self.config.server.shm_write)
             await self.shm.start()
             self._publish_epoch()
-            self.handlers.shm = self.shm
+            self.handlers.attach_shm(self.shm)
             self.handlers.extra_stats["shm"] = self.shm_stats
         if tracing_configured():
             self.handlers.tracing = NodeTracing(self.membership.node_id)
