@@ -25,7 +25,7 @@ from typing import Any
 
 from kvpool.protocol.envelope import Codec
 from kvpool.protocol.errors import KvpoolError
-from kvpool.server.ssd_messages import (
+from kvpool.protocol.worker import (
     REPLY,
     REQUEST,
     S3_CHANGE,

@@ -5,13 +5,7 @@ rocksdict holds the GIL for tens to hundreds of milliseconds on a large
 share a process with the node's event loop. The worker maps the node's DRAM
 arena (an inherited memory-file descriptor) and moves chunk bytes between it
 and RocksDB in place; the node and the worker exchange only small fixed-size
-messages over a socketpair:
-
-    request  (40 bytes)  op u8 | 3 pad | request_id u32 | key 16 | offset u64 | length u64
-    reply    (16 bytes)  request_id u32 | status u8 | 3 pad | length u64, then ``length``
-                         payload bytes for KEYS (n x (key 16 | value_len u64)),
-                         STATS (JSON), PUT (n x 16-byte keys it evicted), FETCH
-                         (value_len u64) and S3_KEYS (n x (key 16 | S3Change u8)))
+messages over a socketpair (``protocol/worker.py``).
 
 SSD requests are served one at a time, in order, on the main thread. S3 work
 (write-behind uploads of what was written to SSD, FETCH of chunks only S3
@@ -45,8 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvpool.protocol.envelope import Codec
-from kvpool.server.hardening import die_with_parent, forbid_dumps
-from kvpool.server.ssd_messages import (
+from kvpool.protocol.worker import (
     KEY_LEN,
     REPLY,
     REQUEST,
@@ -55,6 +48,7 @@ from kvpool.server.ssd_messages import (
     SsdOp,
     SsdStatus,
 )
+from kvpool.server.hardening import die_with_parent, forbid_dumps
 from kvpool.tiers.rocksdb import RocksDbTier
 from kvpool.tiers.s3 import S3Tier
 
@@ -65,6 +59,10 @@ _U64 = struct.Struct("<Q")
 MAX_STAGED_BYTES = 256 << 20
 #: FETCHes queued or running at once; past it a FETCH is answered MISS at once
 MAX_FETCHES = 64
+
+
+#: an op's reply (status, payload), or None when a pool thread will send it
+_Result = tuple[int, bytes] | None
 
 
 def _recv_exact(sock: socket.socket, buf: memoryview) -> bool:
@@ -107,6 +105,14 @@ class Worker:
         self._stop = threading.Event()
         if s3 is not None:
             s3.listener = self._s3_changed
+        #: what serves each op (its arguments: request_id, key, offset, length)
+        self._ops: dict[int, Callable[[int, bytes, int, int], _Result]] = {
+            SsdOp.PUT: self._put, SsdOp.PUT_DURABLE: self._put_durable, SsdOp.GET: self._get,
+            SsdOp.FETCH: self._fetch_op, SsdOp.COPY: self._copy,
+            SsdOp.CONFIRM: self._confirm_op, SsdOp.REOPEN: self._reopen,
+            SsdOp.EVICT: self._evict, SsdOp.DELETE: self._delete, SsdOp.KEYS: self._keys,
+            SsdOp.S3_KEYS: self._s3_keys, SsdOp.STATS: self._stats,
+        }
 
     # -- S3 -------------------------------------------------------------------------------
 
@@ -242,100 +248,118 @@ class Worker:
     def handle(self, request_id: int, op: int, key: bytes, offset: int,
                length: int) -> tuple[int, bytes] | None:
         """The reply, or None when a pool thread will send it."""
+        run = self._ops.get(op)
+        if run is None:
+            return SsdStatus.ERROR, b""
+        return run(request_id, key, offset, length)
+
+    def _put_durable(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
         tier = self.tier
-        if op == SsdOp.PUT_DURABLE:
-            tier.last_evicted = []
-            view = self.arena[offset : offset + length]
-            tier.put(key, view)  # a full SSD does not matter here: S3 is what makes it durable
-            evicted = b"".join(tier.last_evicted)
-            if self.s3 is None:
-                return SsdStatus.ERROR, b""
-            # an index that says S3 has it may be stale (another node deleted it since our
-            # last LIST): a durable ack asks S3 itself, and uploads if S3 lacks it
-            upload = self._confirm_durable if self._in_s3(key) else self._upload_durable
-            self._s3_in_order(key, upload, request_id, key, bytes(view), evicted)
-            return None
-        if op == SsdOp.PUT:
-            tier.last_evicted = []
-            view = self.arena[offset : offset + length]
-            ok = tier.put(key, view)
-            self._write_behind_s3(key, view)
-            if not ok and tier.full is not None:
-                return SsdStatus.FULL, tier.full.encode()
-            return (SsdStatus.OK if ok else SsdStatus.REFUSED), b"".join(tier.last_evicted)
-        if op == SsdOp.GET:
-            corrupt_before = tier.num_corrupt
-            value = tier.get(key)
-            if value is None:
-                return (SsdStatus.CORRUPT if tier.num_corrupt > corrupt_before
-                        else SsdStatus.MISS), b""
-            if len(value) != length:
-                return SsdStatus.SIZE, b""
-            self.arena[offset : offset + length] = value
+        tier.last_evicted = []
+        view = self.arena[offset : offset + length]
+        tier.put(key, view)  # a full SSD does not matter here: S3 is what makes it durable
+        evicted = b"".join(tier.last_evicted)
+        if self.s3 is None:
+            return SsdStatus.ERROR, b""
+        # an index that says S3 has it may be stale (another node deleted it since our
+        # last LIST): a durable ack asks S3 itself, and uploads if S3 lacks it
+        upload = self._confirm_durable if self._in_s3(key) else self._upload_durable
+        self._s3_in_order(key, upload, request_id, key, bytes(view), evicted)
+        return None
+
+    def _put(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
+        tier = self.tier
+        tier.last_evicted = []
+        view = self.arena[offset : offset + length]
+        ok = tier.put(key, view)
+        self._write_behind_s3(key, view)
+        if not ok and tier.full is not None:
+            return SsdStatus.FULL, tier.full.encode()
+        return (SsdStatus.OK if ok else SsdStatus.REFUSED), b"".join(tier.last_evicted)
+
+    def _get(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
+        tier = self.tier
+        corrupt_before = tier.num_corrupt
+        value = tier.get(key)
+        if value is None:
+            return (SsdStatus.CORRUPT if tier.num_corrupt > corrupt_before
+                    else SsdStatus.MISS), b""
+        if len(value) != length:
+            return SsdStatus.SIZE, b""
+        self.arena[offset : offset + length] = value
+        return SsdStatus.OK, b""
+
+    def _fetch_op(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
+        if self.s3 is None:
+            return SsdStatus.MISS, b""
+        with self._s3_lock:
+            if self._fetches >= MAX_FETCHES:  # a flood of misses: answer, do not queue
+                self.fetch_shed += 1
+                return SsdStatus.MISS, b""
+            self._fetches += 1
+        self._s3_in_order(key, self._fetch, request_id, key)
+        return None
+
+    def _copy(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
+        with self._s3_lock:
+            value = self._staged.pop(key, None)
+            if value is not None:
+                self._staged_bytes -= len(value)
+        if value is None:
+            return SsdStatus.MISS, b""
+        if len(value) != length:
+            return SsdStatus.SIZE, b""
+        self.arena[offset : offset + length] = value
+        return SsdStatus.OK, b""
+
+    def _confirm_op(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
+        if self.s3 is None:
+            return SsdStatus.MISS, b""
+        self._s3_in_order(key, self._confirm, request_id, key)
+        return None
+
+    def _reopen(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
+        if self.tier.reopen():
             return SsdStatus.OK, b""
-        if op == SsdOp.FETCH:
-            if self.s3 is None:
-                return SsdStatus.MISS, b""
-            with self._s3_lock:
-                if self._fetches >= MAX_FETCHES:  # a flood of misses: answer, do not queue
-                    self.fetch_shed += 1
-                    return SsdStatus.MISS, b""
-                self._fetches += 1
-            self._s3_in_order(key, self._fetch, request_id, key)
-            return None
-        if op == SsdOp.COPY:
-            with self._s3_lock:
-                value = self._staged.pop(key, None)
-                if value is not None:
-                    self._staged_bytes -= len(value)
-            if value is None:
-                return SsdStatus.MISS, b""
-            if len(value) != length:
-                return SsdStatus.SIZE, b""
-            self.arena[offset : offset + length] = value
-            return SsdStatus.OK, b""
-        if op == SsdOp.CONFIRM:
-            if self.s3 is None:
-                return SsdStatus.MISS, b""
-            self._s3_in_order(key, self._confirm, request_id, key)
-            return None
-        if op == SsdOp.REOPEN:
-            if tier.reopen():
-                return SsdStatus.OK, b""
-            return SsdStatus.FULL, (tier.full or "").encode()
-        if op == SsdOp.EVICT:
-            return (SsdStatus.OK if tier.delete(key) else SsdStatus.MISS), b""
-        if op == SsdOp.DELETE:
-            found = tier.delete(key)
-            if self.s3 is not None:
-                self._s3_in_order(key, self._delete_s3, key)
-            return (SsdStatus.OK if found else SsdStatus.MISS), b""
-        if op == SsdOp.KEYS:
-            return SsdStatus.OK, b"".join(KEY_LEN.pack(k, n)
-                                          for k, n in tier.value_lens().items())
-        if op == SsdOp.S3_KEYS:
-            with self._s3_lock:
-                # the node asks from the first record it has not applied: the ones before
-                # it are done with
-                done = min(max(0, offset - self._s3_log_base), len(self.s3_log))
-                del self.s3_log[:done]
-                self._s3_log_base += done
-                start = max(0, offset - self._s3_log_base)
-                records = self.s3_log[start : start + 65536]
-            return SsdStatus.OK, b"".join(records)
-        if op == SsdOp.STATS:
-            stats: dict[str, Any] = tier.stats().to_dict()
-            stats["corrupt"] = tier.num_corrupt
-            stats["full"] = tier.full
-            if self.s3 is not None:
-                s3 = self.s3.stats().to_dict()
-                s3.update(errors=self.s3.num_errors, corrupt=self.s3.num_corrupt,
-                          last_error=self.s3.last_error, shed=self.s3_shed,
-                          pending_bytes=self._s3_pending, fetches=self._fetches,
-                          fetch_shed=self.fetch_shed, staged_bytes=self._staged_bytes)
-                stats["s3"] = s3
-            return SsdStatus.OK, json.dumps(stats).encode()
-        return SsdStatus.ERROR, b""
+        return SsdStatus.FULL, (self.tier.full or "").encode()
+
+    def _evict(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
+        return (SsdStatus.OK if self.tier.delete(key) else SsdStatus.MISS), b""
+
+    def _delete(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
+        found = self.tier.delete(key)
+        if self.s3 is not None:
+            self._s3_in_order(key, self._delete_s3, key)
+        return (SsdStatus.OK if found else SsdStatus.MISS), b""
+
+    def _keys(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
+        return SsdStatus.OK, b"".join(KEY_LEN.pack(k, n)
+                                      for k, n in self.tier.value_lens().items())
+
+    def _s3_keys(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
+        """S3 log records from record ``offset`` on (the first the node has not applied:
+        the ones before it are done with)."""
+        with self._s3_lock:
+            done = min(max(0, offset - self._s3_log_base), len(self.s3_log))
+            del self.s3_log[:done]
+            self._s3_log_base += done
+            start = max(0, offset - self._s3_log_base)
+            records = self.s3_log[start : start + 65536]
+        return SsdStatus.OK, b"".join(records)
+
+    def _stats(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
+        tier = self.tier
+        stats: dict[str, Any] = tier.stats().to_dict()
+        stats["corrupt"] = tier.num_corrupt
+        stats["full"] = tier.full
+        if self.s3 is not None:
+            s3 = self.s3.stats().to_dict()
+            s3.update(errors=self.s3.num_errors, corrupt=self.s3.num_corrupt,
+                      last_error=self.s3.last_error, shed=self.s3_shed,
+                      pending_bytes=self._s3_pending, fetches=self._fetches,
+                      fetch_shed=self.fetch_shed, staged_bytes=self._staged_bytes)
+            stats["s3"] = s3
+        return SsdStatus.OK, json.dumps(stats).encode()
 
     def _reply(self, request_id: int, status: int, payload: bytes) -> None:
         assert self._sock is not None

@@ -33,9 +33,9 @@ from opentelemetry.trace import Tracer
 
 from kvpool.protocol.envelope import CODEC_NAMES
 from kvpool.protocol.frames import Tier
+from kvpool.protocol.worker import SsdStatus
 from kvpool.server.events import EventBus
 from kvpool.server.ssd import SsdTier, SsdUnavailableError
-from kvpool.server.ssd_messages import SsdStatus
 from kvpool.server.tracing import tier_span
 from kvpool.tiers.dram import DramTier, Entry, Slot
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvpool.protocol.envelope import Codec, seal
+from kvpool.protocol.worker import SsdStatus
 from kvpool.server.ssd import SsdTier, SsdUnavailableError
-from kvpool.server.ssd_messages import SsdStatus
 from kvpool.tiers.dram import DramTier
 
 
@@ -132,8 +132,8 @@ def test_worker_bounds_fetched_values_and_queued_fetches(
         tmp_path: Path, s3_endpoint: str, s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
 
+    from kvpool.protocol.worker import SsdOp
     from kvpool.server import ssd_worker
-    from kvpool.server.ssd_messages import SsdOp
     from kvpool.tiers.rocksdb import RocksDbTier
     from kvpool.tiers.s3 import S3Tier
 
@@ -163,8 +163,8 @@ def test_s3_ops_on_one_key_land_in_the_order_the_node_sent_them(
     import socket
     import threading
 
+    from kvpool.protocol.worker import REPLY, SsdOp
     from kvpool.server import ssd_worker
-    from kvpool.server.ssd_messages import REPLY, SsdOp
     from kvpool.tiers.rocksdb import RocksDbTier
     from kvpool.tiers.s3 import S3Tier
 
@@ -201,8 +201,8 @@ def test_s3_ops_on_one_key_land_in_the_order_the_node_sent_them(
 def test_s3_log_is_read_in_order_and_forgets_what_the_node_applied(tmp_path: Path) -> None:
     """S3_KEYS from record ``offset`` on: the records before it are dropped (the log would
     otherwise grow with every upload and delete the worker ever saw)."""
+    from kvpool.protocol.worker import S3_CHANGE, S3Change, SsdOp
     from kvpool.server import ssd_worker
-    from kvpool.server.ssd_messages import S3_CHANGE, S3Change, SsdOp
     from kvpool.tiers.rocksdb import RocksDbTier
 
     worker = ssd_worker.Worker(RocksDbTier(tmp_path, 4 << 20), memoryview(bytearray(64)))

@@ -14,7 +14,7 @@ from kvpool.protocol.envelope import Codec, seal
 from kvpool.protocol.frames import Tier
 from kvpool.server.events import EventBus, Subscription
 from kvpool.server.ssd import SsdTier
-from kvpool.server.tiering import TierManager, TieringPolicy
+from kvpool.server.tiering import TieringPolicy, TierManager
 from kvpool.tiers.dram import DramTier, Entry
 
 

@@ -1,6 +1,17 @@
-"""Messages between a node and its SSD worker (see server/ssd_worker.py for the protocol).
+"""The cold-tier worker's protocol: the messages between a node and its SSD worker.
 
-Kept apart from the worker's entry point so that the node never imports it.
+The worker (``server/ssd_worker.py``) is a child process that owns RocksDB and S3;
+it maps the node's DRAM arena and moves chunk bytes in place, so only small
+fixed-size messages cross the socketpair between them:
+
+    request  (40 bytes)  op u8 | 3 pad | request_id u32 | key 16 | offset u64 | length u64
+    reply    (16 bytes)  request_id u32 | status u8 | 3 pad | length u64, then ``length``
+                         payload bytes for KEYS (n x (key 16 | value_len u64)),
+                         STATS (JSON), PUT (n x 16-byte keys it evicted), FETCH
+                         (value_len u64) and S3_KEYS (n x (key 16 | S3Change u8)))
+
+Pure: no I/O (the node's handle on the worker, ``server/ssd.py``, and the worker
+itself do theirs).
 """
 
 from __future__ import annotations
