@@ -265,7 +265,9 @@ def main() -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     rng = random.Random(0)
     prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in sizes for _ in range(args.reps)]
-    node = start_node("--dram-capacity", "3GiB", "--no-ssd")
+    # room for every engine's chunks (four chunk formats/sizes of 15 prompts, ~3.3 GB): an
+    # LRU victim would turn the decode comparison's warm engine cold
+    node = start_node("--dram-capacity", "6GiB", "--no-ssd")
     tmp = Path(tempfile.mkdtemp(prefix="kvpool-bench-vllm-"))
     kvpool = {"kvpool_url": node.url}
     example = {"shared_storage_path": str(tmp / "example")}

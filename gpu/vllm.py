@@ -68,6 +68,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvpool.client import Client, KvpoolError
+from kvpool.gpu.backoff import Backoff
 from kvpool.gpu.connector import DEFAULT_STAGING_SLOTS, PagedKVConnector
 from kvpool.gpu.layout import KVLayout, LayoutKind, dtype_name
 from kvpool.placement.keys import DEFAULT_CHUNK_TOKENS, ChunkHasher, Namespace
@@ -159,30 +160,6 @@ def default_model_id(config: Any, name_or_path: str = "") -> str:
     transformers adapter uses the same rule, so the two engines share chunks."""
     return str(getattr(config, "kvpool_model_id", None) or name_or_path
                or getattr(config, "name_or_path", "") or "")
-
-
-class Backoff:
-    """Leaves a failing pool alone for a while: after a failure, :meth:`allow` is False
-    for ``first`` seconds, doubling with each failure in a row up to ``12 * first``;
-    a success resets it. One per process side (scheduler, worker): a hung node then
-    costs the engine one ``timeout_s`` per back-off, not one per request or step."""
-
-    def __init__(self, first: float, clock: Any = time.monotonic) -> None:
-        self.first, self.clock = first, clock
-        self.wait = 0.0  #: the current back-off, 0 while the pool answers
-        self.until = 0.0
-
-    def allow(self) -> bool:
-        return bool(self.clock() >= self.until)
-
-    def failed(self) -> float:
-        """Record a failure; the seconds the pool is now left alone."""
-        self.wait = min(12 * self.first, 2 * self.wait) if self.wait else self.first
-        self.until = self.clock() + self.wait
-        return self.wait
-
-    def succeeded(self) -> None:
-        self.wait = self.until = 0.0
 
 
 @dataclass

@@ -198,7 +198,7 @@ def settings_check() -> dict[str, Any]:
 
 def backoff_check() -> list[list[Any]]:
     """The connector's Backoff on a scripted clock: [time, event, allowed after it]."""
-    from kvpool.gpu.vllm import Backoff
+    from kvpool.gpu.backoff import Backoff
 
     now = [0.0]
     backoff = Backoff(5.0, clock=lambda: now[0])
