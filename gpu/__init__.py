@@ -3,7 +3,9 @@
 - :class:`KVLayout` describes an engine's paged KV cache and the chunk byte layout;
 - :class:`PagedKVConnector` / :class:`AsyncPagedKVConnector` load chunks into the
   engine's blocks and store them back through pinned staging slots, pipelined;
-- :mod:`kvpool.gpu.hf` adapts Hugging Face transformers' ``DynamicCache``.
+- :mod:`kvpool.gpu.hf` adapts Hugging Face transformers' ``DynamicCache``;
+- :mod:`kvpool.gpu.vllm` is vLLM's KV connector, :mod:`kvpool.gpu.sglang` SGLang's
+  HiCache storage backend (each imports its engine).
 """
 
 from kvpool.gpu.connector import AsyncPagedKVConnector, ConnectorStats, PagedKVConnector

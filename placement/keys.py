@@ -40,7 +40,8 @@ __all__ = [
 
 DEFAULT_CHUNK_TOKENS = 128
 #: engine-native chunk formats (see Namespace.kv_format)
-_ENGINE_FORMAT = re.compile(r"cpu_attn(_amx)?-block[1-9][0-9]*")
+_ENGINE_FORMAT = re.compile(r"cpu_attn(_amx)?-block[1-9][0-9]*"
+                            r"|sglang(-[a-z0-9_]+)+-pp[0-9]+of[1-9][0-9]*")
 _MAX_TOKEN = 0xFFFFFFFF
 
 
@@ -67,7 +68,8 @@ class Namespace:
     #: engine-neutral layout; "mla" = one latent vector a token (num_kv_heads 1, head_dim =
     #: latent dim); "cpu_attn-block<N>" / "cpu_attn_amx-block<N>" = vLLM CPU_ATTN's own
     #: block bytes (vec / AMX kernels), block size N (an engine-native format: readable
-    #: only by engines with the same blocks)
+    #: only by engines with the same blocks); "sglang-<layout>[-mla][-<format>]-pp<R>of<S>"
+    #: = pages of SGLang's HiCache host pool in that layout, of pipeline stage R of S
     kv_format: str | None = None
 
     def __post_init__(self) -> None:
@@ -93,8 +95,9 @@ class Namespace:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"tp_rank {self.tp_rank} outside [0, tp_size={self.tp_size})")
         if self.kv_format not in (None, "mla") and not _ENGINE_FORMAT.fullmatch(self.kv_format):
-            raise ConfigError(f"namespace kv_format must be None, 'mla', 'cpu_attn-block<N>' "
-                              f"or 'cpu_attn_amx-block<N>', got {self.kv_format!r}")
+            raise ConfigError(f"namespace kv_format must be None, 'mla', 'cpu_attn-block<N>', "
+                              f"'cpu_attn_amx-block<N>' or 'sglang-<layout>...-pp<R>of<S>', "
+                              f"got {self.kv_format!r}")
 
     def fields(self) -> dict[str, Any]:
         """The fields hashed into the digest; unset optional ones are omitted."""
