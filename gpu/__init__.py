@@ -5,7 +5,8 @@
   engine's blocks and store them back through pinned staging slots, pipelined;
 - :mod:`kvpool.gpu.hf` adapts Hugging Face transformers' ``DynamicCache``;
 - :mod:`kvpool.gpu.vllm` is vLLM's KV connector, :mod:`kvpool.gpu.sglang` SGLang's
-  HiCache storage backend (each imports its engine).
+  HiCache storage backend, :mod:`kvpool.gpu.lmcache` LMCache's remote storage plugin
+  (each imports its engine).
 """
 
 from kvpool.gpu.connector import AsyncPagedKVConnector, ConnectorStats, PagedKVConnector

@@ -1,0 +1,137 @@
+"""Runs kvpool's LMCache plugin inside an environment that has LMCache.
+
+    $VLLM_CPU_PYTHON -m kvpool.tests.lmcache_driver SPEC.json OUT.json
+
+LMCache 0.5.6 (installed ``--no-deps`` beside vLLM: its CUDA dependencies do not
+install here) with its own parts: an ``LMCacheEngineConfig`` naming the plugin
+(``remote_storage_plugins: ["kvpool"]`` and its ``module_path``/``class_name``), an
+``LMCacheMetadata``, a ``LocalCPUBackend`` whose allocator makes every ``MemoryObj``,
+and the connector made by LMCache's own launcher (``CreateConnector("plugin://kvpool",
+...)``, the URL LMCache's ``RemoteBackend`` asks for), whose coroutines run on an
+event loop of their own thread, as LMCache runs them.
+
+SPEC ``{"url": ..., "extra": {...}, "steps": [...]}``; each step ``{"do": ...}``:
+``put`` (chunks ``chunks``, each ``[hash, tokens, seed]``: a MemoryObj of ``tokens``
+tokens filled from ``seed``), ``get`` (hashes ``hashes``: per chunk null for a miss,
+else its tokens and whether its bytes equal what ``seed`` makes), ``contains``
+(hashes: the leading count), ``exists`` (one hash), ``kill`` (``pid``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+LAYERS, HEADS, DIM, CHUNK = 4, 2, 8, 16
+
+
+def _fill(obj: Any, seed: int) -> None:
+    import torch
+
+    tensor = obj.tensor
+    tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(seed))
+                 .to(tensor.dtype))
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend.connector import CreateConnector
+    from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+    config = LMCacheEngineConfig.from_defaults(
+        chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.05,
+        remote_storage_plugins=["kvpool"], extra_config={
+            "remote_storage_plugin.kvpool.module_path": "kvpool.gpu.lmcache",
+            "remote_storage_plugin.kvpool.class_name": "KvpoolConnectorAdapter",
+            "remote_storage_plugin.kvpool.url": spec["url"], **spec.get("extra", {})})
+    metadata = LMCacheMetadata(model_name="kvpool-test/lmcache", world_size=1,
+                               local_world_size=1, worker_id=0, local_worker_id=0,
+                               kv_dtype=torch.bfloat16, kv_shape=(LAYERS, 2, CHUNK, HEADS, DIM),
+                               chunk_size=CHUNK)
+    backend = LocalCPUBackend(config, metadata, dst_device="cpu")
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    def call(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+    try:
+        connector = CreateConnector("plugin://kvpool", loop, backend, config, metadata,
+                                    plugin_name="kvpool")
+    except Exception as exc:
+        return {"made": False, "error": f"{type(exc).__name__}: {exc}"}
+    inner = getattr(connector, "_connector", connector)  # under LMCache's instrumentation
+
+    def key(chunk_hash: int) -> Any:
+        return CacheEngineKey("kvpool-test/lmcache", 1, 0, chunk_hash, torch.bfloat16)
+
+    def chunk(tokens: int, seed: int) -> Any:
+        shape = torch.Size([2, LAYERS, tokens, HEADS * DIM])
+        obj = backend.allocate([shape], [torch.bfloat16], None)
+        assert obj is not None
+        _fill(obj, seed)
+        return obj
+
+    results: list[Any] = []
+    for step in spec["steps"]:
+        do = step["do"]
+        if do == "put":
+            objs = [chunk(tokens, seed) for _, tokens, seed in step["chunks"]]
+            # LMCache's instrumented connector releases the objects once they are sent
+            call(connector.batched_put([key(h) for h, _, _ in step["chunks"]], objs))
+            result: Any = None
+        elif do == "get":
+            got = call(connector.batched_get([key(h) for h in step["hashes"]]))
+            result = []
+            for obj, seed in zip(got, step["seeds"], strict=True):
+                if obj is None:
+                    result.append(None)
+                    continue
+                tokens = obj.get_shapes()[0][2]
+                want = chunk(tokens, seed)
+                result.append({"tokens": int(tokens), "equal": bool(torch.equal(
+                    obj.tensor.view(torch.uint8), want.tensor.view(torch.uint8)))})
+                want.ref_count_down()
+                obj.ref_count_down()
+        elif do == "contains":
+            result = call(connector.batched_async_contains("t", [key(h)
+                                                                 for h in step["hashes"]]))
+        elif do == "exists":
+            result = bool(connector.exists_sync(key(step["hash"])))
+        elif do == "key":
+            from kvpool.gpu.lmcache import chunk_key
+
+            result = chunk_key(key(step["hash"])).hex()
+        elif do == "kill":
+            os.kill(step["pid"], signal.SIGKILL)
+            result = None
+        else:
+            raise ValueError(f"unknown step {do!r}")
+        results.append(result)
+    counters = dataclasses.asdict(inner.counters) if hasattr(inner, "counters") else {}
+    call(connector.close())
+    loop.call_soon_threadsafe(loop.stop)
+    return {"made": True, "steps": results, "counters": counters,
+            "connector": type(inner).__name__}
+
+
+def main() -> int:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    out = run(spec)
+    with open(sys.argv[2], "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""LMCache (PyPI's lmcache 0.5.6) keeping its remote tier in kvpool, through real nodes.
+
+LMCache lives in the engines' environment (``$VLLM_CPU_PYTHON``, made by ``.ci/run``),
+driven by ``tests/lmcache_driver.py`` (see its doc: LMCache's own config, allocator and
+plugin launcher); the nodes and the checks run here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool.client import Client
+from kvpool.server.local_cluster import LocalCluster
+from kvpool.tests.conftest import NodeProcess, put_corrupt, start_node
+
+PYTHON = os.environ.get("VLLM_CPU_PYTHON", "")
+if not PYTHON or not Path(PYTHON).exists():
+    if os.environ.get("CI"):
+        pytest.fail("CI must set VLLM_CPU_PYTHON (.ci/run makes the engines' environment)",
+                    pytrace=False)
+    pytest.skip("set VLLM_CPU_PYTHON to a python with lmcache==0.5.6 and kvpool "
+                "(see .ci/run)", allow_module_level=True)
+
+
+def driver(tmp: Path, url: str, steps: list[dict[str, Any]],
+           extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    spec, out = tmp / f"spec-{time.monotonic_ns()}.json", tmp / f"out-{time.monotonic_ns()}.json"
+    spec.write_text(json.dumps({"url": url, "extra": extra or {}, "steps": steps}))
+    done = subprocess.run([PYTHON, "-m", "kvpool.tests.lmcache_driver", str(spec), str(out)],
+                          capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0 and out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    result: dict[str, Any] = json.loads(out.read_text())
+    result["log"] = done.stdout + done.stderr
+    return result
+
+
+@pytest.fixture
+def pool() -> Iterator[NodeProcess]:
+    node = start_node("--dram-capacity", "256MiB", "--no-ssd")
+    yield node
+    node.stop()
+
+
+def test_chunks_one_lmcache_stores_load_into_another(pool: NodeProcess,
+                                                     tmp_path: Path) -> None:
+    """Process A puts three full chunks and a partial one (LMCache's allocator, LMCache's
+    launcher); process B finds the leading three in one lookup and gets each back bit for
+    bit, the partial one with its own token count; a chunk never stored is a miss."""
+    stored = driver(tmp_path, pool.url, [
+        {"do": "contains", "hashes": [1, 2, 3]},
+        {"do": "put", "chunks": [[1, 16, 11], [2, 16, 12], [3, 16, 13], [4, 5, 14]]},
+        {"do": "contains", "hashes": [1, 2, 3, 9, 4]},
+    ])
+    assert stored["made"], stored.get("error")
+    assert stored["connector"] == "KvpoolRemoteConnector"
+    assert stored["steps"][0] == 0 and stored["steps"][2] == 3
+    assert stored["counters"]["puts"] == 4 and stored["counters"]["errors"] == 0
+
+    loaded = driver(tmp_path, pool.url, [
+        {"do": "exists", "hash": 4},
+        {"do": "get", "hashes": [1, 2, 3, 4, 9], "seeds": [11, 12, 13, 14, 0]},
+    ])
+    exists, got = loaded["steps"]
+    assert exists is True
+    assert got == [{"tokens": 16, "equal": True}] * 3 + [{"tokens": 5, "equal": True}, None]
+    assert loaded["counters"]["hits"] == 4 and loaded["counters"]["misses"] == 1
+
+
+def test_a_corrupt_chunk_is_a_miss_and_the_others_load(pool: NodeProcess,
+                                                       tmp_path: Path) -> None:
+    run = driver(tmp_path, pool.url, [
+        {"do": "put", "chunks": [[1, 16, 21], [2, 16, 22]]},
+        {"do": "key", "hash": 2},
+    ])
+    key = bytes.fromhex(run["steps"][1])
+    with Client(pool.url, shm=False) as c:
+        original = bytes(c.get(key) or b"")
+    assert original
+    put_corrupt(pool, key, original, flip=200)
+    loaded = driver(tmp_path, pool.url, [
+        {"do": "get", "hashes": [1, 2], "seeds": [21, 22]},
+    ])
+    assert loaded["steps"][0] == [{"tokens": 16, "equal": True}, None]
+    assert loaded["counters"]["errors"] == 0  # a bad chunk is a miss, not a pool failure
+
+
+def test_a_dead_address_costs_misses_never_an_exception(tmp_path: Path) -> None:
+    node = start_node("--dram-capacity", "64MiB", "--no-ssd")
+    url = node.url
+    node.stop()
+    run = driver(tmp_path, url, [
+        {"do": "contains", "hashes": [1, 2]},
+        {"do": "exists", "hash": 1},
+        {"do": "get", "hashes": [1], "seeds": [0]},
+        {"do": "put", "chunks": [[1, 16, 1]]},
+    ], extra={"remote_storage_plugin.kvpool.timeout_s": 1.0})
+    assert run["made"]
+    assert run["steps"] == [0, False, [None], None]
+    assert run["counters"]["errors"] == 4 and run["counters"]["puts"] == 0
+
+
+def test_bad_settings_fail_with_one_clear_line(tmp_path: Path) -> None:
+    run = driver(tmp_path, "", [], extra={"remote_storage_plugin.kvpool.timeout": 3})
+    assert not run["made"]
+    assert "unknown key(s) ['remote_storage_plugin.kvpool.timeout']" in run["error"]
+    run = driver(tmp_path, "", [])
+    assert not run["made"] and "set remote_storage_plugin.kvpool.url" in run["error"]
+
+
+def test_a_three_node_cluster_serves_every_chunk_with_a_node_killed(tmp_path: Path) -> None:
+    with LocalCluster(3, replication=2, data_dir=tmp_path / "c3",
+                      serve_args=["--no-ssd", "--dram-capacity", "128MiB"]) as cluster:
+        seeds = "kvpool://" + ",".join(cluster.seeds)
+        victim = cluster.nodes[2].proc
+        assert victim is not None
+        chunks = [[h, 16, 100 + h] for h in range(1, 9)]
+        run = driver(tmp_path, seeds, [
+            {"do": "put", "chunks": chunks},
+            {"do": "kill", "pid": victim.pid},
+            {"do": "contains", "hashes": list(range(1, 9))},
+            {"do": "get", "hashes": list(range(1, 9)), "seeds": [100 + h for h in range(1, 9)]},
+        ])
+    _, _, found, got = run["steps"]
+    assert found == 8
+    assert got == [{"tokens": 16, "equal": True}] * 8
