@@ -12,8 +12,9 @@ moves 32 new chunks with each of, in an order that rotates by round:
 
 - ``kvpool plugin``: ``plugin://kvpool`` (this package's plugin) ``batched_put`` /
   ``batched_get``;
-- ``kvpool SDK``: ``AsyncClient.put_many`` / ``get_many_into`` of the same bytes
-  (header and data, from and into the same MemoryObjs);
+- ``kvpool SDK``: ``AsyncClient.put_many`` of the same bytes (header and data, from
+  the same MemoryObjs) under keys of its own, and ``get_many_into`` of the chunks the
+  plugin stored (the same values) into the same MemoryObjs;
 - ``LMCache server``: ``lm://`` (LMCache's connector to its server), ``put`` / ``get``
   of one chunk after another (it has no batched calls).
 
@@ -106,8 +107,8 @@ def measure(url: str, lm_url: str, rounds: int) -> dict[str, Any]:
             out["put"][side].append(nbytes / (time.perf_counter() - t0) / 1e9)
         for side in order:
             t0 = time.perf_counter()
-            if side == "kvpool SDK":
-                got = call(sdk.get_many_into([chunk_key(k) for k in keys[side]],
+            if side == "kvpool SDK":  # the chunks the plugin stored: the same values
+                got = call(sdk.get_many_into([chunk_key(k) for k in keys["kvpool plugin"]],
                                              [[h, memoryview(o.byte_array).cast("B")]
                                               for h, o in zip(heads, objs, strict=True)]))
                 assert all(n is not None for n in got), got

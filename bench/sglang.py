@@ -11,8 +11,8 @@ alternate the two sides:
 
 - set: ``batch_set_v1`` of 128 new pages (its exists pre-pass finds none) against
   ``Client.put_many`` of the same pages, sent from the same places in the pool;
-- get: ``batch_get_v1`` of those pages into the pool against ``Client.get_many_into``
-  into the same places;
+- get: ``batch_get_v1`` of the pages the backend stored, into the pool, against
+  ``Client.get_many_into`` of the same stored values into the same places;
 - exists: ``batch_exists`` of the 128 keys against ``Client.lookup``, 20 calls a side
   alternated call by call, the median of each side's last 19 a round.
 
@@ -135,12 +135,14 @@ def measure(url: str, rounds: int) -> dict[str, Any]:
                 else:
                     client.put_many(sdk_keys, pages, num_tokens=page_size)
                 out[f"set {side}"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+            # both sides read the pages the backend stored: the same values, where they lie
+            same = [backend.key(k) for k in keys]
             for side in (("backend", "sdk") if r % 2 == 0 else ("sdk", "backend")):
                 t0 = time.perf_counter()
                 if side == "backend":
                     assert all(backend.batch_get_v1(keys, indices))
                 else:
-                    assert client.get_many_into(sdk_keys, pages) == [backend._page_bytes] * PAGES
+                    assert client.get_many_into(same, pages) == [backend._page_bytes] * PAGES
                 out[f"get {side}"].append(nbytes / (time.perf_counter() - t0) / 1e9)
             # lookups: 20 a side, alternated call by call (each side's first call after
             # its get would also report that get's reads through the arena index)

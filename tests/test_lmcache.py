@@ -122,6 +122,8 @@ def test_a_three_node_cluster_serves_every_chunk_with_a_node_killed(tmp_path: Pa
         victim = cluster.nodes[2].proc
         assert victim is not None
         chunks = [[h, 16, 100 + h] for h in range(1, 9)]
+        # the connector's client is connected to every node when the node dies (it just
+        # stored through them): its next calls meet a dead connection
         run = driver(tmp_path, seeds, [
             {"do": "put", "chunks": chunks},
             {"do": "kill", "pid": victim.pid},
