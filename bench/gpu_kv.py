@@ -30,14 +30,11 @@ from typing import Any
 import torch
 
 from kvpool.bench._procs import start_node
+from kvpool.bench._stats import summary
 from kvpool.client import Client
 from kvpool.gpu import KVLayout, PagedKVConnector
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def bench_ttft(url: str, lengths: list[int], runs: int, chunk_sizes: list[int]
@@ -76,8 +73,8 @@ def bench_ttft(url: str, lengths: list[int], runs: int, chunk_sizes: list[int]
                         load_s.append(t1 - t0)
                         assert gen.tokens == reference.tokens
                     rows.append({"tokens": n, "chunk_tokens": chunk, "loaded": loaded,
-                                 "cold_s": _summary(cold), "warm_s": _summary(warm),
-                                 "load_s": _summary(load_s),
+                                 "cold_s": summary(cold), "warm_s": summary(warm),
+                                 "load_s": summary(load_s),
                                  "speedup": statistics.median(cold) / statistics.median(warm)})
                     print(f"  TTFT {n} tokens, chunks of {chunk}: done", flush=True)
     return rows
@@ -140,11 +137,11 @@ def bench_transfer(url: str, chunks: int, runs: int) -> dict[str, Any]:
     for path in paths:
         medians = {k: statistics.median(v) for k, v in out[path].items()}
         result[path] = {"chunks": chunks, "chunk_bytes": nbytes,
-                        "rates": {k: {**_summary(v), "samples": v} for k, v in out[path].items()},
+                        "rates": {k: {**summary(v), "samples": v} for k, v in out[path].items()},
                         "ratios": {k: medians[k] / medians[base[k.split()[0]]]
                                    for k in out[path] if k.split()[0] in base}}
     # shm over TCP, paired run by run
-    result["shm_over_tcp"] = {k: _summary([a / b for a, b in zip(out["shm"][k], out["tcp"][k],
+    result["shm_over_tcp"] = {k: summary([a / b for a, b in zip(out["shm"][k], out["tcp"][k],
                                                                   strict=True)])
                               for k in TRANSFERS}
     return result

@@ -28,17 +28,15 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-from kvpool.bench._procs import free_port, start_node
+from kvpool.bench._procs import _wait_port, free_port, start_node
+from kvpool.bench._stats import fmt, save, summary
 
-RESULTS = Path(__file__).resolve().parent / "results"
 CHUNKS = 32
 SIDES = ("kvpool plugin", "kvpool SDK", "LMCache server")
 
@@ -124,13 +122,13 @@ def measure(url: str, lm_url: str, rounds: int) -> dict[str, Any]:
     call(plugin.close())
     call(server.close())
     loop.call_soon_threadsafe(loop.stop)
-    ratios = {op: {"plugin / SDK": _summary([a / b for a, b in zip(
+    ratios = {op: {"plugin / SDK": summary([a / b for a, b in zip(
                        out[op]["kvpool plugin"], out[op]["kvpool SDK"], strict=True)]),
-                   "plugin / LMCache server": _summary([a / b for a, b in zip(
+                   "plugin / LMCache server": summary([a / b for a, b in zip(
                        out[op]["kvpool plugin"], out[op]["LMCache server"], strict=True)])}
               for op in out}
     return {"chunk_bytes": nbytes // CHUNKS, "chunks": CHUNKS, "rounds": rounds,
-            "gb_s": {op: {s: _summary(v) for s, v in sides.items()}
+            "gb_s": {op: {s: summary(v) for s, v in sides.items()}
                      for op, sides in out.items()}, "ratios": ratios}
 
 
@@ -147,14 +145,6 @@ async def _client(url: str) -> Any:
     client = AsyncClient(url)
     await client.connect()
     return client
-
-
-def _summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def _fmt(s: dict[str, float]) -> str:
-    return f"{s['median']:.3g} [{s['min']:.3g}-{s['max']:.3g}]"
 
 
 def main() -> int:
@@ -178,9 +168,9 @@ def main() -> int:
     port = free_port()
     lm_server = subprocess.Popen([args.python, "-m", "lmcache.v1.server", "127.0.0.1",
                                   str(port), "cpu"], stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL)
+                                 stderr=subprocess.DEVNULL, text=True)
     try:
-        _wait_port(port, lm_server)
+        _wait_port(port, lm_server, timeout=60)
         done = subprocess.run([args.python, "-m", "kvpool.bench.lmcache", "--measure",
                                node.url, f"lm://127.0.0.1:{port}", "--rounds",
                                str(args.rounds)],
@@ -200,29 +190,10 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     for op in ("put", "get"):
         gb, ratio = result["gb_s"][op], result["ratios"][op]
-        print(f"| {op} | {' | '.join(_fmt(gb[s]) for s in SIDES)} "
-              f"| {_fmt(ratio['plugin / SDK'])} | {_fmt(ratio['plugin / LMCache server'])} |")
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "lmcache.json"
-    out.write_text(json.dumps({**result, "measured": time.strftime("%Y-%m-%d %H:%M:%S")},
-                              indent=2))
-    print(f"written to {out}")
+        print(f"| {op} | {' | '.join(fmt(gb[s]) for s in SIDES)} "
+              f"| {fmt(ratio['plugin / SDK'])} | {fmt(ratio['plugin / LMCache server'])} |")
+    print(f"written to {save('lmcache', result)}")
     return 0
-
-
-def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"LMCache's server exited with {proc.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError("LMCache's server did not listen")
 
 
 if __name__ == "__main__":

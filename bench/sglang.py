@@ -29,12 +29,11 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from kvpool.bench._procs import start_node
+from kvpool.bench._stats import fmt, save, summary
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PAGES = 128  # SGLang's STORAGE_BATCH_SIZE: the pages of one batch call
 
 
@@ -158,20 +157,12 @@ def measure(url: str, rounds: int) -> dict[str, Any]:
             for side, values in times.items():
                 out[f"exists {side}"].append(statistics.median(values[1:]))
     backend.close()
-    summary = {name: _summary(v) for name, v in out.items()}
-    ratios = {op: _summary([a / b for a, b in zip(out[f"{op} backend"], out[f"{op} sdk"],
+    results = {name: summary(v) for name, v in out.items()}
+    ratios = {op: summary([a / b for a, b in zip(out[f"{op} backend"], out[f"{op} sdk"],
                                                    strict=True)])
               for op in ("set", "get", "exists")}
     return {"page_bytes": backend._page_bytes, "pages": PAGES, "rounds": rounds,
-            "results": summary, "backend_over_sdk": ratios}
-
-
-def _summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def _fmt(s: dict[str, float]) -> str:
-    return f"{s['median']:.3g} [{s['min']:.3g}-{s['max']:.3g}]"
+            "results": results, "backend_over_sdk": ratios}
 
 
 def main() -> int:
@@ -207,13 +198,9 @@ def main() -> int:
     print("| call | backend | SDK | backend / SDK, paired |")
     print("|---|---|---|---|")
     for op, unit in (("set", "GB/s"), ("get", "GB/s"), ("exists", "ms")):
-        print(f"| {op} ({unit}) | {_fmt(res[f'{op} backend'])} | {_fmt(res[f'{op} sdk'])} "
-              f"| {_fmt(ratio[op])} |")
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "sglang.json"
-    out.write_text(json.dumps({**result, "measured": time.strftime("%Y-%m-%d %H:%M:%S")},
-                              indent=2))
-    print(f"written to {out}")
+        print(f"| {op} ({unit}) | {fmt(res[f'{op} backend'])} | {fmt(res[f'{op} sdk'])} "
+              f"| {fmt(ratio[op])} |")
+    print(f"written to {save('sglang', result)}")
     return 0
 
 

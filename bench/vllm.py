@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.bench._procs import start_node
+from kvpool.bench._stats import summary
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STEPS = 33  # 1 prefill token + 32 decoded: decode speed over 32 steps
@@ -161,15 +162,11 @@ def decode_interleaved(python: str, tmp: Path, url: str, prompts: list[list[int]
     finally:
         plain.close()
         pooled.close()
-    return {str(n): {"none": _summary(row["none"]), "kvpool": _summary(row["kvpool"]),
-                     "ratio": _summary([b / a for a, b in zip(row["none"], row["kvpool"],
+    return {str(n): {"none": summary(row["none"]), "kvpool": summary(row["kvpool"]),
+                     "ratio": summary([b / a for a, b in zip(row["none"], row["kvpool"],
                                                               strict=True)]),
                      "kvpool_cached_tokens": statistics.median(row["cached"])}
             for n, row in samples.items()}
-
-
-def _summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def _fmt(s: dict[str, float] | None, unit: str = "s", scale: float = 1.0) -> str:
@@ -224,8 +221,8 @@ def load_path_rate(url: str, runs: int = 7) -> dict[str, Any]:
             client.get_many_into(keys, buffers)
             rates["get_many_into"].append(nbytes / (time.perf_counter() - t0) / 1e9)
     base = rates["get_many_into"]
-    return {"bytes": nbytes, "kind": kind, "gb_s": {k: _summary(v) for k, v in rates.items()},
-            "ratio": {fmt: _summary([a / b for a, b in zip(rates[fmt], base, strict=True)])
+    return {"bytes": nbytes, "kind": kind, "gb_s": {k: summary(v) for k, v in rates.items()},
+            "ratio": {fmt: summary([a / b for a, b in zip(rates[fmt], base, strict=True)])
                       for fmt in ("canonical", "engine")}}
 
 
@@ -320,9 +317,9 @@ def main() -> int:
         for name, result in engines.items():
             runs = result["runs"][i * args.reps : (i + 1) * args.reps]
             row[name] = {
-                "ttft_s": _summary([r["ttft_s"] for r in runs]),
-                "prefill_s": _summary([r["prefill_s"] for r in runs]),
-                "decode_tok_s": _summary([r["decode_tok_s"] for r in runs
+                "ttft_s": summary([r["ttft_s"] for r in runs]),
+                "prefill_s": summary([r["prefill_s"] for r in runs]),
+                "decode_tok_s": summary([r["decode_tok_s"] for r in runs
                                           if r.get("decode_tok_s")]),
                 "cached_tokens": statistics.median(r["num_cached_tokens"] for r in runs)}
         cold = row["none"]["ttft_s"]["median"]

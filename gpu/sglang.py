@@ -239,6 +239,10 @@ class KvpoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     # -- the guard around every pool call -------------------------------------------------
 
     def _allowed(self) -> bool:
+        """Whether to call the pool now (not before the host pool is registered, nor while
+        backing off)."""
+        if self.namespace is None:
+            return False
         with self._lock:
             if self._backoff.allow():
                 return True

@@ -19,13 +19,14 @@ has the same buffer shapes and page addressing as sglang 0.5.23's
 SPEC: ``{"steps": [...]}``, each step a dict with ``"do"``:
 
 - ``"backend"``: make backend ``name`` over pool ``pool`` for ``url`` (``extra``:
-  more extra-config keys; ``layout``, ``page_size``, ``pages``: the pool);
+  more extra-config keys; ``layout``, ``page_size``, ``pages``, ``geometry``: the pool);
 - ``"fill"``: random bytes into every page of pool ``pool`` (seed ``seed``);
 - ``"exists"``, ``"set"``, ``"get"``: batch_exists / batch_set_v1 / batch_get_v1 of
   backend ``name`` for the page keys ``keys`` at pool pages ``pages``;
 - ``"get_flat"``: the copying batch_get into flat data pages;
 - ``"same"``: whether pages ``pages`` of pools ``a`` and ``b`` hold the same bytes;
-- ``"kill"``: SIGKILL process ``pid``; ``"sleep"``: ``seconds``.
+- ``"kill"``: SIGKILL process ``pid`` (``after`` seconds: meanwhile the next steps
+  run); ``"sleep"``: ``seconds``.
 
 OUT: one result per step, plus each backend's counters at the end.
 """
@@ -37,14 +38,15 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
 
-def host_pool(layout: str, page_size: int, pages: int) -> Any:
+def host_pool(layout: str, page_size: int, pages: int, **geometry: int) -> Any:
     from kvpool.bench.sglang import HostPool
 
-    return HostPool(layout, page_size, pages)
+    return HostPool(layout, page_size, pages, **geometry)
 
 
 def indices(pool: Any, pages: list[int]) -> Any:
@@ -84,7 +86,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             if pool is None:
                 pool = pools[step["pool"]] = host_pool(
                     step.get("layout", "page_first"), step.get("page_size", 16),
-                    step.get("pages", 8))
+                    step.get("pages", 8), **step.get("geometry", {}))
             try:
                 made = make_backend(step["url"], pool, step.get("extra", {}))
                 backends[step["name"]] = made
@@ -117,8 +119,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             result = [bool(torch.equal(a.get_data_page(p * a.page_size).view(torch.uint8),
                                        b.get_data_page(p * b.page_size).view(torch.uint8)))
                       for p in step["pages"]]
-        elif do == "kill":
-            os.kill(step["pid"], signal.SIGKILL)
+        elif do == "kill":  # now, or ``after`` seconds (while the next steps run)
+            if step.get("after"):
+                threading.Timer(step["after"], os.kill, (step["pid"], signal.SIGKILL)).start()
+            else:
+                os.kill(step["pid"], signal.SIGKILL)
             result = None
         elif do == "sleep":
             time.sleep(step["seconds"])
