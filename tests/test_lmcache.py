@@ -133,3 +133,37 @@ def test_a_three_node_cluster_serves_every_chunk_with_a_node_killed(tmp_path: Pa
     _, _, found, got = run["steps"]
     assert found == 8
     assert got == [{"tokens": 16, "equal": True}] * 8
+
+
+def test_a_tls_node_with_tokens_through_the_plugins_settings(tmp_path: Path) -> None:
+    """tls_ca and token reach the client: chunks round-trip through a node that serves TLS
+    and requires a token; without the token every call is a miss."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    paths = {name: tmp_path / name for name in ("ca.pem", "node.pem", "node.key")}
+    ca.cert_pem.write_to_path(str(paths["ca.pem"]))
+    for i, pem in enumerate(cert.cert_chain_pems):
+        pem.write_to_path(str(paths["node.pem"]), append=i > 0)
+    cert.private_key_pem.write_to_path(str(paths["node.key"]))
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text('[[token]]\ntoken = "engine-secret-0123456789"\ntenant = "acme"\nrole = "write"\n')
+    node = start_node("--dram-capacity", "64MiB", "--no-ssd", "--tls-cert",
+                      str(paths["node.pem"]), "--tls-key", str(paths["node.key"]),
+                      "--auth-tokens", str(tokens))
+    try:
+        settings = {"remote_storage_plugin.kvpool.tls_ca": str(paths["ca.pem"]),
+                    "remote_storage_plugin.kvpool.token": "engine-secret-0123456789"}
+        run = driver(tmp_path, node.url, [
+            {"do": "put", "chunks": [[1, 16, 31], [2, 16, 32]]},
+            {"do": "get", "hashes": [1, 2], "seeds": [31, 32]},
+        ], extra=settings)
+        assert run["steps"][1] == [{"tokens": 16, "equal": True}] * 2
+        assert run["counters"]["errors"] == 0
+        no_token = driver(tmp_path, node.url, [
+            {"do": "get", "hashes": [1], "seeds": [31]},
+        ], extra={"remote_storage_plugin.kvpool.tls_ca": str(paths["ca.pem"])})
+        assert no_token["steps"][0] == [None] and no_token["counters"]["errors"] == 1
+    finally:
+        node.stop()
