@@ -24,6 +24,7 @@ SPEC: ``{"steps": [...]}``, each step a dict with ``"do"``:
 - ``"exists"``, ``"set"``, ``"get"``: batch_exists / batch_set_v1 / batch_get_v1 of
   backend ``name`` for the page keys ``keys`` at pool pages ``pages``;
 - ``"get_flat"``: the copying batch_get into flat data pages;
+- ``"single"``: the one-key ``set``, ``get`` and ``exists`` of page ``page``;
 - ``"same"``: whether pages ``pages`` of pools ``a`` and ``b`` hold the same bytes;
 - ``"kill"``: SIGKILL process ``pid`` (``after`` seconds: meanwhile the next steps
   run); ``"sleep"``: ``seconds``.
@@ -114,6 +115,17 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 result = [t is not None and bool(torch.equal(
                     t.view(torch.uint8), pool.get_data_page(p * pool.page_size).contiguous()
                     .view(torch.uint8))) for t, p in zip(got, step["pages"], strict=True)]
+        elif do == "single":  # the one-key calls: set page ``page`` under ``key``, get, exists
+            backend = backends[step["name"]]
+            pool = backend.mem_pool_host
+            page = pool.get_data_page(step["page"] * pool.page_size).contiguous()
+            stored = backend.set(step["key"], page)
+            target = pool.get_dummy_flat_data_page()
+            got = backend.get(step["key"], target)
+            result = {"set": stored, "exists": backend.exists(step["key"]),
+                      "missing": backend.exists(step["key"] + "-never-stored"),
+                      "get_equal": got is not None and bool(torch.equal(
+                          got.view(torch.uint8), page.view(torch.uint8)))}
         elif do == "same":
             a, b = pools[step["a"]], pools[step["b"]]
             result = [bool(torch.equal(a.get_data_page(p * a.page_size).view(torch.uint8),

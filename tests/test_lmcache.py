@@ -148,7 +148,8 @@ def test_a_tls_node_with_tokens_through_the_plugins_settings(tmp_path: Path) -> 
         pem.write_to_path(str(paths["node.pem"]), append=i > 0)
     cert.private_key_pem.write_to_path(str(paths["node.key"]))
     tokens = tmp_path / "tokens.toml"
-    tokens.write_text('[[token]]\ntoken = "engine-secret-0123456789"\ntenant = "acme"\nrole = "write"\n')
+    tokens.write_text('[[token]]\ntoken = "engine-secret-0123456789"\ntenant = "acme"\n'
+                      'role = "write"\n')
     node = start_node("--dram-capacity", "64MiB", "--no-ssd", "--tls-cert",
                       str(paths["node.pem"]), "--tls-key", str(paths["node.key"]),
                       "--auth-tokens", str(tokens))

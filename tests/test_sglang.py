@@ -93,6 +93,17 @@ def test_pages_stored_by_one_sglang_load_into_another(pool: NodeProcess, tmp_pat
     assert counters["pages_loaded"] >= 7 and counters["errors"] == 0
 
 
+def test_the_one_key_calls(pool: NodeProcess, tmp_path: Path) -> None:
+    run = driver(tmp_path, [
+        {"do": "backend", "name": "a", "pool": "a", "url": pool.url, "layout": "page_first",
+         "page_size": 16, "pages": 8},
+        {"do": "fill", "pool": "a", "seed": 4},
+        {"do": "single", "name": "a", "key": "one-page", "page": 3},
+    ])
+    assert results(run)[2] == {"set": True, "exists": True, "missing": False,
+                               "get_equal": True}
+
+
 def test_loaded_pages_are_bit_exact(pool: NodeProcess, tmp_path: Path) -> None:
     """The bytes that arrive are the bytes that left: pool B's pages equal pool A's."""
     args = {"layout": "page_first", "page_size": 16, "pages": 8}
