@@ -53,8 +53,17 @@ def _stats(args: argparse.Namespace) -> int:
     table.add_row("objects", str(stats["num_objects"]))
     table.add_row("hit rate", hit_rate(stats))
     table.add_row("evictions", str(stats["evictions"]))
+    # bytes_in counts every value stored (over TCP and through shared memory); bytes_out
+    # the TCP replies only: the fast path's reads are in its own section
+    shm = stats.get("shm") or {}
+    shm_in = int(shm.get("bytes_in", 0))
+    shm_out = int(shm.get("bytes_out", 0)) + int(shm.get("index_bytes_out", 0))
     table.add_row("bytes in / out",
-                  f"{format_size(stats['bytes_in'])} / {format_size(stats['bytes_out'])}")
+                  f"{format_size(stats['bytes_in'])} / "
+                  f"{format_size(stats['bytes_out'] + shm_out)}")
+    if shm:
+        table.add_row("  of which shared memory",
+                      f"{format_size(shm_in)} / {format_size(shm_out)}")
     table.add_row("connections open", str(stats["connections"]["open"]))
     table.add_row("requests", ", ".join(f"{k}={v}" for k, v in stats["requests"].items() if v))
     Console().print(table)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvpool.client import Client
 from kvpool.server.config import (
     ClusterConfig,
     DramConfig,
@@ -39,6 +40,25 @@ def test_stats_json_and_table(node: NodeProcess) -> None:
     assert stats["capacity_bytes"] == 64 << 20 and "requests" in stats
     table = kvpool("stats", "--admin", node.admin_url)
     assert table.returncode == 0 and "DRAM used / capacity" in table.stdout
+
+
+def test_stats_counts_bytes_read_through_shared_memory() -> None:
+    """A same-host client's 4 MiB in and out go through shared memory: the table's bytes
+    out counts them (it counted TCP replies only)."""
+    node = start_node("--dram-capacity", "64MiB", "--no-ssd")
+    key = b"s" * 16
+    try:
+        with Client(node.url, shm=True) as c:
+            c.put(key, b"v" * (4 << 20))
+            assert c.get(key) == b"v" * (4 << 20)
+            assert c.bytes_by_path["shm"] == 4 << 20
+        table = kvpool("stats", "--admin", node.admin_url).stdout
+    finally:
+        node.stop()
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
+            for line in table.splitlines() if line.count("│") >= 3}
+    assert rows["bytes in / out"] == "4.0 MiB / 4.0 MiB", rows
+    assert rows["of which shared memory"] == "4.0 MiB / 4.0 MiB", rows
 
 
 def test_stats_unreachable_node_exit_code() -> None:
