@@ -71,6 +71,7 @@ from kvpool.client import Client, KvpoolError
 from kvpool.gpu.backoff import Backoff
 from kvpool.gpu.connector import DEFAULT_STAGING_SLOTS, PagedKVConnector
 from kvpool.gpu.layout import KVLayout, LayoutKind, dtype_name
+from kvpool.gpu.paged import Scatter, scatter
 from kvpool.placement.keys import DEFAULT_CHUNK_TOKENS, ChunkHasher, Namespace
 from kvpool.protocol.errors import ConfigError
 
@@ -433,14 +434,13 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _open(self, layout: KVLayout, caches: Sequence[torch.Tensor]) -> PagedKVConnector:
         """On the I/O thread: the client and the connector it drives."""
-        # canonical cpu_attn chunks go through staging (K is transposed on the way); the
-        # engine's own format goes straight between the pool and the blocks
-        if layout.kind == "cpu_attn_amx" and not layout.engine_format:
-            return PagedKVConnector(self.settings.client(), layout, list(caches),
-                                    self.namespace, staging_slots=self.settings.staging_slots,
-                                    scatter=AmxCacheWrite(caches))
+        # canonical cpu_attn chunks go through staging (K is transposed on the way, into
+        # AMX tiles by vLLM's own op); the engine's own format goes straight between the
+        # pool and the blocks
+        write: Scatter = AmxCacheWrite(caches) if layout.kind == "cpu_attn_amx" \
+            and not layout.engine_format else scatter
         return PagedKVConnector(self.settings.client(), layout, list(caches), self.namespace,
-                                staging_slots=self.settings.staging_slots)
+                                staging_slots=self.settings.staging_slots, scatter=write)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
