@@ -15,8 +15,10 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["Proc", "free_port", "start_iperf3", "start_node", "start_redis", "start_seaweedfs"]
+__all__ = ["Proc", "free_port", "run_json", "start_iperf3", "start_node", "start_redis",
+           "start_seaweedfs"]
 
 SEAWEED_PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
                  "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port",
@@ -44,6 +46,19 @@ class Proc:
                 self.proc.wait(10)
         if self.scratch:
             shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def run_json(python: str, module: str, *args: str, timeout: float = 900) -> dict[str, Any]:
+    """``python -m module args``'s last stdout line, a JSON object (a benchmark's part
+    that runs in another environment, such as the engines'); RuntimeError with its
+    output's tail if it fails."""
+    done = subprocess.run([python, "-m", module, *args], capture_output=True, text=True,
+                          timeout=timeout, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{module} {' '.join(args)} failed:\n{done.stdout[-2000:]}"
+                           f"{done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
 
 
 def free_port() -> int:

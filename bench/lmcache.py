@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Any
 
-from kvpool.bench._procs import _wait_port, free_port, start_node
+from kvpool.bench._procs import _wait_port, free_port, run_json, start_node
 from kvpool.bench._stats import fmt, save, summary
 
 CHUNKS = 32
@@ -171,18 +171,15 @@ def main() -> int:
                                  stderr=subprocess.DEVNULL, text=True)
     try:
         _wait_port(port, lm_server, timeout=60)
-        done = subprocess.run([args.python, "-m", "kvpool.bench.lmcache", "--measure",
-                               node.url, f"lm://127.0.0.1:{port}", "--rounds",
-                               str(args.rounds)],
-                              capture_output=True, text=True, timeout=1200, check=False)
+        result = run_json(args.python, "kvpool.bench.lmcache", "--measure", node.url,
+                          f"lm://127.0.0.1:{port}", "--rounds", str(args.rounds), timeout=1200)
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
     finally:
         node.stop()
         lm_server.terminate()
         lm_server.wait(10)
-    if done.returncode != 0:
-        print(done.stdout[-2000:], done.stderr[-3000:], file=sys.stderr)
-        return 1
-    result = json.loads(done.stdout.strip().splitlines()[-1])
     print(f"\nLMCache remote tier, {result['chunks']} chunks of "
           f"{result['chunk_bytes'] / 1e6:.2f} MB a batch, {result['rounds']} rounds, GB/s "
           "median [min-max]\n")

@@ -26,12 +26,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
-from kvpool.bench._procs import start_node
+from kvpool.bench._procs import run_json, start_node
 from kvpool.bench._stats import fmt, save, summary
 
 PAGES = 128  # SGLang's STORAGE_BATCH_SIZE: the pages of one batch call
@@ -182,15 +181,13 @@ def main() -> int:
         return 2
     node = start_node("--dram-capacity", "4GiB", "--no-ssd")
     try:
-        done = subprocess.run([args.python, "-m", "kvpool.bench.sglang", "--measure",
-                               node.url, "--rounds", str(args.rounds)],
-                              capture_output=True, text=True, timeout=900, check=False)
+        result = run_json(args.python, "kvpool.bench.sglang", "--measure", node.url,
+                          "--rounds", str(args.rounds))
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
     finally:
         node.stop()
-    if done.returncode != 0:
-        print(done.stdout[-2000:], done.stderr[-3000:], file=sys.stderr)
-        return 1
-    result = json.loads(done.stdout.strip().splitlines()[-1])
     res, ratio = result["results"], result["backend_over_sdk"]
     print(f"\nSGLang HiCache backend vs kvpool's SDK, {result['pages']} pages of "
           f"{result['page_bytes'] / 1e6:.2f} MB a call, {result['rounds']} rounds, median "

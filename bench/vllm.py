@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpool.bench._procs import start_node
+from kvpool.bench._procs import run_json, start_node
 from kvpool.bench._stats import summary
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -229,12 +229,7 @@ def load_path_rate(url: str, runs: int = 7) -> dict[str, Any]:
 def _load_path_in(python: str, url: str) -> dict[str, Any]:
     """:func:`load_path_rate` in vLLM's environment (its cache-write op is the
     connector's on AMX hosts), bound to one CPU as vLLM binds its CPU worker."""
-    done = subprocess.run([python, "-m", "kvpool.bench.vllm", "--load-path", url],
-                          capture_output=True, text=True, timeout=600, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"the load-path run failed:\n{done.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return run_json(python, "kvpool.bench.vllm", "--load-path", url, timeout=600)
 
 
 def main() -> int:

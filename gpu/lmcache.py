@@ -46,7 +46,8 @@ from lmcache.v1.storage_backend.connector import (
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvpool.client import AsyncClient, KvpoolError
-from kvpool.protocol.errors import BufferTooSmallError, ConfigError
+from kvpool.gpu.settings import settings_from
+from kvpool.protocol.errors import BufferTooSmallError
 
 __all__ = ["KvpoolConnectorAdapter", "KvpoolRemoteConnector", "LMCacheSettings"]
 
@@ -72,25 +73,12 @@ class LMCacheSettings:
         prefix = f"remote_storage_plugin.{name}."
         ours = {k[len(prefix):]: v for k, v in extra.items() if k.startswith(prefix)
                 and k[len(prefix):] not in ("module_path", "class_name")}
-        unknown = sorted(set(ours) - {"url", "token", "scope", "timeout_s", "tls_ca"})
-        if unknown:
-            raise ConfigError(f"kvpool LMCache plugin: unknown key(s) "
-                              f"{[prefix + k for k in unknown]}")
         if url.startswith(_SCHEME):
             ours["url"] = url
-        if not isinstance(ours.get("url"), str) or not ours["url"]:
-            raise ConfigError(f"kvpool LMCache plugin: set {prefix}url to the nodes "
-                              "(e.g. kvpool://127.0.0.1:7700)")
-        try:
-            settings = cls(**ours)
-        except TypeError as exc:
-            raise ConfigError(f"kvpool LMCache plugin: {exc}") from None
-        if isinstance(settings.timeout_s, bool) or not isinstance(settings.timeout_s,
-                                                                  (int, float)) \
-                or not settings.timeout_s > 0:
-            raise ConfigError(f"kvpool LMCache plugin: {prefix}timeout_s must be > 0, got "
-                              f"{settings.timeout_s!r}")
-        return settings
+        return settings_from(
+            cls, ours, owner="kvpool LMCache plugin", keys="key(s)", url_field="url",
+            missing_url=f"set {prefix}url to the nodes (e.g. kvpool://127.0.0.1:7700)",
+            seconds=("timeout_s",), shown=lambda key: prefix + key)
 
     def client(self) -> AsyncClient:
         context = ssl.create_default_context(cafile=self.tls_ca) if self.tls_ca else None

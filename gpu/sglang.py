@@ -46,7 +46,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,6 +60,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvpool.client import Client, KvpoolError
 from kvpool.gpu.backoff import Backoff
 from kvpool.gpu.layout import dtype_name
+from kvpool.gpu.settings import settings_from
 from kvpool.placement.keys import Namespace
 from kvpool.protocol.errors import BufferTooSmallError, ConfigError
 
@@ -95,25 +96,10 @@ class HiCacheSettings:
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> HiCacheSettings:
         """ConfigError naming the bad key (SGLang then fails at start with that line)."""
-        ours = {k: v for k, v in extra.items() if k not in _SGLANG_KEYS}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(ours) - known)
-        if unknown:
-            raise ConfigError(f"kvpool HiCache backend: unknown extra config key(s) {unknown}; "
-                              f"known: {sorted(known)}")
-        if not isinstance(ours.get("kvpool_url"), str) or not ours["kvpool_url"]:
-            raise ConfigError('kvpool HiCache backend: the extra config needs "kvpool_url" '
-                              '(e.g. "kvpool://127.0.0.1:7700")')
-        try:
-            settings = cls(**ours)
-        except TypeError as exc:
-            raise ConfigError(f"kvpool HiCache backend: {exc}") from None
-        for name in ("timeout_s", "retry_after_s"):
-            value = getattr(settings, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not value > 0:
-                raise ConfigError(f"kvpool HiCache backend: {name} must be > 0, got {value!r}")
-        return settings
+        return settings_from(
+            cls, {k: v for k, v in extra.items() if k not in _SGLANG_KEYS},
+            owner="kvpool HiCache backend", keys="extra config key(s)",
+            missing_url='the extra config needs "kvpool_url" (e.g. "kvpool://127.0.0.1:7700")')
 
     def client(self) -> Client:
         return Client(self.kvpool_url, token=self.token, scope=self.scope, shm=self.shm,

@@ -56,7 +56,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -72,6 +72,7 @@ from kvpool.gpu.backoff import Backoff
 from kvpool.gpu.connector import DEFAULT_STAGING_SLOTS, PagedKVConnector
 from kvpool.gpu.layout import KVLayout, LayoutKind, dtype_name
 from kvpool.gpu.paged import Scatter, scatter
+from kvpool.gpu.settings import settings_from
 from kvpool.placement.keys import DEFAULT_CHUNK_TOKENS, ChunkHasher, Namespace
 from kvpool.protocol.errors import ConfigError
 
@@ -117,18 +118,10 @@ class KvpoolSettings:
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> KvpoolSettings:
         """ConfigError naming the bad key (vLLM then fails at start with that line)."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ConfigError(f"kvpool connector: unknown kv_connector_extra_config key(s) "
-                              f"{unknown}; known: {sorted(known)}")
-        if not isinstance(extra.get("kvpool_url"), str) or not extra["kvpool_url"]:
-            raise ConfigError('kvpool connector: kv_connector_extra_config needs "kvpool_url" '
-                              '(e.g. "kvpool://127.0.0.1:7700")')
-        try:
-            settings = cls(**extra)
-        except TypeError as exc:
-            raise ConfigError(f"kvpool connector: {exc}") from None
+        settings = settings_from(
+            cls, extra, owner="kvpool connector", keys="kv_connector_extra_config key(s)",
+            missing_url='kv_connector_extra_config needs "kvpool_url" '
+                        '(e.g. "kvpool://127.0.0.1:7700")')
         if settings.chunk_format not in _CHUNK_FORMATS:
             raise ConfigError(f"kvpool connector: chunk_format must be one of "
                               f"{_CHUNK_FORMATS}, got {settings.chunk_format!r}")
@@ -140,11 +133,6 @@ class KvpoolSettings:
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"kvpool connector: {name} must be an integer >= 1, got "
                                   f"{value!r}")
-        for name in ("timeout_s", "retry_after_s"):
-            value = getattr(settings, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not value > 0:
-                raise ConfigError(f"kvpool connector: {name} must be > 0, got {value!r}")
         return settings
 
     def client(self) -> Client:

@@ -338,16 +338,16 @@ class Handlers:
     # -- helpers --------------------------------------------------------------------------
 
     async def snapshot(self) -> dict[str, Any]:
-        dram = self.dram.stats()
         store = await self.store.snapshot()
+        dram = store["tiers"]["dram"]  # the tiers' snapshot has DRAM's counters already
         return {
             "node_id": self.node_id,
             "protocol": PROTOCOL_VERSION,
             "uptime_s": round(time.time() - self.started_at, 3),
-            "capacity_bytes": dram.capacity_bytes,
-            "used_bytes": dram.used_bytes,
-            "num_objects": dram.num_objects,
-            "evictions": dram.evictions,
+            "capacity_bytes": dram["capacity_bytes"],
+            "used_bytes": dram["used_bytes"],
+            "num_objects": dram["num_objects"],
+            "evictions": dram["evictions"],
             "promotions": store["promotions"],
             "cluster_epoch": self.epoch,
             "wrong_owner": self.wrong_owner,

@@ -284,10 +284,7 @@ class Worker:
         if value is None:
             return (SsdStatus.CORRUPT if tier.num_corrupt > corrupt_before
                     else SsdStatus.MISS), b""
-        if len(value) != length:
-            return SsdStatus.SIZE, b""
-        self.arena[offset : offset + length] = value
-        return SsdStatus.OK, b""
+        return self._into_arena(value, offset, length)
 
     def _fetch_op(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
         if self.s3 is None:
@@ -307,6 +304,10 @@ class Worker:
                 self._staged_bytes -= len(value)
         if value is None:
             return SsdStatus.MISS, b""
+        return self._into_arena(value, offset, length)
+
+    def _into_arena(self, value: bytes, offset: int, length: int) -> _Result:
+        """``value`` into the slot the node reserved (SIZE if it is not the slot's size)."""
         if len(value) != length:
             return SsdStatus.SIZE, b""
         self.arena[offset : offset + length] = value
