@@ -14,7 +14,12 @@ the same run) and writes JSON. Targets are the issue's: GET >= 0.85x iperf3, >= 
 >= 2.0x Redis; PUT >= 0.75x iperf3; EXISTS/LOOKUP of 512 keys p50 <= 1 ms; RSS of a
 full DRAM tier <= capacity x 1.10 + 150 MB.
 
-The ``kvpool ...`` series go over TCP (``shm=False``); the ``kvpool shm ...`` series
+The ``kvpool ...`` series go over TCP (``shm=False``): the sync client's calls run on
+its blocking socket, and those marked ``(loop)`` make the same calls on the
+client's event loop (``blocking=False``, as every sync call did before): the
+before/after of the blocking path, in one run. The 4 KiB latency rows put
+them beside Redis (redis-py + hiredis) and a raw Python socket asking the node
+the same GET (the floor: no parsing, no checks). The ``kvpool shm ...`` series
 take the same-host fast path (values copied from the node's shared-memory arena),
 and ``memcpy`` is its ceiling: numpy ``copyto`` of the same sizes into a
 preallocated buffer, from as many distinct sources as the node holds values (so
@@ -59,7 +64,15 @@ from kvpool.client import Client
 from kvpool.client._shm import ShmMapping
 from kvpool.protocol.envelope import seal
 from kvpool.protocol.errors import Status
-from kvpool.protocol.frames import ShmItem
+from kvpool.protocol.frames import (
+    FRAME_HEADER_SIZE,
+    PROTOCOL_VERSION,
+    FrameHeader,
+    Op,
+    ShmItem,
+    encode_json,
+    pack_frame_header,
+)
 from kvpool.tiers.arena import ALIGN, Arena
 from kvpool.tiers.dram import DramTier
 
@@ -166,6 +179,8 @@ def latency_ms(fn: Callable[[], object], samples: int) -> dict[str, float]:
 
 #: the suffix of the fast-path series that ask GET_SHM (a round trip a call), not the index
 LEASED = "(GET_SHM)"
+#: the suffix of the series whose sync calls run on the client's event loop
+LOOP = "(loop)"
 
 
 def summary(samples: list[float]) -> dict[str, float]:
@@ -186,6 +201,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         client = Client(node.url, pool_size=1, shm=False)
         client.connect()
+        # the same calls run on the client's event loop (as every sync call did before the
+        # blocking TCP path): the before/after of that path, in one run
+        looped = Client(node.url, pool_size=1, shm=False, blocking=False)
+        looped.connect()
         fast = Client(node.url, pool_size=1, shm=True)
         fast.connect()
         # the fast path with a request per call (GET_SHM under a lease), not the arena index
@@ -197,11 +216,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["iperf3_gbps"] = summary(ceiling) if ceiling else None
         for size in sizes:
             results["sizes"][_label(size)] = measure_size(size, budget, args.runs, client, rds,
-                                                          fast=fast, leased=leased)
+                                                          fast=fast, leased=leased,
+                                                          looped=looped)
             print(f"  measured {_label(size)}", flush=True)
+        results["latency_4kib_get_ms"] = small_latency(client, looped, rds, node.port,
+                                                       args.latency_samples)
         results["latency_1mib_get_ms"] = latency(client, rds, args.latency_samples)
         results["key_ops_512_ms"] = key_ops(client, args.latency_samples)
         client.close()
+        looped.close()
         fast.close()
         leased.close()
         results["node_stats"] = {k: v for k, v in Client(node.url).stats().items()
@@ -234,7 +257,7 @@ def _arena_of(values: list[bytes]) -> tuple[DramTier, ShmMapping, list[ShmItem]]
 
 
 def measure_size(size: int, budget: int, runs: int, client: Client, rds: Any, *,
-                 fast: Client, leased: Client) -> dict[str, Any]:
+                 fast: Client, leased: Client, looped: Client) -> dict[str, Any]:
     num_keys = max(BATCH, min(64, (256 * MiB) // size))
     keys = [os.urandom(16) for _ in range(num_keys)]
     # as many distinct sources as the node holds values (so both read DRAM, not cache)
@@ -271,6 +294,9 @@ def measure_size(size: int, budget: int, runs: int, client: Client, rds: Any, *,
         "kvpool put": lambda: client.put(next_key(), raw[it["i"]]),
         "kvpool get": lambda: client.get(next_key()),
         "kvpool get_into": lambda: client.get_into(next_key(), buf),
+        f"kvpool put {LOOP}": lambda: looped.put(next_key(), raw[it["i"]]),
+        f"kvpool get {LOOP}": lambda: looped.get(next_key()),
+        f"kvpool get_into {LOOP}": lambda: looped.get_into(next_key(), buf),
         "kvpool put_many": lambda: client.put_many(batch_keys(), batch_values()),
         "kvpool get_many_into": lambda: client.get_many_into(batch_keys(), bufs),
         f"kvpool get_many_into {big_label}": lambda: client.get_many_into(batch_keys(big),
@@ -381,6 +407,56 @@ def latency(client: Client, rds: Any, samples: int) -> dict[str, Any]:
     for name, fn in series.items():
         out[name] = latency_ms(fn, samples)
     return out
+
+
+def small_latency(client: Client, looped: Client, rds: Any, port: int, samples: int, *,
+                  rounds: int = 5) -> dict[str, Any]:
+    """p50/p99 of one 4 KiB GET a call: the sync client (blocking socket, and on its loop),
+    Redis (redis-py + hiredis), and a raw Python socket asking the node the same GET (the
+    floor: a request, a reply, no parsing). The series take turns in ``rounds`` blocks."""
+    key, value = os.urandom(16), os.urandom(4096)
+    client.put(key, value)
+    series: dict[str, Callable[[], object]] = {
+        "kvpool get (4 KiB)": lambda: client.get(key),
+        f"kvpool get {LOOP} (4 KiB)": lambda: looped.get(key),
+        "raw socket get (4 KiB)": _raw_get(port, key)}
+    if rds is not None:
+        rds.set(key, value)
+        series["redis get (4 KiB)"] = lambda: rds.get(key)
+    times: dict[str, list[float]] = {name: [] for name in series}
+    for _ in range(rounds):
+        for name, fn in series.items():
+            for _ in range(50):
+                fn()  # warm, after the other series' block
+            for _ in range(max(1, samples // rounds)):
+                t = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - t) * 1e3)
+    return {name: {"p50": percentile(t, 0.5), "p99": percentile(t, 0.99)}
+            for name, t in times.items()}
+
+
+def _raw_get(port: int, key: bytes) -> Callable[[], object]:
+    """One GET frame on a plain blocking socket, read until the reply's length is in."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    hello = encode_json({"protocol": PROTOCOL_VERSION, "client": "bench-raw"})
+    sock.sendall(pack_frame_header(Op.HELLO, 1, 0, len(hello)) + hello)
+    buf = bytearray(1 << 16)
+
+    def exchange(frame: bytes) -> int:
+        sock.sendall(frame)
+        got = sock.recv_into(buf)
+        while got < FRAME_HEADER_SIZE:
+            got += sock.recv_into(memoryview(buf)[got:])
+        need = FRAME_HEADER_SIZE + FrameHeader.unpack(buf[:FRAME_HEADER_SIZE]).body_len
+        while got < need:
+            got += sock.recv_into(memoryview(buf)[got:])
+        return got
+
+    exchange(b"")
+    request = pack_frame_header(Op.GET, 2, 1, len(key)) + key
+    return lambda: exchange(request)
 
 
 def key_ops(client: Client, samples: int) -> dict[str, Any]:
@@ -514,7 +590,8 @@ def report(results: dict[str, Any]) -> None:
         i = results["iperf3_gbps"]
         console.print(f"iperf3 loopback (1 stream, -l 1M): {i['median']:.2f} GB/s "
                       f"[{i['min']:.2f}-{i['max']:.2f}]")
-    for name, v in {**results["latency_1mib_get_ms"], **results["key_ops_512_ms"]}.items():
+    for name, v in {**results.get("latency_4kib_get_ms", {}), **results["latency_1mib_get_ms"],
+                    **results["key_ops_512_ms"]}.items():
         console.print(f"{name:>22}: p50 {v['p50']:.3f} ms  p99 {v['p99']:.3f} ms")
     rss = results["rss"]
     console.print(f"RSS at a full {rss['capacity_bytes'] >> 20} MiB DRAM tier: "
@@ -539,7 +616,8 @@ def markdown(results: dict[str, Any]) -> str:
         out += (f"iperf3 loopback, one stream, `-l 1M`: **{i['median']:.2f} GB/s** "
                 f"[{i['min']:.2f}-{i['max']:.2f}].\n\n")
     out += "| latency | p50 ms | p99 ms |\n|---|---|---|\n"
-    for name, v in {**results["latency_1mib_get_ms"], **results["key_ops_512_ms"]}.items():
+    for name, v in {**results.get("latency_4kib_get_ms", {}), **results["latency_1mib_get_ms"],
+                    **results["key_ops_512_ms"]}.items():
         label = name if "(" in name else f"{name} (1 MiB)"
         out += f"| {label} | {v['p50']:.3f} | {v['p99']:.3f} |\n"
     rss = results["rss"]

@@ -47,7 +47,7 @@ import random
 import ssl as ssl_module
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -60,17 +60,15 @@ from kvpool.client._node import (
     Key,
     NodeClient,
     _ttl_ms,
-    as_segments,
     check_u32,
-    flat_view,
     join_keys,
     key_bytes,
     parse_seeds,
     parse_url,
     routed_by,
-    rows_blob,
     scope_flags,
 )
+from kvpool.client._plans import as_segments, flat_view, rows_blob
 from kvpool.client._routing import pick
 from kvpool.client._tracing import _tracer, explicit_tracer, traced
 from kvpool.placement.cluster_map import ClusterMap, NodeState
@@ -323,27 +321,16 @@ class AsyncClient:
         Raises CapacityError naming the keys no node had room for (the others
         are stored).
         """
-        if len(keys) != len(values):
-            raise ValueError("put_many needs as many values as keys")
-        if chunk_indexes is not None and len(chunk_indexes) != len(keys):
-            raise ValueError("put_many needs one chunk index per key")
-        if parents is not None and len(parents) != len(keys):
-            raise ValueError("put_many needs one parent (or None) per key")
-        check_u32("num_tokens", num_tokens)
-        for index in chunk_indexes or ():
-            check_u32("chunk_index", index)
-        bparents = [key_bytes(p) if p is not None else None for p in parents] \
-            if parents is not None else None
-        bkeys = [key_bytes(k) for k in keys]
-        ttl_ms = _ttl_ms(ttl)
-        flags = PUT_FLAG_PIN if pin else 0
+        bkeys, bparents, ttl_ms, flags = put_args(keys, values, ttl=ttl, pin=pin,
+                                                  chunk_indexes=chunk_indexes,
+                                                  num_tokens=num_tokens, parents=parents)
         await self.connect()
         if self._single is not None:
             statuses = await self._single.put(bkeys, values, ttl_ms=ttl_ms, flags=flags,
                                               chunk_indexes=chunk_indexes,
                                               num_tokens=num_tokens, fingerprint=fingerprint,
                                               parents=bparents)
-            self._raise_put_errors(bkeys, statuses, [s == Status.OK for s in statuses])
+            raise_put_errors(bkeys, statuses, [s == Status.OK for s in statuses])
             return
 
         def send(node: NodeClient, rows: npt.NDArray[np.intp]) -> Awaitable[list[int]]:
@@ -364,7 +351,7 @@ class AsyncClient:
             refused[rows] = np.where(arr != Status.OK, arr, refused[rows])
 
         await self._fan_out(b"".join(bkeys), send, absorb, per_row="owners")
-        self._raise_put_errors(bkeys, refused.tolist(), stored.tolist())
+        raise_put_errors(bkeys, refused.tolist(), stored.tolist())
 
     @traced("get_many")
     async def get_many(self, keys: Sequence[Key]) -> list[bytearray | None]:
@@ -410,6 +397,15 @@ class AsyncClient:
         """Whether :meth:`read_local` may answer at all (else it returns None at once)."""
         node = self._single
         return node is not None and node.can_read_local and _tracer(self) is None
+
+    @property
+    def direct_node(self) -> NodeClient | None:
+        """The standalone node, when a call to it may run in the caller's thread with no
+        event loop (the sync client's blocking TCP path, :mod:`kvpool.client._blocking`):
+        connected, and no client spans to record. Which calls go over TCP at all is the
+        node's to say (:meth:`NodeClient.gets_by_shm`, :meth:`NodeClient.puts_by_shm`)."""
+        node = self._single
+        return node if node is not None and _tracer(self) is None else None
 
     @property
     def touch_due(self) -> bool:
@@ -730,26 +726,53 @@ class AsyncClient:
             log.info("kvpool: asked for map epoch >= %d, nodes gave %d", min_epoch,
                      newest.epoch)
 
-    # -- errors ---------------------------------------------------------------------------
 
-    @staticmethod
-    def _raise_put_errors(bkeys: Sequence[bytes], statuses: Sequence[int],
-                          stored: Sequence[bool]) -> None:
-        failed: list[bytes] = []
-        not_durable: list[bytes] = []
-        for key, status, ok in zip(bkeys, statuses, stored, strict=True):
-            if ok:
-                continue
-            if status == Status.NO_CAPACITY:
-                failed.append(key)
-            elif status == Status.UNAVAILABLE:
-                not_durable.append(key)
-            else:
-                raise error_for_status(status, f"PUT of {key.hex()} refused")
-        if not_durable:
-            raise NotDurableError(
-                f"{len(not_durable)} of {len(bkeys)} values are cached but not in S3 (the node "
-                f"runs write-through): {', '.join(k.hex() for k in not_durable[:4])}")
-        if failed:
-            raise CapacityError(f"no room for {len(failed)} of {len(bkeys)} values "
-                                "(everything left is pinned or being read)", failed)
+class PutArgs(NamedTuple):
+    bkeys: list[bytes]
+    bparents: list[bytes | None] | None
+    ttl_ms: int
+    flags: int
+
+
+def put_args(keys: Sequence[Key], values: Sequence[BufferOrSegments], *, ttl: float | None,
+             pin: bool, chunk_indexes: Sequence[int] | None, num_tokens: int,
+             parents: Sequence[Key | None] | None) -> PutArgs:
+    """A put's arguments checked (ValueError, InvalidKeyError, InvalidArgumentError) and
+    in wire form."""
+    if len(keys) != len(values):
+        raise ValueError("put_many needs as many values as keys")
+    if chunk_indexes is not None and len(chunk_indexes) != len(keys):
+        raise ValueError("put_many needs one chunk index per key")
+    if parents is not None and len(parents) != len(keys):
+        raise ValueError("put_many needs one parent (or None) per key")
+    check_u32("num_tokens", num_tokens)
+    for index in chunk_indexes or ():
+        check_u32("chunk_index", index)
+    bparents = [key_bytes(p) if p is not None else None for p in parents] \
+        if parents is not None else None
+    return PutArgs([key_bytes(k) for k in keys], bparents, _ttl_ms(ttl),
+                   PUT_FLAG_PIN if pin else 0)
+
+
+def raise_put_errors(bkeys: Sequence[bytes], statuses: Sequence[int],
+                     stored: Sequence[bool]) -> None:
+    """CapacityError or NotDurableError for the values of a put no node stored (the others
+    are stored), or the error of another refusal."""
+    failed: list[bytes] = []
+    not_durable: list[bytes] = []
+    for key, status, ok in zip(bkeys, statuses, stored, strict=True):
+        if ok:
+            continue
+        if status == Status.NO_CAPACITY:
+            failed.append(key)
+        elif status == Status.UNAVAILABLE:
+            not_durable.append(key)
+        else:
+            raise error_for_status(status, f"PUT of {key.hex()} refused")
+    if not_durable:
+        raise NotDurableError(
+            f"{len(not_durable)} of {len(bkeys)} values are cached but not in S3 (the node "
+            f"runs write-through): {', '.join(k.hex() for k in not_durable[:4])}")
+    if failed:
+        raise CapacityError(f"no room for {len(failed)} of {len(bkeys)} values "
+                            "(everything left is pinned or being read)", failed)

@@ -16,11 +16,23 @@ from kvpool.protocol.errors import KvpoolConnectionError, KvpoolError, KvpoolTim
 from kvpool.protocol.frames import OP_FLAG_TRACE, SCOPED_OPS, Op, pack_frame_header
 from kvpool.protocol.parsers import Reply, ReplyParser, Segments
 
-__all__ = ["Connection"]
+__all__ = ["Connection", "request_head"]
 
 Buffer = bytes | bytearray | memoryview
 #: a buffer, or a list of buffers used in order as one (like readv/writev)
 BufferOrSegments = Buffer | list[Buffer] | tuple[Buffer, ...]
+
+
+def request_head(op: int, request_id: int, count: int, body_len: int, *, epoch: int,
+                 scope_flags: int) -> list[Buffer]:
+    """What goes before a request's body: its frame header (the op with the connection's
+    scope bits), then the current span's trace context if a span is sampled."""
+    trace = wire_context()
+    wire_op = op | scope_flags if op in SCOPED_OPS else op
+    if trace is None:
+        return [pack_frame_header(wire_op, request_id, count, body_len, epoch=epoch)]
+    return [pack_frame_header(wire_op | OP_FLAG_TRACE, request_id, count,
+                              body_len + len(trace), epoch=epoch), trace]
 
 
 class _Pending:
@@ -85,15 +97,9 @@ class Connection(asyncio.BufferedProtocol):
         future: asyncio.Future[Reply] = loop.create_future()
         self.last_used = loop.time()
         self._pending[request_id] = _Pending(future, sinks, op, loop.time() + self._timeout)
-        trace = wire_context()
-        wire_op = op | self.scope_flags if op in SCOPED_OPS else op
-        if trace is None:
-            self._transport.writelines(
-                [pack_frame_header(wire_op, request_id, count, body_len, epoch=epoch), *body])
-        else:
-            self._transport.writelines(
-                [pack_frame_header(wire_op | OP_FLAG_TRACE, request_id, count,
-                                   body_len + len(trace), epoch=epoch), trace, *body])
+        self._transport.writelines(
+            [*request_head(op, request_id, count, body_len, epoch=epoch,
+                           scope_flags=self.scope_flags), *body])
         if self._watchdog is None:
             self._watchdog = loop.call_later(self._check_interval, self._check_deadlines)
         return future

@@ -16,20 +16,16 @@ import logging
 import os
 import ssl as ssl_module
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, NoReturn, overload
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar, cast, overload
 from urllib.parse import urlsplit
 
-import numpy as np
-import numpy.typing as npt
-
+from kvpool.client import _plans as plans
 from kvpool.client._connection import Buffer, BufferOrSegments, Connection
 from kvpool.client._shm import TORN, ShmMapping, redeem
 from kvpool.placement.keys import key_from_hex
-from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, seal
+from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
 from kvpool.protocol.errors import (
-    BufferTooSmallError,
     ConfigError,
     InvalidArgumentError,
     InvalidKeyError,
@@ -37,21 +33,17 @@ from kvpool.protocol.errors import (
     KvpoolError,
     KvpoolTimeoutError,
     Status,
-    ValueTooLargeError,
     WrongOwnerError,
     error_for_status,
 )
 from kvpool.protocol.frames import (
     KEY_SIZE,
     PROTOCOL_VERSION,
-    PUT_FLAG_PARENT,
     SCOPE_FLAGS,
     Op,
-    PutItemHeader,
     ShmItem,
     Tier,
     decode_json,
-    decode_lookup,
     decode_shm_reply,
     decode_statuses,
     encode_json,
@@ -64,6 +56,7 @@ __all__ = ["DEFAULT_PORT", "SHM_PUT_MIN_BYTES", "Key", "NodeClient", "join_keys"
            "parse_seeds", "parse_url"]
 
 log = logging.getLogger("kvpool.client")
+T = TypeVar("T")
 
 Key = bytes | str
 DEFAULT_PORT = 7700
@@ -159,22 +152,6 @@ def join_keys(keys: Sequence[Key]) -> bytes:
     return blob
 
 
-def flat_view(buffer: Buffer) -> memoryview:
-    """``buffer`` as a flat byte view (InvalidArgumentError if it is not contiguous)."""
-    view = memoryview(buffer)
-    if not view.c_contiguous:
-        raise InvalidArgumentError(
-            f"buffers must be C-contiguous; got a {view.ndim}-d view with strides "
-            f"{view.strides} (copy it, or pass a list of contiguous pieces)")
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def as_segments(value: BufferOrSegments) -> list[memoryview]:
-    """A value as flat byte views: one for a buffer, one per buffer for a list or tuple."""
-    parts = value if isinstance(value, (list, tuple)) else (value,)
-    return [flat_view(part) for part in parts] or [memoryview(b"")]
-
-
 #: the longest TTL a PUT can carry: a u32 of milliseconds, ~49.7 days
 MAX_TTL_S = 0xFFFFFFFF / 1000
 
@@ -193,40 +170,6 @@ def check_u32(name: str, value: int) -> None:
     """InvalidArgumentError unless ``value`` fits the envelope's u32 field ``name``."""
     if not 0 <= value <= 0xFFFFFFFF:
         raise InvalidArgumentError(f"{name} must be in [0, 2**32), got {value!r}")
-
-
-def _chunks(n: int, size: int) -> Iterator[range]:
-    for start in range(0, n, size):
-        yield range(start, min(n, start + size))
-
-
-def _blob_part(blob: bytes, part: range) -> bytes:
-    return blob[part.start * KEY_SIZE : part.stop * KEY_SIZE]
-
-
-def rows_blob(blob: bytes, rows: Sequence[int] | npt.NDArray[np.intp]) -> bytes:
-    """The keys at ``rows`` (increasing batch positions, as picks give them)."""
-    if len(rows) * KEY_SIZE == len(blob) and (len(rows) < 2 or rows[-1] == len(rows) - 1):
-        return blob
-    keys = np.frombuffer(blob, dtype="V16")
-    return keys[np.asarray(rows, dtype=np.intp)].tobytes()
-
-
-@dataclass(slots=True)
-class _PutItem:
-    """One value of a ``put``: where it goes in the reply, its item header and parts."""
-
-    index: int
-    header: PutItemHeader
-    parent: bytes | None
-    parts: list[memoryview]
-    nbytes: int
-    chunk_index: int
-
-    def head(self) -> list[Buffer]:
-        """What precedes the value in a PUT frame (all there is of it in PUT_SHM)."""
-        header = self.header.pack()
-        return [header, self.parent] if self.parent else [header]
 
 
 class NodeClient:
@@ -344,81 +287,30 @@ class NodeClient:
         smaller ones over TCP.
         """
         conn = await self._connection()
-        max_value = int(self.server_info["max_value_bytes"])
-        shm = self._map if conn.shm_write and self.shm is not False else None
-        items: list[_PutItem] = []
-        for i, (key, value) in enumerate(zip(bkeys, values, strict=True)):
-            parts = as_segments(value)
-            nbytes = sum(p.nbytes for p in parts)
-            if ENVELOPE_HEADER_SIZE + nbytes > max_value:
-                raise ValueTooLargeError(
-                    f"value of {nbytes} bytes (+{ENVELOPE_HEADER_SIZE} envelope) exceeds "
-                    f"the node's max_value_bytes {max_value}")
-            parent = parents[i] if parents is not None else None
-            header = PutItemHeader(key, ENVELOPE_HEADER_SIZE + nbytes, ttl_ms,
-                                   flags | PUT_FLAG_PARENT if parent else flags)
-            items.append(_PutItem(i, header, parent, parts, nbytes,
-                                  chunk_indexes[i] if chunk_indexes else 0))
+        items = plans.put_items(self, bkeys, values, ttl_ms=ttl_ms, flags=flags,
+                                chunk_indexes=chunk_indexes, parents=parents)
         statuses = [0] * len(items)
         by_tcp = items
-        if shm is not None and sum(it.nbytes for it in items) >= self.shm_put_min_bytes:
+        shm = self._map
+        if shm is not None and conn.shm_write and self.puts_by_shm(items):
             # those whose slots were given back before COMMIT are sent again over TCP
             by_tcp = await self._put_shm(conn, shm, items, statuses, num_tokens=num_tokens,
                                          fingerprint=fingerprint)
         if by_tcp:
-            await self._put_tcp(conn, by_tcp, statuses, num_tokens=num_tokens,
-                                fingerprint=fingerprint)
+            await self.run(plans.put_tcp(self, by_tcp, statuses, num_tokens=num_tokens,
+                                         fingerprint=fingerprint), conn)
         return statuses
 
-    def _frames(self, items: list[_PutItem]) -> list[list[_PutItem]]:
-        """``items`` split into frames within the node's max_batch and max_frame_bytes."""
-        max_frame = int(self.server_info["max_frame_bytes"])
-        max_batch = int(self.server_info["max_batch"])
-        frames: list[list[_PutItem]] = []
-        frame: list[_PutItem] = []
-        frame_bytes = 0
-        for item in items:
-            # a PUT_SHM frame carries no values, but reserves no more than a PUT would carry
-            item_bytes = 32 + item.header.value_len + (KEY_SIZE if item.parent else 0)
-            if frame and (len(frame) == max_batch or frame_bytes + item_bytes > max_frame):
-                frames.append(frame)
-                frame, frame_bytes = [], 0
-            frame.append(item)
-            frame_bytes += item_bytes
-        if frame:
-            frames.append(frame)
-        return frames
-
-    async def _put_tcp(self, conn: Connection, items: list[_PutItem], statuses: list[int], *,
-                       num_tokens: int, fingerprint: bytes) -> None:
-        frames = self._frames(items)
-        calls = []
-        for frame in frames:
-            body: list[Buffer] = []
-            for item in frame:
-                parts = item.parts
-                envelope = seal(list[Buffer](parts) if len(parts) > 1 else parts[0],
-                                chunk_index=item.chunk_index, num_tokens=num_tokens,
-                                fingerprint=fingerprint)
-                body += [*item.head(), envelope, *parts]
-            calls.append((conn, Op.PUT, len(frame), body, None))
-        replies = await self._gather(calls)
-        for frame, reply in zip(frames, replies, strict=True):
-            for item, status in zip(frame, decode_statuses(reply.body, len(frame)), strict=True):
-                statuses[item.index] = status
-                if status == Status.OK:
-                    self.put_bytes_by_path["tcp"] += item.nbytes
-
-    async def _put_shm(self, conn: Connection, shm: ShmMapping, items: list[_PutItem],
+    async def _put_shm(self, conn: Connection, shm: ShmMapping, items: list[plans.PutItem],
                        statuses: list[int], *, num_tokens: int, fingerprint: bytes
-                       ) -> list[_PutItem]:
+                       ) -> list[plans.PutItem]:
         """PUT_SHM, write each value into its slot, COMMIT; the items whose lease expired."""
-        frames = self._frames(items)
+        frames = plans.frames(self, items)
         replies = await self._gather([
             (conn, Op.PUT_SHM, len(frame), [b for it in frame for b in it.head()], None)
             for frame in frames])
         commits: list[tuple[Connection, int, int, list[Buffer], None]] = []
-        committing: list[list[_PutItem]] = []
+        committing: list[list[plans.PutItem]] = []
         writes: list[tuple[ShmItem, Sequence[memoryview], int]] = []
         for frame, reply in zip(frames, replies, strict=True):
             lease, slots = decode_shm_reply(reply.body, len(frame))
@@ -431,7 +323,7 @@ class NodeClient:
                 commits.append((conn, Op.COMMIT, len(frame), [encode_lease_ids([lease])], None))
                 committing.append(frame)
         shm.write_many(writes, num_tokens=num_tokens, fingerprint=fingerprint)
-        expired: list[_PutItem] = []
+        expired: list[plans.PutItem] = []
         for frame, reply in zip(committing, await self._gather(commits), strict=True):
             for item, status in zip(frame, decode_statuses(reply.body, len(frame)), strict=True):
                 if status == Status.NOT_FOUND:  # the lease ended before COMMIT: not stored
@@ -443,38 +335,25 @@ class NodeClient:
         self.shm_put_expired += len(expired)
         return expired
 
+    def puts_by_shm(self, items: Sequence[plans.PutItem]) -> bool:
+        """Whether a put of ``items`` goes through the arena (else over TCP): the node
+        granted this client writes, and the values total ``shm_put_min_bytes`` or more."""
+        shm = self._map
+        return shm is not None and shm.writable and self.shm is not False \
+            and sum(it.nbytes for it in items) >= self.shm_put_min_bytes
+
+    @property
+    def gets_by_shm(self) -> bool:
+        """Whether GETs go through the arena (else over TCP): the node granted it."""
+        return self._map is not None and self.shm is not False
+
     async def get(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None
                   ) -> list[memoryview | Segments | None]:
         """Payload views (None for misses and corrupt chunks, which are deleted here)."""
         conn = await self._connection()
-        if conn.shm and self._map is not None and self.shm is not False:
+        if conn.shm and self._map is not None and self.gets_by_shm:
             return await self._get_shm(conn, self._map, blob, sinks)
-        return await self._get_tcp(conn, blob, sinks)
-
-    async def _get_tcp(self, conn: Connection, blob: bytes,
-                       sinks: Sequence[memoryview | Segments] | None
-                       ) -> list[memoryview | Segments | None]:
-        max_batch = int(self.server_info["max_batch"])
-        parts = list(_chunks(len(blob) // KEY_SIZE, max_batch))
-        calls = [(conn, Op.GET, len(p), [_blob_part(blob, p)],
-                  [sinks[i] for i in p] if sinks is not None else None) for p in parts]
-        replies = await self._gather(calls)
-        out: list[memoryview | Segments | None] = []
-        corrupt: list[bytes] = []
-        for part, reply in zip(parts, replies, strict=True):
-            for i, item in zip(part, reply.items, strict=True):
-                if item.status == Status.OK:
-                    out.append(item.payload)
-                    assert item.payload is not None
-                    self.bytes_by_path["tcp"] += len(item.payload)
-                    continue
-                if item.status == TOO_SMALL:
-                    self._too_small(blob, i, sinks)
-                if item.status == Status.CORRUPT:
-                    corrupt.append(_blob_part(blob, range(i, i + 1)))
-                out.append(None)
-        await self._drop_corrupt(corrupt)
-        return out
+        return await self.run(plans.get_tcp(self, blob, sinks), conn)
 
     async def _get_shm(self, conn: Connection, shm: ShmMapping, blob: bytes,
                        sinks: Sequence[memoryview | Segments] | None
@@ -487,7 +366,7 @@ class NodeClient:
         out, rest = self._read_indexed(shm, blob, sinks, all_or_none=False)
         self.touch_later(conn)
         if rest:
-            again = await self._get_leased(conn, shm, rows_blob(blob, rest),
+            again = await self._get_leased(conn, shm, plans.rows_blob(blob, rest),
                                            [sinks[i] for i in rest] if sinks is not None
                                            else None)
             for i, payload in zip(rest, again, strict=True):
@@ -575,7 +454,7 @@ class NodeClient:
             self.bytes_by_path["shm"] += nbytes
             if not self._touched:
                 self._touched_since = time.monotonic()
-            self._touched.append(rows_blob(blob, hits))
+            self._touched.append(plans.rows_blob(blob, hits))
             self._touched_count += len(hits)
         if len(hits) == count:
             return out, []
@@ -621,9 +500,9 @@ class NodeClient:
         sent: list[asyncio.Future[Reply]] = []
         if conn is None:  # the connection is gone: so is what it would count
             return sent
-        for part in _chunks(count, int(self.server_info["max_batch"])):
+        for part in plans.chunks(count, int(self.server_info["max_batch"])):
             try:
-                touch = conn.send(Op.TOUCH, len(part), [_blob_part(keys, part)],
+                touch = conn.send(Op.TOUCH, len(part), [plans.blob_part(keys, part)],
                                   epoch=self.epoch)
             except KvpoolError:
                 break
@@ -636,8 +515,8 @@ class NodeClient:
                           ) -> list[memoryview | Segments | None]:
         """GET_SHM: copy each value from the mapping, then release the lease."""
         max_batch = int(self.server_info["max_batch"])
-        parts = list(_chunks(len(blob) // KEY_SIZE, max_batch))
-        replies = await self._gather([(conn, Op.GET_SHM, len(p), [_blob_part(blob, p)], None)
+        parts = plans.chunks(len(blob) // KEY_SIZE, max_batch)
+        replies = await self._gather([(conn, Op.GET_SHM, len(p), [plans.blob_part(blob, p)], None)
                                       for p in parts])
         corrupt: list[bytes] = []
         torn: list[int] = []
@@ -662,80 +541,53 @@ class NodeClient:
             elif status == TOO_SMALL and too_small < 0:
                 too_small = i
             elif status == Status.CORRUPT:
-                corrupt.append(_blob_part(blob, range(i, i + 1)))
+                corrupt.append(plans.blob_part(blob, range(i, i + 1)))
         if leases:  # copied: the node may evict those values again (no need to wait)
             release = conn.send(Op.RELEASE, len(leases), [encode_lease_ids(leases)],
                                 epoch=self.epoch)
             release.add_done_callback(_ignore_result)
         if too_small >= 0:
-            self._too_small(blob, too_small, sinks)
+            plans.too_small(blob, too_small, sinks)
         if torn:  # freed (and maybe reused) mid-copy: ask again over TCP
             self.shm_torn += len(torn)
-            again = await self._get_tcp(conn, rows_blob(blob, torn),
-                                        [sinks[i] for i in torn] if sinks is not None else None)
+            again = await self.run(plans.get_tcp(
+                self, plans.rows_blob(blob, torn),
+                [sinks[i] for i in torn] if sinks is not None else None), conn)
             for i, payload in zip(torn, again, strict=True):
                 out[i] = payload
-        await self._drop_corrupt(corrupt)
+        await self.run(plans.drop_corrupt(self, corrupt), conn)
         return out
 
-    def _too_small(self, blob: bytes, i: int,
-                   sinks: Sequence[memoryview | Segments] | None) -> NoReturn:
-        sink = sinks[i] if sinks else None
-        size = sink.nbytes if sink is not None else 0
-        raise BufferTooSmallError(
-            f"buffer of {size} bytes is too small for the payload of "
-            f"{_blob_part(blob, range(i, i + 1)).hex()}")
-
-    async def _drop_corrupt(self, corrupt: list[bytes]) -> None:
-        if corrupt:
-            self.num_corrupt += len(corrupt)
-            log.warning("dropping %d corrupt chunk(s) on %s (treated as misses): %s",
-                        len(corrupt), self.node_id, ", ".join(k.hex() for k in corrupt[:4]))
-            await self.statuses(Op.DELETE, b"".join(corrupt))
-
     async def exists(self, blob: bytes) -> bytes:
-        """One tier code per key, 0 where absent (the EXISTS reply's second half)."""
-        conn = await self._connection()
-        count = len(blob) // KEY_SIZE
-        parts = list(_chunks(count, int(self.server_info["max_batch"])))
-        replies = await self._gather(
-            [(conn, Op.EXISTS, len(p), [_blob_part(blob, p)], None) for p in parts])
-        codes = bytearray()
-        for part, reply in zip(parts, replies, strict=True):
-            body = reply.body  # count statuses, then count tier codes
-            if len(body) != 2 * len(part):
-                raise error_for_status(Status.BAD_FRAME, "EXISTS reply of the wrong size")
-            codes += body[len(part) :]
-        return bytes(codes)
+        """One tier code per key, 0 where absent."""
+        return await self.run(plans.exists(self, blob))
 
     async def lookup(self, blob: bytes) -> list[int]:
         """Tier codes of the leading keys the node holds (LOOKUP stops at the first miss)."""
-        conn = await self._connection()
-        max_batch = int(self.server_info["max_batch"])
-        tiers: list[int] = []
-        for part in _chunks(len(blob) // KEY_SIZE, max_batch):
-            reply = await self._call(conn, Op.LOOKUP, len(part), [_blob_part(blob, part)])
-            found = decode_lookup(reply.body)
-            tiers += found
-            if len(found) < len(part):
-                break
-        return tiers
+        return await self.run(plans.lookup(self, blob))
 
     async def statuses(self, op: Op, blob: bytes) -> list[int]:
-        conn = await self._connection()
-        count = len(blob) // KEY_SIZE
-        parts = list(_chunks(count, int(self.server_info["max_batch"])))
-        replies = await self._gather(
-            [(conn, op, len(p), [_blob_part(blob, p)], None) for p in parts])
-        statuses: list[int] = []
-        for part, reply in zip(parts, replies, strict=True):
-            statuses += decode_statuses(reply.body, len(part))
-        return statuses
+        return await self.run(plans.statuses(self, op, blob))
 
     async def json_op(self, op: Op) -> dict[str, Any]:
         """STATS or CLUSTER: an empty request, a JSON reply."""
-        conn = await self._connection()
-        return decode_json((await self._call(conn, op, 0, [])).body)
+        return await self.run(plans.json_op(op))
+
+    async def run(self, plan: plans.Plan[T], conn: Connection | None = None) -> T:
+        """Drive ``plan`` over the pooled connections (``conn``, or the next of the pool):
+        each round of its frames sent at once, their replies sent back to it."""
+        if conn is None:
+            conn = await self._connection()  # plans read the limits HELLO gave
+        try:
+            calls = next(plan)
+        except StopIteration as done:  # nothing to send
+            return cast(T, done.value)
+        while True:
+            replies = await self._gather([(conn, *call) for call in calls])
+            try:
+                calls = plan.send(replies)
+            except StopIteration as done:
+                return cast(T, done.value)
 
     # -- internals ------------------------------------------------------------------------
 
@@ -749,7 +601,12 @@ class NodeClient:
     async def _call(self, conn: Connection, op: int, count: int, body: Sequence[Buffer],
                     sinks: Sequence[memoryview | Segments | None] | None = None) -> Reply:
         # the connection enforces the deadline
-        reply = await conn.send(op, count, body, sinks, epoch=routed_by.get() or self.epoch)
+        return self.check(
+            await conn.send(op, count, body, sinks, epoch=routed_by.get() or self.epoch))
+
+    def check(self, reply: Reply) -> Reply:
+        """A reply as the caller gets it: the error its status names raised; a newer map
+        epoch noted (the cluster client refreshes its map)."""
         header = reply.header
         if header.epoch > self.epoch and self.on_newer_epoch is not None:
             self.on_newer_epoch(header.epoch)

@@ -5,9 +5,17 @@ client, in the calling thread: no helper thread, no second implementation.
 Calls from several threads are serialised by a lock. Do not call it from
 inside a running event loop; use :class:`AsyncClient` there.
 
-One exception: a GET that a same-host node's arena index can answer whole is
-copied with no loop at all (:meth:`AsyncClient.read_local`; a loop run costs
-~45 us here, as much as copying 1 MiB). The loop still runs before such a read
+Two exceptions skip the loop (a loop run costs ~40 us here, as much as copying
+1 MiB, and more than a small request's round trip):
+
+- a call to a standalone node that goes over TCP (every key op, GETs where the
+  node grants no shared memory, puts below ``shm_put_min_bytes``) runs the
+  same op plans as the async core (:mod:`kvpool.client._plans`) on a blocking
+  socket of this client's own (:mod:`kvpool.client._blocking`), unless client
+  spans are recorded; so a sync client holds one connection more than its
+  pool. A cluster's calls still run on the loop (its routing is async).
+- a GET that a same-host node's arena index can answer whole is copied with
+  no request at all (:meth:`AsyncClient.read_local`). The loop still runs before such a read
 when the reads before it are due to be reported, or when it has not run for
 ``TOUCH_DELAY_S`` (50 ms): so the client hears of a node that died (its
 connection's end) before reading values frozen in its index.
@@ -18,18 +26,34 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
-from kvpool.client._async import AsyncClient
+from kvpool.client import _plans as plans
+from kvpool.client._async import (
+    _TIER_NAMES,
+    AsyncClient,
+    _bytearrays,
+    _sinks,
+    put_args,
+    raise_put_errors,
+)
+from kvpool.client._blocking import BlockingNode
 from kvpool.client._connection import BufferOrSegments
-from kvpool.client._node import TOUCH_DELAY_S, Key
+from kvpool.client._node import TOUCH_DELAY_S, Key, NodeClient, join_keys, key_bytes
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
+from kvpool.protocol.errors import Status
+from kvpool.protocol.frames import Op
 
 __all__ = ["Client"]
 
 T = TypeVar("T")
+R = TypeVar("R")
+
+
+def _oks(statuses: list[int]) -> list[bool]:
+    return [s == Status.OK for s in statuses]
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -43,12 +67,20 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 class Client:
     """Blocking client of one kvpool node or a cluster; see :class:`AsyncClient`."""
 
-    def __init__(self, url: str | Sequence[str] | None = None, **kwargs: Any) -> None:
+    def __init__(self, url: str | Sequence[str] | None = None, *, blocking: bool = True,
+                 **kwargs: Any) -> None:
+        """``blocking``: calls to a standalone node that go over TCP run in the calling
+        thread on a socket of this client's own (the default; ~40 us a call less here);
+        False runs them on the loop like every other call. Other arguments are
+        :class:`AsyncClient`'s."""
         self._async = AsyncClient(url, **kwargs)
+        self._blocking_allowed = blocking
         self._loop = _new_loop()
         self._lock = threading.Lock()
         #: until when (monotonic) reads through the index may skip the loop
         self._loop_until = 0.0
+        #: the blocking TCP path to a standalone node (made on first use)
+        self._blocking: BlockingNode | None = None
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         with self._lock:
@@ -96,6 +128,8 @@ class Client:
         self._run(self._async.connect())
 
     def close(self) -> None:
+        if self._blocking is not None:
+            self._blocking.close()
         if not self._loop.is_closed():
             self._run(self._async.close())
             self._loop.run_until_complete(asyncio.sleep(0))
@@ -109,21 +143,60 @@ class Client:
                  tb: TracebackType | None) -> None:
         self.close()
 
+    def _direct(self, plan_for: Callable[[NodeClient], plans.Plan[T] | None]
+                ) -> tuple[T] | None:
+        """Run the plan ``plan_for`` makes for a standalone node on the blocking TCP path,
+        in this thread with no event loop (:mod:`kvpool.client._blocking`): ``(result,)``.
+        None, having sent nothing, where the call runs on the loop instead: not yet
+        connected, a cluster, client spans to record, or ``plan_for`` returned None (the
+        call goes through shared memory)."""
+        with self._lock:
+            if self._loop.is_closed():
+                raise RuntimeError("this kvpool Client is closed")
+            node = self._async.direct_node if self._blocking_allowed else None
+            if node is None:
+                return None
+            plan = plan_for(node)
+            if plan is None:
+                return None
+            blocking = self._blocking
+            if blocking is None or blocking.node is not node:
+                if blocking is not None:
+                    blocking.close()
+                blocking = self._blocking = BlockingNode(node)
+            return (blocking.run(plan),)
+
     def put(self, key: Key, value: BufferOrSegments, *, ttl: float | None = None, pin: bool = False,
             chunk_index: int = 0, num_tokens: int = 0,
             fingerprint: bytes = ZERO_FINGERPRINT, parent: Key | None = None) -> None:
-        self._run(self._async.put(key, value, ttl=ttl, pin=pin, chunk_index=chunk_index,
-                                  num_tokens=num_tokens, fingerprint=fingerprint,
-                                  parent=parent))
+        self.put_many([key], [value], ttl=ttl, pin=pin, chunk_indexes=[chunk_index],
+                      num_tokens=num_tokens, fingerprint=fingerprint,
+                      parents=[parent] if parent is not None else None)
 
     def put_many(self, keys: Sequence[Key], values: Sequence[BufferOrSegments], *,
                  ttl: float | None = None, pin: bool = False,
                  chunk_indexes: Sequence[int] | None = None, num_tokens: int = 0,
                  fingerprint: bytes = ZERO_FINGERPRINT,
                  parents: Sequence[Key | None] | None = None) -> None:
-        self._run(self._async.put_many(keys, values, ttl=ttl, pin=pin,
-                                       chunk_indexes=chunk_indexes, num_tokens=num_tokens,
-                                       fingerprint=fingerprint, parents=parents))
+        bkeys, bparents, ttl_ms, flags = put_args(keys, values, ttl=ttl, pin=pin,
+                                                  chunk_indexes=chunk_indexes,
+                                                  num_tokens=num_tokens, parents=parents)
+
+        def plan_for(node: NodeClient) -> plans.Plan[list[int]] | None:
+            items = plans.put_items(node, bkeys, values, ttl_ms=ttl_ms, flags=flags,
+                                    chunk_indexes=chunk_indexes, parents=bparents)
+            if node.puts_by_shm(items):
+                return None
+            return plans.put_tcp(node, items, [0] * len(items), num_tokens=num_tokens,
+                                 fingerprint=fingerprint)
+
+        done = self._direct(plan_for)
+        if done is None:
+            self._run(self._async.put_many(keys, values, ttl=ttl, pin=pin,
+                                           chunk_indexes=chunk_indexes, num_tokens=num_tokens,
+                                           fingerprint=fingerprint, parents=parents))
+            return
+        raise_put_errors(bkeys, done[0], [s == Status.OK for s in done[0]])
 
     def get(self, key: Key) -> bytearray | None:
         return self.get_many([key])[0]
@@ -135,6 +208,11 @@ class Client:
         local = self._local(keys, None)
         if local is not None:
             return cast(list[bytearray | None], local)
+        blob = join_keys(keys)
+        done = self._direct(lambda node: None if node.gets_by_shm
+                            else plans.get_tcp(node, blob, None))
+        if done is not None:
+            return _bytearrays(done[0])
         return self._run(self._async.get_many(keys))
 
     def get_many_into(self, keys: Sequence[Key], buffers: Sequence[BufferOrSegments]
@@ -142,6 +220,12 @@ class Client:
         local = self._local(keys, buffers)
         if local is not None:
             return cast(list[int | None], local)
+        blob = join_keys(keys)
+        sinks = _sinks(keys, buffers)
+        done = self._direct(lambda node: None if node.gets_by_shm
+                            else plans.get_tcp(node, blob, sinks))
+        if done is not None:
+            return [len(r) if r is not None else None for r in done[0]]
         return self._run(self._async.get_many_into(keys, buffers))
 
     def _local(self, keys: Sequence[Key], buffers: Sequence[BufferOrSegments] | None
@@ -159,35 +243,59 @@ class Client:
                 self._loop_until = time.monotonic() + TOUCH_DELAY_S
             return client.read_local(keys, buffers)  # None where it cannot
 
+    def _either(self, plan_for: Callable[[NodeClient], plans.Plan[T] | None],
+                post: Callable[[T], R], coro: Callable[[], Coroutine[Any, Any, R]]) -> R:
+        """``post`` of the blocking path's result, or else ``coro()`` run on the loop (the
+        async twin of the call: the same checks, errors and spans)."""
+        done = self._direct(plan_for)
+        return post(done[0]) if done is not None else self._run(coro())
+
     def exists(self, key: Key) -> bool:
-        return self._run(self._async.exists(key))
+        return self.exists_many([key])[0]
 
     def exists_many(self, keys: Sequence[Key]) -> list[bool]:
-        return self._run(self._async.exists_many(keys))
+        blob = join_keys(keys)
+        return self._either(lambda node: plans.exists(node, blob),
+                            lambda codes: [code != 0 for code in codes],
+                            lambda: self._async.exists_many(keys))
 
     def exists_tiers(self, keys: Sequence[Key]) -> list[str | None]:
-        return self._run(self._async.exists_tiers(keys))
+        blob = join_keys(keys)
+        return self._either(lambda node: plans.exists(node, blob),
+                            lambda codes: [_TIER_NAMES.get(c, "?") if c else None for c in codes],
+                            lambda: self._async.exists_tiers(keys))
 
     def exists_codes(self, keys: bytes | Sequence[Key]) -> bytes:
-        return self._run(self._async.exists_codes(keys))
+        blob = keys if isinstance(keys, bytes) else join_keys(keys)
+        return self._either(lambda node: plans.exists(node, blob), lambda codes: codes,
+                            lambda: self._async.exists_codes(blob))
 
     def delete(self, key: Key) -> bool:
-        return self._run(self._async.delete(key))
+        return self.delete_many([key])[0]
 
     def delete_many(self, keys: Sequence[Key]) -> list[bool]:
-        return self._run(self._async.delete_many(keys))
+        blob = join_keys(keys)
+        return self._either(lambda node: plans.statuses(node, Op.DELETE, blob), _oks,
+                            lambda: self._async.delete_many(keys))
 
     def lookup(self, keys: Sequence[Key]) -> int:
-        return self._run(self._async.lookup(keys))
+        return len(self.lookup_tiers(keys))
 
     def lookup_tiers(self, keys: Sequence[Key]) -> list[str]:
-        return self._run(self._async.lookup_tiers(keys))
+        blob = join_keys(keys)
+        return self._either(lambda node: plans.lookup(node, blob),
+                            lambda codes: [_TIER_NAMES.get(c, "?") for c in codes],
+                            lambda: self._async.lookup_tiers(keys))
 
     def pin(self, key: Key) -> bool:
-        return self._run(self._async.pin(key))
+        blob = key_bytes(key)
+        return self._either(lambda node: plans.statuses(node, Op.PIN, blob),
+                            lambda statuses: _oks(statuses)[0], lambda: self._async.pin(key))
 
     def unpin(self, key: Key) -> bool:
-        return self._run(self._async.unpin(key))
+        blob = key_bytes(key)
+        return self._either(lambda node: plans.statuses(node, Op.UNPIN, blob),
+                            lambda statuses: _oks(statuses)[0], lambda: self._async.unpin(key))
 
     def stats(self) -> dict[str, Any]:
         return self._run(self._async.stats())

@@ -29,9 +29,11 @@ def rkey() -> bytes:
     return os.urandom(16)
 
 
-@pytest.fixture
-def client(node: NodeProcess):  # type: ignore[no-untyped-def]
-    with Client(node.url, timeout=10) as c:
+@pytest.fixture(params=["auto", "tcp"])
+def client(node: NodeProcess, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """The sync client as it comes (this node is on the same host: GETs and big puts go
+    through shared memory, the rest over its blocking socket), and over TCP only."""
+    with Client(node.url, timeout=10, shm=None if request.param == "auto" else False) as c:
         yield c
 
 
@@ -277,3 +279,78 @@ def test_every_async_coroutine_has_a_sync_twin_with_the_same_signature() -> None
         checked += 1
     assert checked >= 20
     assert all(hasattr(AsyncClient, name) for name in NO_SYNC_TWIN)  # no stale exemption
+
+
+class _NoLoop:
+    """Stands in for the sync client's event loop and fails the test if it is run."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def is_closed(self) -> bool:
+        return self.loop.is_closed()
+
+    def run_until_complete(self, coro: object) -> None:
+        raise AssertionError(f"the event loop ran for {coro}")
+
+
+def test_sync_calls_over_tcp_run_no_event_loop(node: NodeProcess) -> None:
+    """Once connected, every key op of a sync client of a TCP node runs in the calling
+    thread on its blocking socket, with the same results the loop gives."""
+    k, v = rkey(), os.urandom(300_000)
+    with Client(node.url, shm=False) as c:
+        loop = c._loop
+        c._loop = _NoLoop(loop)  # type: ignore[assignment]
+        try:
+            c.put(k, v, pin=True)
+            assert c.get(k) == v
+            buf = bytearray(len(v))
+            assert c.get_into(k, [memoryview(buf)[:1000], memoryview(buf)[1000:]]) == len(v)
+            assert buf == v
+            assert c.exists_many([k, rkey()]) == [True, False]
+            assert c.exists_tiers([k]) == ["dram"]
+            assert c.lookup_tiers([k, rkey(), k]) == ["dram"]
+            assert c.unpin(k) and c.pin(k) and c.unpin(k)
+            assert c.delete_many([k, rkey()]) == [True, False]
+            assert c.get(k) is None
+            with pytest.raises(BufferTooSmallError):
+                c.put(k, v)
+                c.get_into(k, bytearray(10))
+        finally:
+            c._loop = loop
+        assert c.bytes_by_path == {"shm": 0, "tcp": 2 * len(v)}
+
+
+def test_sync_client_reopens_a_socket_the_node_closed() -> None:
+    """The node closes idle connections (and restarts): the next call notices before it
+    sends, and opens a new socket instead of failing."""
+    n = start_node("--dram-capacity", "8MiB", "--no-ssd", "--idle-timeout", "0.5")
+    try:
+        with Client(n.url, shm=False) as c:
+            k = rkey()
+            c.put(k, b"idle")
+            time.sleep(1.2)  # the node has closed both of this client's connections
+            assert c.get(k) == b"idle"
+            assert c.exists(k)
+    finally:
+        n.stop()
+
+
+def test_a_stopped_node_times_out_the_blocking_path_and_the_next_call_recovers(
+        node: NodeProcess) -> None:
+    import signal
+
+    from kvpool.client import KvpoolTimeoutError
+
+    k = rkey()
+    with Client(node.url, shm=False, timeout=0.5) as c:
+        c.put(k, b"before the stop")
+        node.proc.send_signal(signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(KvpoolTimeoutError, match=r"GET to .* no reply within 0\.5s"):
+                c.get(k)
+            assert time.monotonic() - start < 3
+        finally:
+            node.proc.send_signal(signal.SIGCONT)
+        assert c.get(k) == b"before the stop"  # on a new socket: the old one's state is unknown

@@ -347,7 +347,7 @@ def test_user_without_permission_gets_tcp() -> None:
 # started as root, it becomes ``uid`` once everything is imported (the interpreter here may
 # lie where another user cannot read it); the arena is asked for after that
 _OTHER_UID_CLIENT = """
-import concurrent.futures.thread, json, os, sys
+import concurrent.futures.thread, encodings.idna, json, os, sys
 import numpy, uvloop, xxhash
 import kvpool.client._shm
 from kvpool.client import Client
