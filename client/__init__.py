@@ -4,6 +4,7 @@ Errors raised are the classes of :mod:`kvpool.protocol.errors`, re-exported here
 """
 
 from kvpool.client._async import AsyncClient, parse_url
+from kvpool.client._options import ClientOptions
 from kvpool.client._sync import Client
 from kvpool.protocol.errors import (
     AuthenticationError,
@@ -26,6 +27,7 @@ __all__ = [
     "BufferTooSmallError",
     "CapacityError",
     "Client",
+    "ClientOptions",
     "CorruptChunkError",
     "InvalidArgumentError",
     "InvalidKeyError",

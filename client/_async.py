@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 import ssl as ssl_module
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
@@ -56,7 +55,6 @@ from opentelemetry.trace import TracerProvider
 from kvpool.client._connection import BufferOrSegments
 from kvpool.client._node import (
     DEFAULT_PORT,
-    SHM_PUT_MIN_BYTES,
     Key,
     NodeClient,
     _ttl_ms,
@@ -65,23 +63,19 @@ from kvpool.client._node import (
     key_bytes,
     parse_seeds,
     parse_url,
-    routed_by,
-    scope_flags,
 )
+from kvpool.client._options import SHM_PUT_MIN_BYTES, ClientOptions
 from kvpool.client._plans import as_segments, flat_view, rows_blob
-from kvpool.client._routing import pick
+from kvpool.client._router import Router
 from kvpool.client._tracing import _tracer, explicit_tracer, traced
-from kvpool.placement.cluster_map import ClusterMap, NodeState
-from kvpool.placement.ring import key_positions
+from kvpool.placement.cluster_map import ClusterMap
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
 from kvpool.protocol.errors import (
     CapacityError,
-    ConfigError,
     KvpoolConnectionError,
     KvpoolError,
     NotDurableError,
     Status,
-    WrongOwnerError,
     error_for_status,
 )
 from kvpool.protocol.frames import KEY_SIZE, PUT_FLAG_PIN, Op, Tier
@@ -93,9 +87,6 @@ log = logging.getLogger("kvpool.client")
 
 T = TypeVar("T")
 _TIER_NAMES = {int(t): t.name.lower() for t in Tier}
-#: map refreshes a single call may wait for before giving up on WRONG_OWNER
-_MAX_REFRESHES = 3
-_CLUSTER_FIELDS = ("epoch", "replication", "fallbacks", "nodes")
 
 
 def _sinks(keys: Sequence[Key], buffers: Sequence[BufferOrSegments]
@@ -145,25 +136,17 @@ class AsyncClient:
                  shm: bool | None = None, token: str | None = None, scope: str = "tenant",
                  ssl: ssl_module.SSLContext | None = None,
                  shm_put_min_bytes: int = SHM_PUT_MIN_BYTES, shm_index: bool = True) -> None:
-        if pool_size < 1:
-            raise ConfigError("pool_size must be >= 1")
-        if timeout <= 0 or connect_timeout <= 0:
-            raise ConfigError("timeouts must be > 0 seconds")
-        if shm_put_min_bytes < 0:
-            raise ConfigError("shm_put_min_bytes must be >= 0")
         if url is None:
             url = os.environ.get("KVPOOL_URL") or f"kvpool://127.0.0.1:{DEFAULT_PORT}"
         self.seeds = parse_seeds(url)  # ConfigError when it names no node
         self.host, self.port = self.seeds[0]
-        scope_flags(scope)  # ConfigError now, not at connect
         if token is None:
             token = os.environ.get("KVPOOL_TOKEN", "")
-        self._settings: dict[str, Any] = {"pool_size": pool_size, "timeout": timeout,
-                                          "connect_timeout": connect_timeout,
-                                          "client_name": client_name, "shm": shm,
-                                          "token": token, "scope": scope, "ssl": ssl,
-                                          "shm_put_min_bytes": shm_put_min_bytes,
-                                          "shm_index": shm_index}
+        #: every node's settings (ConfigError now for a bad one, not at connect)
+        self.options = ClientOptions(pool_size=pool_size, timeout=timeout,
+                                     connect_timeout=connect_timeout, client_name=client_name,
+                                     shm=shm, token=token, scope=scope, ssl=ssl,
+                                     shm_put_min_bytes=shm_put_min_bytes, shm_index=shm_index)
         self.timeout = timeout
         #: where client spans go; None: the application's global provider (no spans, and no
         #: trace context on the wire, unless it installed an SDK provider)
@@ -171,31 +154,31 @@ class AsyncClient:
         self.tracer = explicit_tracer(tracer_provider)
         #: the node of a standalone deployment (None in cluster mode)
         self._single: NodeClient | None = None
-        #: cluster mode: the map, and a NodeClient per node of it
-        self.map: ClusterMap | None = None
-        self._nodes: dict[str, NodeClient] = {}
-        self._ring_nodes: list[NodeClient] = []
+        #: cluster mode: the map and a NodeClient per node of it (empty until connected)
+        self._router = Router(self.options)
         self._connect_lock = asyncio.Lock()
-        self._refreshing: asyncio.Task[None] | None = None
-        self._background: set[asyncio.Task[None]] = set()
-        self._num_corrupt_gone = 0
 
     # -- lifecycle ------------------------------------------------------------------------
 
     @property
     def server_info(self) -> dict[str, Any]:
         """What the (first) node said in HELLO: limits, protocol, node id, epoch."""
-        node = self._single or next(iter(self._nodes.values()), None)
+        node = self._single or next(iter(self._router.nodes.values()), None)
         return node.server_info if node is not None else {}
 
     @property
     def num_corrupt(self) -> int:
-        return self._num_corrupt_gone + sum(n.num_corrupt for n in self._node_clients())
+        return self._router.num_corrupt_gone + sum(n.num_corrupt for n in self._node_clients())
 
     @property
     def epoch(self) -> int:
         """The cluster-map epoch this client routes by (0 = standalone node)."""
         return self.map.epoch if self.map is not None else 0
+
+    @property
+    def map(self) -> ClusterMap | None:
+        """The cluster map this client routes by (None: a standalone node)."""
+        return self._router.map
 
     def _connected(self) -> bool:
         return self._single is not None or self.map is not None
@@ -209,35 +192,31 @@ class AsyncClient:
                 return
             error: KvpoolError | None = None
             for host, port in self.seeds:
-                node = NodeClient(host, port, **self._settings)
+                node = NodeClient(host, port, self.options)
                 try:
                     await node.connect()
                     if not node.server_info.get("cluster"):
                         self._single = node
                         return
-                    cmap = await self._fetch_map(node)
+                    cmap = await self._router.fetch_map(node)
                 except KvpoolConnectionError as exc:
                     node.close()
                     error = exc
                     continue
-                self._install(cmap, seed=node)
+                self._router.install(cmap, seed=node)
                 return
             assert error is not None
             raise error
 
     async def close(self) -> None:
-        for task in list(self._background):
-            task.cancel()
         if self._single is not None:
             self._single.close()
             self._single.close_mapping()
-        for node in self._nodes.values():
-            node.close()
-            node.close_mapping()
+        self._router.close()
 
     def _node_clients(self) -> list[NodeClient]:
         """The standalone node's client, or every cluster node's."""
-        return [self._single] if self._single is not None else list(self._nodes.values())
+        return [self._single] if self._single is not None else list(self._router.nodes.values())
 
     @property
     def shm_retries(self) -> int:
@@ -350,7 +329,7 @@ class AsyncClient:
             stored[rows] |= arr == Status.OK
             refused[rows] = np.where(arr != Status.OK, arr, refused[rows])
 
-        await self._fan_out(b"".join(bkeys), send, absorb, per_row="owners")
+        await self._router.fan_out(b"".join(bkeys), send, absorb, per_row="owners")
         raise_put_errors(bkeys, refused.tolist(), stored.tolist())
 
     @traced("get_many")
@@ -460,7 +439,7 @@ class AsyncClient:
         await asyncio.gather(*(node.flush_touches() for node in self._node_clients()))
         if self._single is not None:
             return await self._single.json_op(Op.STATS)
-        nodes = list(self._nodes.values())
+        nodes = list(self._router.nodes.values())
         answers = await asyncio.gather(*(n.json_op(Op.STATS) for n in nodes),
                                        return_exceptions=True)
         out: dict[str, Any] = {}
@@ -505,9 +484,9 @@ class AsyncClient:
                     hit[j] = True
             return hit  # a hit ends the key's search
 
-        await self._fan_out(blob, send, absorb, per_row="all", sequential=True)
+        await self._router.fan_out(blob, send, absorb, per_row="all", sequential=True)
         missing = np.array([i for i, r in enumerate(results) if r is None], dtype=np.intp)
-        for node in self._draining():  # a chunk may still sit on the node that is moving out
+        for node in self._router.draining():  # a chunk may still sit on the node that is moving out
             if not len(missing):
                 break
             try:
@@ -540,8 +519,8 @@ class AsyncClient:
             arr = np.frombuffer(codes, dtype=np.uint8)
             best[rows] = np.minimum(best[rows], np.where(arr == 0, absent, arr))
 
-        await self._fan_out(blob, send, absorb, per_row="all")
-        for node in self._draining():
+        await self._router.fan_out(blob, send, absorb, per_row="all")
+        for node in self._router.draining():
             missing = np.flatnonzero(best == absent)
             if not len(missing):
                 break
@@ -566,165 +545,8 @@ class AsyncClient:
         def absorb(rows: npt.NDArray[np.intp], statuses: list[int]) -> None:
             done[rows] |= np.array(statuses) == Status.OK
 
-        await self._fan_out(blob, send, absorb, per_row="all")
+        await self._router.fan_out(blob, send, absorb, per_row="all")
         return done.tolist()
-
-    # -- cluster routing ------------------------------------------------------------------
-
-    async def _fan_out(self, blob: bytes,
-                       send: Callable[[NodeClient, npt.NDArray[np.intp]], Awaitable[T]],
-                       absorb: Callable[[npt.NDArray[np.intp], T], npt.NDArray[np.bool_] | None],
-                       *, per_row: str, sequential: bool = False) -> None:
-        """Send each key to nodes of its preference list and hand every answer to ``absorb``.
-
-        ``send(node, rows)`` asks one node about the keys at batch positions
-        ``rows``; ``absorb(rows, answer)`` takes its answer and may return a
-        mask of keys that need no more answers (a GET hit). ``per_row``: how
-        many nodes answer for a key ("owners": the replication factor; "all":
-        the whole list, at once). ``sequential`` asks one node per key per
-        round (reads stop at the first hit); otherwise all the nodes still
-        needed are asked at once. Nodes that fail are marked down and the key
-        moves on down its list; WRONG_OWNER refreshes the map and starts over
-        the keys not done. Raises KvpoolConnectionError for keys no node
-        answered for.
-        """
-        n = len(blob) // KEY_SIZE
-        answered = np.zeros(n, dtype=np.intp)
-        done = np.zeros(n, dtype=bool)
-        positions = key_positions(blob)
-        refreshes = 0
-        while True:
-            # the map may be replaced while this call waits: route by one snapshot of it
-            cmap, ring_nodes = self.map, self._ring_nodes
-            assert cmap is not None
-            table = cmap.ring.owner_indexes(positions, cmap.width)
-            tried = np.zeros(table.shape, dtype=bool)
-            width = table.shape[1]
-            count = width if per_row == "all" else cmap.num_owners
-            stale: int | None = None
-            for _ in range(width):
-                rows = np.flatnonzero(~done & ~tried.all(axis=1))
-                if not len(rows):
-                    break
-                live = np.array([node.live for node in ring_nodes], dtype=bool)
-                if sequential:
-                    picks = pick(table, tried, live, rows)
-                else:
-                    # ask as many more nodes as are still needed, one frame a node
-                    picks = pick(table, tried, live, rows, per_row=count - answered[rows])
-                if not picks:
-                    break
-                nodes = [ring_nodes[p.node] for p in picks]
-                # the tasks gather makes copy this context: their frames say which map
-                # routed them, even if a newer one is installed before they are sent
-                token = routed_by.set(cmap.epoch)
-                try:
-                    outcomes = await asyncio.gather(
-                        *(send(node, p.rows) for node, p in zip(nodes, picks, strict=True)),
-                        return_exceptions=True)
-                finally:
-                    routed_by.reset(token)
-                for node, p, outcome in zip(nodes, picks, outcomes, strict=True):
-                    if isinstance(outcome, WrongOwnerError):
-                        stale = max(stale or 0, outcome.epoch)
-                        continue
-                    if isinstance(outcome, KvpoolConnectionError):
-                        node.mark_down()
-                        continue
-                    if isinstance(outcome, BaseException):
-                        raise outcome
-                    finished = absorb(p.rows, outcome)
-                    answered[p.rows] += 1
-                    if finished is not None:
-                        done[p.rows[finished]] = True
-                done |= answered >= count
-                if stale is not None:
-                    break
-            if stale is None or refreshes >= _MAX_REFRESHES:
-                break
-            refreshes += 1
-            await self._refresh(min_epoch=stale)
-        unanswered = np.flatnonzero(answered == 0)
-        if len(unanswered):
-            raise KvpoolConnectionError(
-                f"no node of the preference list answered for {len(unanswered)} of {n} keys "
-                f"(e.g. {rows_blob(blob, unanswered[:1]).hex()}); "
-                f"nodes down: {[x.node_id for x in ring_nodes if not x.live]}")
-
-    def _draining(self) -> list[NodeClient]:
-        """Live nodes the map marks draining: they own nothing but may still hold chunks."""
-        cmap = self.map
-        if cmap is None:
-            return []
-        return [self._nodes[n.id] for n in cmap.nodes
-                if n.state == NodeState.DRAINING and self._nodes[n.id].live]
-
-    # -- cluster map ----------------------------------------------------------------------
-
-    @staticmethod
-    async def _fetch_map(node: NodeClient) -> ClusterMap:
-        data = await node.json_op(Op.CLUSTER)
-        return ClusterMap.from_dict({k: data[k] for k in _CLUSTER_FIELDS if k in data})
-
-    def _install(self, cmap: ClusterMap, seed: NodeClient | None = None) -> None:
-        old = self._nodes
-        nodes: dict[str, NodeClient] = {}
-        for info in cmap.nodes:
-            address = info.data_address
-            node = old.get(info.id)
-            if node is None or (node.host, node.port) != address:
-                if seed is not None and (seed.host, seed.port) == address:
-                    node, seed = seed, None
-                    node.node_id = info.id
-                else:
-                    node = NodeClient(*address, node_id=info.id, **self._settings)
-            node.epoch = cmap.epoch
-            node.on_newer_epoch = self._on_newer_epoch
-            nodes[info.id] = node
-        for node_id, node in old.items():
-            if nodes.get(node_id) is not node:
-                self._num_corrupt_gone += node.num_corrupt
-                node.close()
-        if seed is not None:
-            seed.close()
-        self.map = cmap
-        self._nodes = nodes
-        self._ring_nodes = [nodes[i] for i in cmap.ring.nodes]
-        log.info("kvpool cluster map epoch %d: %d nodes, replication %d", cmap.epoch,
-                 len(cmap.nodes), cmap.replication)
-
-    def _on_newer_epoch(self, epoch: int) -> None:
-        if self.map is not None and epoch > self.map.epoch and self._refreshing is None:
-            task = asyncio.get_running_loop().create_task(self._refresh(min_epoch=epoch))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-
-    async def _refresh(self, min_epoch: int = 0) -> None:
-        """Fetch the map from a few live nodes; install the newest one (single-flight)."""
-        if self._refreshing is not None:
-            await asyncio.shield(self._refreshing)
-            return
-        self._refreshing = asyncio.get_running_loop().create_task(self._do_refresh(min_epoch))
-        try:
-            await asyncio.shield(self._refreshing)
-        finally:
-            self._refreshing = None
-
-    async def _do_refresh(self, min_epoch: int) -> None:
-        nodes = [n for n in self._nodes.values() if n.live]
-        random.shuffle(nodes)
-        maps = await asyncio.gather(*(self._fetch_map(n) for n in nodes[:3]),
-                                    return_exceptions=True)
-        good = [m for m in maps if isinstance(m, ClusterMap)]
-        if not good:
-            log.warning("kvpool: no node answered a cluster map refresh")
-            return
-        newest = max(good, key=lambda m: m.epoch)
-        if self.map is None or newest.epoch > self.map.epoch:
-            self._install(newest)
-        elif newest.epoch < min_epoch:
-            log.info("kvpool: asked for map epoch >= %d, nodes gave %d", min_epoch,
-                     newest.epoch)
 
 
 class PutArgs(NamedTuple):

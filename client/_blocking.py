@@ -221,12 +221,13 @@ class BlockingNode:
             return conn
         self.close()
         node = self.node
-        conn = BlockingConnection(node.host, node.port, timeout=node.timeout,
-                                  connect_timeout=node.connect_timeout, ssl=node.ssl,
-                                  scope_flags=node.scope_flags)
-        request: dict[str, Any] = {"protocol": PROTOCOL_VERSION, "client": node.client_name}
-        if node.token:
-            request["token"] = node.token
+        options = node.options
+        conn = BlockingConnection(node.host, node.port, timeout=options.timeout,
+                                  connect_timeout=options.connect_timeout, ssl=options.ssl,
+                                  scope_flags=options.scope_flags)
+        request: dict[str, Any] = {"protocol": PROTOCOL_VERSION, "client": options.client_name}
+        if options.token:
+            request["token"] = options.token
         try:
             info = decode_json(node.check(conn.call(Op.HELLO, 0, [encode_json(request)])).body)
         except BaseException:

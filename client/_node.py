@@ -14,7 +14,6 @@ import contextlib
 import contextvars
 import logging
 import os
-import ssl as ssl_module
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar, cast, overload
@@ -22,6 +21,7 @@ from urllib.parse import urlsplit
 
 from kvpool.client import _plans as plans
 from kvpool.client._connection import Buffer, BufferOrSegments, Connection
+from kvpool.client._options import SHM_PUT_MIN_BYTES, ClientOptions
 from kvpool.client._shm import TORN, ShmMapping, redeem
 from kvpool.placement.keys import key_from_hex
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
@@ -39,7 +39,6 @@ from kvpool.protocol.errors import (
 from kvpool.protocol.frames import (
     KEY_SIZE,
     PROTOCOL_VERSION,
-    SCOPE_FLAGS,
     Op,
     ShmItem,
     Tier,
@@ -67,11 +66,6 @@ DEFAULT_PORT = 7700
 #: that no longer owns the key, where no reader looks for it.
 routed_by: contextvars.ContextVar[int] = contextvars.ContextVar("kvpool_routed_by", default=0)
 _TIER_NAMES = {int(t): t.name.lower() for t in Tier}
-#: a put call whose values total fewer bytes goes over TCP: through shared memory it
-#: takes two round trips (PUT_SHM, COMMIT), which small calls do not earn back.
-#: Measured on the 2-core VM (kvpool.bench.throughput, shm / TCP): one 256 KiB value
-#: 0.77x, one 1 MiB 1.01x, one 4 MiB 2.15x; 8 x 256 KiB 1.26x, 8 x 1 MiB 1.90x
-SHM_PUT_MIN_BYTES = 1 << 20
 #: back-off doublings past which the back-off is at its ceiling whatever the start
 _MAX_DOUBLINGS = 32
 #: reads through the arena index are reported to the node (TOUCH: its hit counts, byte
@@ -121,14 +115,6 @@ def parse_seeds(url: str | Sequence[str]) -> list[tuple[str, int]]:
     if not seeds:
         raise ConfigError(f"no node URL in {url!r}")
     return seeds
-
-
-def scope_flags(scope: str) -> int:
-    """The op-byte bits of a scope name: tenant (the token's own), shared or raw."""
-    try:
-        return SCOPE_FLAGS[scope]
-    except KeyError:
-        raise ConfigError(f"scope must be 'tenant', 'shared' or 'raw', got {scope!r}") from None
 
 
 def key_bytes(key: Key) -> bytes:
@@ -184,31 +170,19 @@ class NodeClient:
     BACKOFF_START_S = 0.25
     BACKOFF_MAX_S = 5.0
 
-    def __init__(self, host: str, port: int, *, node_id: str = "", pool_size: int = 2,
-                 timeout: float = 10.0, connect_timeout: float = 5.0,
-                 client_name: str = "kvpool-python", shm: bool | None = None,
-                 token: str = "", scope: str = "tenant",
-                 ssl: ssl_module.SSLContext | None = None,
-                 shm_put_min_bytes: int = SHM_PUT_MIN_BYTES, shm_index: bool = True) -> None:
+    def __init__(self, host: str, port: int, options: ClientOptions | None = None, *,
+                 node_id: str = "") -> None:
         self.host, self.port = host, port
-        self.token = token
-        self.scope_flags = scope_flags(scope)
-        self.ssl = ssl
-        #: the same-host fast path: None = when the node offers it, True = required, False = off
-        self.shm = shm
+        self.options = options = options or ClientOptions()
         self._map: ShmMapping | None = None
         #: payload bytes received, by path ("shm", "tcp")
         self.bytes_by_path = {"shm": 0, "tcp": 0}
         #: payload bytes stored, by path
         self.put_bytes_by_path = {"shm": 0, "tcp": 0}
-        #: put calls of at least this many bytes go through the arena, when the node allows
-        self.shm_put_min_bytes = shm_put_min_bytes
         #: PUT_SHM leases that ended before their COMMIT (the values went again over TCP)
         self.shm_put_expired = 0
         #: fast-path values freed while they were copied (fetched again over TCP)
         self.shm_torn = 0
-        #: look values up in the node's arena index (no request) before asking GET_SHM
-        self.shm_index = shm_index
         #: values read through the index; found there but stale (asked with GET_SHM)
         self.index_hits = 0
         self.index_stale = 0
@@ -218,10 +192,7 @@ class NodeClient:
         self._touched_since = 0.0
         self._touch_timer: asyncio.TimerHandle | None = None
         self.node_id = node_id or f"{host}:{port}"
-        self.timeout = timeout
-        self.connect_timeout = connect_timeout
-        self.client_name = client_name
-        self._slots: list[Connection | None] = [None] * pool_size
+        self._slots: list[Connection | None] = [None] * options.pool_size
         self._connecting: dict[int, asyncio.Future[Connection]] = {}
         self._next_slot = 0
         self.server_info: dict[str, Any] = {}
@@ -339,13 +310,13 @@ class NodeClient:
         """Whether a put of ``items`` goes through the arena (else over TCP): the node
         granted this client writes, and the values total ``shm_put_min_bytes`` or more."""
         shm = self._map
-        return shm is not None and shm.writable and self.shm is not False \
-            and sum(it.nbytes for it in items) >= self.shm_put_min_bytes
+        return shm is not None and shm.writable and self.options.shm is not False \
+            and sum(it.nbytes for it in items) >= self.options.shm_put_min_bytes
 
     @property
     def gets_by_shm(self) -> bool:
         """Whether GETs go through the arena (else over TCP): the node granted it."""
-        return self._map is not None and self.shm is not False
+        return self._map is not None and self.options.shm is not False
 
     async def get(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None
                   ) -> list[memoryview | Segments | None]:
@@ -361,7 +332,7 @@ class NodeClient:
         """GET through the arena: values the arena index has are copied with no request
         (and reported later, in one TOUCH for many calls); the rest are asked for with
         GET_SHM."""
-        if not self.shm_index or shm.index is None:
+        if not self.options.shm_index or shm.index is None:
             return await self._get_leased(conn, shm, blob, sinks)
         out, rest = self._read_indexed(shm, blob, sinks, all_or_none=False)
         self.touch_later(conn)
@@ -392,8 +363,8 @@ class NodeClient:
     def can_read_local(self) -> bool:
         """Whether :meth:`read_local` may answer (a mapped index, a granted connection)."""
         shm = self._map
-        return shm is not None and shm.index is not None and self.shm_index \
-            and self.shm is not False and self._shm_conn() is not None
+        return shm is not None and shm.index is not None and self.options.shm_index \
+            and self.options.shm is not False and self._shm_conn() is not None
 
     def _shm_conn(self) -> Connection | None:
         """An open connection granted the arena (as far as this thread has seen)."""
@@ -642,23 +613,26 @@ class NodeClient:
 
     async def _open(self) -> Connection:
         loop = asyncio.get_running_loop()
+        options = self.options
         try:
-            async with asyncio.timeout(self.connect_timeout):
+            async with asyncio.timeout(options.connect_timeout):
                 _, conn = await loop.create_connection(
-                    lambda: Connection(self.timeout, f"{self.host}:{self.port}"),
-                    self.host, self.port, ssl=self.ssl)
+                    lambda: Connection(options.timeout, f"{self.host}:{self.port}"),
+                    self.host, self.port, ssl=options.ssl)
         except TimeoutError:
             raise KvpoolTimeoutError(
-                f"connecting to {self.host}:{self.port} took longer than {self.connect_timeout}s"
+                f"connecting to {self.host}:{self.port} took longer than "
+                f"{options.connect_timeout}s"
             ) from None
         except OSError as exc:  # ssl.SSLError included
             raise KvpoolConnectionError(
                 f"cannot connect to kvpool node {self.host}:{self.port}: {exc}") from exc
-        conn.scope_flags = self.scope_flags
-        request: dict[str, Any] = {"protocol": PROTOCOL_VERSION, "client": self.client_name}
-        if self.token:
-            request["token"] = self.token
-        if self.shm is not False:
+        conn.scope_flags = options.scope_flags
+        request: dict[str, Any] = {"protocol": PROTOCOL_VERSION,
+                                   "client": options.client_name}
+        if options.token:
+            request["token"] = options.token
+        if options.shm is not False:
             request.update(shm=True, host=host_id())
         try:
             reply = await self._call(conn, Op.HELLO, 0, [encode_json(request)])
@@ -670,9 +644,9 @@ class NodeClient:
         if isinstance(offer, dict) and "refused" not in offer:
             try:  # in a thread: the node may share this event loop (a node's own peer client)
                 fd, index_fd, writable = await asyncio.get_running_loop().run_in_executor(
-                    None, redeem, offer, self.connect_timeout)
+                    None, redeem, offer, options.connect_timeout)
             except KvpoolConnectionError as exc:
-                if self.shm:
+                if options.shm:
                     conn.close()
                     raise
                 log.info("%s: using TCP: %s", self.node_id, exc)
@@ -687,7 +661,7 @@ class NodeClient:
                         os.close(index_fd)
                 conn.shm = True
                 conn.shm_write = writable
-        elif self.shm:
+        elif options.shm:
             conn.close()
             refused = offer.get("refused") if isinstance(offer, dict) else None
             raise KvpoolConnectionError(

@@ -24,11 +24,14 @@ connection's end) before reading values frozen in its index.
 from __future__ import annotations
 
 import asyncio
+import ssl as ssl_module
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, TypeVar, cast
+
+from opentelemetry.trace import TracerProvider
 
 from kvpool.client import _plans as plans
 from kvpool.client._async import (
@@ -42,6 +45,7 @@ from kvpool.client._async import (
 from kvpool.client._blocking import BlockingNode
 from kvpool.client._connection import BufferOrSegments
 from kvpool.client._node import TOUCH_DELAY_S, Key, NodeClient, join_keys, key_bytes
+from kvpool.client._options import SHM_PUT_MIN_BYTES
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
 from kvpool.protocol.errors import Status
 from kvpool.protocol.frames import Op
@@ -67,13 +71,23 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 class Client:
     """Blocking client of one kvpool node or a cluster; see :class:`AsyncClient`."""
 
-    def __init__(self, url: str | Sequence[str] | None = None, *, blocking: bool = True,
-                 **kwargs: Any) -> None:
-        """``blocking``: calls to a standalone node that go over TCP run in the calling
-        thread on a socket of this client's own (the default; ~30 us a call less here);
-        False runs them on the loop like every other call. Other arguments are
-        :class:`AsyncClient`'s."""
-        self._async = AsyncClient(url, **kwargs)
+    def __init__(self, url: str | Sequence[str] | None = None, *,
+                 pool_size: int = 2, timeout: float = 10.0, connect_timeout: float = 5.0,
+                 client_name: str = "kvpool-python",
+                 tracer_provider: TracerProvider | None = None,
+                 shm: bool | None = None, token: str | None = None, scope: str = "tenant",
+                 ssl: ssl_module.SSLContext | None = None,
+                 shm_put_min_bytes: int = SHM_PUT_MIN_BYTES, shm_index: bool = True,
+                 blocking: bool = True) -> None:
+        """:class:`AsyncClient`'s arguments, plus ``blocking``: calls to a standalone node
+        that go over TCP run in the calling thread on a socket of this client's own (the
+        default; ~30 us a call less here); False runs them on the loop like every other
+        call."""
+        self._async = AsyncClient(url, pool_size=pool_size, timeout=timeout,
+                                  connect_timeout=connect_timeout, client_name=client_name,
+                                  tracer_provider=tracer_provider, shm=shm, token=token,
+                                  scope=scope, ssl=ssl, shm_put_min_bytes=shm_put_min_bytes,
+                                  shm_index=shm_index)
         self._blocking_allowed = blocking
         self._loop = _new_loop()
         self._lock = threading.Lock()

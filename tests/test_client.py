@@ -279,6 +279,11 @@ def test_every_async_coroutine_has_a_sync_twin_with_the_same_signature() -> None
         checked += 1
     assert checked >= 20
     assert all(hasattr(AsyncClient, name) for name in NO_SYNC_TWIN)  # no stale exemption
+    # the constructors too: the sync one takes the async one's arguments, then its own
+    sync_init = inspect.signature(Client.__init__).parameters
+    async_init = inspect.signature(AsyncClient.__init__).parameters
+    assert list(sync_init.values())[: len(async_init)] == list(async_init.values())
+    assert list(sync_init)[len(async_init) :] == ["blocking"]
 
 
 class _NoLoop:

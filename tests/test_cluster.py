@@ -279,14 +279,14 @@ async def test_frames_carry_the_epoch_of_the_map_that_routed_them(tmp_path: Path
             await take_n3_out(cluster)
             assert old.epoch == 1
 
-            n3 = old._nodes["n3"]
+            n3 = old._router.nodes["n3"]
             original = n3.put
             hooked = 0
 
             async def put_after_the_map_changed(*args: object, **kwargs: object) -> list[int]:
                 nonlocal hooked
                 hooked += 1
-                await old._refresh(min_epoch=2)  # what a reply from n0-n2 sets off
+                await old._router.refresh(min_epoch=2)  # what a reply from n0-n2 sets off
                 assert n3.epoch == 2
                 return await original(*args, **kwargs)  # type: ignore[arg-type]
 

@@ -68,9 +68,11 @@ def test_engine_b_continues_exactly_where_engine_a_stored(
         assert got["tokens"] == want.tokens
         # fp32 on the CPU: the prefill after a loaded prefix runs other matmul shapes than
         # a full one. Measured: identical on AVX-512 hosts (earlier sessions); on an AMX
-        # host (2026-12-02) within 1e-4 in 4 runs and 0.0051 in a 5th, tokens always equal
+        # host (2026-12-02) within 1e-4 in 4 runs, 0.0051 in a 5th and 0.0199 in a CI run
+        # (logits up to ~20-40 in size), tokens always equal. A chunk loaded into the wrong
+        # place, or bytes of another, moves logits by whole units and changes the tokens.
         diff = (got["logits"] - want.logits).abs().max().item()
-        assert diff <= 1e-2, diff
+        assert diff <= 5e-2, diff
 
 
 @pytest.mark.timeout(300)

@@ -406,7 +406,7 @@ def test_a_stalled_reader_loses_its_lease_and_eviction_goes_on() -> None:
     try:
         key, value = os.urandom(16), os.urandom(1 << 20)
         seen: dict[str, int] = {}
-        with Client(node.url, shm=True) as fast:
+        with Client(node.url, shm=True, shm_index=False) as fast:  # GET_SHM: a lease
             fast.put(key, value)
 
             def stall(_item: ShmItem) -> None:
@@ -418,7 +418,6 @@ def test_a_stalled_reader_loses_its_lease_and_eviction_goes_on() -> None:
                                               {"tier": "dram"})[1]["evicted"]["dram"])
 
             _mapping(fast).after_copy = stall
-            fast.async_client._single.shm_index = False  # type: ignore[union-attr]
             got = fast.get(key)
         assert seen == {"during": 1, "after": 0, "evicted": 1}
         assert got is None  # freed mid-copy, and gone when asked again over TCP

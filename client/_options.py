@@ -1,0 +1,61 @@
+"""A client's settings, declared and checked once: :class:`ClientOptions`."""
+
+from __future__ import annotations
+
+import ssl as ssl_module
+from dataclasses import dataclass
+
+from kvpool.protocol.errors import ConfigError
+from kvpool.protocol.frames import SCOPE_FLAGS
+
+__all__ = ["SHM_PUT_MIN_BYTES", "ClientOptions"]
+
+#: a put call whose values total fewer bytes goes over TCP: through shared memory it
+#: takes two round trips (PUT_SHM, COMMIT), which small calls do not earn back.
+#: Measured on the 2-core VM (kvpool.bench.throughput, shm / TCP): one 256 KiB value
+#: 0.77x, one 1 MiB 1.01x, one 4 MiB 2.15x; 8 x 256 KiB 1.26x, 8 x 1 MiB 1.90x
+SHM_PUT_MIN_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ClientOptions:
+    """How a client talks to every node it reaches (one set for the whole client).
+
+    Built by :class:`kvpool.client.AsyncClient` from its keyword arguments (see
+    its docstring for what each one does); ConfigError for a bad one, at
+    construction rather than at connect.
+    """
+
+    #: pipelined connections per node
+    pool_size: int = 2
+    #: seconds a call may take before KvpoolTimeoutError (its connection is dropped)
+    timeout: float = 10.0
+    connect_timeout: float = 5.0
+    #: the name HELLO gives the node (its logs and stats)
+    client_name: str = "kvpool-python"
+    #: the same-host fast path: None = where a node offers it, True = required, False = off
+    shm: bool | None = None
+    #: sent in HELLO to nodes that require one ("" = none)
+    token: str = ""
+    #: "tenant" (the token's own keys), "shared" or "raw"
+    scope: str = "tenant"
+    ssl: ssl_module.SSLContext | None = None
+    #: put calls of at least this many bytes go through the arena, where a node allows
+    shm_put_min_bytes: int = SHM_PUT_MIN_BYTES
+    #: look values up in a node's arena index (no request) before asking GET_SHM
+    shm_index: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pool_size < 1:
+            raise ConfigError("pool_size must be >= 1")
+        if not (self.timeout > 0 and self.connect_timeout > 0):  # NaN fails this too
+            raise ConfigError("timeouts must be > 0 seconds")
+        if self.shm_put_min_bytes < 0:
+            raise ConfigError("shm_put_min_bytes must be >= 0")
+        if self.scope not in SCOPE_FLAGS:
+            raise ConfigError(f"scope must be 'tenant', 'shared' or 'raw', got {self.scope!r}")
+
+    @property
+    def scope_flags(self) -> int:
+        """The op-byte bits of :attr:`scope`, set on every key op and PUT."""
+        return SCOPE_FLAGS[self.scope]

@@ -1,0 +1,215 @@
+"""Cluster routing: the map, a ``NodeClient`` per node of it, and the fan-out of a batch.
+
+:class:`Router` holds the cluster map a client routes by and one
+:class:`NodeClient` per node; :meth:`Router.fan_out` sends each key of a
+batch to nodes of its preference list (``kvpool.client._routing.pick``
+chooses which), marks failing nodes down, and refreshes the map on
+WRONG_OWNER or on a reply from a newer epoch (one refresh at a time). The
+ops that use it (``AsyncClient``) say what to send and how to merge answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from kvpool.client._node import NodeClient, routed_by
+from kvpool.client._options import ClientOptions
+from kvpool.client._plans import rows_blob
+from kvpool.client._routing import pick
+from kvpool.placement.cluster_map import ClusterMap, NodeState
+from kvpool.placement.ring import key_positions
+from kvpool.protocol.errors import KvpoolConnectionError, WrongOwnerError
+from kvpool.protocol.frames import KEY_SIZE, Op
+
+__all__ = ["Router"]
+
+log = logging.getLogger("kvpool.client")
+T = TypeVar("T")
+
+#: map refreshes a single call may wait for before giving up on WRONG_OWNER
+_MAX_REFRESHES = 3
+_CLUSTER_FIELDS = ("epoch", "replication", "fallbacks", "nodes")
+
+
+class Router:
+    """The cluster map and its nodes' clients; install one with :meth:`install`."""
+
+    def __init__(self, options: ClientOptions) -> None:
+        self.options = options
+        self.map: ClusterMap | None = None
+        self.nodes: dict[str, NodeClient] = {}
+        #: ``nodes`` in ring order (the map's node indexes)
+        self.ring_nodes: list[NodeClient] = []
+        #: corrupt chunks counted by node clients no longer in the map
+        self.num_corrupt_gone = 0
+        self._refreshing: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        for node in self.nodes.values():
+            node.close()
+            node.close_mapping()
+
+    async def fan_out(self, blob: bytes,
+                       send: Callable[[NodeClient, npt.NDArray[np.intp]], Awaitable[T]],
+                       absorb: Callable[[npt.NDArray[np.intp], T], npt.NDArray[np.bool_] | None],
+                       *, per_row: str, sequential: bool = False) -> None:
+        """Send each key to nodes of its preference list and hand every answer to ``absorb``.
+
+        ``send(node, rows)`` asks one node about the keys at batch positions
+        ``rows``; ``absorb(rows, answer)`` takes its answer and may return a
+        mask of keys that need no more answers (a GET hit). ``per_row``: how
+        many nodes answer for a key ("owners": the replication factor; "all":
+        the whole list, at once). ``sequential`` asks one node per key per
+        round (reads stop at the first hit); otherwise all the nodes still
+        needed are asked at once. Nodes that fail are marked down and the key
+        moves on down its list; WRONG_OWNER refreshes the map and starts over
+        the keys not done. Raises KvpoolConnectionError for keys no node
+        answered for.
+        """
+        n = len(blob) // KEY_SIZE
+        answered = np.zeros(n, dtype=np.intp)
+        done = np.zeros(n, dtype=bool)
+        positions = key_positions(blob)
+        refreshes = 0
+        while True:
+            # the map may be replaced while this call waits: route by one snapshot of it
+            cmap, ring_nodes = self.map, self.ring_nodes
+            assert cmap is not None
+            table = cmap.ring.owner_indexes(positions, cmap.width)
+            tried = np.zeros(table.shape, dtype=bool)
+            width = table.shape[1]
+            count = width if per_row == "all" else cmap.num_owners
+            stale: int | None = None
+            for _ in range(width):
+                rows = np.flatnonzero(~done & ~tried.all(axis=1))
+                if not len(rows):
+                    break
+                live = np.array([node.live for node in ring_nodes], dtype=bool)
+                if sequential:
+                    picks = pick(table, tried, live, rows)
+                else:
+                    # ask as many more nodes as are still needed, one frame a node
+                    picks = pick(table, tried, live, rows, per_row=count - answered[rows])
+                if not picks:
+                    break
+                nodes = [ring_nodes[p.node] for p in picks]
+                # the tasks gather makes copy this context: their frames say which map
+                # routed them, even if a newer one is installed before they are sent
+                token = routed_by.set(cmap.epoch)
+                try:
+                    outcomes = await asyncio.gather(
+                        *(send(node, p.rows) for node, p in zip(nodes, picks, strict=True)),
+                        return_exceptions=True)
+                finally:
+                    routed_by.reset(token)
+                for node, p, outcome in zip(nodes, picks, outcomes, strict=True):
+                    if isinstance(outcome, WrongOwnerError):
+                        stale = max(stale or 0, outcome.epoch)
+                        continue
+                    if isinstance(outcome, KvpoolConnectionError):
+                        node.mark_down()
+                        continue
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                    finished = absorb(p.rows, outcome)
+                    answered[p.rows] += 1
+                    if finished is not None:
+                        done[p.rows[finished]] = True
+                done |= answered >= count
+                if stale is not None:
+                    break
+            if stale is None or refreshes >= _MAX_REFRESHES:
+                break
+            refreshes += 1
+            await self.refresh(min_epoch=stale)
+        unanswered = np.flatnonzero(answered == 0)
+        if len(unanswered):
+            raise KvpoolConnectionError(
+                f"no node of the preference list answered for {len(unanswered)} of {n} keys "
+                f"(e.g. {rows_blob(blob, unanswered[:1]).hex()}); "
+                f"nodes down: {[x.node_id for x in ring_nodes if not x.live]}")
+
+    def draining(self) -> list[NodeClient]:
+        """Live nodes the map marks draining: they own nothing but may still hold chunks."""
+        cmap = self.map
+        if cmap is None:
+            return []
+        return [self.nodes[n.id] for n in cmap.nodes
+                if n.state == NodeState.DRAINING and self.nodes[n.id].live]
+
+    @staticmethod
+    async def fetch_map(node: NodeClient) -> ClusterMap:
+        data = await node.json_op(Op.CLUSTER)
+        return ClusterMap.from_dict({k: data[k] for k in _CLUSTER_FIELDS if k in data})
+
+    def install(self, cmap: ClusterMap, seed: NodeClient | None = None) -> None:
+        old = self.nodes
+        nodes: dict[str, NodeClient] = {}
+        for info in cmap.nodes:
+            address = info.data_address
+            node = old.get(info.id)
+            if node is None or (node.host, node.port) != address:
+                if seed is not None and (seed.host, seed.port) == address:
+                    node, seed = seed, None
+                    node.node_id = info.id
+                else:
+                    node = NodeClient(*address, self.options, node_id=info.id)
+            node.epoch = cmap.epoch
+            node.on_newer_epoch = self._on_newer_epoch
+            nodes[info.id] = node
+        for node_id, node in old.items():
+            if nodes.get(node_id) is not node:
+                self.num_corrupt_gone += node.num_corrupt
+                node.close()
+        if seed is not None:
+            seed.close()
+        self.map = cmap
+        self.nodes = nodes
+        self.ring_nodes = [nodes[i] for i in cmap.ring.nodes]
+        log.info("kvpool cluster map epoch %d: %d nodes, replication %d", cmap.epoch,
+                 len(cmap.nodes), cmap.replication)
+
+    def _on_newer_epoch(self, epoch: int) -> None:
+        if self.map is not None and epoch > self.map.epoch and self._refreshing is None:
+            task = asyncio.get_running_loop().create_task(self.refresh(min_epoch=epoch))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def refresh(self, min_epoch: int = 0) -> None:
+        """Fetch the map from a few live nodes; install the newest one (single-flight)."""
+        if self._refreshing is not None:
+            await asyncio.shield(self._refreshing)
+            return
+        self._refreshing = asyncio.get_running_loop().create_task(self._do_refresh(min_epoch))
+        try:
+            await asyncio.shield(self._refreshing)
+        finally:
+            self._refreshing = None
+
+    async def _do_refresh(self, min_epoch: int) -> None:
+        nodes = [n for n in self.nodes.values() if n.live]
+        random.shuffle(nodes)
+        maps = await asyncio.gather(*(self.fetch_map(n) for n in nodes[:3]),
+                                    return_exceptions=True)
+        good = [m for m in maps if isinstance(m, ClusterMap)]
+        if not good:
+            log.warning("kvpool: no node answered a cluster map refresh")
+            return
+        newest = max(good, key=lambda m: m.epoch)
+        if self.map is None or newest.epoch > self.map.epoch:
+            self.install(newest)
+        elif newest.epoch < min_epoch:
+            log.info("kvpool: asked for map epoch >= %d, nodes gave %d", min_epoch,
+                     newest.epoch)
+
+
