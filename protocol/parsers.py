@@ -384,39 +384,46 @@ class ReplyParser:
         return ready
 
     def _plan(self) -> Plan:
+        # the frames are parsed by sub-generators: nothing of a reply (a GET value of
+        # many MiB) stays referenced here once the reply is handed out
         while True:
             raw = yield _FRAME_HEADER
             assert raw is not None
             header = FrameHeader.unpack(raw)
+            # (the reply is parsed before ``self._ready`` is read: ``_take`` swaps the list
+            # while the plan waits at a yield)
             if header.op == Op.GET and header.status == Status.OK:
-                reply = Reply(header)
-                remaining = header.body_len
-                for index in range(header.count):
-                    if remaining < GET_ITEM_SIZE:
-                        raise BadFrameError("GET reply shorter than its items")
-                    raw_item = yield _GET_ITEM
-                    assert raw_item is not None
-                    item = GetItemHeader.unpack(raw_item)
-                    remaining -= GET_ITEM_SIZE + item.value_len
-                    if remaining < 0:
-                        raise BadFrameError("GET value runs past the frame body")
-                    if item.status != Status.OK:
-                        if item.value_len:
-                            yield Skip(item.value_len)
-                        reply.items.append(GetResult(item.status))
-                        continue
-                    result = yield from self._value(header.request_id, index, item.value_len)
-                    reply.items.append(result)
-                if remaining:
-                    raise BadFrameError(f"{remaining} stray bytes after the GET items")
-                self._ready.append(reply)
+                reply = yield from self._get_reply(header)
             else:
                 if header.body_len > self._max_body:
                     raise FrameTooLargeError(
                         f"reply body of {header.body_len} bytes exceeds {self._max_body}")
-                body = yield Exact(header.body_len)
-                assert body is not None
-                self._ready.append(Reply(header, body=body))
+                reply = Reply(header, body=(yield Exact(header.body_len)) or b"")
+            self._ready.append(reply)
+            del reply
+
+    def _get_reply(self, header: FrameHeader) -> Generator[Need, bytes | bytearray | None, Reply]:
+        reply = Reply(header)
+        remaining = header.body_len
+        for index in range(header.count):
+            if remaining < GET_ITEM_SIZE:
+                raise BadFrameError("GET reply shorter than its items")
+            raw_item = yield _GET_ITEM
+            assert raw_item is not None
+            item = GetItemHeader.unpack(raw_item)
+            remaining -= GET_ITEM_SIZE + item.value_len
+            if remaining < 0:
+                raise BadFrameError("GET value runs past the frame body")
+            if item.status != Status.OK:
+                if item.value_len:
+                    yield Skip(item.value_len)
+                reply.items.append(GetResult(item.status))
+                continue
+            reply.items.append((yield from self._value(header.request_id, index,
+                                                       item.value_len)))
+        if remaining:
+            raise BadFrameError(f"{remaining} stray bytes after the GET items")
+        return reply
 
     def _value(self, request_id: int, index: int, value_len: int
                ) -> Generator[Need, bytes | bytearray | None, GetResult]:

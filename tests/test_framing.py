@@ -131,6 +131,41 @@ def test_reply_stream_split_at_every_byte() -> None:
         assert err.header.status == Status.VALUE_TOO_LARGE and bytes(err.body) == b"too big"
 
 
+def test_replies_come_out_of_each_receive_as_a_transport_delivers_them() -> None:
+    """As a transport drives it: get_buffer, a receive of at most 64 KiB, buffer_updated,
+    and the replies taken after every receive; values bigger than the scratch buffer are
+    received straight into their own buffer. (A reply of such a value was once appended
+    to a list already taken, and lost, while ``feed`` of the whole stream found it.)"""
+    payloads = [os.urandom(300_000), b"<miss>", os.urandom(70_000)]
+    stream = memoryview(reply_stream(payloads))
+    parser = ReplyParser()
+    replies = []
+    pos = 0
+    while pos < len(stream):
+        buf = parser.get_buffer(-1)
+        n = min(len(buf), len(stream) - pos, 65536)
+        buf[:n] = stream[pos : pos + n]
+        pos += n
+        replies += parser.buffer_updated(n)
+    get, lookup, err = replies
+    assert [i.status for i in get.items] == [Status.OK, Status.NOT_FOUND, Status.OK]
+    assert bytes(get.items[0].payload) == payloads[0]
+    assert bytes(get.items[2].payload) == payloads[2]
+    assert decode_lookup(lookup.body) == [1, 2]
+    assert err.header.status == Status.VALUE_TOO_LARGE
+
+
+def test_a_reply_handed_out_is_not_kept_alive_by_the_parser() -> None:
+    """A client that got a value of many MiB holds it only as long as it wants to."""
+    import sys
+
+    parser = ReplyParser()
+    (get, _, _) = parser.feed(reply_stream([os.urandom(1 << 20)]))
+    value = get.items[0].payload.obj
+    del get
+    assert sys.getrefcount(value) == 2  # ``value`` and getrefcount's argument: no other
+
+
 def test_reply_into_caller_buffers_and_checksum() -> None:
     payload = os.urandom(5000)
     sink = memoryview(bytearray(6000))
