@@ -221,12 +221,12 @@ class AsyncClient:
     @property
     def shm_retries(self) -> int:
         """Fast-path values freed while being copied, and so fetched again over TCP."""
-        return sum(n.shm_torn for n in self._node_clients())
+        return sum(n.shm_path.shm_torn for n in self._node_clients())
 
     @property
     def shm_index_hits(self) -> int:
         """Values read through the nodes' arena indexes, with no request."""
-        return sum(n.index_hits for n in self._node_clients())
+        return sum(n.shm_path.index_hits for n in self._node_clients())
 
     @property
     def bytes_by_path(self) -> dict[str, int]:
@@ -364,7 +364,7 @@ class AsyncClient:
         if node is None or not self.can_read_local:
             return None
         sinks = _sinks(keys, buffers) if buffers is not None else None
-        results = node.read_local(join_keys(keys), sinks)
+        results = node.shm_path.read_local(join_keys(keys), sinks)
         if results is None:
             return None
         if buffers is None:
@@ -375,7 +375,7 @@ class AsyncClient:
     def can_read_local(self) -> bool:
         """Whether :meth:`read_local` may answer at all (else it returns None at once)."""
         node = self._single
-        return node is not None and node.can_read_local and _tracer(self) is None
+        return node is not None and node.shm_path.can_read_local and _tracer(self) is None
 
     @property
     def direct_node(self) -> NodeClient | None:
@@ -389,12 +389,12 @@ class AsyncClient:
     @property
     def touch_due(self) -> bool:
         """Reads through the arena index wait to be reported (see :meth:`send_touches`)."""
-        return self._single is not None and self._single.touch_due
+        return self._single is not None and self._single.shm_path.touch_due
 
     async def send_touches(self) -> None:
         """Report the reads made through the arena index now (one TOUCH a node)."""
         for node in self._node_clients():
-            node.touch_later()
+            node.shm_path.touch_later()
 
     @traced("exists_many")
     async def exists_many(self, keys: Sequence[Key]) -> list[bool]:
@@ -436,7 +436,7 @@ class AsyncClient:
         Reads through the arena index not yet reported (TOUCH) are reported first, so the
         counters include every read this client made."""
         await self.connect()
-        await asyncio.gather(*(node.flush_touches() for node in self._node_clients()))
+        await asyncio.gather(*(node.shm_path.flush_touches() for node in self._node_clients()))
         if self._single is not None:
             return await self._single.json_op(Op.STATS)
         nodes = list(self._router.nodes.values())

@@ -11,6 +11,7 @@ whose status is not OK never reach a plan: the driver raises their error.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
@@ -40,9 +41,15 @@ from kvpool.protocol.parsers import TOO_SMALL, Reply, Segments
 
 __all__ = ["Call", "Plan", "PutItem", "as_segments", "blob_part", "chunks", "drop_corrupt",
            "exists", "flat_view", "frames", "get_tcp", "json_op", "lookup", "put_items",
-           "put_tcp", "rows_blob", "statuses", "too_small"]
+           "put_tcp", "routed_by", "rows_blob", "statuses", "too_small"]
 
 log = logging.getLogger("kvpool.client")
+#: the epoch of the cluster map the current call was routed by (0: the node's own
+#: ``epoch``). A frame must carry that epoch, not whatever map is installed by the time
+#: it is encoded: a node trusts a frame of its own epoch without checking ownership, so
+#: a frame routed by an old map but stamped with the new epoch would be stored on a node
+#: that no longer owns the key, where no reader looks for it.
+routed_by: contextvars.ContextVar[int] = contextvars.ContextVar("kvpool_routed_by", default=0)
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
 #: a buffer, or a list of buffers used in order as one (like readv/writev)

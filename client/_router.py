@@ -19,9 +19,9 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from kvpool.client._node import NodeClient, routed_by
+from kvpool.client._node import NodeClient
 from kvpool.client._options import ClientOptions
-from kvpool.client._plans import rows_blob
+from kvpool.client._plans import routed_by, rows_blob
 from kvpool.client._routing import pick
 from kvpool.placement.cluster_map import ClusterMap, NodeState
 from kvpool.placement.ring import key_positions

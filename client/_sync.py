@@ -44,8 +44,9 @@ from kvpool.client._async import (
 )
 from kvpool.client._blocking import BlockingNode
 from kvpool.client._connection import BufferOrSegments
-from kvpool.client._node import TOUCH_DELAY_S, Key, NodeClient, join_keys, key_bytes
+from kvpool.client._node import Key, NodeClient, join_keys, key_bytes
 from kvpool.client._options import SHM_PUT_MIN_BYTES
+from kvpool.client._shm_path import TOUCH_DELAY_S
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
 from kvpool.protocol.errors import Status
 from kvpool.protocol.frames import Op

@@ -19,8 +19,9 @@ import pytest
 
 from kvpool.client import AsyncClient, Client
 from kvpool.client import _shm as shm_module
-from kvpool.client._node import SHM_PUT_MIN_BYTES, TOUCH_DELAY_S
+from kvpool.client._options import SHM_PUT_MIN_BYTES
 from kvpool.client._shm import ShmMapping
+from kvpool.client._shm_path import TOUCH_DELAY_S
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
 from kvpool.protocol.errors import KvpoolConnectionError
 from kvpool.protocol.frames import ShmItem
@@ -31,8 +32,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 
 def _mapping(client: Client) -> ShmMapping:
     node = client.async_client._single
-    assert node is not None and node._map is not None
-    return node._map
+    assert node is not None and node.shm_path.mapping is not None
+    return node.shm_path.mapping
 
 
 def _shm_stats(node: NodeProcess) -> dict[str, int]:
@@ -153,8 +154,8 @@ def test_a_value_freed_while_copied_through_the_index_is_never_returned_torn(
             assert node_client is not None
             assert got == (None if replace_key else new[0])
             # asked again: the index has the new value (or nothing, and GET_SHM finds none)
-            assert (node_client.index_stale, node_client.index_hits) == (1, 0 if replace_key
-                                                                         else 1)
+            path = node_client.shm_path
+            assert (path.index_stale, path.index_hits) == (1, 0 if replace_key else 1)
             assert fast.bytes_by_path == {"shm": 0 if replace_key else 1 << 20, "tcp": 0}
         shm = _shm_stats(node)
         assert shm["leases"] == 0 and shm["index_items_out"] == (0 if replace_key else 1)
@@ -189,7 +190,7 @@ def test_pages_reused_between_the_hash_and_the_copy_are_never_returned(
             assert got is None  # deleted: the index read was stale, GET_SHM finds nothing
             node_client = fast.async_client._single
             assert node_client is not None
-            assert (node_client.index_stale, node_client.index_hits) == (1, 0)
+            assert (node_client.shm_path.index_stale, node_client.shm_path.index_hits) == (1, 0)
             assert fast.bytes_by_path == {"shm": 0, "tcp": 0}
     finally:
         assert node.stop() == 0
@@ -430,7 +431,7 @@ CRASH = """
 import os, sys
 from kvpool.client import Client
 with Client(sys.argv[1], shm=True, shm_index=False) as c:
-    c.async_client._single._map.after_copy = lambda item: os._exit(3)
+    c.async_client._single.shm_path.mapping.after_copy = lambda item: os._exit(3)
     c.get(bytes.fromhex(sys.argv[2]))
 """
 
@@ -524,7 +525,7 @@ def test_slots_not_committed_in_time_are_given_back_and_the_put_goes_over_tcp() 
             fast.put(key, value)
             assert fast.put_bytes_by_path == {"shm": 0, "tcp": 1 << 20}
             node_client = fast.async_client._single
-            assert node_client is not None and node_client.shm_put_expired == 1
+            assert node_client is not None and node_client.shm_path.shm_put_expired == 1
             assert fast.get(key) == value
         stats = _stats(node)
         assert (stats["shm"]["expired"], stats["shm"]["committed"]) == (1, 0)
@@ -554,7 +555,7 @@ CRASH_WRITER = """
 import os, sys
 from kvpool.client import Client
 with Client(sys.argv[1], shm=True) as c:
-    c.async_client._single._map.write = lambda *a, **k: os._exit(3)
+    c.async_client._single.shm_path.mapping.write = lambda *a, **k: os._exit(3)
     c.put(os.urandom(16), os.urandom(1 << 20))
 """
 

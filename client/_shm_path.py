@@ -1,0 +1,327 @@
+"""The same-host fast path to one node: values through its shared-memory arena.
+
+:class:`ShmPath` belongs to one :class:`kvpool.client._node.NodeClient` and
+holds what the node granted at HELLO (the arena mapping, maybe its index and
+write access). GETs copy what the arena index has with no request, then ask
+GET_SHM (a lease) for the rest, and fall back to TCP for values freed while
+they were copied; puts write into slots PUT_SHM reserved, COMMIT them, and
+send over TCP what a lease lost. Reads through the index are reported to
+the node later in one TOUCH. Whether a call takes this path at all is the
+node client's decision (``gets_by_shm``, ``puts_by_shm``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal, overload
+
+from kvpool.client import _plans as plans
+from kvpool.client._connection import Buffer, Connection
+from kvpool.client._plans import routed_by
+from kvpool.client._shm import TORN, ShmMapping
+from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
+from kvpool.protocol.errors import KvpoolError, Status
+from kvpool.protocol.frames import (
+    KEY_SIZE,
+    Op,
+    ShmItem,
+    decode_shm_reply,
+    decode_statuses,
+    encode_lease_ids,
+)
+from kvpool.protocol.parsers import TOO_SMALL, Reply, Segments
+
+if TYPE_CHECKING:
+    from kvpool.client._node import NodeClient
+
+__all__ = ["TOUCH_BATCH", "TOUCH_DELAY_S", "ShmPath"]
+
+#: reads through the arena index are reported to the node (TOUCH: its hit counts, byte
+#: counts and LRU recency) once this many are waiting, or this long after the first
+TOUCH_BATCH = 256
+TOUCH_DELAY_S = 0.05
+
+
+def _ignore_result(future: asyncio.Future[Any]) -> None:
+    """A RELEASE or TOUCH reply: nothing to do (a failed connection ends its leases)."""
+    if not future.cancelled():
+        future.exception()
+
+
+class ShmPath:
+    """One node's arena, as this client mapped it, and the ops that go through it."""
+
+    def __init__(self, node: NodeClient) -> None:
+        self.node = node
+        #: the arena the node granted (None: TCP only, so far)
+        self.mapping: ShmMapping | None = None
+        #: PUT_SHM leases that ended before their COMMIT (the values went again over TCP)
+        self.shm_put_expired = 0
+        #: fast-path values freed while they were copied (fetched again over TCP)
+        self.shm_torn = 0
+        #: values read through the index; found there but stale (asked with GET_SHM)
+        self.index_hits = 0
+        self.index_stale = 0
+        #: keys read through the index and not yet reported (TOUCH), since when
+        self._touched: list[bytes] = []
+        self._touched_count = 0
+        self._touched_since = 0.0
+        self._touch_timer: asyncio.TimerHandle | None = None
+
+    def close(self) -> None:
+        """Stop the TOUCH timer (reads still to report are sent first, when a loop runs)."""
+        if self._touched:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # no running loop: they are dropped
+                pass
+            else:
+                self.send_touch(None)
+        if self._touch_timer is not None:
+            self._touch_timer.cancel()
+            self._touch_timer = None
+
+    def close_mapping(self) -> None:
+        if self.mapping is not None:
+            self.mapping.close()
+            self.mapping = None
+
+    async def put(self, conn: Connection, items: list[plans.PutItem], statuses: list[int], *,
+                  num_tokens: int, fingerprint: bytes) -> list[plans.PutItem]:
+        """PUT_SHM, write each value into its slot, COMMIT; the items whose lease expired."""
+        shm = self.mapping
+        assert shm is not None
+        frames = plans.frames(self.node, items)
+        replies = await self.node.gather([
+            (conn, Op.PUT_SHM, len(frame), [b for it in frame for b in it.head()], None)
+            for frame in frames])
+        commits: list[tuple[Connection, int, int, list[Buffer], None]] = []
+        committing: list[list[plans.PutItem]] = []
+        writes: list[tuple[ShmItem, Sequence[memoryview], int]] = []
+        for frame, reply in zip(frames, replies, strict=True):
+            lease, slots = decode_shm_reply(reply.body, len(frame))
+            for item, slot in zip(frame, slots, strict=True):
+                if slot.status == Status.OK:
+                    writes.append((slot, item.parts, item.chunk_index))
+                else:
+                    statuses[item.index] = slot.status
+            if lease:
+                commits.append((conn, Op.COMMIT, len(frame), [encode_lease_ids([lease])], None))
+                committing.append(frame)
+        shm.write_many(writes, num_tokens=num_tokens, fingerprint=fingerprint)
+        expired: list[plans.PutItem] = []
+        for frame, reply in zip(committing, await self.node.gather(commits), strict=True):
+            for item, status in zip(frame, decode_statuses(reply.body, len(frame)), strict=True):
+                if status == Status.NOT_FOUND:  # the lease ended before COMMIT: not stored
+                    expired.append(item)
+                    continue
+                statuses[item.index] = status
+                if status == Status.OK:
+                    self.node.put_bytes_by_path["shm"] += item.nbytes
+        self.shm_put_expired += len(expired)
+        return expired
+
+    async def get(self, conn: Connection, blob: bytes,
+                  sinks: Sequence[memoryview | Segments] | None
+                  ) -> list[memoryview | Segments | None]:
+        """GET through the arena: values the arena index has are copied with no request
+        (and reported later, in one TOUCH for many calls); the rest are asked for with
+        GET_SHM."""
+        shm = self.mapping
+        assert shm is not None
+        if not self.node.options.shm_index or shm.index is None:
+            return await self._get_leased(conn, shm, blob, sinks)
+        out, rest = self._read_indexed(shm, blob, sinks, all_or_none=False)
+        self.touch_later(conn)
+        if rest:
+            again = await self._get_leased(conn, shm, plans.rows_blob(blob, rest),
+                                           [sinks[i] for i in rest] if sinks is not None
+                                           else None)
+            for i, payload in zip(rest, again, strict=True):
+                out[i] = payload
+        return out
+
+    def read_local(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None
+                   ) -> list[memoryview | Segments | None] | None:
+        """The whole GET from the arena index, in this thread and with no event loop;
+        None where any key is not there (ask with :meth:`get`, which reads them all).
+
+        Only where :attr:`can_read_local` (the caller asks): with a connection that is,
+        as far as this thread has seen, open -- the sync client runs its loop before
+        such a read if it has not for ``TOUCH_DELAY_S``, and so hears of a node that
+        went away.
+        """
+        shm = self.mapping
+        assert shm is not None
+        found = self._read_indexed(shm, blob, sinks, all_or_none=True)
+        return found[0] if found is not None else None
+
+    @property
+    def can_read_local(self) -> bool:
+        """Whether :meth:`read_local` may answer (a mapped index, a granted connection)."""
+        shm = self.mapping
+        return shm is not None and shm.index is not None and self.node.options.shm_index \
+            and self.node.options.shm is not False and self._conn() is not None
+
+    def _conn(self) -> Connection | None:
+        """An open connection granted the arena (as far as this thread has seen)."""
+        return next((conn for conn in self.node.connections() if conn.shm), None)
+
+    @overload
+    def _read_indexed(self, shm: ShmMapping, blob: bytes,
+                      sinks: Sequence[memoryview | Segments] | None, *, all_or_none: Literal[False]
+                      ) -> tuple[list[memoryview | Segments | None], list[int]]: ...
+
+    @overload
+    def _read_indexed(self, shm: ShmMapping, blob: bytes,
+                      sinks: Sequence[memoryview | Segments] | None, *, all_or_none: Literal[True]
+                      ) -> tuple[list[memoryview | Segments | None], list[int]] | None: ...
+
+    def _read_indexed(self, shm: ShmMapping, blob: bytes,
+                      sinks: Sequence[memoryview | Segments] | None, *, all_or_none: bool
+                      ) -> tuple[list[memoryview | Segments | None], list[int]] | None:
+        """Copy what the arena index has: ``(payloads, rows not read)``, the reads noted
+        for the next TOUCH. ``all_or_none``: None, having copied nothing, unless every
+        key is there (then copies that came out stale give None too: nothing is noted)."""
+        index = shm.index
+        assert index is not None
+        count = len(blob) // KEY_SIZE
+        out: list[memoryview | Segments | None] = [None] * count
+        # GET_SHM answers WRONG_OWNER, or with the map
+        if index.epoch != (routed_by.get() or self.node.epoch):
+            return None if all_or_none else (out, list(range(count)))
+        rows: list[int] = []
+        jobs: list[tuple[ShmItem, memoryview | Segments | None]] = []
+        checksums: list[int] = []
+        for i in range(count):
+            slot = index.find(blob[i * KEY_SIZE : (i + 1) * KEY_SIZE])
+            if slot is None:
+                if all_or_none:
+                    return None
+                continue
+            rows.append(i)
+            jobs.append((ShmItem(Status.OK, slot.offset, slot.length, slot.generation),
+                         sinks[i] if sinks is not None else None))
+            checksums.append(slot.checksum)
+        hits: list[int] = []
+        nbytes = 0
+        for i, (item, _), (status, payload) in zip(rows, jobs, shm.read_many(jobs, checksums),
+                                                   strict=True):
+            if status == Status.OK:
+                out[i] = payload
+                hits.append(i)
+                nbytes += item.length - ENVELOPE_HEADER_SIZE
+            else:  # freed, rewritten, or too small a buffer: GET_SHM says for sure
+                self.index_stale += 1
+        if all_or_none and len(hits) < count:
+            return None
+        if hits:
+            self.index_hits += len(hits)
+            self.node.bytes_by_path["shm"] += nbytes
+            if not self._touched:
+                self._touched_since = time.monotonic()
+            self._touched.append(plans.rows_blob(blob, hits))
+            self._touched_count += len(hits)
+        if len(hits) == count:
+            return out, []
+        hit = set(hits)
+        return out, [i for i in range(count) if i not in hit]
+
+    @property
+    def touch_due(self) -> bool:
+        """Reads through the index wait to be reported: enough of them, or for long enough."""
+        return bool(self._touched) and (
+            self._touched_count >= TOUCH_BATCH
+            or time.monotonic() - self._touched_since >= TOUCH_DELAY_S)
+
+    def touch_later(self, conn: Connection | None = None) -> None:
+        """Send the reads through the index as one TOUCH now if due, else soon (a timer):
+        the node counts them and refreshes their recency. Needs the running loop."""
+        if not self._touched:
+            return
+        if self.touch_due:
+            self.send_touch(conn)
+        elif self._touch_timer is None:
+            self._touch_timer = asyncio.get_running_loop().call_later(
+                TOUCH_DELAY_S, self.send_touch, None)
+
+    async def flush_touches(self) -> None:
+        """Report the reads through the index now, and wait until the node has counted
+        them (so the stats asked next include them)."""
+        if self._touched:
+            sent = self.send_touch(None)
+            if sent:
+                await asyncio.wait(sent)
+
+    def send_touch(self, conn: Connection | None) -> list[asyncio.Future[Reply]]:
+        """The TOUCH frames sent (none: nothing to report, or no connection for it)."""
+        if self._touch_timer is not None:
+            self._touch_timer.cancel()
+            self._touch_timer = None
+        if conn is None or not conn.is_open:
+            conn = self._conn()
+        keys, count = b"".join(self._touched), self._touched_count
+        self._touched.clear()
+        self._touched_count = 0
+        sent: list[asyncio.Future[Reply]] = []
+        if conn is None:  # the connection is gone: so is what it would count
+            return sent
+        for part in plans.chunks(count, int(self.node.server_info["max_batch"])):
+            try:
+                touch = conn.send(Op.TOUCH, len(part), [plans.blob_part(keys, part)],
+                                  epoch=self.node.epoch)
+            except KvpoolError:
+                break
+            touch.add_done_callback(_ignore_result)
+            sent.append(touch)
+        return sent
+
+    async def _get_leased(self, conn: Connection, shm: ShmMapping, blob: bytes,
+                          sinks: Sequence[memoryview | Segments] | None
+                          ) -> list[memoryview | Segments | None]:
+        """GET_SHM: copy each value from the mapping, then release the lease."""
+        max_batch = int(self.node.server_info["max_batch"])
+        parts = plans.chunks(len(blob) // KEY_SIZE, max_batch)
+        replies = await self.node.gather(
+            [(conn, Op.GET_SHM, len(p), [plans.blob_part(blob, p)], None) for p in parts])
+        corrupt: list[bytes] = []
+        torn: list[int] = []
+        leases: list[int] = []
+        too_small = -1
+        found: list[tuple[int, ShmItem]] = []
+        for part, reply in zip(parts, replies, strict=True):
+            lease, items = decode_shm_reply(reply.body, len(part))
+            if lease:
+                leases.append(lease)
+            found += [(i, item) for i, item in zip(part, items, strict=True)
+                      if item.status == Status.OK]
+        out: list[memoryview | Segments | None] = [None] * (len(blob) // KEY_SIZE)
+        results = shm.read_many([(item, sinks[i] if sinks is not None else None)
+                                 for i, item in found])
+        for (i, item), (status, payload) in zip(found, results, strict=True):
+            out[i] = payload
+            if status == Status.OK:
+                self.node.bytes_by_path["shm"] += item.length - ENVELOPE_HEADER_SIZE
+            elif status == TORN:
+                torn.append(i)
+            elif status == TOO_SMALL and too_small < 0:
+                too_small = i
+            elif status == Status.CORRUPT:
+                corrupt.append(plans.blob_part(blob, range(i, i + 1)))
+        if leases:  # copied: the node may evict those values again (no need to wait)
+            release = conn.send(Op.RELEASE, len(leases), [encode_lease_ids(leases)],
+                                epoch=self.node.epoch)
+            release.add_done_callback(_ignore_result)
+        if too_small >= 0:
+            plans.too_small(blob, too_small, sinks)
+        if torn:  # freed (and maybe reused) mid-copy: ask again over TCP
+            self.shm_torn += len(torn)
+            again = await self.node.run(plans.get_tcp(
+                self.node, plans.rows_blob(blob, torn),
+                [sinks[i] for i in torn] if sinks is not None else None), conn)
+            for i, payload in zip(torn, again, strict=True):
+                out[i] = payload
+        await self.node.run(plans.drop_corrupt(self.node, corrupt), conn)
+        return out
