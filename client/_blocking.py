@@ -130,6 +130,9 @@ class BlockingConnection:
         except OSError as exc:
             self.close()
             raise KvpoolConnectionError(f"connection to {self.peer} lost: {exc}") from exc
+        except BaseException:  # KeyboardInterrupt mid-reply: the stream is not reusable
+            self.close()
+            raise
         finally:
             self._sinks = None
         if reply.header.request_id != request_id:

@@ -359,3 +359,32 @@ def test_a_stopped_node_times_out_the_blocking_path_and_the_next_call_recovers(
         finally:
             node.proc.send_signal(signal.SIGCONT)
         assert c.get(k) == b"before the stop"  # on a new socket: the old one's state is unknown
+
+
+def test_an_interrupted_blocking_call_leaves_no_reply_for_the_next(node: NodeProcess) -> None:
+    """Ctrl-C (any exception) while the blocking socket waits for a reply: that reply
+    must not be taken for the next call's. The socket is dropped and the next call opens
+    another."""
+    import signal
+
+    class Interrupted(BaseException):
+        pass
+
+    def interrupt(_signum: int, _frame: object) -> None:
+        raise Interrupted
+
+    k = rkey()
+    with Client(node.url, shm=False) as c:
+        c.put(k, b"the value")
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        node.proc.send_signal(signal.SIGSTOP)  # the GET waits: its reply comes later
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            with pytest.raises(Interrupted):
+                c.get(k)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            node.proc.send_signal(signal.SIGCONT)
+        assert c.exists_many([rkey(), k]) == [False, True]
+        assert c.get(k) == b"the value"
