@@ -125,14 +125,16 @@ class AsyncPagedKVConnector:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None  # type: ignore[no-untyped-call]
         self.stats = ConnectorStats()
         self._scatter = scatter
-        convert = layout.kind in CPU_ATTN_KINDS and not layout.engine_format
         if direct is None:
-            direct = not self.cuda and not convert
+            direct = not self.cuda and not layout.converts
         if direct and self.cuda:
             raise LayoutError("direct transfers need the KV caches in host memory")
-        if direct and convert:
-            raise LayoutError("cpu_attn blocks hold K transposed: canonical chunks go through "
-                              "staging (direct=False), or use chunk_format='engine'")
+        if direct and layout.converts:
+            raise LayoutError(f"{layout.kind} blocks do not hold canonical chunks' bytes in "
+                              "order (K packed or transposed, or heads before tokens): "
+                              "canonical chunks go through staging (direct=False)"
+                              + (", or use chunk_format='engine'"
+                                 if layout.kind in CPU_ATTN_KINDS else ""))
         self.direct = direct
         #: chunks in flight at once (receives or puts); the staging ring's size
         self.depth = staging_slots
@@ -469,6 +471,11 @@ class PagedKVConnector:
     @property
     def layout(self) -> KVLayout:
         return self._async.layout
+
+    @property
+    def device(self) -> torch.device:
+        """Where the engine's KV caches are."""
+        return self._async.device
 
     def load(self, tokens: Sequence[int] | torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
              *, max_tokens: int | None = None, skip_tokens: int = 0) -> int:

