@@ -179,7 +179,9 @@ def test_maximal_admin_lookups_do_not_stall_other_clients(tenant_node: NodeProce
         stop.set()
         thread.join(30)
     assert len(latencies) > 50
-    assert max(latencies) < 0.5, sorted(latencies)[-5:]
+    # 1.5 s: one GET took 0.503 s here while mypy and other tests ran beside the suite on
+    # 2 cores; the freeze this guards against held every GET 2-23 s
+    assert max(latencies) < 1.5, sorted(latencies)[-5:]
     assert answers["maximal"][0] == 200 and answers["maximal"][1]["num_tokens"] == 0
     assert answers["too many chunks"][0] == 400
     assert "split it" in str(answers["too many chunks"][1])
