@@ -37,6 +37,7 @@ __all__ = ["add_ops_commands", "bench_modules", "read_tokens"]
 BENCH_HELP = {
     "throughput": "GET/PUT throughput and latency vs Redis and raw TCP (iperf3)",
     "tiers": "DRAM / SSD / S3 tier throughput, lz4 ratios",
+    "fill": "PUTs into a filling DRAM tier: memory allocated ahead vs page faults",
     "cluster": "lookup latency and GET throughput, 1 node vs 3-node clusters",
     "placement_sim": "consistent-hash balance and movement on join/leave, 10-1000 nodes",
     "metrics_overhead": "throughput with metrics on vs off, and with tracing on",

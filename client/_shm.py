@@ -39,6 +39,7 @@ import xxhash
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, Codec, EnvelopeHeader
 from kvpool.protocol.errors import CorruptChunkError, KvpoolConnectionError, Status
 from kvpool.protocol.frames import ShmItem
+from kvpool.protocol.pages import Populator
 from kvpool.protocol.parsers import TOO_SMALL, Segments
 from kvpool.protocol.shm_index import (
     EPOCH_AT,
@@ -244,6 +245,8 @@ class ShmMapping:
         self.view = whole[: self.capacity]
         self.gens = whole[self.capacity :].cast("Q")
         whole.release()
+        #: maps a PUT slot's pages before the copy into it (None: a read-only mapping)
+        self._populator = Populator(self._mmap) if writable else None
         #: test hooks: called between a read's hash of its first block and that block's
         #: copy (see HASH_SOURCE), and between the copy and the generation check
         self.after_hash: Callable[[ShmItem], None] | None = None
@@ -328,6 +331,7 @@ class ShmMapping:
                 or offset % _PAGE:
             raise KvpoolConnectionError(
                 f"PUT_SHM slot ({offset}, {length}) does not fit a {nbytes}-byte value")
+        self._populate(offset, length)
         hasher = xxhash.xxh3_64()
         pos = offset + ENVELOPE_HEADER_SIZE
         for part in parts:
@@ -336,6 +340,17 @@ class ShmMapping:
         self.view[offset : offset + ENVELOPE_HEADER_SIZE] = EnvelopeHeader(
             raw_len=nbytes, stored_len=nbytes, checksum=hasher.intdigest(),
             num_tokens=num_tokens, chunk_index=chunk_index, fingerprint=fingerprint).pack()
+
+    def _populate(self, offset: int, length: int) -> None:
+        """Map the slot's pages writable in one madvise before they are written.
+
+        Each page this process has not written yet would otherwise cost a page fault in
+        the copy: measured on the 2-core VM, 1 MiB slots of a fresh arena were written at
+        2.4 GB/s with the faults and 3.0 with this (allocated pages: 2.9 and 4.1; pages
+        written before: 9.9).
+        """
+        if self._populator is not None and length >= _SMALL:
+            self._populator.populate(offset, length)
 
     def read_many(self, jobs: Sequence[tuple[ShmItem, memoryview | Segments | None]],
                   checksums: Sequence[int] | None = None

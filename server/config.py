@@ -151,10 +151,17 @@ class DramConfig:
                                     flag="--dram-fraction", env="KVPOOL_DRAM_FRACTION")
     default_ttl_s: float = knob(0.0, "TTL for chunks stored without one (0 = no TTL)",
                                 flag="--default-ttl", env="KVPOOL_DEFAULT_TTL")
+    allocate_ahead_bytes: int = knob(256 << 20, "memory allocated in the background ahead "
+                                     "of what is stored, so PUTs do not wait on page faults "
+                                     "(0 = off; docs/tiers.md)",
+                                     flag="--dram-allocate-ahead",
+                                     env="KVPOOL_DRAM_ALLOCATE_AHEAD", kind="size")
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 0:
             raise ConfigError("dram capacity must be >= 0")
+        if self.allocate_ahead_bytes < 0:
+            raise ConfigError("dram allocate_ahead_bytes must be >= 0")
         if not 0 < self.capacity_fraction <= 0.95:
             raise ConfigError("dram capacity_fraction must be in (0, 0.95]")
         if self.default_ttl_s < 0:

@@ -81,7 +81,8 @@ class Node:
         if dram is None:
             capacity = resolve_dram_capacity(config)
             try:
-                dram = DramTier(capacity, default_ttl_s=config.dram.default_ttl_s or None)
+                dram = DramTier(capacity, default_ttl_s=config.dram.default_ttl_s or None,
+                                allocate_ahead_bytes=config.dram.allocate_ahead_bytes)
             except (MemoryError, ValueError) as exc:
                 raise ConfigError(f"DRAM tier of {format_size(capacity)}: {exc}; "
                                   "lower --dram-capacity or --dram-fraction") from exc

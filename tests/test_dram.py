@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -68,6 +69,43 @@ def test_arena_never_overlaps(ops: list[tuple[bool, int]]) -> None:
 
 
 # -- eviction ---------------------------------------------------------------------------
+
+
+def _allocated(arena: Arena) -> int:
+    """Bytes of the arena's memory file the kernel has allocated."""
+    return os.fstat(arena.fd).st_blocks * 512
+
+
+def _wait_allocated(arena: Arena, at_least: int) -> int:
+    for _ in range(500):  # bounded: 5 s
+        if _allocated(arena) >= at_least:
+            break
+        time.sleep(0.01)
+    return _allocated(arena)
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fallocate"), reason="no posix_fallocate")
+def test_arena_allocates_memory_ahead_of_its_extents_and_no_further() -> None:
+    plain = Arena(64 * MiB)
+    ahead = Arena(64 * MiB, allocate_ahead=16 * MiB)
+    try:
+        assert _allocated(plain) == 0  # pages come on first write
+        assert _wait_allocated(ahead, 16 * MiB) >= 16 * MiB
+        assert ahead.alloc(40 * MiB) == 0  # the frontier moves to 40 MiB: 56 MiB are wanted
+        assert _wait_allocated(ahead, 56 * MiB) >= 56 * MiB
+        time.sleep(0.05)
+        assert _allocated(ahead) <= 56 * MiB + ALIGN * 8  # not the whole capacity
+        assert ahead.alloc(20 * MiB) is not None  # near the end: capped at the capacity
+        assert _wait_allocated(ahead, 64 * MiB) >= 64 * MiB
+        assert _allocated(plain) == 0
+    finally:
+        plain.close()
+        ahead.close()
+    thread = ahead._ahead._thread  # type: ignore[union-attr]
+    assert not thread.is_alive()  # close waited for it: the descriptor is not used later
 
 
 def test_lru_eviction_order() -> None:

@@ -22,6 +22,7 @@ from kvpool.client import _shm as shm_module
 from kvpool.client._options import SHM_PUT_MIN_BYTES
 from kvpool.client._shm import ShmMapping
 from kvpool.client._shm_path import TOUCH_DELAY_S
+from kvpool.protocol import pages
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
 from kvpool.protocol.errors import KvpoolConnectionError
 from kvpool.protocol.frames import ShmItem
@@ -505,6 +506,37 @@ def test_put_through_shared_memory_stores_the_same_bytes() -> None:
         assert shm["open_leases"] == 0 and shm["expired"] == 0
         assert shm["bytes_in"] == sum(mixed) + len(values[6]) + 6 * ENVELOPE_HEADER_SIZE
         assert stats["num_objects"] == 8 and stats["requests"]["put_shm"] == 2
+    finally:
+        assert node.stop() == 0
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_slots_are_mapped_in_one_call_before_they_are_written(
+        refused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = pages._madvise()
+    if real is None:
+        pytest.skip("no madvise here")
+    calls: list[tuple[int, int, int]] = []
+
+    def madvise(address: int, length: int, advice: int) -> int:
+        calls.append((address, length, advice))
+        return -1 if refused else real(address, length, advice)
+
+    monkeypatch.setattr(pages, "_madvise", lambda: madvise)
+    node = start_node("--dram-capacity", "64MiB", "--no-ssd")
+    try:
+        keys = [os.urandom(16) for _ in range(3)]
+        values = [os.urandom(SHM_PUT_MIN_BYTES + 5), os.urandom(3 << 20), os.urandom(100)]
+        with Client(node.url) as fast, Client(node.url, shm=False) as tcp:
+            fast.put(keys[0], values[0])
+            fast.put_many(keys[1:], values[1:])
+            assert fast.put_bytes_by_path == {"shm": sum(map(len, values)), "tcp": 0}
+            assert tcp.get_many(keys) == values
+        # one call a slot, of the whole slot (envelope header included); none for a slot
+        # too small to be worth it; after a refusal, none at all
+        lengths = [len(v) + ENVELOPE_HEADER_SIZE for v in values[:2]]
+        assert [(n, a) for _, n, a in calls] == [(n, pages.MADV_POPULATE_WRITE)
+                                                  for n in lengths[: 1 if refused else 2]]
     finally:
         assert node.stop() == 0
 

@@ -2,7 +2,9 @@
 
 The arena is a single shared ``mmap`` of an anonymous memory file (``memfd``
 on Linux, an unlinked temp file elsewhere): pages are committed by the kernel
-only when first written, so RSS tracks what is stored, not the capacity; PUT
+only when first written, so RSS tracks what is stored, not the capacity (plus,
+with ``allocate_ahead``, a window of memory allocated in a background thread
+ahead of the highest extent handed out, see :class:`AheadAllocator`); PUT
 payloads are received straight into it (no Python object per chunk); and the
 SSD worker process maps the same file (``fd``) to read and write chunks in
 place, with no copy through a pipe.
@@ -21,14 +23,20 @@ ordering for these aligned u64s as far as a Python reader can observe.
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
 import sys
 import tempfile
+import threading
 
 from sortedcontainers import SortedList
 
-__all__ = ["ALIGN", "Arena", "memory_file", "seal_writes"]
+from kvpool.protocol.pages import Populator
+
+__all__ = ["ALIGN", "AheadAllocator", "Arena", "memory_file", "seal_writes"]
+
+log = logging.getLogger("kvpool.tiers")
 
 #: Extent alignment. A page: keeps slots page-aligned for a later shared-memory
 #: mapping and DMA; costs up to 4 KiB per value, small next to 256 KiB+ chunks.
@@ -42,10 +50,10 @@ def _round_up(n: int) -> int:
 class Arena:
     """``alloc(n) -> offset | None`` and ``free(offset, n)`` over one mmap."""
 
-    __slots__ = ("_by_end", "_by_size", "_by_start", "_mmap", "allocated_bytes", "capacity",
-                 "fd", "gens", "view")
+    __slots__ = ("_ahead", "_by_end", "_by_size", "_by_start", "_mmap", "allocated_bytes",
+                 "capacity", "fd", "gens", "view")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, *, allocate_ahead: int = 0) -> None:
         capacity = capacity // ALIGN * ALIGN
         if capacity < ALIGN:
             raise ValueError(f"arena capacity must be at least {ALIGN} bytes")
@@ -64,6 +72,11 @@ class Arena:
         self._by_start: dict[int, int] = {0: capacity}
         self._by_end: dict[int, int] = {capacity: 0}
         self.allocated_bytes = 0
+        #: allocates memory ahead of the extents handed out (None: pages fault on first write)
+        populator = Populator(self._mmap)
+        self._ahead = AheadAllocator(self.fd, capacity, allocate_ahead, populator) \
+            if allocate_ahead > 0 and (populator.on or hasattr(os, "posix_fallocate")) \
+            else None
 
     @staticmethod
     def file_size(capacity: int) -> int:
@@ -95,6 +108,8 @@ class Arena:
         if free_size > size:
             self._add_free(start + size, free_size - size)
         self.allocated_bytes += size
+        if self._ahead is not None and start + size > self._ahead.watermark:
+            self._ahead.reach(start + size)
         return int(start)
 
     def free(self, offset: int, nbytes: int) -> None:
@@ -120,10 +135,83 @@ class Arena:
         self._by_end[start + size] = start
 
     def close(self) -> None:
+        if self._ahead is not None:  # before the descriptor goes (its number may be reused)
+            self._ahead.stop()
         self.gens.release()
         self.view.release()
         self._mmap.close()
         os.close(self.fd)
+
+
+class AheadAllocator:
+    """Allocates an arena's memory in a background thread, ``window`` bytes ahead of the
+    highest extent handed out, so that PUTs write into memory the kernel already has,
+    mapped into the node.
+
+    The best-fit allocator hands out a fresh arena from its start upwards (holes left by
+    frees lie below the highest extent, in memory already allocated), so "ahead" is one
+    frontier. Each step maps the node's pages writable with one
+    ``madvise(MADV_POPULATE_WRITE)`` (:class:`~kvpool.protocol.pages.Populator`; it lets
+    go of the GIL); before Linux 5.14, ``posix_fallocate`` of the memory file allocates
+    the pages (their faults into the node's mapping remain). Measured on the 2-core VM
+    (``python -m kvpool.bench.fill``, 512 PUTs of 1 MiB into a fresh node over TCP):
+    1.38 GB/s with madvise, the rate of PUTs into memory already written (1.27-1.36),
+    against 0.59 with a fault per 4 KiB page; ``posix_fallocate`` alone gave 1.28x. On a refusal
+    (out of memory) it stops and the pages fault in as before.
+    """
+
+    #: bytes allocated a call (the thread checks for stop between calls)
+    STEP = 16 << 20
+
+    def __init__(self, fd: int, capacity: int, window: int, populator: Populator) -> None:
+        self._fd = fd
+        self._populator = populator
+        self._capacity = capacity
+        self._window = window
+        #: an extent that ends past this asks for more (a quarter window before the end of
+        #: what is asked for, so a run of small extents does not wake the thread each)
+        self.watermark = 0
+        self._wanted = 0
+        #: bytes from the arena's start that are allocated
+        self.done = 0
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="kvpool-arena-ahead",
+                                        daemon=True)
+        self._thread.start()
+        self.reach(0)
+
+    def reach(self, end: int) -> None:
+        """The allocator handed out an extent ending at ``end`` (the event loop's thread)."""
+        self._wanted = min(self._capacity, end + self._window)
+        self.watermark = self._wanted - self._window // 4 if self._wanted < self._capacity \
+            else self._capacity
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Stop the thread and wait for it (a step takes milliseconds)."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            while not self._stopping and self.done < self._wanted:
+                step = min(self.STEP, self._wanted - self.done)
+                try:
+                    if not self._populator.populate(self.done, step):
+                        if not hasattr(os, "posix_fallocate"):
+                            return
+                        os.posix_fallocate(self._fd, self.done, step)
+                except OSError as exc:
+                    log.info("DRAM arena: allocating ahead stopped at %d bytes: %s",
+                             self.done, exc)
+                    return
+                self.done += step
+            if self._stopping:
+                return
 
 
 #: F_SEAL_FUTURE_WRITE (Linux 5.1): no new writable mapping and no write(), whoever asks

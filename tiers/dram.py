@@ -75,8 +75,8 @@ class DramTier:
     name = "dram"
 
     def __init__(self, capacity_bytes: int, *, default_ttl_s: float | None = None,
-                 clock: Clock = time.monotonic) -> None:
-        self.arena = Arena(capacity_bytes)
+                 allocate_ahead_bytes: int = 0, clock: Clock = time.monotonic) -> None:
+        self.arena = Arena(capacity_bytes, allocate_ahead=allocate_ahead_bytes)
         self._clock = clock
         self._default_ttl = default_ttl_s
         self._index: dict[bytes, Entry] = {}
