@@ -27,7 +27,7 @@ __all__ = ["main"]
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        from kvpool.server.node import run_node
+        from kvpool.server.run import run_node
     except ModuleNotFoundError as exc:  # the SDK-only install: no aiohttp, rocksdict, ...
         raise ConfigError(f"kvpool serve needs the node's dependencies ({exc.name} is "
                           "missing): pip install 'kvpool[server]'") from None

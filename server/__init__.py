@@ -11,14 +11,19 @@ from typing import TYPE_CHECKING, Any
 from kvpool.server.config import DramConfig, NodeConfig, ServerConfig, load_config
 
 if TYPE_CHECKING:
-    from kvpool.server.node import Node, run_node
+    from kvpool.server.node import Node
+    from kvpool.server.run import run_node
 
 __all__ = ["DramConfig", "Node", "NodeConfig", "ServerConfig", "load_config", "run_node"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Node", "run_node"):
-        from kvpool.server import node
+    if name == "Node":
+        from kvpool.server.node import Node
 
-        return getattr(node, name)
+        return Node
+    if name == "run_node":
+        from kvpool.server.run import run_node
+
+        return run_node
     raise AttributeError(f"module 'kvpool.server' has no attribute {name!r}")

@@ -11,7 +11,7 @@ from kvpool.protocol.errors import ConfigError
 from kvpool.server.config import add_arguments, load_config
 
 try:
-    from kvpool.server.node import run_node
+    from kvpool.server.run import run_node
 except ModuleNotFoundError as exc:  # the SDK-only install
     sys.exit(f"kvpool: a node needs its dependencies ({exc.name} is missing): "
              "pip install 'kvpool[server]'")

@@ -1,24 +1,24 @@
 """Node configuration: frozen dataclasses, loaded from TOML, then ``KVPOOL_*`` env, then flags.
 
-Each knob is declared once, with its flag, environment variable and help, and
-``kvpool serve --help`` is generated from these declarations. Sizes accept
-``"8GiB"``, ``"512MiB"``, ``"64MB"`` or plain bytes; components receive their
-own section (``DramConfig``, ``ServerConfig``), never the whole tree.
+Each knob is declared once, with its flag, environment variable and help
+(:func:`~kvpool.server.knobs.knob`), and ``kvpool serve --help`` is generated from these
+declarations. Sizes accept ``"8GiB"``, ``"512MiB"``, ``"64MB"`` or plain bytes;
+components receive their own section (``DramConfig``, ``ServerConfig``), never the
+whole tree.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvpool.protocol.errors import ConfigError
+from kvpool.server import knobs
+from kvpool.server.knobs import format_size, knob, parse_size
 
 __all__ = [
     "ClusterConfig",
@@ -35,34 +35,6 @@ __all__ = [
     "load_config",
     "parse_size",
 ]
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "ki": 2**10, "kib": 2**10,
-          "m": 10**6, "mb": 10**6, "mi": 2**20, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gi": 2**30, "gib": 2**30,
-          "t": 10**12, "tb": 10**12, "ti": 2**40, "tib": 2**40}
-
-
-def parse_size(value: str | int) -> int:
-    """``"8GiB"`` -> 8589934592. Plain ints are bytes."""
-    if isinstance(value, int):
-        return value
-    m = _SIZE.match(value)
-    if not m:
-        raise ConfigError(f"not a size: {value!r} (try 512MiB, 8GiB or a byte count)")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
-
-
-def format_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def knob(default: Any, help: str, *, flag: str, env: str, kind: str = "") -> Any:
-    return field(default=default, metadata={"flag": flag, "env": env, "help": help, "kind": kind})
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,65 +294,20 @@ class NodeConfig:
 _SECTIONS: dict[str, type[Any]] = {"server": ServerConfig, "dram": DramConfig, "ssd": SsdConfig,
                                    "s3": S3Config, "cluster": ClusterConfig,
                                    "security": SecurityConfig}
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-
-
-def _convert(section: str, f: dataclasses.Field[Any], raw: Any, origin: str) -> Any:
-    try:
-        if f.metadata.get("kind") == "bool":
-            if isinstance(raw, bool):
-                return raw
-            text = str(raw).strip().lower()
-            if text not in _TRUE + _FALSE:
-                raise ValueError("expected true or false")
-            return text in _TRUE
-        if f.metadata.get("kind") == "size":
-            return parse_size(raw)
-        if f.type in ("int", int):
-            return int(raw)
-        if f.type in ("float", float):
-            return float(raw)
-        return str(raw)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{origin}: bad value {raw!r} for {section}.{f.name}: {exc}") from None
 
 
 def knob_table() -> str:
     """Every knob as Markdown table rows (docs/configuration.md's table)."""
-    rows = []
-    for section, cls in _SECTIONS.items():
-        for f in dataclasses.fields(cls):
-            meta = f.metadata
-            default: Any = f.default
-            shown = format_size(default) if meta["kind"] == "size" and default else repr(default)
-            flag = f"{meta['flag']}/--no-{meta['flag'][2:]}" if meta["kind"] == "bool" \
-                else meta["flag"]
-            rows.append(f"| `{section}.{f.name}` | `{flag}` | `{meta['env']}` | {shown} "
-                        f"| {meta['help']} |")
-    return "\n".join(rows)
+    return knobs.knob_table(_SECTIONS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per knob; its help names the default and the environment variable."""
     parser.add_argument("--config", metavar="FILE", help="TOML file with [server], [dram], "
                         "[ssd], [s3], [cluster] and [security] sections (env: KVPOOL_CONFIG)")
-    for section, cls in _SECTIONS.items():
-        group = parser.add_argument_group(section)
-        for f in dataclasses.fields(cls):
-            meta = f.metadata
-            default: Any = f.default
-            shown = format_size(default) if meta["kind"] == "size" and default else default
-            helptext = f"{meta['help']} (default: {shown!r}; env: {meta['env']})"
-            if meta["kind"] == "bool":
-                group.add_argument(meta["flag"], dest=f"{section}.{f.name}", default=None,
-                                   action=argparse.BooleanOptionalAction, help=helptext)
-            else:
-                group.add_argument(meta["flag"], dest=f"{section}.{f.name}", default=None,
-                                   metavar=f.name.upper(), help=helptext)
+    knobs.add_arguments(parser, _SECTIONS)
 
 
-#: KVPOOL_* variables that are not knobs but are read elsewhere
 #: KVPOOL_* names that are not node knobs: the SDK's (URL, TOKEN), the CLI's (ADMIN), files
 OTHER_ENV = frozenset({"KVPOOL_CONFIG", "KVPOOL_CACHE_DIR", "KVPOOL_URL", "KVPOOL_TOKEN",
                        "KVPOOL_ADMIN"})
@@ -388,8 +315,8 @@ OTHER_ENV = frozenset({"KVPOOL_CONFIG", "KVPOOL_CACHE_DIR", "KVPOOL_URL", "KVPOO
 
 def unknown_env_vars(env: Mapping[str, str]) -> list[str]:
     """``KVPOOL_*`` names in ``env`` that no knob reads (typos, mostly)."""
-    known = {f.metadata["env"] for cls in _SECTIONS.values() for f in dataclasses.fields(cls)}
-    return sorted(k for k in env if k.startswith("KVPOOL_") and k not in known | OTHER_ENV)
+    known = knobs.known_env(_SECTIONS) | OTHER_ENV
+    return sorted(k for k in env if k.startswith("KVPOOL_") and k not in known)
 
 
 def load_config(
@@ -398,28 +325,6 @@ def load_config(
 ) -> NodeConfig:
     """Defaults, then the TOML file, then ``KVPOOL_*`` variables, then flags."""
     env = os.environ if env is None else env
-    values: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
     path = getattr(args, "config", None) or env.get("KVPOOL_CONFIG")
-    if path:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
-        for section, table in data.items():
-            cls = _SECTIONS.get(section)
-            if cls is None or not isinstance(table, dict):
-                raise ConfigError(f"{path}: unknown section [{section}]")
-            known = {f.name: f for f in dataclasses.fields(cls)}
-            for key, raw in table.items():
-                if key not in known:
-                    raise ConfigError(f"{path}: unknown key {section}.{key}")
-                values[section][key] = _convert(section, known[key], raw, path)
-    for section, cls in _SECTIONS.items():
-        for f in dataclasses.fields(cls):
-            raw = env.get(f.metadata["env"])
-            if raw is not None:
-                values[section][f.name] = _convert(section, f, raw, f.metadata["env"])
-            flag_value = getattr(args, f"{section}.{f.name}", None) if args else None
-            if flag_value is not None:
-                values[section][f.name] = _convert(section, f, flag_value, f.metadata["flag"])
+    values = knobs.read_values(_SECTIONS, path, env, args)
     return NodeConfig(**{name: cls(**values[name]) for name, cls in _SECTIONS.items()})

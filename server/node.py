@@ -1,16 +1,12 @@
-"""A kvpool node: the data port, the admin port and the tiers, on one event loop."""
+"""A kvpool node: the data port, the admin port and the tiers, on one event loop (the
+process around it: ``run.py``; what it takes from the machine: ``resources.py``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
-import faulthandler
-import fcntl
 import logging
 import os
-import shutil
-import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -18,7 +14,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import psutil
 from aiohttp import web
 from opentelemetry.trace import Tracer
 
@@ -29,7 +24,7 @@ from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.parsers import Limits
 from kvpool.server.admin import make_admin_app
 from kvpool.server.auth import TokenTable, load_tokens
-from kvpool.server.config import NodeConfig, format_size, unknown_env_vars
+from kvpool.server.config import NodeConfig, format_size
 from kvpool.server.connection import NodeConnection
 from kvpool.server.etcd import EtcdSource
 from kvpool.server.events import EventBus
@@ -38,35 +33,27 @@ from kvpool.server.handoff import Handoff
 from kvpool.server.hardening import forbid_dumps
 from kvpool.server.membership import MapSource, Membership, StaticSource
 from kvpool.server.metrics import NodeMetrics
+from kvpool.server.resources import (
+    bind_error,
+    bound_socket,
+    lock_data_dir,
+    resolve_dram_capacity,
+    resolve_ssd_capacity,
+)
 from kvpool.server.shm import ShmService
-from kvpool.server.ssd import SsdTier, SsdUnavailableError
+from kvpool.server.ssd import SsdTier
 from kvpool.server.stats import NodeStats
 from kvpool.server.tiering import TieringPolicy, TierManager
 from kvpool.server.tls import client_context, server_context
 from kvpool.server.tracing import NodeTracing, tracing_configured
 from kvpool.tiers.dram import DramTier
 
-__all__ = ["Node", "resolve_dram_capacity", "resolve_ssd_capacity", "run_node"]
+__all__ = ["Node"]
 
 log = logging.getLogger("kvpool.server")
 
 #: seconds between metric snapshots for the OTLP exporter (scrapes take a fresh one)
 METRICS_REFRESH_S = 5.0
-
-
-def resolve_dram_capacity(config: NodeConfig) -> int:
-    """The configured capacity, or ``capacity_fraction`` of available memory."""
-    if config.dram.capacity_bytes:
-        return config.dram.capacity_bytes
-    return int(psutil.virtual_memory().available * config.dram.capacity_fraction)
-
-
-def resolve_ssd_capacity(config: NodeConfig, path: Path) -> int:
-    """The configured capacity, or ``capacity_fraction`` of the free space under ``path``."""
-    if config.ssd.capacity_bytes:
-        return config.ssd.capacity_bytes
-    path.mkdir(parents=True, exist_ok=True)
-    return int(shutil.disk_usage(path).free * config.ssd.capacity_fraction)
 
 
 _CODECS = CODEC_BY_NAME
@@ -171,15 +158,15 @@ class Node:
                 start_serving=False, ssl=self.tls,
                 ssl_handshake_timeout=server.hello_timeout_s if self.tls else None)
         except OSError as exc:
-            raise ConfigError(_bind_error(exc, server.host, server.data_port, "--data-port",
+            raise ConfigError(bind_error(exc, server.host, server.data_port, "--data-port",
                                           "KVPOOL_DATA_PORT")) from None
         self.data_address = self._server.sockets[0].getsockname()[:2]
         family = socket.AF_INET6 if ":" in server.host else socket.AF_INET
         try:
-            admin_sock = _bound_socket(server.host, server.admin_port, family)
+            admin_sock = bound_socket(server.host, server.admin_port, family)
         except OSError as exc:
             self._server.close()
-            raise ConfigError(_bind_error(exc, server.host, server.admin_port, "--admin-port",
+            raise ConfigError(bind_error(exc, server.host, server.admin_port, "--admin-port",
                                           "KVPOOL_ADMIN_PORT")) from None
         self.admin_address = admin_sock.getsockname()[:2]
         try:
@@ -439,115 +426,3 @@ class Node:
             self.metrics.shutdown()
         if self.handlers.tracing is not None:  # exports the spans still queued
             await asyncio.to_thread(self.handlers.tracing.shutdown)
-
-
-def _bound_socket(host: str, port: int, family: socket.AddressFamily) -> socket.socket:
-    """Bound, not yet listening (the admin app listens once the node serves): until then a
-    probe is refused at once rather than left waiting while the SSD tier loads."""
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def _bind_error(exc: OSError, host: str, port: int, flag: str, env: str) -> str:
-    if exc.errno == errno.EADDRINUSE:
-        return (f"port {port} on {host} is in use (another kvpool node?): pick another with "
-                f"{flag} or {env}")
-    if exc.errno == errno.EADDRNOTAVAIL:
-        return f"cannot bind {host}:{port}: {host} is not an address of this machine (--host)"
-    if exc.errno == errno.EACCES:
-        return f"cannot bind {host}:{port}: permission denied (ports below 1024 need root)"
-    return f"cannot bind {host}:{port}: {exc.strerror or exc}"
-
-
-def lock_data_dir(path: Path) -> int:
-    """Take ``<path>/LOCK`` (flock) for this process's lifetime; ConfigError naming the
-    holder when another node has it. The kernel drops the lock when the process dies."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise ConfigError(f"cannot use --data-dir {path}: {exc.strerror or exc}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise ConfigError(f"another kvpool node (pid {holder}) is using --data-dir {path}: "
-                          "stop it, or give this one another --data-dir") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-async def _serve(config: NodeConfig) -> None:
-    node = Node(config)
-    try:
-        await node.start()
-    except SsdUnavailableError as exc:
-        raise ConfigError(str(exc)) from exc
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, node.reload)
-    data_host, data_port = node.data_address
-    admin_host, admin_port = node.admin_address
-    dram = node.dram.stats()
-    how = "configured" if config.dram.capacity_bytes else \
-        f"{config.dram.capacity_fraction:.0%} of available memory"
-    print(f"kvpool node {node.handlers.node_id}: DRAM tier {format_size(dram.capacity_bytes)} "
-          f"({how})", flush=True)
-    if node.ssd is not None:
-        ssd = node.ssd
-        print(f"kvpool node {node.handlers.node_id}: SSD tier {format_size(ssd.capacity_bytes)}"
-              f" in {ssd.path} ({config.ssd.codec}), {len(ssd.index)} chunks on disk",
-              flush=True)
-    if config.s3.bucket:
-        where = config.s3.endpoint_url or "AWS"
-        print(f"kvpool node {node.handlers.node_id}: S3 tier s3://{config.s3.bucket}/"
-              f"{config.s3.prefix} at {where} ({config.s3.codec})", flush=True)
-    cmap = node.membership.map
-    if cmap is not None:
-        assert node.membership.source is not None
-        print(f"kvpool node {node.handlers.node_id}: cluster epoch {cmap.epoch}, "
-              f"{len(cmap.nodes)} nodes, replication {cmap.replication} "
-              f"({node.membership.source.describe()}; SIGHUP reloads)", flush=True)
-    auth = node.handlers.auth
-    if auth.open:
-        log.warning("OPEN MODE: no --auth-tokens file, so every client that can reach "
-                    "%s:%d may read, write and delete every chunk. Give a tokens file for "
-                    "tenants and roles.", data_host, data_port)
-    else:
-        print(f"kvpool node {node.handlers.node_id}: auth on, {len(auth.entries)} tokens "
-              f"from {auth.source} (SIGHUP reloads)", flush=True)
-    scheme = "https" if node.tls else "http"
-    print(f"kvpool: ready data={data_host}:{data_port} admin={scheme}://{admin_host}:{admin_port}",
-          flush=True)
-    await stop.wait()
-    log.info("shutting down: %d open connections", len(node.connections))
-    await node.stop()
-    print("kvpool: stopped", flush=True)
-
-
-def run_node(config: NodeConfig) -> None:
-    """Run a node until SIGINT/SIGTERM (uvloop when available)."""
-    faulthandler.enable()  # a crash in native code (RocksDB, uvloop) says where, not nothing
-    logging.basicConfig(level=config.server.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for name in unknown_env_vars(os.environ):
-        log.warning("%s is set but is not a kvpool setting (a typo?); see kvpool serve --help",
-                    name)
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - Windows
-        asyncio.run(_serve(config))
-    else:
-        uvloop.run(_serve(config))

@@ -1,0 +1,83 @@
+"""What a node takes from its machine: DRAM and disk sizes, its ports, its data dir.
+
+Each is resolved or taken once at start, with a one-line error (ConfigError) that
+names the flag to change when the machine says no.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import psutil
+
+from kvpool.protocol.errors import ConfigError
+from kvpool.server.config import NodeConfig
+
+__all__ = ["bind_error", "bound_socket", "lock_data_dir", "resolve_dram_capacity",
+           "resolve_ssd_capacity"]
+
+
+def resolve_dram_capacity(config: NodeConfig) -> int:
+    """The configured capacity, or ``capacity_fraction`` of available memory."""
+    if config.dram.capacity_bytes:
+        return config.dram.capacity_bytes
+    return int(psutil.virtual_memory().available * config.dram.capacity_fraction)
+
+
+def resolve_ssd_capacity(config: NodeConfig, path: Path) -> int:
+    """The configured capacity, or ``capacity_fraction`` of the free space under ``path``."""
+    if config.ssd.capacity_bytes:
+        return config.ssd.capacity_bytes
+    path.mkdir(parents=True, exist_ok=True)
+    return int(shutil.disk_usage(path).free * config.ssd.capacity_fraction)
+
+
+def bound_socket(host: str, port: int, family: socket.AddressFamily) -> socket.socket:
+    """Bound, not yet listening (the admin app listens once the node serves): until then a
+    probe is refused at once rather than left waiting while the SSD tier loads."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def bind_error(exc: OSError, host: str, port: int, flag: str, env: str) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return (f"port {port} on {host} is in use (another kvpool node?): pick another with "
+                f"{flag} or {env}")
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"cannot bind {host}:{port}: {host} is not an address of this machine (--host)"
+    if exc.errno == errno.EACCES:
+        return f"cannot bind {host}:{port}: permission denied (ports below 1024 need root)"
+    return f"cannot bind {host}:{port}: {exc.strerror or exc}"
+
+
+def lock_data_dir(path: Path) -> int:
+    """Take ``<path>/LOCK`` (flock) for this process's lifetime; ConfigError naming the
+    holder when another node has it. The kernel drops the lock when the process dies."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"cannot use --data-dir {path}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ConfigError(f"another kvpool node (pid {holder}) is using --data-dir {path}: "
+                          "stop it, or give this one another --data-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
