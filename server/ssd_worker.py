@@ -29,6 +29,7 @@ import argparse
 import json
 import mmap
 import os
+import signal
 import socket
 import struct
 import sys
@@ -408,6 +409,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--s3-max-pending", type=int, default=256 << 20)
     parser.add_argument("--s3-relist", type=float, default=60.0)
     args = parser.parse_args(argv)
+    # Ctrl-C in a terminal reaches the whole process group: the node shuts down on it and
+    # closes the socket once its queued work is sent, and this process exits at that EOF
+    # (or with the node, die_with_parent). Dying at the SIGINT itself printed a
+    # KeyboardInterrupt traceback into the node's log at every Ctrl-C, and left the node
+    # to shut down against a worker already gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if args.parent_pid:
         die_with_parent(args.parent_pid)
     if args.no_dumps:

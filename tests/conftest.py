@@ -51,11 +51,13 @@ def _drain(proc: subprocess.Popen[str], lines: list[str]) -> None:
 
 
 def start_node(*flags: str, data_dir: str | None = None, timeout: float = 30.0,
-               env: dict[str, str] | None = None) -> NodeProcess:
+               env: dict[str, str] | None = None, own_group: bool = False) -> NodeProcess:
     """Run ``kvpool serve`` on free ports and wait for its ready line.
 
     The node's data dir is a fresh temp dir unless one is given (to restart a node on it).
-    Its SSD tier gets 256 MiB unless the flags say otherwise.
+    Its SSD tier gets 256 MiB unless the flags say otherwise. ``own_group``: the node and
+    its children in a process group of their own, as a terminal runs them (a test can
+    then send the group what Ctrl-C does).
     """
     data_dir = data_dir or tempfile.mkdtemp(prefix="kvpool-test-")
     cmd = [sys.executable, "-m", "kvpool.server", "serve", "--data-port", "0",
@@ -64,7 +66,7 @@ def start_node(*flags: str, data_dir: str | None = None, timeout: float = 30.0,
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")},
            **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
+                            env=env, process_group=0 if own_group else None)
     deadline = time.monotonic() + timeout
     lines: list[str] = []
     assert proc.stdout is not None

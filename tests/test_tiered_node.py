@@ -126,6 +126,33 @@ def test_kill_9_under_write_load_then_restart() -> None:
         assert restarted.stop() == 0
 
 
+def test_ctrl_c_stops_the_node_gracefully_and_loses_no_queued_write_behind() -> None:
+    """Ctrl-C in a terminal sends SIGINT to the node's whole process group, its cold-tier
+    worker included: the worker leaves shutting down to the node (it printed a
+    KeyboardInterrupt traceback before), and what was queued for the SSD is on disk."""
+    node = start_node("--dram-capacity", "256MiB", own_group=True)
+    values = {rkey(): os.urandom(1 << 20) for _ in range(48)}
+    with Client(node.url, shm=False) as c:
+        c.put_many(list(values), list(values.values()))
+        stats = ssd_stats(c)
+        queued = 48 - stats["writes"]
+    assert stats["shed"] == 0  # 48 MiB fit the write-behind budget (a quarter of DRAM)
+    os.killpg(node.proc.pid, signal.SIGINT)
+    assert node.proc.wait(60) == 0
+    time.sleep(0.2)  # the reader thread takes the last lines
+    out = "".join(node.output)
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-2000:]
+    restarted = start_node("--dram-capacity", "256MiB", data_dir=node.data_dir)
+    try:
+        with Client(restarted.url, shm=False) as c:
+            got = c.get_many(list(values))
+        missing = sum(v is None for v in got)
+        assert missing == 0, f"{missing} of 48 chunks lost ({queued} were still queued)"
+        assert got == list(values.values())
+    finally:
+        assert restarted.stop() == 0
+
+
 def test_flipped_byte_on_disk_is_a_miss_never_bad_bytes(tmp_path: Path) -> None:
     node = start_node("--dram-capacity", "8MiB", "--ssd-codec", "none")
     k, v = rkey(), os.urandom(50_000)
