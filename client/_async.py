@@ -44,14 +44,13 @@ import asyncio
 import logging
 import os
 import ssl as ssl_module
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple, TypeVar, cast
 
-import numpy as np
-import numpy.typing as npt
 from opentelemetry.trace import TracerProvider
 
+from kvpool.client import _cluster_ops as cluster_ops
 from kvpool.client._connection import BufferOrSegments
 from kvpool.client._node import (
     DEFAULT_PORT,
@@ -65,7 +64,7 @@ from kvpool.client._node import (
     parse_url,
 )
 from kvpool.client._options import SHM_PUT_MIN_BYTES, ClientOptions
-from kvpool.client._plans import as_segments, flat_view, rows_blob
+from kvpool.client._plans import as_segments, flat_view
 from kvpool.client._router import Router
 from kvpool.client._tracing import _tracer, explicit_tracer, traced
 from kvpool.placement.cluster_map import ClusterMap
@@ -78,7 +77,7 @@ from kvpool.protocol.errors import (
     Status,
     error_for_status,
 )
-from kvpool.protocol.frames import KEY_SIZE, PUT_FLAG_PIN, Op, Tier
+from kvpool.protocol.frames import PUT_FLAG_PIN, Op, Tier
 from kvpool.protocol.parsers import Segments
 
 __all__ = ["AsyncClient", "Key", "parse_url"]
@@ -312,25 +311,11 @@ class AsyncClient:
             raise_put_errors(bkeys, statuses, [s == Status.OK for s in statuses])
             return
 
-        def send(node: NodeClient, rows: npt.NDArray[np.intp]) -> Awaitable[list[int]]:
-            return node.put([bkeys[i] for i in rows], [values[i] for i in rows],
-                            ttl_ms=ttl_ms, flags=flags,
-                            chunk_indexes=[chunk_indexes[i] for i in rows]
-                            if chunk_indexes is not None else None,
-                            num_tokens=num_tokens, fingerprint=fingerprint,
-                            parents=[bparents[i] for i in rows] if bparents else None)
-
-        n = len(bkeys)
-        stored = np.zeros(n, dtype=bool)
-        refused = np.full(n, Status.OK, dtype=np.int16)  # a status other than OK, if any
-
-        def absorb(rows: npt.NDArray[np.intp], statuses: list[int]) -> None:
-            arr = np.array(statuses, dtype=np.int16)
-            stored[rows] |= arr == Status.OK
-            refused[rows] = np.where(arr != Status.OK, arr, refused[rows])
-
-        await self._router.fan_out(b"".join(bkeys), send, absorb, per_row="owners")
-        raise_put_errors(bkeys, refused.tolist(), stored.tolist())
+        refused, stored = await cluster_ops.put(
+            self._router, bkeys, values, ttl_ms=ttl_ms, flags=flags,
+            chunk_indexes=chunk_indexes, num_tokens=num_tokens, fingerprint=fingerprint,
+            parents=bparents)
+        raise_put_errors(bkeys, refused, stored)
 
     @traced("get_many")
     async def get_many(self, keys: Sequence[Key]) -> list[bytearray | None]:
@@ -467,36 +452,7 @@ class AsyncClient:
         await self.connect()
         if self._single is not None:
             return await self._single.get(blob, sinks)
-        n = len(blob) // KEY_SIZE
-        results: list[memoryview | Segments | None] = [None] * n
-
-        def send(node: NodeClient, rows: npt.NDArray[np.intp]
-                 ) -> Awaitable[list[memoryview | Segments | None]]:
-            return node.get(rows_blob(blob, rows),
-                            [sinks[i] for i in rows] if sinks is not None else None)
-
-        def absorb(rows: npt.NDArray[np.intp], views: list[memoryview | Segments | None]
-                   ) -> npt.NDArray[np.bool_]:
-            hit = np.zeros(len(rows), dtype=bool)
-            for j, (row, view) in enumerate(zip(rows.tolist(), views, strict=True)):
-                if view is not None:
-                    results[row] = view
-                    hit[j] = True
-            return hit  # a hit ends the key's search
-
-        await self._router.fan_out(blob, send, absorb, per_row="all", sequential=True)
-        missing = np.array([i for i, r in enumerate(results) if r is None], dtype=np.intp)
-        for node in self._router.draining():  # a chunk may still sit on the node that is moving out
-            if not len(missing):
-                break
-            try:
-                views = await send(node, missing)
-            except KvpoolConnectionError:
-                node.mark_down()
-                continue
-            hit = absorb(missing, views)
-            missing = missing[~hit]
-        return results
+        return await cluster_ops.get(self._router, blob, sinks)
 
     @traced("exists_codes")
     async def exists_codes(self, keys: bytes | Sequence[Key]) -> bytes:
@@ -508,45 +464,14 @@ class AsyncClient:
         await self.connect()
         if self._single is not None:
             return await self._single.exists(blob)
-
-        def send(node: NodeClient, rows: npt.NDArray[np.intp]) -> Awaitable[bytes]:
-            return node.exists(rows_blob(blob, rows))
-
-        absent = 255
-        best = np.full(len(blob) // KEY_SIZE, absent, dtype=np.uint8)
-
-        def absorb(rows: npt.NDArray[np.intp], codes: bytes) -> None:
-            arr = np.frombuffer(codes, dtype=np.uint8)
-            best[rows] = np.minimum(best[rows], np.where(arr == 0, absent, arr))
-
-        await self._router.fan_out(blob, send, absorb, per_row="all")
-        for node in self._router.draining():
-            missing = np.flatnonzero(best == absent)
-            if not len(missing):
-                break
-            try:
-                absorb(missing, await send(node, missing))
-            except KvpoolConnectionError:
-                node.mark_down()
-        best[best == absent] = 0
-        return best.tobytes()
+        return await cluster_ops.exists_codes(self._router, blob)
 
     async def _statuses(self, op: Op, blob: bytes) -> list[bool]:
         """DELETE/PIN/UNPIN: True where some node did it."""
         await self.connect()
         if self._single is not None:
             return [s == Status.OK for s in await self._single.statuses(op, blob)]
-
-        def send(node: NodeClient, rows: npt.NDArray[np.intp]) -> Awaitable[list[int]]:
-            return node.statuses(op, rows_blob(blob, rows))
-
-        done = np.zeros(len(blob) // KEY_SIZE, dtype=bool)
-
-        def absorb(rows: npt.NDArray[np.intp], statuses: list[int]) -> None:
-            done[rows] |= np.array(statuses) == Status.OK
-
-        await self._router.fan_out(blob, send, absorb, per_row="all")
-        return done.tolist()
+        return await cluster_ops.statuses(self._router, op, blob)
 
 
 class PutArgs(NamedTuple):

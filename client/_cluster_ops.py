@@ -1,0 +1,134 @@
+"""The batch ops against a cluster: what each op sends to which nodes through the
+:class:`~kvpool.client._router.Router`, and how the nodes' answers combine.
+
+- put: to the first ``replication`` live nodes of each key's list; stored where any
+  node stored it, else the refusal a node gave;
+- get: nodes of the list one after another until one has the key, then the nodes
+  that are draining (a chunk may still sit on the node moving out);
+- exists: every live node of the list at once (draining nodes for what they did not
+  find), the fastest tier wins;
+- DELETE, PIN, UNPIN: every live node of the list; done where any node did it.
+
+A standalone node needs none of this: :class:`~kvpool.client._async.AsyncClient`
+sends those ops to it directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from kvpool.client._connection import BufferOrSegments
+from kvpool.client._node import NodeClient
+from kvpool.client._plans import rows_blob
+from kvpool.client._router import Router
+from kvpool.protocol.errors import KvpoolConnectionError, Status
+from kvpool.protocol.frames import KEY_SIZE, Op
+from kvpool.protocol.parsers import Segments
+
+__all__ = ["put", "get", "exists_codes", "statuses"]
+
+
+async def put(router: Router, bkeys: list[bytes], values: Sequence[BufferOrSegments], *,
+              ttl_ms: int, flags: int, chunk_indexes: Sequence[int] | None, num_tokens: int,
+              fingerprint: bytes, parents: list[bytes | None] | None
+              ) -> tuple[list[int], list[bool]]:
+    """(a refusal status per key, OK where none; whether some node stored it)."""
+
+    def send(node: NodeClient, rows: npt.NDArray[np.intp]) -> Awaitable[list[int]]:
+        return node.put([bkeys[i] for i in rows], [values[i] for i in rows],
+                        ttl_ms=ttl_ms, flags=flags,
+                        chunk_indexes=[chunk_indexes[i] for i in rows]
+                        if chunk_indexes is not None else None,
+                        num_tokens=num_tokens, fingerprint=fingerprint,
+                        parents=[parents[i] for i in rows] if parents else None)
+
+    n = len(bkeys)
+    stored = np.zeros(n, dtype=bool)
+    refused = np.full(n, Status.OK, dtype=np.int16)  # a status other than OK, if any
+
+    def absorb(rows: npt.NDArray[np.intp], statuses: list[int]) -> None:
+        arr = np.array(statuses, dtype=np.int16)
+        stored[rows] |= arr == Status.OK
+        refused[rows] = np.where(arr != Status.OK, arr, refused[rows])
+
+    await router.fan_out(b"".join(bkeys), send, absorb, per_row="owners")
+    return refused.tolist(), stored.tolist()
+
+
+async def get(router: Router, blob: bytes, sinks: Sequence[memoryview | Segments] | None
+              ) -> list[memoryview | Segments | None]:
+    """Each key's payload (in its sink, if given), None where no node has it."""
+    n = len(blob) // KEY_SIZE
+    results: list[memoryview | Segments | None] = [None] * n
+
+    def send(node: NodeClient, rows: npt.NDArray[np.intp]
+             ) -> Awaitable[list[memoryview | Segments | None]]:
+        return node.get(rows_blob(blob, rows),
+                        [sinks[i] for i in rows] if sinks is not None else None)
+
+    def absorb(rows: npt.NDArray[np.intp], views: list[memoryview | Segments | None]
+               ) -> npt.NDArray[np.bool_]:
+        hit = np.zeros(len(rows), dtype=bool)
+        for j, (row, view) in enumerate(zip(rows.tolist(), views, strict=True)):
+            if view is not None:
+                results[row] = view
+                hit[j] = True
+        return hit  # a hit ends the key's search
+
+    await router.fan_out(blob, send, absorb, per_row="all", sequential=True)
+    missing = np.array([i for i, r in enumerate(results) if r is None], dtype=np.intp)
+    for node in router.draining():  # a chunk may still sit on the node that is moving out
+        if not len(missing):
+            break
+        try:
+            views = await send(node, missing)
+        except KvpoolConnectionError:
+            node.mark_down()
+            continue
+        hit = absorb(missing, views)
+        missing = missing[~hit]
+    return results
+
+
+async def exists_codes(router: Router, blob: bytes) -> bytes:
+    """The fastest tier holding each key as a ``Tier`` code, 0 where none does."""
+
+    def send(node: NodeClient, rows: npt.NDArray[np.intp]) -> Awaitable[bytes]:
+        return node.exists(rows_blob(blob, rows))
+
+    absent = 255
+    best = np.full(len(blob) // KEY_SIZE, absent, dtype=np.uint8)
+
+    def absorb(rows: npt.NDArray[np.intp], codes: bytes) -> None:
+        arr = np.frombuffer(codes, dtype=np.uint8)
+        best[rows] = np.minimum(best[rows], np.where(arr == 0, absent, arr))
+
+    await router.fan_out(blob, send, absorb, per_row="all")
+    for node in router.draining():
+        missing = np.flatnonzero(best == absent)
+        if not len(missing):
+            break
+        try:
+            absorb(missing, await send(node, missing))
+        except KvpoolConnectionError:
+            node.mark_down()
+    best[best == absent] = 0
+    return best.tobytes()
+
+
+async def statuses(router: Router, op: Op, blob: bytes) -> list[bool]:
+    """DELETE/PIN/UNPIN: True where some node did it."""
+
+    def send(node: NodeClient, rows: npt.NDArray[np.intp]) -> Awaitable[list[int]]:
+        return node.statuses(op, rows_blob(blob, rows))
+
+    done = np.zeros(len(blob) // KEY_SIZE, dtype=bool)
+
+    def absorb(rows: npt.NDArray[np.intp], statuses: list[int]) -> None:
+        done[rows] |= np.array(statuses) == Status.OK
+
+    await router.fan_out(blob, send, absorb, per_row="all")
+    return done.tolist()
