@@ -93,3 +93,19 @@ def test_capacity_and_eviction(tier: Tier) -> None:
 def test_value_larger_than_capacity_is_refused(tier: Tier) -> None:
     assert not tier.put(b"big" + bytes(13), chunk(CAPACITY + 1))
     assert tier.stats().rejections == 1
+
+
+def test_the_cold_tiers_ledger_evicts_least_recent_then_deepest_until_the_bytes_fit() -> None:
+    from kvpool.tiers.ledger import Ledger
+
+    ledger = Ledger()
+    for key, size, depth in ((b"a", 10, 0), (b"b", 10, 1), (b"c", 10, 2), (b"d", 10, 0)):
+        ledger.add(key, size, depth)
+    ledger.touch(b"a")  # now the most recent: b, c, d are older
+    assert ledger.used == 40 and len(ledger) == 4
+    assert ledger.victims(capacity=40) == []  # it fits already
+    assert ledger.victims(capacity=40, incoming=15) == [b"b", b"c"]
+    assert (ledger.used, sorted(ledger)) == (20, [b"a", b"d"])
+    ledger.add(b"d", 25, 3)  # a key stored again counts once, at its new size
+    assert ledger.used == 35 and ledger.forget(b"a") and not ledger.forget(b"a")
+    assert ledger.victims(capacity=0) == [b"d"] and ledger.used == 0

@@ -35,7 +35,7 @@ from kvpool.protocol.envelope import Codec, EnvelopeHeader
 from kvpool.protocol.errors import CorruptChunkError
 from kvpool.tiers.base import TierStats
 from kvpool.tiers.codec import decode, encode
-from kvpool.tiers.eviction import PrefixAwareLRU
+from kvpool.tiers.ledger import Ledger
 
 __all__ = ["RocksDbTier"]
 
@@ -107,13 +107,11 @@ class RocksDbTier:
             # is there read-only until reopen() succeeds
             self._open(read_only=True)
             self.full = f"opened read-only: {exc}"
-        self._sizes: dict[bytes, int] = {}
+        self._ledger = Ledger()
+        #: each key's RAW envelope length (what a DRAM slot for it needs)
         self._value_lens: dict[bytes, int] = {}
-        self._depths: dict[bytes, int] = {}
         #: keys evicted by the last ``put`` (the node drops them from its own index)
         self.last_evicted: list[bytes] = []
-        self._lru = PrefixAwareLRU()
-        self._used = 0
         self._stats = TierStats(self.name, capacity_bytes)
         self.num_corrupt = 0
         self._rebuild()
@@ -158,34 +156,28 @@ class RocksDbTier:
     def _reset_index(self) -> None:
         """Rebuild the in-memory index from the metadata rows (keys deleted while full stay
         deleted)."""
-        self._sizes.clear()
+        self._ledger = Ledger()
         self._value_lens.clear()
-        self._depths.clear()
-        self._lru = PrefixAwareLRU()
-        self._used = 0
         self._rebuild()
 
     def _rebuild(self) -> None:
-        rows: list[tuple[int, int, bytes]] = []
+        rows: list[tuple[int, int, bytes, int]] = []
         for raw_key, raw in self._meta.items():
             key = cast(bytes, raw_key)  # raw mode: keys and values are bytes
             if key in self._unwritten_deletes:
                 continue
             stored_len, value_len, depth, written_at = _META.unpack(cast(bytes, raw))
-            self._sizes[key] = stored_len
             self._value_lens[key] = value_len
-            self._depths[key] = depth
-            self._used += stored_len
-            rows.append((written_at, -depth, key))
-        rows.sort()
-        for _, neg_depth, key in rows:
-            self._lru.touch([(key, -neg_depth)])
+            rows.append((written_at, -depth, key, stored_len))
+        rows.sort()  # in the order they were written: the oldest first to evict
+        for _, neg_depth, key, stored_len in rows:
+            self._ledger.add(key, stored_len, -neg_depth)
 
     # -- the Tier interface ---------------------------------------------------------------
 
     def get(self, key: bytes) -> bytes | None:
         """The RAW envelope, checksum verified; None on a miss or a corrupt value."""
-        if key not in self._sizes:
+        if key not in self._ledger:
             self._stats.misses += 1
             return None
         # the list form releases the GIL while RocksDB reads
@@ -202,7 +194,7 @@ class RocksDbTier:
             self._stats.misses += 1
             return None
         self._stats.hits += 1
-        self._lru.touch([(key, self._depths[key])])
+        self._ledger.touch(key)
         return value
 
     def put(self, key: bytes, value: bytes | bytearray | memoryview) -> bool:
@@ -241,16 +233,13 @@ class RocksDbTier:
             self._stats.rejections += 1
             self._reset_index()  # the victims were not deleted after all
             return False
-        self._sizes[key] = size
+        self._ledger.add(key, size, header.chunk_index)
         self._value_lens[key] = header.value_len
-        self._depths[key] = header.chunk_index
-        self._used += size
-        self._lru.touch([(key, header.chunk_index)])
         self._stats.insertions += 1
         return True
 
     def delete(self, key: bytes) -> bool:
-        if key not in self._sizes:
+        if key not in self._ledger:
             return False
         batch = rocksdict.WriteBatch(raw_mode=True)
         batch.delete(key)
@@ -267,13 +256,12 @@ class RocksDbTier:
         return True
 
     def contains(self, key: bytes) -> bool:
-        return key in self._sizes
+        return key in self._ledger
 
     def stats(self) -> TierStats:
         s = self._stats
-        s.num_objects = len(self._sizes)
-        s.used_bytes = self._used
-        s.allocated_bytes = self._used
+        s.num_objects = len(self._ledger)
+        s.used_bytes = s.allocated_bytes = self._ledger.used
         return TierStats(**s.to_dict())
 
     def value_lens(self) -> dict[bytes, int]:
@@ -296,25 +284,12 @@ class RocksDbTier:
 
     def _victims(self, incoming: int) -> list[bytes]:
         """Keys to evict so ``incoming`` bytes fit; removed from the index now."""
-        victims: list[bytes] = []
-        capacity = self._stats.capacity_bytes
-        for key in self._lru.candidates():
-            if self._used + incoming <= capacity:
-                break
-            victims.append(key)
-            self._used -= self._sizes[key]
+        victims = self._ledger.victims(self._stats.capacity_bytes, incoming)
         for key in victims:
-            self._sizes.pop(key)
-            self._value_lens.pop(key)
-            self._depths.pop(key)
-            self._lru.discard(key)
+            del self._value_lens[key]
         self._stats.evictions += len(victims)
         return victims
 
     def _forget(self, key: bytes) -> None:
-        size = self._sizes.pop(key, None)
-        if size is not None:
-            self._used -= size
-            self._value_lens.pop(key, None)
-            self._depths.pop(key, None)
-            self._lru.discard(key)
+        if self._ledger.forget(key):
+            del self._value_lens[key]

@@ -42,7 +42,7 @@ from kvpool.protocol.envelope import Codec, EnvelopeHeader
 from kvpool.protocol.errors import CorruptChunkError
 from kvpool.tiers.base import TierStats
 from kvpool.tiers.codec import decode, encode
-from kvpool.tiers.eviction import PrefixAwareLRU
+from kvpool.tiers.ledger import Ledger
 
 __all__ = ["S3Tier", "object_name"]
 
@@ -85,10 +85,7 @@ class S3Tier:
                                         multipart_chunksize=max(5 << 20, multipart_threshold // 2),
                                         use_threads=False)
         self._lock = threading.Lock()  # the index is shared by the node's worker threads
-        self._sizes: dict[bytes, int] = {}
-        self._depths: dict[bytes, int] = {}
-        self._lru = PrefixAwareLRU()
-        self._used = 0
+        self._ledger = Ledger()
         self._stats = TierStats(self.name, capacity_bytes)
         self._clock = clock
         self._log_interval = log_interval_s
@@ -133,11 +130,11 @@ class S3Tier:
             return None
         self._stats.hits += 1
         with self._lock:
-            if key not in self._sizes:
+            if key not in self._ledger:
                 self._remember(key, len(stored), EnvelopeHeader.unpack(value).chunk_index)
                 self._notify(key, True)
             else:
-                self._lru.touch([(key, self._depths[key])])
+                self._ledger.touch(key)
         return value
 
     def put(self, key: bytes, value: bytes | bytearray | memoryview) -> bool:
@@ -172,13 +169,13 @@ class S3Tier:
 
     def delete(self, key: bytes) -> bool:
         with self._lock:
-            known = key in self._sizes
+            known = key in self._ledger
             self._forget_locked(key)
         self._delete_object(key)
         return known
 
     def contains(self, key: bytes) -> bool:
-        return key in self._sizes
+        return key in self._ledger
 
     def confirm(self, key: bytes) -> bool | None:
         """Ask S3 (HEAD) whether it has ``key``: True, False (then the index forgets it) or
@@ -198,12 +195,12 @@ class S3Tier:
 
     def keys(self) -> list[bytes]:
         with self._lock:
-            return list(self._sizes)
+            return self._ledger.keys()
 
     def stats(self) -> TierStats:
         s = self._stats
-        s.num_objects = len(self._sizes)
-        s.used_bytes = s.allocated_bytes = self._used
+        s.num_objects = len(self._ledger)
+        s.used_bytes = s.allocated_bytes = self._ledger.used
         return TierStats(**s.to_dict())
 
     # -- index ----------------------------------------------------------------------------
@@ -238,11 +235,11 @@ class S3Tier:
         found = 0
         with self._lock:
             changed, self._listing = self._listing, None
-            for key in [k for k in self._sizes if k not in listed and k not in changed]:
+            for key in [k for k in self._ledger if k not in listed and k not in changed]:
                 self._forget_locked(key)
                 self._notify(key, False)
             for key, size in listed.items():
-                if key not in self._sizes and key not in changed:
+                if key not in self._ledger and key not in changed:
                     self._remember(key, size, 0)
                     self._notify(key, True)
                     found += 1
@@ -257,10 +254,7 @@ class S3Tier:
     def _remember(self, key: bytes, size: int, depth: int) -> None:
         if self._listing is not None:
             self._listing.add(key)
-        self._sizes[key] = size
-        self._depths[key] = depth
-        self._used += size
-        self._lru.touch([(key, depth)])
+        self._ledger.add(key, size, depth)
 
     def _forget(self, key: bytes, *, notify: bool = False) -> None:
         with self._lock:
@@ -271,27 +265,12 @@ class S3Tier:
         """Drop ``key`` from the index; whether it was there."""
         if self._listing is not None:
             self._listing.add(key)
-        size = self._sizes.pop(key, None)
-        if size is None:
-            return False
-        self._used -= size
-        self._depths.pop(key, None)
-        self._lru.discard(key)
-        return True
+        return self._ledger.forget(key)
 
     def _victims(self) -> list[bytes]:
-        victims = []
-        for key in self._lru.candidates():
-            if self._used <= self._stats.capacity_bytes:
-                break
-            victims.append(key)
-            self._used -= self._sizes[key]
-        for key in victims:
-            if self._listing is not None:
-                self._listing.add(key)
-            del self._sizes[key]
-            del self._depths[key]
-            self._lru.discard(key)
+        victims = self._ledger.victims(self._stats.capacity_bytes)
+        if self._listing is not None:
+            self._listing.update(victims)
         self._stats.evictions += len(victims)
         return victims
 
