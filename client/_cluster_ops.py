@@ -49,8 +49,8 @@ async def put(router: Router, bkeys: list[bytes], values: Sequence[BufferOrSegme
     stored = np.zeros(n, dtype=bool)
     refused = np.full(n, Status.OK, dtype=np.int16)  # a status other than OK, if any
 
-    def absorb(rows: npt.NDArray[np.intp], statuses: list[int]) -> None:
-        arr = np.array(statuses, dtype=np.int16)
+    def absorb(rows: npt.NDArray[np.intp], answers: list[int]) -> None:
+        arr = np.array(answers, dtype=np.int16)
         stored[rows] |= arr == Status.OK
         refused[rows] = np.where(arr != Status.OK, arr, refused[rows])
 
@@ -127,8 +127,8 @@ async def statuses(router: Router, op: Op, blob: bytes) -> list[bool]:
 
     done = np.zeros(len(blob) // KEY_SIZE, dtype=bool)
 
-    def absorb(rows: npt.NDArray[np.intp], statuses: list[int]) -> None:
-        done[rows] |= np.array(statuses) == Status.OK
+    def absorb(rows: npt.NDArray[np.intp], answers: list[int]) -> None:
+        done[rows] |= np.array(answers) == Status.OK
 
     await router.fan_out(blob, send, absorb, per_row="all")
     return done.tolist()

@@ -476,8 +476,9 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """On CUDA, wait for the work the engine queued on its stream: the I/O thread's
         side stream cannot see that stream (CUDA's current stream is per thread), and a
         load must not write a block that the previous step's kernels may still read, nor
-        a save read blocks this step's forward is still writing. Both calls block the
-        step anyway (a load before its first attention layer, a save until it is sent)."""
+        a save read blocks this step's forward is still writing. The cost: a load starts
+        once the engine's queued work is done (this step's own kernels are queued after
+        it, and overlap it in ``layer`` mode); a save waits for the forward it reads."""
         paged = self._paged
         if paged is not None and paged.device.type == "cuda":
             torch.cuda.current_stream(paged.device).synchronize()
