@@ -96,13 +96,7 @@ def gpu_layouts_check() -> dict[str, Any]:
     (``kv_cache.transpose(1, 2).split(head_size, dim=-1)``); plus the connector's choice
     of layout off the CPU."""
     import torch
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheLayout,
-        KVCacheTensor,
-        compute_layout_strides,
-        create_kv_cache_views,
-    )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout
 
     from kvpool.gpu.layout import KVLayout
     from kvpool.gpu.paged import gather, scatter
@@ -116,16 +110,7 @@ def gpu_layouts_check() -> dict[str, Any]:
         spec = FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=head_dim,
                                  dtype=dtype)
         for vllm_layout in KVCacheLayout:
-            def views(vllm_layout: Any = vllm_layout, spec: Any = spec
-                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-                strides = compute_layout_strides(spec, num_blocks, layers, vllm_layout)
-                size = spec.page_size_bytes * layers * num_blocks
-                raw = torch.zeros(size, dtype=torch.int8)
-                tensor = KVCacheTensor(size=size, layers=[f"l{i}" for i in range(layers)],
-                                       layer_stride=strides[0], block_stride=strides[1])
-                return raw, create_kv_cache_views(raw, spec, num_blocks, vllm_layout, tensor)
-
-            raw, caches = views()
+            raw, caches = _vllm_views(spec, vllm_layout, layers, num_blocks)
             keys = torch.randn(layers, tokens, heads, head_dim, generator=g).to(dtype)
             values = torch.randn(layers, tokens, heads, head_dim, generator=g).to(dtype)
             for layer, cache in enumerate(caches):  # where the backend reads K and V
@@ -138,7 +123,7 @@ def gpu_layouts_check() -> dict[str, Any]:
             layout.check(caches)
             chunk = torch.empty(layout.chunk_shape(tokens), dtype=dtype)
             gather(layout, caches, ids, chunk)
-            back_raw, back = views()
+            back_raw, back = _vllm_views(spec, vllm_layout, layers, num_blocks)
             scatter(layout, back, ids, chunk)
             results[f"{vllm_layout.name}-{str(dtype).removeprefix('torch.')}"] = {
                 "contiguous": all(c.is_contiguous() for c in caches),
@@ -147,6 +132,25 @@ def gpu_layouts_check() -> dict[str, Any]:
             }
     results["kinds"] = _layout_kinds()
     return results
+
+
+def _vllm_views(spec: Any, vllm_layout: Any, layers: int, num_blocks: int
+                ) -> tuple[Any, list[Any]]:
+    """A zeroed backing buffer and the per-layer views of it that vLLM's own code makes for
+    ``spec`` in ``vllm_layout`` (what its GPU model runner hands the backends)."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        KVCacheTensor,
+        compute_layout_strides,
+        create_kv_cache_views,
+    )
+
+    strides = compute_layout_strides(spec, num_blocks, layers, vllm_layout)
+    size = spec.page_size_bytes * layers * num_blocks
+    raw = torch.zeros(size, dtype=torch.int8)
+    tensor = KVCacheTensor(size=size, layers=[f"l{i}" for i in range(layers)],
+                           layer_stride=strides[0], block_stride=strides[1])
+    return raw, create_kv_cache_views(raw, spec, num_blocks, vllm_layout, tensor)
 
 
 def _layout_kinds() -> dict[str, str]:
