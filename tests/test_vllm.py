@@ -3,7 +3,12 @@
 vLLM runs in its own environment (``$VLLM_CPU_PYTHON``, made by ``.ci/run``: it pins a
 transformers and setuptools of its own) through ``tests/vllm_driver.py``; the node, the
 transformers engine and the checks run here. Every engine is a fresh process, so vLLM's
-own prefix cache never answers for the pool. One engine start costs ~25-35 s here.
+own prefix cache never answers for the pool. One engine start costs ~45 s here in vLLM's
+default processes (an engine core and a worker process beside the caller) and ~25 s in
+one process (``in_process``, vLLM's ``uni`` executor): the tests whose subject is the
+pool, not the process split, use one process; the end-to-end test and ``vllm serve`` run
+vLLM's default processes. The no-connector outputs of :data:`TOPICS` are computed once
+for the module (:func:`baseline`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ pytestmark = pytest.mark.timeout(900)
 CHUNK = DEFAULT_CHUNK_TOKENS  # what the connector uses when nothing says otherwise
 FULL = 999 // CHUNK  # chunks a fresh engine loads of a 1000-token prompt (it computes the last)
 STEPS = 16
+#: the ~1000-token prompts the module's tests share (see :func:`baseline`)
+TOPICS = ("caching", "routing", "paging")
 
 
 def vllm_env() -> dict[str, str]:
@@ -91,6 +98,21 @@ def cpu_flags() -> set[str]:
         if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())
     return set()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer: Any) -> list[list[int]]:
+    return [text_prompt(tokenizer, 1000, topic) for topic in TOPICS]
+
+
+@pytest.fixture(scope="module")
+def baseline(prompts: list[list[int]], tmp_path_factory: pytest.TempPathFactory
+             ) -> list[list[int]]:
+    """vLLM's greedy tokens for :func:`prompts` without a connector: what every engine
+    with the pool must decode, loaded or not (one engine start for the module)."""
+    run = driver(tmp_path_factory.mktemp("baseline"), "generate",
+                 {"prompts": prompts, "max_tokens": STEPS, "in_process": True})
+    return [r["tokens"] for r in run["runs"]]
 
 
 @pytest.fixture
@@ -157,19 +179,19 @@ def test_connector_settings_fail_with_one_clear_line(tmp_path: Path) -> None:
     assert all("\n" not in e for e in errors.values())
 
 
-def test_a_fresh_vllm_loads_the_prefix_another_stored(pool: NodeProcess, tokenizer: Any,
+def test_a_fresh_vllm_loads_the_prefix_another_stored(pool: NodeProcess,
+                                                      prompts: list[list[int]],
+                                                      baseline: list[list[int]],
                                                       tmp_path: Path) -> None:
     """Engine A computes and stores three ~1000-token prompts; engine B, a fresh process,
     loads their prefixes: all of the first; of the second, the chunk left after one was
     deleted; of the third, what is left after a chunk corrupted in the pool fails its
-    checksum (promised, then recomputed). Greedy output equals A's and a no-connector run's."""
-    prompts = [text_prompt(tokenizer, 1000, topic)
-               for topic in ("caching", "routing", "paging")]
+    checksum (promised, then recomputed). Greedy output equals A's and a no-connector run's.
+    Both engines run in vLLM's default processes, as users run them."""
     connector = {"kvpool_url": pool.url}
-    baseline = driver(tmp_path, "generate", {"prompts": prompts, "max_tokens": STEPS})
     stored = driver(tmp_path, "generate", {"prompts": prompts, "max_tokens": STEPS,
                                            "connector": connector})
-    expected = [run["tokens"] for run in baseline["runs"]]
+    expected = baseline
     assert [run["tokens"] for run in stored["runs"]] == expected
     assert [run["num_cached_tokens"] for run in stored["runs"]] == [0, 0, 0]
 
@@ -208,16 +230,18 @@ def test_a_fresh_vllm_loads_the_prefix_another_stored(pool: NodeProcess, tokeniz
 
 
 def test_engine_format_chunks_load_straight_into_a_fresh_vllm(pool: NodeProcess,
-                                                            tokenizer: Any,
+                                                            prompts: list[list[int]],
+                                                            baseline: list[list[int]],
                                                             tmp_path: Path) -> None:
     """chunk_format="engine": vLLM's own block bytes, under keys of their own. A fresh
-    engine loads the prefix another stored (direct, no staging) and decodes the same
-    greedy tokens; the canonical keys of the same prompt stay absent."""
-    prompts = [text_prompt(tokenizer, 1000, "eviction")]
+    engine loads the prefix another stored (direct, no staging) and decodes the
+    no-connector run's greedy tokens; the canonical keys of the same prompt stay absent."""
+    prompts = prompts[:1]
     connector = {"kvpool_url": pool.url, "chunk_format": "engine"}
     stored = driver(tmp_path, "generate", {"prompts": prompts, "max_tokens": STEPS,
-                                           "connector": connector})
+                                           "connector": connector, "in_process": True})
     assert stored["runs"][0]["num_cached_tokens"] == 0
+    assert stored["runs"][0]["tokens"] == baseline[0]
     from kvpool.examples.models import SMOLLM2_ID
 
     # vLLM runs its AMX kernels for bf16 where the CPU has them: blocks of another packing
@@ -228,9 +252,9 @@ def test_engine_format_chunks_load_straight_into_a_fresh_vllm(pool: NodeProcess,
         assert c.exists_many(ChunkHasher(ns).keys(prompts[0])[:FULL]) == [True] * FULL
         assert c.exists_many(chunk_keys(prompts[0])[:FULL]) == [False] * FULL
     loaded = driver(tmp_path, "generate", {"prompts": prompts, "max_tokens": STEPS,
-                                           "connector": connector})
+                                           "connector": connector, "in_process": True})
     assert loaded["runs"][0]["num_cached_tokens"] == FULL * CHUNK
-    assert loaded["runs"][0]["tokens"] == stored["runs"][0]["tokens"]
+    assert loaded["runs"][0]["tokens"] == baseline[0]
 
 
 def test_vllm_serve_answers_a_restarted_servers_request_from_the_pool(
@@ -313,7 +337,8 @@ def test_chunks_move_between_vllm_and_transformers_both_ways(pool: NodeProcess,
         assert hf.store(from_hf, cache) == FULL * CHUNK  # 1000 tokens: its full chunks
         run = driver(tmp_path, "generate", {"prompts": [from_hf, from_vllm],
                                             "max_tokens": STEPS, "dtype": "float32",
-                                            "connector": {"kvpool_url": pool.url}})
+                                            "connector": {"kvpool_url": pool.url},
+                                            "in_process": True})
         vllm_from_hf, vllm_own = run["runs"]
         assert vllm_from_hf["num_cached_tokens"] == FULL * CHUNK  # loaded what transformers stored
         assert vllm_from_hf["tokens"] == hf_tokens
@@ -326,7 +351,8 @@ def test_chunks_move_between_vllm_and_transformers_both_ways(pool: NodeProcess,
         assert own.tokens == vllm_own["tokens"]
 
 
-def test_a_dead_or_hung_pool_costs_vllm_nothing_but_the_cache(tokenizer: Any,
+def test_a_dead_or_hung_pool_costs_vllm_nothing_but_the_cache(prompts: list[list[int]],
+                                                              baseline: list[list[int]],
                                                               tmp_path: Path) -> None:
     """The connector pointed at a port where no node listens, then at one that accepts
     connections and never answers: every lookup is a miss, no error reaches vLLM, and
@@ -339,11 +365,10 @@ def test_a_dead_or_hung_pool_costs_vllm_nothing_but_the_cache(tokenizer: Any,
     from kvpool.server.local_cluster import free_ports
 
     (port,) = free_ports(1)
-    prompts = [text_prompt(tokenizer, 600, topic) for topic in ("outage", "hang", "stall")]
-    alone = driver(tmp_path, "generate", {"prompts": prompts, "max_tokens": STEPS})
     dead = driver(tmp_path, "generate", {"prompts": prompts, "max_tokens": STEPS,
                                          "connector": {"kvpool_url": f"127.0.0.1:{port}",
-                                                       "timeout_s": 1.0}})
+                                                       "timeout_s": 1.0},
+                                         "in_process": True})
     with socket.create_server(("127.0.0.1", 0)) as server:
         accepted: list[socket.socket] = []
 
@@ -358,12 +383,12 @@ def test_a_dead_or_hung_pool_costs_vllm_nothing_but_the_cache(tokenizer: Any,
         hung = driver(tmp_path, "generate", {
             "prompts": prompts, "max_tokens": STEPS,
             "connector": {"kvpool_url": f"127.0.0.1:{server.getsockname()[1]}",
-                          "timeout_s": 1.0, "retry_after_s": 600}})
+                          "timeout_s": 1.0, "retry_after_s": 600},
+            "in_process": True})
         for conn in accepted:
             conn.close()
-    want = [run["tokens"] for run in alone["runs"]]
     for run in (dead, hung):
-        assert [r["tokens"] for r in run["runs"]] == want
+        assert [r["tokens"] for r in run["runs"]] == baseline
         assert [r["num_cached_tokens"] for r in run["runs"]] == [0, 0, 0]
         assert "lookup failed, treating it as a miss" in run["log"]
     # one back-off a side for three requests (600 s: the rest of the run)
