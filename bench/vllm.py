@@ -24,7 +24,7 @@ cache never answers), in this order:
    interleaved, and the machine drifts over a run (ExampleConnector engines, 7th and
    8th then, once decoded 5-10% below the first one while the kvpool engine right after
    it decoded within 3%). So, last, decode speed as a shared machine can resolve it: two
-   engines alive side by side (``vllm_driver loop``), one without a connector and one
+   engines alive side by side (``_vllm_engine loop``), one without a connector and one
    with kvpool's (the prompts are in the pool by then), each prompt sent to both in
    turn, the order swapped every round (``decode_interleaved``), 64 decode steps a
    request, ratios paired by prompt.
@@ -59,15 +59,12 @@ from typing import Any
 
 from kvpool.bench._procs import run_json, start_node
 from kvpool.bench._stats import summary
+from kvpool.bench._vllm_engine import ANSWER  # vLLM is imported there only to run one
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STEPS = 33  # 1 prefill token + 32 decoded: decode speed over 32 steps
 VOCAB = 49152
 
-
-#: how tests/vllm_driver.py's loop marks its answers (kvpool.tests is not type-checked
-#: with the library, so the bench does not import it)
-ANSWER = "KVPOOL-ANSWER "
 
 
 def _vllm_env(tmp: Path) -> dict[str, str]:
@@ -80,7 +77,7 @@ def _engine(python: str, tmp: Path, spec: dict[str, Any]) -> dict[str, Any]:
     env = _vllm_env(tmp)
     path, out = tmp / f"spec-{time.monotonic_ns()}.json", tmp / f"out-{time.monotonic_ns()}.json"
     path.write_text(json.dumps(spec))
-    done = subprocess.run([python, "-m", "kvpool.tests.vllm_driver", "generate", str(path),
+    done = subprocess.run([python, "-m", "kvpool.bench._vllm_engine", "generate", str(path),
                            str(out)], env=env, capture_output=True, text=True, timeout=1800,
                           check=False)
     if done.returncode or not out.exists():
@@ -90,7 +87,7 @@ def _engine(python: str, tmp: Path, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Loop:
-    """An engine kept alive (``vllm_driver loop``): one prompt in, one run out."""
+    """An engine kept alive (``_vllm_engine loop``): one prompt in, one run out."""
 
     def __init__(self, python: str, tmp: Path, spec: dict[str, Any]) -> None:
         env = _vllm_env(tmp)
@@ -100,7 +97,7 @@ class _Loop:
         self.log = tmp / f"loop-{stamp}.log"
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(
-                [python, "-m", "kvpool.tests.vllm_driver", "loop", str(path)], env=env,
+                [python, "-m", "kvpool.bench._vllm_engine", "loop", str(path)], env=env,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
         # a hung engine must not hang the benchmark: killed after 30 min whatever it does
         self._watchdog = threading.Timer(1800, self.proc.kill)

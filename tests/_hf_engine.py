@@ -1,7 +1,7 @@
 """Engine B of the end-to-end test, run as its own process: a fresh SmolLM2 instance loads the
 cached prefix of each prompt from kvpool, prefills the rest and decodes greedily.
 
-    python -m kvpool.tests._hf_engine NODE_URL MODEL_ID IN.pt OUT.pt
+    python -m tests._hf_engine NODE_URL MODEL_ID IN.pt OUT.pt
 
 IN.pt holds {"prompts": [[token ids]], "steps": int}; OUT.pt gets, per prompt,
 {"loaded": tokens loaded, "tokens": [...], "logits": [steps, vocab]}.

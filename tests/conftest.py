@@ -13,9 +13,14 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+#: the repository's root: drivers of the engine tests run from here as ``python -m tests.X``
+#: (the tests are not part of the installed package)
+ROOT = Path(__file__).resolve().parent.parent
 
 READY = re.compile(r"kvpool: ready data=(\S+):(\d+) admin=(\S+)")
 

@@ -1,6 +1,6 @@
 """Runs kvpool's LMCache plugin inside an environment that has LMCache.
 
-    $VLLM_CPU_PYTHON -m kvpool.tests.lmcache_driver SPEC.json OUT.json
+    $VLLM_CPU_PYTHON -m tests.lmcache_driver SPEC.json OUT.json
 
 LMCache 0.5.6 (installed ``--no-deps`` beside vLLM: its CUDA dependencies do not
 install here) with its own parts: an ``LMCacheEngineConfig`` naming the plugin

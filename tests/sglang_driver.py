@@ -1,6 +1,6 @@
 """Runs kvpool's SGLang HiCache backend inside an environment that has SGLang.
 
-    $VLLM_CPU_PYTHON -m kvpool.tests.sglang_driver SPEC.json OUT.json
+    $VLLM_CPU_PYTHON -m tests.sglang_driver SPEC.json OUT.json
 
 SGLang cannot serve on these machines (its kernels are CUDA builds), but its storage
 layer imports with the CPU torch: the backend is made the way SGLang's cache

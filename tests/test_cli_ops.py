@@ -14,7 +14,8 @@ import pytest
 from kvpool.client import Client
 from kvpool.placement.keys import ChunkHasher, Namespace
 from kvpool.server.local_cluster import LocalCluster
-from kvpool.tests.conftest import http_json, start_node
+
+from .conftest import http_json, start_node
 
 NS = {"model": "cli-ops", "dtype": "bfloat16", "num_layers": 2, "num_kv_heads": 4,
       "head_dim": 64, "chunk_tokens": 16}

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from kvpool.client import Client
-from kvpool.tests.conftest import NodeProcess, http_json, start_node
+
+from .conftest import NodeProcess, http_json, start_node
 
 FLAGS = ("--dram-capacity", "32MiB", "--ssd-capacity", "32MiB", "--ssd-full-retry", "0.5")
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"),

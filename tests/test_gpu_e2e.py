@@ -27,7 +27,7 @@ from kvpool.client import Client  # noqa: E402
 from kvpool.examples.models import SMOLLM2_ID, load_smollm2  # noqa: E402
 from kvpool.gpu.hf import HFCacheConnector, generate_greedy  # noqa: E402
 
-from .conftest import NodeProcess, text_prompt  # noqa: E402
+from .conftest import ROOT, NodeProcess, text_prompt  # noqa: E402
 
 STEPS = 16
 
@@ -57,9 +57,9 @@ def test_engine_b_continues_exactly_where_engine_a_stored(
 
     # engine B: another process, a fresh model instance
     torch.save({"prompts": [first, second], "steps": STEPS}, tmp_path / "in.pt")
-    proc = subprocess.run([sys.executable, "-m", "kvpool.tests._hf_engine", node.url,
+    proc = subprocess.run([sys.executable, "-m", "tests._hf_engine", node.url,
                            model_id, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-                          capture_output=True, text=True, timeout=500, check=False)
+                          capture_output=True, text=True, timeout=500, check=False, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = torch.load(tmp_path / "out.pt")
 

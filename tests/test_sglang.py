@@ -19,7 +19,8 @@ import pytest
 
 from kvpool.client import Client
 from kvpool.server.local_cluster import LocalCluster
-from kvpool.tests.conftest import NodeProcess, put_corrupt, start_node
+
+from .conftest import ROOT, NodeProcess, put_corrupt, start_node
 
 PYTHON = os.environ.get("VLLM_CPU_PYTHON", "")
 if not PYTHON or not Path(PYTHON).exists():
@@ -35,8 +36,8 @@ KEYS = [f"page-{i:02d}-of-a-prefix" for i in range(8)]  # SGLang chains the pref
 def driver(tmp: Path, steps: list[dict[str, Any]], timeout: float = 180) -> dict[str, Any]:
     spec, out = tmp / f"spec-{time.monotonic_ns()}.json", tmp / f"out-{time.monotonic_ns()}.json"
     spec.write_text(json.dumps({"steps": steps}))
-    done = subprocess.run([PYTHON, "-m", "kvpool.tests.sglang_driver", str(spec), str(out)],
-                          capture_output=True, text=True, timeout=timeout, check=False)
+    done = subprocess.run([PYTHON, "-m", "tests.sglang_driver", str(spec), str(out)],
+                          capture_output=True, text=True, timeout=timeout, check=False, cwd=ROOT)
     assert done.returncode == 0 and out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.read_text())
     result["log"] = done.stderr
@@ -144,11 +145,11 @@ def test_a_corrupt_page_is_a_miss_and_the_others_load(pool: NodeProcess,
 
 def _key_hex(tmp: Path, pool: NodeProcess, page_key: str) -> str:
     """The kvpool key the backend gives ``page_key`` (computed where SGLang is)."""
-    code = ("import sys; from kvpool.tests.sglang_driver import host_pool, make_backend; "
+    code = ("import sys; from tests.sglang_driver import host_pool, make_backend; "
             "b = make_backend(sys.argv[1], host_pool('page_first', 16, 8), {}); "
             "print(b.key(sys.argv[2]).hex()); b.close()")
     done = subprocess.run([PYTHON, "-c", code, pool.url, page_key], capture_output=True,
-                          text=True, timeout=120, check=True)
+                          text=True, timeout=120, check=True, cwd=ROOT)
     return done.stdout.strip().splitlines()[-1]
 
 

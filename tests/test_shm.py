@@ -26,7 +26,8 @@ from kvpool.protocol import pages
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
 from kvpool.protocol.errors import KvpoolConnectionError
 from kvpool.protocol.frames import ShmItem
-from kvpool.tests.conftest import NodeProcess, http_json, start_node
+
+from .conftest import NodeProcess, http_json, start_node
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 

@@ -19,7 +19,8 @@ import pytest
 
 from kvpool.client import Client, KvpoolConnectionError
 from kvpool.protocol.host import host_id
-from kvpool.tests.conftest import NodeProcess, start_node
+
+from .conftest import NodeProcess, start_node
 
 FRAME = struct.Struct("<2sBBIIIQ")
 NOBODY = 65534

