@@ -10,16 +10,73 @@ fixed-size messages cross the socketpair between them:
                          STATS (JSON), PUT (n x 16-byte keys it evicted), FETCH
                          (value_len u64) and S3_KEYS (n x (key 16 | S3Change u8)))
 
+Before the first request the node hands the worker its :class:`WorkerSettings` (the
+SSD tier's and the S3 tier's settings, as JSON on the worker's stdin); the command line
+carries only the process's plumbing (the RocksDB directory, inherited descriptors, the
+parent's pid).
+
 Pure: no I/O (the node's handle on the worker, ``server/ssd.py``, and the worker
 itself do theirs).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import struct
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["KEY_LEN", "REPLY", "REQUEST", "S3_CHANGE", "S3Change", "SsdOp", "SsdStatus",
-           "decode_keys"]
+from kvpool.protocol.envelope import Codec
+from kvpool.protocol.errors import ConfigError
+
+__all__ = ["KEY_LEN", "REPLY", "REQUEST", "S3_CHANGE", "S3Change", "S3Settings", "SsdOp",
+           "SsdStatus", "WorkerSettings", "decode_keys"]
+
+
+@dataclass(frozen=True, slots=True)
+class S3Settings:
+    """The S3 tier below the SSD: where it is, and how the worker writes behind to it
+    (everything the SSD takes is uploaded, within ``max_pending_bytes`` in flight)."""
+
+    bucket: str
+    prefix: str = "kvpool"
+    endpoint_url: str = ""  #: "" = AWS
+    region: str = ""  #: "" = from the AWS config chain
+    codec: Codec = Codec.RAW
+    #: upload bytes in flight; past it, write-behind to S3 is shed (and counted)
+    max_pending_bytes: int = 256 << 20
+    #: seconds between LISTs that find other nodes' chunks and drop deleted ones
+    relist_interval_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    """What the cold-tier worker runs, decided once by the node (``server/node.py``)."""
+
+    capacity_bytes: int
+    codec: Codec = Codec.LZ4
+    #: RocksDB memtable bytes (None: an eighth of the capacity, 2-64 MiB)
+    write_buffer_bytes: int | None = None
+    #: the worker's niceness: on a busy machine the node's event loop should win the CPU
+    nice: int = 5
+    #: make the worker non-dumpable (the node serves tenants: it maps their bytes)
+    no_dumps: bool = False
+    s3: S3Settings | None = None
+
+    def encode(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> WorkerSettings:
+        """ConfigError for anything but what :meth:`encode` makes."""
+        try:
+            fields: dict[str, Any] = json.loads(data)
+            s3 = fields.pop("s3")
+            return cls(**{**fields, "codec": Codec(fields["codec"])},
+                       s3=S3Settings(**{**s3, "codec": Codec(s3["codec"])}) if s3 else None)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ConfigError(f"bad cold-tier worker settings: {exc}") from exc
 
 REQUEST = struct.Struct("<B3xI16sQQ")
 REPLY = struct.Struct("<IB3xQ")

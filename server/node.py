@@ -22,6 +22,7 @@ from kvpool.placement.cluster_map import ClusterMap, NodeState
 from kvpool.protocol.envelope import CODEC_BY_NAME
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.parsers import Limits
+from kvpool.protocol.worker import S3Settings, WorkerSettings
 from kvpool.server.admin import make_admin_app
 from kvpool.server.auth import TokenTable, load_tokens
 from kvpool.server.config import NodeConfig, format_size
@@ -126,18 +127,17 @@ class Node:
             # quarter of DRAM so a PUT always finds room (the rest is shed and counted)
             pending = min(self.config.ssd.max_pending_bytes, self.dram.arena.capacity // 4)
             s3 = self.config.s3
-            s3_args = None
-            if s3.bucket:
-                s3_args = ["--s3-bucket", s3.bucket, "--s3-prefix", s3.prefix,
-                           "--s3-endpoint", s3.endpoint_url, "--s3-region", s3.region,
-                           "--s3-codec", str(int(_CODECS[s3.codec])),
-                           "--s3-max-pending", str(s3.max_pending_bytes),
-                           "--s3-relist", str(s3.relist_interval_s)]
-            self.ssd = SsdTier(path, resolve_ssd_capacity(self.config, path),
-                               codec=_CODECS[self.config.ssd.codec], arena_fd=self.dram.arena.fd,
+            settings = WorkerSettings(
+                capacity_bytes=resolve_ssd_capacity(self.config, path),
+                codec=_CODECS[self.config.ssd.codec],
+                # the worker maps the arena writable: non-dumpable like the node
+                no_dumps=bool(self.config.security.auth_tokens),
+                s3=S3Settings(bucket=s3.bucket, prefix=s3.prefix, endpoint_url=s3.endpoint_url,
+                              region=s3.region, codec=_CODECS[s3.codec],
+                              max_pending_bytes=s3.max_pending_bytes,
+                              relist_interval_s=s3.relist_interval_s) if s3.bucket else None)
+            self.ssd = SsdTier(path, settings, arena_fd=self.dram.arena.fd,
                                arena_size=self.dram.arena.capacity, max_pending_bytes=pending,
-                               s3_args=s3_args,
-                               no_dumps=bool(self.config.security.auth_tokens),
                                full_retry_s=self.config.ssd.full_retry_s)
             await self.ssd.start()
             self.tiers.attach_cold(self.ssd, TieringPolicy(

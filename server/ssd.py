@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpool.protocol.envelope import Codec
 from kvpool.protocol.errors import KvpoolError
 from kvpool.protocol.worker import (
     REPLY,
@@ -32,6 +31,7 @@ from kvpool.protocol.worker import (
     S3Change,
     SsdOp,
     SsdStatus,
+    WorkerSettings,
     decode_keys,
 )
 
@@ -85,17 +85,15 @@ class _Replies(asyncio.Protocol):
 
 
 class SsdTier:
-    def __init__(self, path: Path, capacity_bytes: int, *, codec: Codec, arena_fd: int,
+    def __init__(self, path: Path, settings: WorkerSettings, *, arena_fd: int,
                  arena_size: int, max_pending_bytes: int, start_timeout_s: float = 60.0,
-                 s3_args: list[str] | None = None, s3_poll_s: float = 1.0,
-                 no_dumps: bool = False, full_retry_s: float = 10.0) -> None:
+                 s3_poll_s: float = 1.0, full_retry_s: float = 10.0) -> None:
+        """``settings``: what the worker runs (the SSD tier, and S3 below it or not), sent
+        to it as it starts."""
         self.path = path
+        self.settings = settings
         #: seconds between attempts to take writes again once the disk was full
         self.full_retry_s = full_retry_s
-        #: the worker maps the arena writable: make it non-dumpable like the node
-        self.no_dumps = no_dumps
-        #: worker flags for the S3 tier (``--s3-bucket`` ...), None for no S3
-        self.s3_args = s3_args
         #: keys the worker knows to be in S3 (its writes, its LISTs), mirrored every s3_poll_s
         self.s3_index: set[bytes] = set()
         self._s3_log_pos = 0
@@ -108,8 +106,8 @@ class SsdTier:
         self._s3_task: asyncio.Task[None] | None = None
         self._full_task: asyncio.Task[None] | None = None
         self.start_timeout_s = start_timeout_s
-        self.capacity_bytes = capacity_bytes
-        self.codec = codec
+        self.capacity_bytes = settings.capacity_bytes
+        self.codec = settings.codec
         self.max_pending_bytes = max_pending_bytes
         self._arena_fd = arena_fd
         self._arena_size = arena_size
@@ -145,12 +143,14 @@ class SsdTier:
         self.path.mkdir(parents=True, exist_ok=True)
         self._proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvpool.server.ssd_worker", "--path", str(self.path),
-            "--capacity", str(self.capacity_bytes), "--codec", str(int(self.codec)),
             "--arena-fd", str(self._arena_fd), "--arena-size", str(self._arena_size),
-            "--sock-fd", str(child.fileno()), *(self.s3_args or ()),
-            *(["--no-dumps"] if self.no_dumps else []), "--parent-pid", str(os.getpid()),
-            pass_fds=(self._arena_fd, child.fileno()), stderr=asyncio.subprocess.PIPE)
+            "--sock-fd", str(child.fileno()), "--parent-pid", str(os.getpid()),
+            pass_fds=(self._arena_fd, child.fileno()), stdin=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
         child.close()
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(self.settings.encode())
+        self._proc.stdin.close()  # EOF: the worker has all of its settings
         loop = asyncio.get_running_loop()
         self._transport, _ = await loop.create_unix_connection(lambda: _Replies(self),
                                                                sock=parent)
@@ -170,7 +170,7 @@ class SsdTier:
         if status == SsdStatus.FULL:  # a full disk at start: its chunks are served read-only
             self._mark_full(reason.decode(errors="replace"))
         self._stderr_task = asyncio.create_task(self._forward_stderr())
-        if self.s3_args:
+        if self.has_s3:
             self._s3_task = asyncio.create_task(self._poll_s3_keys())
 
     def _mark_full(self, why: str) -> None:
@@ -247,7 +247,7 @@ class SsdTier:
 
     @property
     def has_s3(self) -> bool:
-        return bool(self.s3_args)
+        return self.settings.s3 is not None
 
     def write(self, key: bytes, offset: int, length: int,
               on_done: Callable[[bool], object], *, durable: bool = False,

@@ -10,7 +10,7 @@ messages over a socketpair (``protocol/worker.py``).
 SSD requests are served one at a time, in order, on the main thread. S3 work
 (write-behind uploads of what was written to SSD, FETCH of chunks only S3
 has, deletes, HEADs that CONFIRM a durable ack, a LIST at start-up and every
-``--s3-relist`` seconds) runs on a
+``relist_interval_s`` seconds) runs on a
 pool of 4 threads, so a slow S3 never delays the SSD; FETCH replies may come
 out of order. The S3 work of one key runs in the order the node sent it: a
 DELETE waits for the upload queued before it (else the upload would land
@@ -39,15 +39,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvpool.protocol.envelope import Codec
 from kvpool.protocol.worker import (
     KEY_LEN,
     REPLY,
     REQUEST,
     S3_CHANGE,
     S3Change,
+    S3Settings,
     SsdOp,
     SsdStatus,
+    WorkerSettings,
 )
 from kvpool.server.hardening import die_with_parent, forbid_dumps
 from kvpool.tiers.rocksdb import RocksDbTier
@@ -79,8 +80,15 @@ def _recv_exact(sock: socket.socket, buf: memoryview) -> bool:
 class Worker:
     """Serves the node's requests: SSD ops on this thread, S3 ops on a small pool."""
 
-    def __init__(self, tier: RocksDbTier, arena: memoryview, s3: S3Tier | None = None,
-                 s3_max_pending_bytes: int = 256 << 20, relist_interval_s: float = 60.0) -> None:
+    def __init__(self, tier: RocksDbTier, arena: memoryview,
+                 s3_settings: S3Settings | None = None, *, s3: S3Tier | None = None) -> None:
+        """``s3_settings``: the S3 tier to write behind to (None: none); ``s3`` an S3Tier
+        made from them already (tests hand in one of their own)."""
+        if s3 is None and s3_settings is not None:
+            s3 = S3Tier(s3_settings.bucket, prefix=s3_settings.prefix,
+                        endpoint_url=s3_settings.endpoint_url or None,
+                        region=s3_settings.region or None, codec=s3_settings.codec)
+        s3_settings = s3_settings or S3Settings(bucket="")
         self.tier = tier
         self.arena = arena
         self.s3 = s3
@@ -89,7 +97,7 @@ class Worker:
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvpool-s3")
         self._s3_lock = threading.Lock()
         self._s3_pending = 0
-        self._s3_max_pending = s3_max_pending_bytes
+        self._s3_max_pending = s3_settings.max_pending_bytes
         #: S3_CHANGE records, in the order we learned of the changes, from record number
         #: _s3_log_base on (the node has applied those before it: they are dropped)
         self.s3_log: list[bytes] = []
@@ -102,7 +110,7 @@ class Worker:
         self._staged_bytes = 0
         self._fetches = 0  # FETCHes queued or running on the pool
         self.fetch_shed = 0
-        self._relist_interval = relist_interval_s
+        self._relist_interval = s3_settings.relist_interval_s
         self._stop = threading.Event()
         if s3 is not None:
             s3.listener = self._s3_changed
@@ -387,27 +395,15 @@ class Worker:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The worker's process: the node passes the process's plumbing on the command line
+    and its :class:`WorkerSettings` on stdin (``protocol/worker.py``)."""
     parser = argparse.ArgumentParser(prog="kvpool-ssd-worker")
-    parser.add_argument("--path", required=True)
-    parser.add_argument("--capacity", type=int, required=True)
-    parser.add_argument("--codec", type=int, default=int(Codec.LZ4))
-    parser.add_argument("--write-buffer", type=int, default=None,
-                        help="RocksDB memtable bytes (default: an eighth of --capacity, 2-64 MiB)")
+    parser.add_argument("--path", required=True, help="the RocksDB directory")
     parser.add_argument("--arena-fd", type=int, required=True)
     parser.add_argument("--arena-size", type=int, required=True)
     parser.add_argument("--sock-fd", type=int, required=True)
-    parser.add_argument("--nice", type=int, default=5)
     parser.add_argument("--parent-pid", type=int, default=0,
                         help="exit when this process (the node) dies")
-    parser.add_argument("--no-dumps", action="store_true",
-                        help="make this process non-dumpable (the node serves tenants)")
-    parser.add_argument("--s3-bucket", default="")
-    parser.add_argument("--s3-prefix", default="kvpool")
-    parser.add_argument("--s3-endpoint", default="")
-    parser.add_argument("--s3-region", default="")
-    parser.add_argument("--s3-codec", type=int, default=int(Codec.RAW))
-    parser.add_argument("--s3-max-pending", type=int, default=256 << 20)
-    parser.add_argument("--s3-relist", type=float, default=60.0)
     args = parser.parse_args(argv)
     # Ctrl-C in a terminal reaches the whole process group: the node shuts down on it and
     # closes the socket once its queued work is sent, and this process exits at that EOF
@@ -417,25 +413,21 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if args.parent_pid:
         die_with_parent(args.parent_pid)
-    if args.no_dumps:
+    settings = WorkerSettings.decode(sys.stdin.buffer.read())
+    if settings.no_dumps:
         forbid_dumps()
-    # background work: on a busy machine the node's event loop should win the CPU
-    os.nice(args.nice)
+    os.nice(settings.nice)
     sock = socket.socket(fileno=args.sock_fd)
     arena_map = mmap.mmap(args.arena_fd, args.arena_size)
     os.close(args.arena_fd)
     try:
-        tier = RocksDbTier(args.path, args.capacity, codec=Codec(args.codec),
-                           write_buffer_bytes=args.write_buffer)
+        tier = RocksDbTier(args.path, settings.capacity_bytes, codec=settings.codec,
+                           write_buffer_bytes=settings.write_buffer_bytes)
     except Exception as exc:
         print(f"kvpool ssd worker: cannot open {args.path}: {exc}", file=sys.stderr)
         return 2
     arena = memoryview(arena_map)
-    s3 = None
-    if args.s3_bucket:
-        s3 = S3Tier(args.s3_bucket, prefix=args.s3_prefix, endpoint_url=args.s3_endpoint or None,
-                    region=args.s3_region or None, codec=Codec(args.s3_codec))
-    worker = Worker(tier, arena, s3, args.s3_max_pending, args.s3_relist)
+    worker = Worker(tier, arena, settings.s3)
     worker.start_s3()
     try:
         worker.serve(sock)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.protocol.envelope import Codec, seal
-from kvpool.protocol.worker import SsdStatus
+from kvpool.protocol.worker import SsdStatus, WorkerSettings
 from kvpool.server.ssd import SsdTier, SsdUnavailableError
 from kvpool.tiers.dram import DramTier
 
@@ -45,7 +45,7 @@ def dram() -> DramTier:
 
 
 def ssd_for(dram: DramTier, path: Path, capacity: int = 4 << 20) -> SsdTier:
-    return SsdTier(path, capacity, codec=Codec.LZ4, arena_fd=dram.arena.fd,
+    return SsdTier(path, WorkerSettings(capacity, Codec.LZ4), arena_fd=dram.arena.fd,
                    arena_size=dram.arena.capacity, max_pending_bytes=16 << 20)
 
 
@@ -105,7 +105,7 @@ async def test_second_worker_on_same_dir_fails_clearly(dram: DramTier, ssd: SsdT
 
 
 async def test_write_behind_sheds_past_its_budget(dram: DramTier, tmp_path: Path) -> None:
-    ssd = SsdTier(tmp_path, 8 << 20, codec=Codec.LZ4, arena_fd=dram.arena.fd,
+    ssd = SsdTier(tmp_path, WorkerSettings(8 << 20, Codec.LZ4), arena_fd=dram.arena.fd,
                   arena_size=dram.arena.capacity, max_pending_bytes=1 << 20)
     await ssd.start()
     results: list[bool] = []
@@ -142,7 +142,8 @@ def test_worker_bounds_fetched_values_and_queued_fetches(
     s3 = S3Tier(s3_bucket, endpoint_url=s3_endpoint, region="us-east-1")
     for i in range(4):
         assert s3.put(key(i), value_of(400_000))
-    worker = ssd_worker.Worker(RocksDbTier(tmp_path, 1 << 20), memoryview(bytearray(16)), s3)
+    worker = ssd_worker.Worker(RocksDbTier(tmp_path, 1 << 20), memoryview(bytearray(16)),
+                               s3=s3)
     node_end, worker_end = socket.socketpair()
     worker._sock = worker_end
     for i in range(4):  # fetched, never copied: the oldest are dropped past 1 MiB
@@ -170,7 +171,8 @@ def test_s3_ops_on_one_key_land_in_the_order_the_node_sent_them(
 
     s3 = S3Tier(s3_bucket, endpoint_url=s3_endpoint, region="us-east-1")
     value = value_of(300_000)
-    worker = ssd_worker.Worker(RocksDbTier(tmp_path, 4 << 20), memoryview(bytearray(value)), s3)
+    worker = ssd_worker.Worker(RocksDbTier(tmp_path, 4 << 20), memoryview(bytearray(value)),
+                               s3=s3)
     node_end, worker_end = socket.socketpair()
     worker._sock = worker_end
     gate = threading.Event()
@@ -223,3 +225,25 @@ def test_s3_log_is_read_in_order_and_forgets_what_the_node_applied(tmp_path: Pat
     assert read(3) == [(key(1), S3Change.PRESENT)]
     assert len(worker.s3_log) == 1  # the 3 records the node applied are gone
     assert read(4) == [] and worker.s3_log == []
+
+
+def test_worker_settings_travel_whole_and_garbage_is_refused() -> None:
+    """What the node sends the worker on its stdin: every field comes back as sent (the
+    codecs as Codec, S3 or none), and anything else is a ConfigError, not a half-set tier."""
+    from kvpool.protocol.errors import ConfigError
+    from kvpool.protocol.worker import S3Settings
+
+    for settings in (WorkerSettings(1 << 30),
+                     WorkerSettings(5 << 20, Codec.RAW, write_buffer_bytes=4 << 20, nice=0,
+                                    no_dumps=True,
+                                    s3=S3Settings("b", prefix="p", endpoint_url="http://x:1",
+                                                  region="r", codec=Codec.SHUFFLE_LZ4,
+                                                  max_pending_bytes=3 << 20,
+                                                  relist_interval_s=7.5))):
+        again = WorkerSettings.decode(settings.encode())
+        assert again == settings
+        assert isinstance(again.codec, Codec)
+    for garbage in (b"", b"[]", b'{"capacity_bytes": 1}', b'{"capacity_bytes": 1, "codec": 9, '
+                    b'"write_buffer_bytes": null, "nice": 5, "no_dumps": false, "s3": null}'):
+        with pytest.raises(ConfigError):
+            WorkerSettings.decode(garbage)

@@ -12,6 +12,7 @@ import pytest
 
 from kvpool.protocol.envelope import Codec, seal
 from kvpool.protocol.frames import Tier
+from kvpool.protocol.worker import WorkerSettings
 from kvpool.server.events import EventBus, Subscription
 from kvpool.server.ssd import SsdTier
 from kvpool.server.tiering import TieringPolicy, TierManager
@@ -57,7 +58,7 @@ def drained(sub: Subscription) -> list[tuple[str, str]]:
 async def tiers(tmp_path: Path) -> AsyncIterator[TierManager]:
     dram = DramTier(8 << 20)
     manager = TierManager(dram, EventBus("t"))
-    ssd = SsdTier(tmp_path, 16 << 20, codec=Codec.LZ4, arena_fd=dram.arena.fd,
+    ssd = SsdTier(tmp_path, WorkerSettings(16 << 20, Codec.LZ4), arena_fd=dram.arena.fd,
                   arena_size=dram.arena.capacity, max_pending_bytes=4 << 20)
     await ssd.start()
     manager.attach_cold(ssd, TieringPolicy(write_through=True))  # no S3: nothing to wait on
