@@ -80,8 +80,15 @@ def inspect(ref: str, fmt: str) -> str:
 
 
 def wait_for(what: str, check: Callable[[], bool], timeout: float = 90) -> None:
+    """Until ``check()``; a refused connection counts as not yet: a recreated node's map
+    entry can say "up" (its lease has not run out) before the new container listens."""
     deadline = time.monotonic() + timeout
-    while not check():
+    while True:
+        try:
+            if check():
+                return
+        except OSError:
+            pass
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(0.5)
