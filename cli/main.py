@@ -10,10 +10,12 @@ benchmark), 2 bad input or a node unreachable or refusing, 3 timed out."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from kvpool.cli.admin_http import AdminError, add_admin_args, call_first
 from kvpool.cli.cluster import add_cluster_commands, hit_rate
@@ -177,11 +179,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refuse_unknown(parser: argparse.ArgumentParser, argv: list[str],
+                    unknown: list[str]) -> NoReturn:
+    """argparse's "unrecognized arguments", from the command's own parser (its usage,
+    not the top level's), with the flags the first unknown one was probably meant to be
+    (``kvpool serve --port`` -> ``--data-port``)."""
+    command = parser
+    for word in argv:  # down the sub-commands named, as argparse went
+        subs = [a for a in command._actions if isinstance(a, argparse._SubParsersAction)]
+        if subs and word in subs[0].choices:
+            command = subs[0].choices[word]
+    words = {o[2:]: o for a in command._actions for o in a.option_strings
+             if o.startswith("--")}
+    name = unknown[0].split("=", 1)[0]
+    word = name[2:] if name.startswith("--") else ""
+    close = [flag for w, flag in words.items() if word and word in w.split("-")] or \
+        [words[w] for w in difflib.get_close_matches(word, list(words), n=3, cutoff=0.75)]
+    hint = f" (did you mean {' or '.join(close[:3])}?)" if close else ""
+    command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:  # everything after "demo" is the demo's own (torch-side) CLI
         return _demo(argparse.Namespace(demo_args=argv[1:]))
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _refuse_unknown(parser, argv, unknown)
     try:
         code: int = args.func(args)
         sys.stdout.flush()

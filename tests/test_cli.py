@@ -71,6 +71,21 @@ def test_bad_flag_is_a_clear_error() -> None:
     assert out.returncode == 2 and "not a size" in out.stderr
 
 
+def test_an_unknown_flag_names_its_command_and_the_flags_meant() -> None:
+    """Refused before anything starts, with the command's own usage (not the top level's,
+    which lists sub-commands) and the flags a user typing --port or --jsn was after."""
+    port = kvpool("serve", "--port", "7790")
+    assert port.returncode == 2
+    assert port.stderr.startswith("usage: kvpool serve")
+    assert "unrecognized arguments: --port 7790 (did you mean --data-port or --admin-port?)" \
+        in port.stderr
+    typo = kvpool("stats", "--jsn")
+    assert typo.returncode == 2 and "--jsn (did you mean --json?)" in typo.stderr
+    nothing_close = kvpool("serve", "--bogus")
+    assert nothing_close.returncode == 2
+    assert nothing_close.stderr.rstrip().endswith("unrecognized arguments: --bogus")
+
+
 def test_embedded_default_prints_capacity() -> None:
     n = start_node()  # no capacity flag: a fraction of available memory
     try:
