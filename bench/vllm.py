@@ -66,7 +66,6 @@ STEPS = 33  # 1 prefill token + 32 decoded: decode speed over 32 steps
 VOCAB = 49152
 
 
-
 def _vllm_env(tmp: Path) -> dict[str, str]:
     # TMPDIR: vLLM's IPC sockets go with the rest of the run's files, removed at the end
     return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",

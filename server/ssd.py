@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpool.protocol.envelope import Codec
 from kvpool.protocol.errors import KvpoolError
 from kvpool.protocol.worker import (
     REPLY,
@@ -106,8 +107,6 @@ class SsdTier:
         self._s3_task: asyncio.Task[None] | None = None
         self._full_task: asyncio.Task[None] | None = None
         self.start_timeout_s = start_timeout_s
-        self.capacity_bytes = settings.capacity_bytes
-        self.codec = settings.codec
         self.max_pending_bytes = max_pending_bytes
         self._arena_fd = arena_fd
         self._arena_size = arena_size
@@ -244,6 +243,14 @@ class SsdTier:
                     await task
 
     # -- operations -----------------------------------------------------------------------
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.settings.capacity_bytes
+
+    @property
+    def codec(self) -> Codec:
+        return self.settings.codec
 
     @property
     def has_s3(self) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-#: the repository's root: drivers of the engine tests run from here as ``python -m tests.X``
+#: the repository's root (engine drivers run from here as ``python -m tests.X``)
 #: (the tests are not part of the installed package)
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,9 +17,8 @@ import yaml
 from kvpool.client import Client
 from kvpool.server.config import load_config, unknown_env_vars
 
-from .conftest import start_node
+from .conftest import ROOT, start_node
 
-ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 
 

@@ -19,7 +19,6 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import boto3
@@ -29,7 +28,8 @@ from kvpool.client import Client
 from kvpool.protocol.envelope import seal
 from kvpool.tiers.s3 import object_name
 
-ROOT = Path(__file__).resolve().parent.parent
+from .conftest import ROOT
+
 PROJECT = "kvpooltest"
 FILES = ["-f", str(ROOT / "docker-compose.yml"), "-f", str(ROOT / "docker-compose.local.yml")]
 SERVICES = ["etcd", "minio", "minio-init", "kvpool-1", "kvpool-2", "kvpool-3", "prometheus"]

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import NodeProcess
+from .conftest import ROOT, NodeProcess
 
-ROOT = Path(__file__).resolve().parent.parent
 # package -> the kvpool packages it may import (DESIGN.md "Layout"; plus server -> client:
 # a node reaches its peers through the SDK, see docs/architecture.md)
 ALLOWED = {
