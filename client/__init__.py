@@ -6,6 +6,7 @@ Errors raised are the classes of :mod:`kvpool.protocol.errors`, re-exported here
 from kvpool.client._async import AsyncClient, parse_url
 from kvpool.client._options import ClientOptions
 from kvpool.client._sync import Client
+from kvpool.client.transport import MockTransport, TcpTransport, Transport
 from kvpool.protocol.errors import (
     AuthenticationError,
     BufferTooSmallError,
@@ -34,8 +35,11 @@ __all__ = [
     "KvpoolConnectionError",
     "KvpoolError",
     "KvpoolTimeoutError",
+    "MockTransport",
     "NotDurableError",
     "PermissionDeniedError",
+    "TcpTransport",
+    "Transport",
     "ValueTooLargeError",
     "parse_url",
 ]

@@ -1,8 +1,9 @@
 """The async SDK core: one node or a cluster. The sync :class:`kvpool.client.Client` wraps it.
 
 Give it one node URL or a list of seeds. On connect it says HELLO to the
-first seed that answers; a standalone node is used directly, a cluster node
-hands over the cluster map, and from then on the client routes by itself:
+first seed that answers; a cluster node hands over the cluster map, a
+standalone node is its own one-node map (epoch 0), and from then on the
+client routes by itself:
 each key goes to the nodes of its preference list (owners, then
 fallbacks), batches are split by node and sent in parallel, one pipelined
 connection pool per node.
@@ -67,6 +68,7 @@ from kvpool.client._options import SHM_PUT_MIN_BYTES, ClientOptions
 from kvpool.client._plans import as_segments, flat_view
 from kvpool.client._router import Router
 from kvpool.client._tracing import _tracer, explicit_tracer, traced
+from kvpool.client.transport import Transport
 from kvpool.placement.cluster_map import ClusterMap
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
 from kvpool.protocol.errors import (
@@ -125,7 +127,9 @@ class AsyncClient:
     ``url``: a node URL (``kvpool://host:port`` or ``host:port``), a list of them, or
     comma-separated seeds as ``kvpool cluster up`` prints them; any one node of a cluster
     is enough (it hands out the map). Default: ``$KVPOOL_URL``, else kvpool://127.0.0.1:7700.
-    ``token`` defaults to ``$KVPOOL_TOKEN``.
+    ``token`` defaults to ``$KVPOOL_TOKEN``. ``transport``: how connections reach the
+    nodes (default TCP; :class:`~kvpool.client.transport.MockTransport` answers them in
+    this process, for tests).
     """
 
     def __init__(self, url: str | Sequence[str] | None = None, *,
@@ -134,7 +138,8 @@ class AsyncClient:
                  tracer_provider: TracerProvider | None = None,
                  shm: bool | None = None, token: str | None = None, scope: str = "tenant",
                  ssl: ssl_module.SSLContext | None = None,
-                 shm_put_min_bytes: int = SHM_PUT_MIN_BYTES, shm_index: bool = True) -> None:
+                 shm_put_min_bytes: int = SHM_PUT_MIN_BYTES, shm_index: bool = True,
+                 transport: Transport | None = None) -> None:
         if url is None:
             url = os.environ.get("KVPOOL_URL") or f"kvpool://127.0.0.1:{DEFAULT_PORT}"
         self.seeds = parse_seeds(url)  # ConfigError when it names no node
@@ -145,15 +150,14 @@ class AsyncClient:
         self.options = ClientOptions(pool_size=pool_size, timeout=timeout,
                                      connect_timeout=connect_timeout, client_name=client_name,
                                      shm=shm, token=token, scope=scope, ssl=ssl,
-                                     shm_put_min_bytes=shm_put_min_bytes, shm_index=shm_index)
+                                     shm_put_min_bytes=shm_put_min_bytes, shm_index=shm_index,
+                                     transport=transport)
         self.timeout = timeout
         #: where client spans go; None: the application's global provider (no spans, and no
         #: trace context on the wire, unless it installed an SDK provider)
         self.tracer_provider = tracer_provider
         self.tracer = explicit_tracer(tracer_provider)
-        #: the node of a standalone deployment (None in cluster mode)
-        self._single: NodeClient | None = None
-        #: cluster mode: the map and a NodeClient per node of it (empty until connected)
+        #: the map and a NodeClient per node of it (empty until connected)
         self._router = Router(self.options)
         self._connect_lock = asyncio.Lock()
 
@@ -162,7 +166,7 @@ class AsyncClient:
     @property
     def server_info(self) -> dict[str, Any]:
         """What the (first) node said in HELLO: limits, protocol, node id, epoch."""
-        node = self._single or next(iter(self._router.nodes.values()), None)
+        node = next(iter(self._router.nodes.values()), None)
         return node.server_info if node is not None else {}
 
     @property
@@ -176,11 +180,12 @@ class AsyncClient:
 
     @property
     def map(self) -> ClusterMap | None:
-        """The cluster map this client routes by (None: a standalone node)."""
+        """The map this client routes by (None until connected): a cluster's, or a
+        standalone node's own one-node map (epoch 0, ``map.is_standalone``)."""
         return self._router.map
 
     def _connected(self) -> bool:
-        return self._single is not None or self.map is not None
+        return self.map is not None
 
     async def connect(self) -> None:
         """Reach the first seed that answers (otherwise the first call does)."""
@@ -194,10 +199,7 @@ class AsyncClient:
                 node = NodeClient(host, port, self.options)
                 try:
                     await node.connect()
-                    if not node.server_info.get("cluster"):
-                        self._single = node
-                        return
-                    cmap = await self._router.fetch_map(node)
+                    cmap = await self._router.map_from(node)
                 except KvpoolConnectionError as exc:
                     node.close()
                     error = exc
@@ -208,14 +210,11 @@ class AsyncClient:
             raise error
 
     async def close(self) -> None:
-        if self._single is not None:
-            self._single.close()
-            self._single.close_mapping()
         self._router.close()
 
     def _node_clients(self) -> list[NodeClient]:
-        """The standalone node's client, or every cluster node's."""
-        return [self._single] if self._single is not None else list(self._router.nodes.values())
+        """Every node's client (one for a standalone node)."""
+        return list(self._router.nodes.values())
 
     @property
     def shm_retries(self) -> int:
@@ -303,14 +302,6 @@ class AsyncClient:
                                                   chunk_indexes=chunk_indexes,
                                                   num_tokens=num_tokens, parents=parents)
         await self.connect()
-        if self._single is not None:
-            statuses = await self._single.put(bkeys, values, ttl_ms=ttl_ms, flags=flags,
-                                              chunk_indexes=chunk_indexes,
-                                              num_tokens=num_tokens, fingerprint=fingerprint,
-                                              parents=bparents)
-            raise_put_errors(bkeys, statuses, [s == Status.OK for s in statuses])
-            return
-
         refused, stored = await cluster_ops.put(
             self._router, bkeys, values, ttl_ms=ttl_ms, flags=flags,
             chunk_indexes=chunk_indexes, num_tokens=num_tokens, fingerprint=fingerprint,
@@ -345,7 +336,7 @@ class AsyncClient:
         client tries this first; the reads are reported to the node later (TOUCH), when
         :attr:`touch_due` says so.
         """
-        node = self._single
+        node = self._router.standalone_node
         if node is None or not self.can_read_local:
             return None
         sinks = _sinks(keys, buffers) if buffers is not None else None
@@ -359,7 +350,7 @@ class AsyncClient:
     @property
     def can_read_local(self) -> bool:
         """Whether :meth:`read_local` may answer at all (else it returns None at once)."""
-        node = self._single
+        node = self._router.standalone_node
         return node is not None and node.shm_path.can_read_local and _tracer(self) is None
 
     @property
@@ -368,13 +359,15 @@ class AsyncClient:
         event loop (the sync client's blocking TCP path, :mod:`kvpool.client._blocking`):
         connected, and no client spans to record. Which calls go over TCP at all is the
         node's to say (:meth:`NodeClient.gets_by_shm`, :meth:`NodeClient.puts_by_shm`)."""
-        node = self._single
-        return node if node is not None and _tracer(self) is None else None
+        node = self._router.standalone_node
+        return node if node is not None and _tracer(self) is None \
+            and self.options.over_tcp else None
 
     @property
     def touch_due(self) -> bool:
         """Reads through the arena index wait to be reported (see :meth:`send_touches`)."""
-        return self._single is not None and self._single.shm_path.touch_due
+        node = self._router.standalone_node
+        return node is not None and node.shm_path.touch_due
 
     async def send_touches(self) -> None:
         """Report the reads made through the arena index now (one TOUCH a node)."""
@@ -407,8 +400,9 @@ class AsyncClient:
         """
         blob = join_keys(keys)
         await self.connect()
-        if self._single is not None:
-            codes: Sequence[int] = await self._single.lookup(blob)
+        node = self._router.standalone_node
+        if node is not None:  # the node's own LOOKUP stops at its first miss
+            codes: Sequence[int] = await node.lookup(blob)
         else:
             codes = await self.exists_codes(blob)
             codes = codes[: codes.index(0)] if 0 in codes else codes
@@ -422,8 +416,9 @@ class AsyncClient:
         counters include every read this client made."""
         await self.connect()
         await asyncio.gather(*(node.shm_path.flush_touches() for node in self._node_clients()))
-        if self._single is not None:
-            return await self._single.json_op(Op.STATS)
+        node = self._router.standalone_node
+        if node is not None:
+            return await node.json_op(Op.STATS)
         nodes = list(self._router.nodes.values())
         answers = await asyncio.gather(*(n.json_op(Op.STATS) for n in nodes),
                                        return_exceptions=True)
@@ -440,18 +435,17 @@ class AsyncClient:
     async def cluster_map(self) -> dict[str, Any]:
         """The map as a node serves it (a one-node map for a standalone node)."""
         await self.connect()
-        if self._single is not None:
-            return await self._single.json_op(Op.CLUSTER)
+        node = self._router.standalone_node
+        if node is not None:  # its own view: the address it serves on, "source"
+            return await node.json_op(Op.CLUSTER)
         assert self.map is not None
         return self.map.to_dict()
 
-    # -- ops over one node or the cluster -------------------------------------------------
+    # -- ops routed by the map ---------------------------------------------------------
 
     async def _get(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None
                    ) -> list[memoryview | Segments | None]:
         await self.connect()
-        if self._single is not None:
-            return await self._single.get(blob, sinks)
         return await cluster_ops.get(self._router, blob, sinks)
 
     @traced("exists_codes")
@@ -462,15 +456,11 @@ class AsyncClient:
         """
         blob = keys if isinstance(keys, bytes) else join_keys(keys)
         await self.connect()
-        if self._single is not None:
-            return await self._single.exists(blob)
         return await cluster_ops.exists_codes(self._router, blob)
 
     async def _statuses(self, op: Op, blob: bytes) -> list[bool]:
         """DELETE/PIN/UNPIN: True where some node did it."""
         await self.connect()
-        if self._single is not None:
-            return [s == Status.OK for s in await self._single.statuses(op, blob)]
         return await cluster_ops.statuses(self._router, op, blob)
 
 

@@ -89,7 +89,7 @@ class Connection(asyncio.BufferedProtocol):
              epoch: int = 0) -> asyncio.Future[Reply]:
         """Write one request frame; the future resolves with its reply."""
         if self._lost is not None or self._transport is None:
-            raise self._lost or KvpoolConnectionError("connection is not open")
+            raise self._lost or KvpoolConnectionError(f"connection to {self._peer} is not open")
         self._next_id = (self._next_id + 1) & 0xFFFFFFFF
         request_id = self._next_id
         body_len = sum(memoryview(b).nbytes for b in body)
@@ -145,7 +145,7 @@ class Connection(asyncio.BufferedProtocol):
         try:
             replies = self._parser.buffer_updated(nbytes)
         except KvpoolError as exc:
-            self.abort(f"bad reply stream from the node: {exc}")
+            self.abort(f"bad reply stream from {self._peer}: {exc}")
             return
         for reply in replies:
             pending = self._pending.pop(reply.header.request_id, None)
@@ -153,7 +153,8 @@ class Connection(asyncio.BufferedProtocol):
                 pending.future.set_result(reply)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        reason = f"connection to the node lost: {exc}" if exc else "node closed the connection"
+        reason = f"connection to {self._peer} lost: {exc}" if exc else \
+            f"{self._peer} closed the connection"
         self._fail(KvpoolConnectionError(reason))
         self._transport = None
 

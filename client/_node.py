@@ -29,7 +29,6 @@ from kvpool.protocol.errors import (
     InvalidArgumentError,
     InvalidKeyError,
     KvpoolConnectionError,
-    KvpoolTimeoutError,
     Status,
     WrongOwnerError,
     error_for_status,
@@ -337,27 +336,16 @@ class NodeClient:
         return await asyncio.shield(connecting)
 
     async def _open(self) -> Connection:
-        loop = asyncio.get_running_loop()
         options = self.options
-        try:
-            async with asyncio.timeout(options.connect_timeout):
-                _, conn = await loop.create_connection(
-                    lambda: Connection(options.timeout, f"{self.host}:{self.port}"),
-                    self.host, self.port, ssl=options.ssl)
-        except TimeoutError:
-            raise KvpoolTimeoutError(
-                f"connecting to {self.host}:{self.port} took longer than "
-                f"{options.connect_timeout}s"
-            ) from None
-        except OSError as exc:  # ssl.SSLError included
-            raise KvpoolConnectionError(
-                f"cannot connect to kvpool node {self.host}:{self.port}: {exc}") from exc
+        conn = await options.connector.open(
+            self.host, self.port, options,
+            lambda: Connection(options.timeout, f"{self.host}:{self.port}"))
         conn.scope_flags = options.scope_flags
         request: dict[str, Any] = {"protocol": PROTOCOL_VERSION,
                                    "client": options.client_name}
         if options.token:
             request["token"] = options.token
-        if options.shm is not False:
+        if options.shm is not False and options.over_tcp:
             request.update(shm=True, host=host_id())
         try:
             reply = await self._call(conn, Op.HELLO, 0, [encode_json(request)])

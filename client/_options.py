@@ -5,6 +5,7 @@ from __future__ import annotations
 import ssl as ssl_module
 from dataclasses import dataclass
 
+from kvpool.client.transport import TcpTransport, Transport
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.frames import SCOPE_FLAGS
 
@@ -44,6 +45,8 @@ class ClientOptions:
     shm_put_min_bytes: int = SHM_PUT_MIN_BYTES
     #: look values up in a node's arena index (no request) before asking GET_SHM
     shm_index: bool = True
+    #: how connections reach nodes (None: TCP sockets; see :mod:`kvpool.client.transport`)
+    transport: Transport | None = None
 
     def __post_init__(self) -> None:
         if self.pool_size < 1:
@@ -56,6 +59,20 @@ class ClientOptions:
             raise ConfigError(f"scope must be 'tenant', 'shared' or 'raw', got {self.scope!r}")
 
     @property
+    def connector(self) -> Transport:
+        """The transport connections are opened through."""
+        return self.transport or _TCP
+
+    @property
+    def over_tcp(self) -> bool:
+        """Whether connections are TCP sockets (the sync client's blocking socket and the
+        same-host fast path only make sense then)."""
+        return isinstance(self.connector, TcpTransport)
+
+    @property
     def scope_flags(self) -> int:
         """The op-byte bits of :attr:`scope`, set on every key op and PUT."""
         return SCOPE_FLAGS[self.scope]
+
+
+_TCP = TcpTransport()

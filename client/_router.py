@@ -1,11 +1,17 @@
-"""Cluster routing: the map, a ``NodeClient`` per node of it, and the fan-out of a batch.
+"""Routing: the map, a ``NodeClient`` per node of it, and the fan-out of a batch.
 
-:class:`Router` holds the cluster map a client routes by and one
-:class:`NodeClient` per node; :meth:`Router.fan_out` sends each key of a
-batch to nodes of its preference list (``kvpool.client._routing.pick``
-chooses which), marks failing nodes down, and refreshes the map on
-WRONG_OWNER or on a reply from a newer epoch (one refresh at a time). The
-ops that use it (``AsyncClient``) say what to send and how to merge answers.
+:class:`Router` holds the map a client routes by and one :class:`NodeClient`
+per node; :meth:`Router.fan_out` sends each key of a batch to nodes of its
+preference list (``kvpool.client._routing.pick`` chooses which), marks failing
+nodes down, and refreshes the map on WRONG_OWNER or on a reply from a newer
+epoch (one refresh at a time). The ops that use it (``kvpool.client._cluster_ops``)
+say what to send and how to merge answers.
+
+A standalone node is routed to like any cluster: by its one-node map of epoch 0
+(``ClusterMap.standalone``), which the client makes from the node's HELLO; every
+key's preference list is that node. :attr:`Router.standalone_node` names it for the
+few things that differ (the sync client's loop-free paths, the shape of ``stats``,
+the node's own LOOKUP).
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -59,10 +66,8 @@ class Router:
             node.close()
             node.close_mapping()
 
-    async def fan_out(self, blob: bytes,
-                       send: Callable[[NodeClient, npt.NDArray[np.intp]], Awaitable[T]],
-                       absorb: Callable[[npt.NDArray[np.intp], T], npt.NDArray[np.bool_] | None],
-                       *, per_row: str, sequential: bool = False) -> None:
+    async def fan_out(self, blob: bytes, send: Send[T], absorb: Absorb[T], *, per_row: str,
+                      sequential: bool = False) -> None:
         """Send each key to nodes of its preference list and hand every answer to ``absorb``.
 
         ``send(node, rows)`` asks one node about the keys at batch positions
@@ -74,71 +79,37 @@ class Router:
         needed are asked at once. Nodes that fail are marked down and the key
         moves on down its list; WRONG_OWNER refreshes the map and starts over
         the keys not done. Raises KvpoolConnectionError for keys no node
-        answered for.
+        answered for (the node's own error where one node's failure is all
+        there is to say, as for a standalone node).
         """
         n = len(blob) // KEY_SIZE
-        answered = np.zeros(n, dtype=np.intp)
-        done = np.zeros(n, dtype=bool)
-        positions = key_positions(blob)
+        state = _FanOut(send, absorb, np.zeros(n, dtype=np.intp), np.zeros(n, dtype=bool), {})
+        positions: npt.NDArray[np.uint64] | None = None
         refreshes = 0
         while True:
             # the map may be replaced while this call waits: route by one snapshot of it
             cmap, ring_nodes = self.map, self.ring_nodes
             assert cmap is not None
-            table = cmap.ring.owner_indexes(positions, cmap.width)
-            tried = np.zeros(table.shape, dtype=bool)
-            width = table.shape[1]
-            count = width if per_row == "all" else cmap.num_owners
-            stale: int | None = None
-            for _ in range(width):
-                rows = np.flatnonzero(~done & ~tried.all(axis=1))
-                if not len(rows):
-                    break
-                live = np.array([node.live for node in ring_nodes], dtype=bool)
-                if sequential:
-                    picks = pick(table, tried, live, rows)
-                else:
-                    # ask as many more nodes as are still needed, one frame a node
-                    picks = pick(table, tried, live, rows, per_row=count - answered[rows])
-                if not picks:
-                    break
-                nodes = [ring_nodes[p.node] for p in picks]
-                # the tasks gather makes copy this context: their frames say which map
-                # routed them, even if a newer one is installed before they are sent
-                token = routed_by.set(cmap.epoch)
-                try:
-                    outcomes = await asyncio.gather(
-                        *(send(node, p.rows) for node, p in zip(nodes, picks, strict=True)),
-                        return_exceptions=True)
-                finally:
-                    routed_by.reset(token)
-                for node, p, outcome in zip(nodes, picks, outcomes, strict=True):
-                    if isinstance(outcome, WrongOwnerError):
-                        stale = max(stale or 0, outcome.epoch)
-                        continue
-                    if isinstance(outcome, KvpoolConnectionError):
-                        node.mark_down()
-                        continue
-                    if isinstance(outcome, BaseException):
-                        raise outcome
-                    finished = absorb(p.rows, outcome)
-                    answered[p.rows] += 1
-                    if finished is not None:
-                        done[p.rows[finished]] = True
-                done |= answered >= count
-                if stale is not None:
-                    break
+            if len(ring_nodes) == 1:  # every key's list is that node: nothing to look up
+                stale = await state.deliver(cmap.epoch, ring_nodes,
+                                            [np.flatnonzero(~state.done)], count=1)
+            else:
+                if positions is None:
+                    positions = key_positions(blob)
+                stale = await state.rounds(cmap, ring_nodes, positions, per_row=per_row,
+                                           sequential=sequential)
             if stale is None or refreshes >= _MAX_REFRESHES:
                 break
             refreshes += 1
             await self.refresh(min_epoch=stale)
-        unanswered = np.flatnonzero(answered == 0)
+        unanswered = np.flatnonzero(state.answered == 0)
         if len(unanswered):
+            if len(state.failed) == 1 and stale is None:  # one node's failure says it all
+                raise next(iter(state.failed.values()))
             raise KvpoolConnectionError(
                 f"no node of the preference list answered for {len(unanswered)} of {n} keys "
                 f"(e.g. {rows_blob(blob, unanswered[:1]).hex()}); "
                 f"nodes down: {[x.node_id for x in ring_nodes if not x.live]}")
-
     def draining(self) -> list[NodeClient]:
         """Live nodes the map marks draining: they own nothing but may still hold chunks."""
         cmap = self.map
@@ -146,6 +117,45 @@ class Router:
             return []
         return [self.nodes[n.id] for n in cmap.nodes
                 if n.state == NodeState.DRAINING and self.nodes[n.id].live]
+
+    @property
+    def sole_node(self) -> NodeClient | None:
+        """The node of a one-node map (a standalone node, or a cluster of one): every
+        key's preference list is that node, so a batch goes to it whole."""
+        return self.ring_nodes[0] if len(self.nodes) == 1 else None
+
+    async def ask_sole(self, call: Callable[[], Awaitable[T]]) -> T | None:
+        """``call()``'s answer from :attr:`sole_node` (it asks it) -- with none of :meth:`fan_out`'s
+        numpy (~100 us a call when run cold after a wake-up, as every call is). A node that
+        fails raises its own error; it is not marked down (there is no other node to turn
+        to, and that would close its other connections under their requests; the one that
+        timed out is already aborted). None after WRONG_OWNER: the map was refreshed,
+        route the call by it."""
+        epoch = self.map.epoch if self.map is not None else 0
+        token = routed_by.set(epoch)
+        try:
+            return await call()
+        except WrongOwnerError as exc:
+            stale = exc.epoch
+        finally:
+            routed_by.reset(token)
+        await self.refresh(min_epoch=stale)
+        return None
+
+    @property
+    def standalone_node(self) -> NodeClient | None:
+        """The node, when this client routes by a standalone node's map (epoch 0)."""
+        cmap = self.map
+        return self.ring_nodes[0] if cmap is not None and cmap.is_standalone else None
+
+    async def map_from(self, node: NodeClient) -> ClusterMap:
+        """The map to route by, from a node that said HELLO: a cluster node's map, or a
+        standalone node's own one-node map (at the address this client reached it by)."""
+        if node.server_info.get("cluster"):
+            return await self.fetch_map(node)
+        host = f"[{node.host}]" if ":" in node.host else node.host
+        return ClusterMap.standalone(str(node.server_info.get("node_id") or node.node_id),
+                                     f"{host}:{node.port}")
 
     @staticmethod
     async def fetch_map(node: NodeClient) -> ClusterMap:
@@ -213,3 +223,82 @@ class Router:
                      newest.epoch)
 
 
+
+Rows = npt.NDArray[np.intp]
+Send = Callable[[NodeClient, Rows], Awaitable[T]]
+Absorb = Callable[[Rows, T], "npt.NDArray[np.bool_] | None"]
+
+
+@dataclass
+class _FanOut(Generic[T]):
+    """One fan-out: what it sends, what takes the answers, and what it has heard so far."""
+
+    send: Send[T]
+    absorb: Absorb[T]
+    answered: Rows  #: answers per key
+    done: npt.NDArray[np.bool_]  #: keys that need no more answers
+    failed: dict[str, KvpoolConnectionError]  #: by node id, the last failure
+
+    async def rounds(self, cmap: ClusterMap, ring_nodes: list[NodeClient],
+                     positions: npt.NDArray[np.uint64], *, per_row: str, sequential: bool
+                     ) -> int | None:
+        """Ask nodes down each key's preference list, a round at a time, until every key
+        has its answers or its list is spent; the newest epoch a WRONG_OWNER named."""
+        table = cmap.ring.owner_indexes(positions, cmap.width)
+        tried = np.zeros(table.shape, dtype=bool)
+        width = table.shape[1]
+        count = width if per_row == "all" else cmap.num_owners
+        for _ in range(width):
+            rows = np.flatnonzero(~self.done & ~tried.all(axis=1))
+            if not len(rows):
+                break
+            live = np.array([node.live for node in ring_nodes], dtype=bool)
+            if sequential:
+                picks = pick(table, tried, live, rows)
+            else:
+                # ask as many more nodes as are still needed, one frame a node
+                picks = pick(table, tried, live, rows, per_row=count - self.answered[rows])
+            if not picks:
+                break
+            stale = await self.deliver(cmap.epoch, [ring_nodes[p.node] for p in picks],
+                                       [p.rows for p in picks], count=count)
+            if stale is not None:
+                return stale
+        return None
+
+    async def deliver(self, epoch: int, nodes: list[NodeClient], rows: list[Rows], *,
+                      count: int) -> int | None:
+        """Send each node its rows (in parallel), absorb the answers, mark failing nodes
+        down; keys with ``count`` answers are done. The newest epoch a WRONG_OWNER named."""
+        # the frames say which map routed them, even if a newer one is installed before
+        # they are sent (the tasks gather makes copy this context)
+        token = routed_by.set(epoch)
+        try:
+            if len(nodes) == 1:  # awaited in this task: a task of its own costs loop turns
+                try:
+                    outcomes: list[T | BaseException] = [await self.send(nodes[0], rows[0])]
+                except Exception as exc:  # handed on as gather would
+                    outcomes = [exc]
+            else:
+                outcomes = await asyncio.gather(
+                    *(self.send(node, r) for node, r in zip(nodes, rows, strict=True)),
+                    return_exceptions=True)
+        finally:
+            routed_by.reset(token)
+        stale: int | None = None
+        for node, r, outcome in zip(nodes, rows, outcomes, strict=True):
+            if isinstance(outcome, WrongOwnerError):
+                stale = max(stale or 0, outcome.epoch)
+                continue
+            if isinstance(outcome, KvpoolConnectionError):
+                node.mark_down()
+                self.failed[node.node_id] = outcome
+                continue
+            if isinstance(outcome, BaseException):
+                raise outcome
+            finished = self.absorb(r, outcome)
+            self.answered[r] += 1
+            if finished is not None:
+                self.done[r[finished]] = True
+        self.done |= self.answered >= count
+        return stale

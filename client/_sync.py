@@ -47,6 +47,8 @@ from kvpool.client._connection import BufferOrSegments
 from kvpool.client._node import Key, NodeClient, join_keys, key_bytes
 from kvpool.client._options import SHM_PUT_MIN_BYTES
 from kvpool.client._shm_path import TOUCH_DELAY_S
+from kvpool.client.transport import Transport
+from kvpool.placement.cluster_map import ClusterMap
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
 from kvpool.protocol.errors import Status
 from kvpool.protocol.frames import Op
@@ -79,7 +81,7 @@ class Client:
                  shm: bool | None = None, token: str | None = None, scope: str = "tenant",
                  ssl: ssl_module.SSLContext | None = None,
                  shm_put_min_bytes: int = SHM_PUT_MIN_BYTES, shm_index: bool = True,
-                 blocking: bool = True) -> None:
+                 transport: Transport | None = None, blocking: bool = True) -> None:
         """:class:`AsyncClient`'s arguments, plus ``blocking``: calls to a standalone node
         that go over TCP run in the calling thread on a socket of this client's own (the
         default; ~30 us a call less here); False runs them on the loop like every other
@@ -88,7 +90,7 @@ class Client:
                                   connect_timeout=connect_timeout, client_name=client_name,
                                   tracer_provider=tracer_provider, shm=shm, token=token,
                                   scope=scope, ssl=ssl, shm_put_min_bytes=shm_put_min_bytes,
-                                  shm_index=shm_index)
+                                  shm_index=shm_index, transport=transport)
         self._blocking_allowed = blocking
         self._loop = _new_loop()
         self._lock = threading.Lock()
@@ -133,6 +135,11 @@ class Client:
     def put_bytes_by_path(self) -> dict[str, int]:
         """Payload bytes PUTs stored through shared memory ("shm") and over TCP ("tcp")."""
         return self._async.put_bytes_by_path
+
+    @property
+    def map(self) -> ClusterMap | None:
+        """The map this client routes by (see :attr:`AsyncClient.map`)."""
+        return self._async.map
 
     @property
     def epoch(self) -> int:

@@ -1,7 +1,9 @@
 """The cluster map: who is in the cluster, and so who owns which key. Pure.
 
 A map is an epoch, a replication factor and a list of nodes (id, data
-address, admin address, weight, state). Nodes and clients that hold maps
+address, admin address, weight, state). Epoch 0 is a standalone node's own
+map (:meth:`ClusterMap.standalone`: that node alone, no replication): clients
+route to a standalone node by it like to any cluster. Nodes and clients that hold maps
 of the same epoch place every key the same way. Where a map comes from
 (a static file, etcd) is the server's business; this module only parses,
 validates, serialises and places.
@@ -26,7 +28,7 @@ from typing import Any
 from kvpool.placement.ring import Ring, key_positions
 from kvpool.protocol.errors import ConfigError
 
-__all__ = ["ClusterMap", "NodeInfo", "NodeState", "parse_address"]
+__all__ = ["STANDALONE_EPOCH", "ClusterMap", "NodeInfo", "NodeState", "parse_address"]
 
 
 class NodeState(enum.StrEnum):
@@ -74,6 +76,8 @@ class NodeInfo:
                 "state": self.state.value}
 
 
+#: the epoch of a standalone node's own map (a cluster's maps start at 1)
+STANDALONE_EPOCH = 0
 _NODE_FIELDS = {"id", "data", "admin", "weight", "state"}
 _MAP_FIELDS = {"epoch", "replication", "fallbacks", "nodes"}
 
@@ -87,8 +91,13 @@ class ClusterMap:
     by_id: Mapping[str, NodeInfo] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.epoch, int) or self.epoch < 1:
+        if not isinstance(self.epoch, int) or self.epoch < 0:
             raise ConfigError(f"cluster epoch must be an integer >= 1, got {self.epoch!r}")
+        if self.epoch == STANDALONE_EPOCH and not (
+                len(self.nodes) == 1 and self.replication == 1 and self.fallbacks == 0):
+            raise ConfigError("cluster epoch must be an integer >= 1, got 0 (epoch 0 is a "
+                              "standalone node's own map: one node, replication 1, no "
+                              "fallbacks)")
         if not isinstance(self.replication, int) or self.replication < 1:
             raise ConfigError(f"replication must be an integer >= 1, got {self.replication!r}")
         if not isinstance(self.fallbacks, int) or self.fallbacks < 0:
@@ -104,6 +113,17 @@ class ClusterMap:
         if not any(n.state == NodeState.UP for n in self.nodes):
             raise ConfigError("a cluster map needs at least one node in state 'up'")
         object.__setattr__(self, "by_id", {n.id: n for n in self.nodes})
+
+    @classmethod
+    def standalone(cls, node_id: str, data: str, admin: str = "") -> ClusterMap:
+        """A standalone node's map: that node alone, epoch 0, no replication."""
+        return cls(epoch=STANDALONE_EPOCH, nodes=(NodeInfo(id=node_id, data=data, admin=admin),),
+                   replication=1, fallbacks=0)
+
+    @property
+    def is_standalone(self) -> bool:
+        """Whether this is a standalone node's own map (epoch 0), not a cluster's."""
+        return self.epoch == STANDALONE_EPOCH
 
     # -- placement ------------------------------------------------------------------------
 
@@ -176,6 +196,9 @@ class ClusterMap:
             raise ConfigError(f"cannot read cluster file {path}: {exc}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"cluster file {path} is not valid TOML: {exc}") from exc
+        if data.get("epoch") == STANDALONE_EPOCH:
+            raise ConfigError(f"cluster file {path}: epoch must be >= 1 (0 is a standalone "
+                              "node's own map)")
         return cls.from_dict(data)
 
     @classmethod

@@ -203,6 +203,32 @@ async def test_node_restart_reconnects() -> None:
     await c.close()
 
 
+async def test_a_standalone_node_is_routed_by_its_one_node_map_and_is_probed_again() -> None:
+    """No second mode: the client routes to a standalone node by a map of that node alone
+    (epoch 0, at the address it was given); a node that went away raises its own error,
+    and the node restarted on its port answers the next call (no back-off wait)."""
+    n = start_node("--dram-capacity", "8MiB", "--no-ssd")
+    c = AsyncClient(n.url)
+    try:
+        key = rkey()
+        await c.put(key, b"x" * 100)
+        cmap = c.map
+        assert cmap is not None and cmap.is_standalone and c.epoch == 0
+        assert [(node.id, node.data_address) for node in cmap.nodes] == \
+            [(c.server_info["node_id"], (n.host, n.port))]
+        assert await c.exists_tiers([key, rkey()]) == ["dram", None]
+        n.stop()
+        with pytest.raises(KvpoolConnectionError, match=f"{n.host}:{n.port}"):
+            await c.get(key)
+        n = start_node("--dram-capacity", "8MiB", "--no-ssd", "--data-port", str(n.port))
+        assert await c.get(key) is None  # a fresh DRAM-only node: a miss, not an error
+        await c.put(key, b"y")
+        assert await c.get(key) == b"y"
+    finally:
+        await c.close()
+        n.stop()
+
+
 def test_silent_node_times_out() -> None:
     import socket
 

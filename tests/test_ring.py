@@ -164,6 +164,9 @@ def test_only_up_nodes_own_keys_and_accepts_follows_the_preference_list() -> Non
 @pytest.mark.parametrize(("data", "match"), [
     ({"epoch": 1, "nodes": []}, "at least one node"),
     ({"epoch": 0, "nodes": [{"id": "a", "data": "h:1"}]}, "epoch"),
+    ({"epoch": 0, "fallbacks": 0, "nodes": [{"id": "a", "data": "h:1"},
+                                            {"id": "b", "data": "h:2"}]}, "standalone"),
+    ({"epoch": -1, "nodes": [{"id": "a", "data": "h:1"}]}, "epoch"),
     ({"epoch": 1, "replication": 0, "nodes": [{"id": "a", "data": "h:1"}]}, "replication"),
     ({"epoch": 1, "nodes": [{"id": "a", "data": "h:1"}, {"id": "a", "data": "h:2"}]}, "unique"),
     ({"epoch": 1, "nodes": [{"id": "a", "data": "h:1"}, {"id": "b", "data": "h:1"}]}, "unique"),
@@ -177,3 +180,17 @@ def test_only_up_nodes_own_keys_and_accepts_follows_the_preference_list() -> Non
 def test_bad_maps_are_refused_with_clear_errors(data: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         ClusterMap.from_dict(data)
+
+
+def test_a_standalone_nodes_map_is_epoch_0_and_only_that(tmp_path: Path) -> None:
+    """Epoch 0 is a standalone node's own map (clients route by it like any map); a
+    cluster file cannot claim it."""
+    own = ClusterMap.standalone("solo", "127.0.0.1:7700")
+    assert own.is_standalone and own.epoch == 0
+    assert own.preference([os.urandom(16)]) == [["solo"]]
+    assert ClusterMap.from_dict(own.to_dict()) == own  # as the node's CLUSTER op serves it
+    assert not ClusterMap.from_peers("127.0.0.1:7700").is_standalone
+    path = tmp_path / "cluster.toml"
+    path.write_text(own.to_toml())
+    with pytest.raises(ConfigError, match="epoch must be >= 1"):
+        ClusterMap.from_toml(path)

@@ -174,7 +174,8 @@ def test_only_admins_may_write_through_shared_memory(secured: NodeProcess) -> No
         assert admin.put_bytes_by_path == {"shm": len(value), "tcp": 0}
         assert acme.bytes_by_path == {"shm": 0, "tcp": len(value)}
         assert admin.bytes_by_path == {"shm": len(value), "tcp": 0}
-        tenant, operator = acme.async_client._single, admin.async_client._single
+        tenant = acme.async_client._router.standalone_node
+        operator = admin.async_client._router.standalone_node
         assert tenant is not None and tenant.shm_path.mapping is None  # never offered the arena
         # the arena index holds stored (scoped) keys: a scoped admin reads through GET_SHM
         assert operator is not None and operator.shm_path.mapping is not None

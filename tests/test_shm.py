@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 
 
 def _mapping(client: Client) -> ShmMapping:
-    node = client.async_client._single
+    node = client.async_client._router.standalone_node
     assert node is not None and node.shm_path.mapping is not None
     return node.shm_path.mapping
 
@@ -152,7 +152,7 @@ def test_a_value_freed_while_copied_through_the_index_is_never_returned_torn(
             new = _overwrite_during_read(fast, node.url, key, replace_key)
             got = fast.get(key)
             assert new, "the hook ran"
-            node_client = fast.async_client._single
+            node_client = fast.async_client._router.standalone_node
             assert node_client is not None
             assert got == (None if replace_key else new[0])
             # asked again: the index has the new value (or nothing, and GET_SHM finds none)
@@ -190,7 +190,7 @@ def test_pages_reused_between_the_hash_and_the_copy_are_never_returned(
             # the old value's pages now hold another value's bytes (what a copy would read)
             assert mapping.view[payload : payload + (1 << 20)] == new[0]
             assert got is None  # deleted: the index read was stale, GET_SHM finds nothing
-            node_client = fast.async_client._single
+            node_client = fast.async_client._router.standalone_node
             assert node_client is not None
             assert (node_client.shm_path.index_stale, node_client.shm_path.index_hits) == (1, 0)
             assert fast.bytes_by_path == {"shm": 0, "tcp": 0}
@@ -433,7 +433,7 @@ CRASH = """
 import os, sys
 from kvpool.client import Client
 with Client(sys.argv[1], shm=True, shm_index=False) as c:
-    c.async_client._single.shm_path.mapping.after_copy = lambda item: os._exit(3)
+    c.async_client._router.standalone_node.shm_path.mapping.after_copy = lambda item: os._exit(3)
     c.get(bytes.fromhex(sys.argv[2]))
 """
 
@@ -557,7 +557,7 @@ def test_slots_not_committed_in_time_are_given_back_and_the_put_goes_over_tcp() 
             mapping.write = slow_write  # type: ignore[method-assign]
             fast.put(key, value)
             assert fast.put_bytes_by_path == {"shm": 0, "tcp": 1 << 20}
-            node_client = fast.async_client._single
+            node_client = fast.async_client._router.standalone_node
             assert node_client is not None and node_client.shm_path.shm_put_expired == 1
             assert fast.get(key) == value
         stats = _stats(node)
@@ -588,7 +588,7 @@ CRASH_WRITER = """
 import os, sys
 from kvpool.client import Client
 with Client(sys.argv[1], shm=True) as c:
-    c.async_client._single.shm_path.mapping.write = lambda *a, **k: os._exit(3)
+    c.async_client._router.standalone_node.shm_path.mapping.write = lambda *a, **k: os._exit(3)
     c.put(os.urandom(16), os.urandom(1 << 20))
 """
 

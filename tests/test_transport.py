@@ -1,0 +1,167 @@
+"""The SDK's routing logic on a MockTransport: no node process, no socket.
+
+Nodes are :class:`~tests.mock_nodes.MockNode` objects answering parsed frames; the
+client under test is the real one (connections, plans, checksums, router). What the
+real node does is every other test's subject.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+
+import pytest
+
+from kvpool.client import AsyncClient, Client, KvpoolConnectionError, KvpoolTimeoutError
+from kvpool.placement.cluster_map import ClusterMap, NodeInfo, NodeState
+from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
+from kvpool.protocol.frames import Op
+
+from .mock_nodes import MockNode, MockNodes
+
+
+def rkey() -> bytes:
+    return os.urandom(16)
+
+
+def standalone(max_batch: int = 4096) -> MockNodes:
+    return MockNodes({"127.0.0.1:7700": MockNode("solo", max_batch=max_batch)})
+
+
+def cluster(epoch: int = 1, ids: tuple[str, ...] = ("a", "b", "c"), *,
+            replication: int = 2, fallbacks: int = 1) -> MockNodes:
+    infos = tuple(NodeInfo(id=i, data=f"10.0.0.{n}:7700") for n, i in enumerate(ids, 1))
+    cmap = ClusterMap(epoch=epoch, nodes=infos, replication=replication, fallbacks=fallbacks)
+    return MockNodes({info.data: MockNode(info.id) for info in infos}, cmap)
+
+
+def test_the_sync_client_runs_on_a_mock_transport_with_no_node() -> None:
+    """Every op of a standalone node, split by the node's max_batch, with no socket (the
+    blocking path and the same-host fast path are off on a mock transport)."""
+    mock = standalone(max_batch=4)
+    node = mock.nodes["127.0.0.1:7700"]
+    keys = [rkey() for _ in range(10)]
+    values = [os.urandom(100 + i) for i in range(10)]
+    with Client("127.0.0.1:7700", transport=mock.transport) as c:
+        assert c.async_client.direct_node is None
+        c.put_many(keys, values)
+        assert [n for op, n in node.seen if op == Op.PUT] == [4, 4, 2]
+        assert set(node.store) == set(keys)
+        assert c.get_many(keys) == values
+        buffer = bytearray(200)
+        assert c.get_into(keys[3], buffer) == len(values[3])
+        assert bytes(buffer[: len(values[3])]) == values[3]
+        assert c.exists_tiers([keys[0], rkey()]) == ["dram", None]
+        assert c.lookup([*keys[:5], rkey(), keys[6]]) == 5
+        assert c.delete_many([keys[0], rkey()]) == [True, False]
+        assert c.get(keys[0]) is None
+        assert c.map is not None and c.map.is_standalone and c.epoch == 0
+    assert c.bytes_by_path["shm"] == 0
+
+
+async def test_a_corrupt_value_is_a_miss_and_is_deleted_where_it_lay() -> None:
+    mock = standalone()
+    node = mock.nodes["127.0.0.1:7700"]
+    key = rkey()
+    async with AsyncClient("127.0.0.1:7700", transport=mock.transport) as c:
+        await c.put(key, b"v" * 1000)
+        stored = bytearray(node.store[key])
+        stored[ENVELOPE_HEADER_SIZE + 500] ^= 0xFF
+        node.store[key] = bytes(stored)
+        assert await c.get(key) is None
+        assert c.num_corrupt == 1
+        assert key not in node.store  # the client sent the DELETE
+        assert (Op.DELETE, 1) in node.seen
+
+
+async def test_a_cluster_stores_on_the_owners_and_reads_past_a_dead_one() -> None:
+    mock = cluster()
+    assert mock.map is not None
+    keys = [rkey() for _ in range(60)]
+    values = [os.urandom(64) for _ in keys]
+    async with AsyncClient("10.0.0.1:7700", transport=mock.transport) as c:
+        await c.put_many(keys, values)
+        owners = [set(p[:2]) for p in mock.map.preference(keys)]
+        assert [mock.holders(k) for k in keys] == owners
+        assert await c.get_many(keys) == values
+        # one GET frame a node: the batch split by owner, not a request per key
+        assert sum(1 for n in mock.nodes.values() for op, _ in n.seen if op == Op.GET) <= 3
+
+        dead = "10.0.0.2:7700"  # node b
+        mock.transport.down.add(dead)
+        mock.transport.drop(dead)
+        assert await c.get_many(keys) == values  # from each key's other owner
+        assert not c._router.nodes["b"].live
+        fresh = [rkey() for _ in range(30)]
+        await c.put_many(fresh, [b"x"] * 30)  # b's share goes to the fallback
+        for key, pref in zip(fresh, mock.map.preference(fresh), strict=True):
+            expect = {n for n in pref if n != "b"}
+            assert mock.holders(key) == expect
+        assert await c.exists_many(fresh) == [True] * 30
+
+
+async def test_wrong_owner_refreshes_the_map_and_the_call_goes_to_the_new_owners() -> None:
+    """The client routes by epoch 1 (a, b); the nodes have moved to epoch 2 (c joined) and
+    refuse keys they no longer own (no fallbacks: a node accepts only what it owns). One
+    call: a refresh, then the new owners."""
+    mock = cluster(epoch=1, ids=("a", "b"), replication=1, fallbacks=0)
+    async with AsyncClient("10.0.0.1:7700", transport=mock.transport) as c:
+        await c.connect()
+        assert c.epoch == 1
+        assert mock.map is not None
+        infos = (*mock.map.nodes, NodeInfo(id="c", data="10.0.0.3:7700"))
+        mock.nodes["10.0.0.3:7700"] = MockNode("c")
+        mock.map = ClusterMap(epoch=2, nodes=infos, replication=1, fallbacks=0)
+        keys = [rkey() for _ in range(40)]
+        await c.put_many(keys, [b"y"] * 40)
+        assert c.epoch == 2
+        owners = [p[0] for p in mock.map.preference(keys)]
+        assert "c" in owners
+        assert [mock.holders(k) for k in keys] == [{o} for o in owners]
+        assert await c.get_many(keys) == [b"y"] * 40
+        refused = sum(1 for n in mock.nodes.values() for op, _ in n.seen if op == Op.PUT)
+        assert refused > 3  # a PUT a node under epoch 1, then under epoch 2
+
+
+async def test_a_draining_node_is_read_after_the_owners() -> None:
+    mock = cluster(ids=("a", "b"), replication=1)
+    assert mock.map is not None
+    key = rkey()
+    async with AsyncClient("10.0.0.1:7700", transport=mock.transport) as c:
+        await c.connect()
+        await c.put(key, b"z")
+        # the node that holds it drains: it owns nothing under epoch 2
+        (holder,) = mock.holders(key)
+        infos = tuple(NodeInfo(id=n.id, data=n.data, state=NodeState.DRAINING
+                               if n.id == holder else NodeState.UP) for n in mock.map.nodes)
+        mock.map = ClusterMap(epoch=2, nodes=infos, replication=1, fallbacks=1)
+        await c._router.refresh(min_epoch=2)
+        assert c.epoch == 2
+        assert await c.get(key) == b"z"
+
+
+async def test_a_node_that_never_answers_times_out_within_the_deadline() -> None:
+    mock = standalone()
+    mock.nodes["127.0.0.1:7700"].silent.add(Op.GET)
+    async with AsyncClient("127.0.0.1:7700", transport=mock.transport, timeout=0.2) as c:
+        await c.put(rkey(), b"x")
+        start = time.monotonic()
+        with pytest.raises(KvpoolTimeoutError, match=r"no reply within 0\.2s"):
+            await c.get(rkey())
+        assert time.monotonic() - start < 2
+        assert await c.exists(rkey()) is False  # a fresh connection serves the next call
+
+
+async def test_a_standalone_node_that_refuses_connections_raises_its_own_error() -> None:
+    mock = standalone()
+    async with AsyncClient("127.0.0.1:7700", transport=mock.transport) as c:
+        await c.put(rkey(), b"x")
+        mock.transport.down.add("127.0.0.1:7700")
+        mock.transport.drop("127.0.0.1:7700")
+        with pytest.raises(KvpoolConnectionError,
+                           match=re.escape("cannot connect to kvpool node 127.0.0.1:7700")):
+            await c.get(rkey())
+        mock.transport.down.clear()  # back: the next call reaches it, no back-off wait
+        assert await asyncio.wait_for(c.exists(rkey()), 2) is False
