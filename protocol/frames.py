@@ -72,6 +72,7 @@ __all__ = [
     "FRAME_HEADER_SIZE",
     "FRAME_MAGIC",
     "GET_ITEM_SIZE",
+    "GET_ITEM_STRUCT",
     "KEY_SIZE",
     "KEY_OPS",
     "OP_FLAG_RAW",
@@ -220,6 +221,8 @@ class PutItemHeader(NamedTuple):
 
 
 _GET_ITEM = struct.Struct("<B7xQ")
+#: a GET item header's layout (status, value_len), for parsers that read it in place
+GET_ITEM_STRUCT = _GET_ITEM
 GET_ITEM_SIZE = _GET_ITEM.size
 assert GET_ITEM_SIZE == 16
 

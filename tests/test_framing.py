@@ -33,7 +33,13 @@ from kvpool.protocol.frames import (
     encode_keys_request,
     encode_lookup_reply,
 )
-from kvpool.protocol.parsers import BytesReservation, Limits, ReplyParser, RequestParser
+from kvpool.protocol.parsers import (
+    BytesReservation,
+    Limits,
+    ReplyParser,
+    RequestParser,
+    Segments,
+)
 
 KEYS = [bytes([i]) * 16 for i in range(3)]
 
@@ -187,6 +193,73 @@ def test_reply_buffer_too_small() -> None:
     sink = memoryview(bytearray(10))
     (get, _, _) = ReplyParser(lambda rid, i, n: sink).feed(reply_stream([b"x" * 11]))
     assert get.items[0].status == TOO_SMALL
+
+
+def _items(replies: list) -> list[tuple[int, bytes | None]]:  # type: ignore[type-arg]
+    out = []
+    for item in replies[0].items:
+        payload = item.payload
+        if isinstance(payload, Segments):
+            data = b"".join(bytes(v) for v in payload.views)[: payload.filled]
+        else:
+            data = bytes(payload) if payload is not None else None
+        out.append((item.status, data))
+    return out
+
+
+@pytest.mark.parametrize("sinks", ["new", "buffers", "segments"])
+def test_a_reply_whole_in_one_receive_parses_as_it_does_streamed(sinks: str) -> None:
+    """A reply that arrives whole is parsed in one pass, a split one by the streamed plan:
+    every kind of item comes out the same both ways (hits, misses, a flipped payload
+    byte, a garbled envelope, a value shorter than an envelope, a buffer too small)."""
+    from kvpool.protocol.parsers import TOO_SMALL
+
+    good = [b"hello", os.urandom(3000)]
+    flipped = bytearray(seal(b"z" * 100) + b"z" * 100)
+    flipped[64 + 50] ^= 1
+    garbled = bytearray(seal(b"q" * 40) + b"q" * 40)
+    garbled[0] ^= 0xFF
+    values = [seal(good[0]) + good[0], None, bytes(flipped), bytes(garbled), b"short",
+              seal(good[1]) + good[1], seal(b"w" * 500) + b"w" * 500]
+    body: list[bytes] = []
+    for v in values:
+        body += [GetItemHeader(Status.NOT_FOUND, 0).pack()] if v is None else \
+            [GetItemHeader(Status.OK, len(v)).pack(), v]
+    stream = b"".join(encode_frame(Op.GET, 3, body, count=len(values)))
+
+    def parse(pieces: list[bytes]) -> list[tuple[int, bytes | None]]:
+        def sink_for(_rid: int, i: int, n: int) -> memoryview | Segments | None:
+            size = 200 if i == 6 else 4000  # the last value is 500 bytes: too small
+            if sinks == "buffers":
+                return memoryview(bytearray(size))
+            if sinks == "segments":
+                return Segments([memoryview(bytearray(7)), memoryview(bytearray(size))])
+            return None
+
+        parser = ReplyParser(sink_for)
+        replies = [r for piece in pieces for r in parser.feed(piece)]
+        assert len(replies) == 1
+        return _items(replies)
+
+    whole = parse([stream])
+    streamed = parse([stream[i : i + 1] for i in range(len(stream))])
+    assert whole == streamed
+    last = (TOO_SMALL, None) if sinks != "new" else (Status.OK, b"w" * 500)
+    assert whole == [(Status.OK, good[0]), (Status.NOT_FOUND, None), (Status.CORRUPT, None),
+                     (Status.CORRUPT, None), (Status.CORRUPT, None), (Status.OK, good[1]),
+                     last]
+
+
+@pytest.mark.parametrize("cut", [None, 1])
+def test_a_bad_get_reply_is_refused_whole_or_streamed(cut: int | None) -> None:
+    item = GetItemHeader(Status.OK, 100).pack()
+    for body, match in [([item, b"x" * 50], "runs past"), ([item[:8]], "shorter than"),
+                        ([GetItemHeader(Status.NOT_FOUND, 0).pack(), b"junk"], "stray")]:
+        stream = b"".join(encode_frame(Op.GET, 1, body, count=1))
+        parser = ReplyParser()
+        with pytest.raises(BadFrameError, match=match):
+            for i in range(0, len(stream), cut or len(stream)):
+                parser.feed(stream[i : i + (cut or len(stream))])
 
 
 def hello() -> bytes:
