@@ -326,48 +326,17 @@ class AsyncClient:
         results = await self._get(join_keys(keys), _sinks(keys, buffers))
         return [len(r) if r is not None else None for r in results]
 
-    def read_local(self, keys: Sequence[Key], buffers: Sequence[BufferOrSegments] | None
-                   ) -> list[bytearray | None] | list[int | None] | None:
-        """``get_many`` (``buffers`` None) or ``get_many_into``, done in this thread with
-        no event loop and no request -- or None: do it with those.
-
-        Only a standalone node's arena index can answer (a same-host node that passed
-        one, ``shm_index`` on, tracing off), and only if it holds every key. The sync
-        client tries this first; the reads are reported to the node later (TOUCH), when
-        :attr:`touch_due` says so.
-        """
-        node = self._router.standalone_node
-        if node is None or not self.can_read_local:
-            return None
-        sinks = _sinks(keys, buffers) if buffers is not None else None
-        results = node.shm_path.read_local(join_keys(keys), sinks)
-        if results is None:
-            return None
-        if buffers is None:
-            return _bytearrays(results)
-        return [len(r) if r is not None else None for r in results]
-
-    @property
-    def can_read_local(self) -> bool:
-        """Whether :meth:`read_local` may answer at all (else it returns None at once)."""
-        node = self._router.standalone_node
-        return node is not None and node.shm_path.can_read_local and _tracer(self) is None
-
     @property
     def direct_node(self) -> NodeClient | None:
         """The standalone node, when a call to it may run in the caller's thread with no
-        event loop (the sync client's blocking TCP path, :mod:`kvpool.client._blocking`):
-        connected, and no client spans to record. Which calls go over TCP at all is the
-        node's to say (:meth:`NodeClient.gets_by_shm`, :meth:`NodeClient.puts_by_shm`)."""
+        event loop: connected over TCP (not a mock transport), and no client spans to
+        record. The sync client then reads through the node's arena index
+        (``node.shm_path``) or runs the op plans on a blocking socket
+        (:mod:`kvpool.client._blocking`); which one is the node's to say
+        (:meth:`NodeClient.gets_by_shm`, :meth:`NodeClient.puts_by_shm`)."""
         node = self._router.standalone_node
         return node if node is not None and _tracer(self) is None \
             and self.options.over_tcp else None
-
-    @property
-    def touch_due(self) -> bool:
-        """Reads through the arena index wait to be reported (see :meth:`send_touches`)."""
-        node = self._router.standalone_node
-        return node is not None and node.shm_path.touch_due
 
     async def send_touches(self) -> None:
         """Report the reads made through the arena index now (one TOUCH a node)."""

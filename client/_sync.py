@@ -15,7 +15,7 @@ Two exceptions skip the loop (a loop run costs ~40 us here, as much as copying
   spans are recorded; so a sync client holds one connection more than its
   pool. A cluster's calls still run on the loop (its routing is async).
 - a GET that a same-host node's arena index can answer whole is copied with
-  no request at all (:meth:`AsyncClient.read_local`). The loop still runs before such a read
+  no request at all (``ShmPath.read_local``). The loop still runs before such a read
 when the reads before it are due to be reported, or when it has not run for
 ``TOUCH_DELAY_S`` (50 ms): so the client hears of a node that died (its
 connection's end) before reading values frozen in its index.
@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from opentelemetry.trace import TracerProvider
 
@@ -52,6 +52,7 @@ from kvpool.placement.cluster_map import ClusterMap
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
 from kvpool.protocol.errors import Status
 from kvpool.protocol.frames import Op
+from kvpool.protocol.parsers import Segments
 
 __all__ = ["Client"]
 
@@ -181,12 +182,17 @@ class Client:
             plan = plan_for(node)
             if plan is None:
                 return None
-            blocking = self._blocking
-            if blocking is None or blocking.node is not node:
-                if blocking is not None:
-                    blocking.close()
-                blocking = self._blocking = BlockingNode(node)
-            return (blocking.run(plan),)
+            return (self._blocking_node(node).run(plan),)
+
+    def _blocking_node(self, node: NodeClient) -> BlockingNode:
+        """The blocking driver for ``node`` (a new one after a reconnect made a new
+        NodeClient)."""
+        blocking = self._blocking
+        if blocking is None or blocking.node is not node:
+            if blocking is not None:
+                blocking.close()
+            blocking = self._blocking = BlockingNode(node)
+        return blocking
 
     def put(self, key: Key, value: BufferOrSegments, *, ttl: float | None = None, pin: bool = False,
             chunk_index: int = 0, num_tokens: int = 0,
@@ -227,43 +233,43 @@ class Client:
         return self.get_many_into([key], [buffer])[0]
 
     def get_many(self, keys: Sequence[Key]) -> list[bytearray | None]:
-        local = self._local(keys, None)
-        if local is not None:
-            return cast(list[bytearray | None], local)
-        blob = join_keys(keys)
-        done = self._direct(lambda node: None if node.gets_by_shm
-                            else plans.get_tcp(node, blob, None))
-        if done is not None:
-            return _bytearrays(done[0])
-        return self._run(self._async.get_many(keys))
+        done = self._get(keys, None)
+        return _bytearrays(done) if done is not None else self._run(self._async.get_many(keys))
 
     def get_many_into(self, keys: Sequence[Key], buffers: Sequence[BufferOrSegments]
                       ) -> list[int | None]:
-        local = self._local(keys, buffers)
-        if local is not None:
-            return cast(list[int | None], local)
-        blob = join_keys(keys)
-        sinks = _sinks(keys, buffers)
-        done = self._direct(lambda node: None if node.gets_by_shm
-                            else plans.get_tcp(node, blob, sinks))
-        if done is not None:
-            return [len(r) if r is not None else None for r in done[0]]
-        return self._run(self._async.get_many_into(keys, buffers))
+        done = self._get(keys, buffers)
+        if done is None:
+            return self._run(self._async.get_many_into(keys, buffers))
+        return [len(r) if r is not None else None for r in done]
 
-    def _local(self, keys: Sequence[Key], buffers: Sequence[BufferOrSegments] | None
-               ) -> list[bytearray | None] | list[int | None] | None:
-        """The GET through the arena index with no loop (None: not possible, use the loop)."""
+    def _get(self, keys: Sequence[Key], buffers: Sequence[BufferOrSegments] | None
+             ) -> list[memoryview | Segments | None] | None:
+        """A GET with no event loop, the path decided here once: the standalone node's arena
+        index if it holds every key; else, where the node's GETs go over TCP, its blocking
+        socket. None, having sent nothing: run the call on the loop (a cluster, spans to
+        record, GET_SHM for keys the index lacks, or not yet connected)."""
         with self._lock:
             if self._loop.is_closed():
                 raise RuntimeError("this kvpool Client is closed")
-            client = self._async
-            if client.touch_due or time.monotonic() >= self._loop_until:
-                if not client.can_read_local:
-                    return None
-                # report what is due; hear of connections that ended meanwhile
-                self._loop.run_until_complete(client.send_touches())
-                self._loop_until = time.monotonic() + TOUCH_DELAY_S
-            return client.read_local(keys, buffers)  # None where it cannot
+            node = self._async.direct_node
+            if node is None:
+                return None
+            blob = join_keys(keys)
+            sinks = _sinks(keys, buffers) if buffers is not None else None
+            shm = node.shm_path
+            if shm.can_read_local:
+                if shm.touch_due or time.monotonic() >= self._loop_until:
+                    # report what is due; hear of connections that ended meanwhile
+                    self._loop.run_until_complete(self._async.send_touches())
+                    self._loop_until = time.monotonic() + TOUCH_DELAY_S
+                if shm.can_read_local:
+                    found = shm.read_local(blob, sinks)
+                    if found is not None:
+                        return found
+            if node.gets_by_shm or not self._blocking_allowed:
+                return None
+            return self._blocking_node(node).run(plans.get_tcp(node, blob, sinks))
 
     def _either(self, plan_for: Callable[[NodeClient], plans.Plan[T] | None],
                 post: Callable[[T], R], coro: Callable[[], Coroutine[Any, Any, R]]) -> R:
