@@ -11,6 +11,7 @@ back.
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -31,33 +32,33 @@ class Pick(NamedTuple):
 def pick(table: npt.NDArray[np.int32], tried: npt.NDArray[np.bool_], live: npt.NDArray[np.bool_],
          rows: IntArray, per_row: int | IntArray = 1) -> list[Pick]:
     """Pick up to ``per_row`` untried nodes for each of ``rows`` (one count for all, or
-    one per row); marks them in ``tried``. A node gets one group, whatever the counts."""
+    one per row); marks them in ``tried``. A node gets one group, whatever the counts.
+
+    A row takes its untried columns live ones first, then the others (probes), each in
+    list order: what picking one column at a time gives, with one vector step a column
+    (a list is 2-4 columns) instead of a pass over the table a pick (that took ~0.47
+    ms for 512 keys of 3 nodes here, on every cluster lookup).
+    """
+    every = len(rows) == len(table)  # all the batch's rows (in order): no gather needed
+    sub = table if every else table[rows]
+    untried = ~(tried if every else tried[rows])
+    alive = live[sub]
     want = np.broadcast_to(np.asarray(per_row, dtype=np.intp), rows.shape)
-    picked_rows: list[IntArray] = []
-    picked_cols: list[IntArray] = []
-    for i in range(int(want.max(initial=0))):
-        rows, want = rows[want > i], want[want > i]
-        if not len(rows):
-            break
-        sub = table[rows]
-        untried = ~tried[rows]
-        ok = untried & live[sub]
-        dead = ~ok.any(axis=1)
-        ok[dead] = untried[dead]
-        has = ok.any(axis=1)
-        rows, want = rows[has], want[has]  # a row whose every node is tried is done
-        cols = ok[has].argmax(axis=1)
-        tried[rows, cols] = True
-        picked_rows.append(rows)
-        picked_cols.append(cols)
-    all_rows = np.concatenate(picked_rows) if picked_rows else rows[:0]
-    if not len(all_rows):  # every node of these rows' lists has been tried
+    got = np.zeros(len(rows), dtype=np.intp)
+    take = np.zeros(sub.shape, dtype=bool)
+    for phase in (untried & alive, untried & ~alive):
+        for col in range(sub.shape[1]):
+            now = phase[:, col] & (got < want)
+            take[:, col] |= now
+            got += now
+    where, cols = np.nonzero(take)  # row-major: each node's rows come out in order
+    if not len(where):  # every node of these rows' lists has been tried
         return []
-    all_cols = np.concatenate(picked_cols)
-    nodes = table[all_rows, all_cols]
-    order = np.lexsort((all_rows, nodes))  # by node, then batch position
-    nodes, all_rows, all_cols = nodes[order], all_rows[order], all_cols[order]
-    bounds = np.flatnonzero(np.diff(nodes)) + 1
-    return [Pick(int(n[0]), r, c) for n, r, c in zip(np.split(nodes, bounds),
-                                                      np.split(all_rows, bounds),
-                                                      np.split(all_cols, bounds), strict=True)]
+    picked = rows[where]
+    tried[picked, cols] = True
+    nodes = table[picked, cols]
+    by_node = np.argsort(nodes, kind="stable")
+    nodes, picked, cols = nodes[by_node], picked[by_node], cols[by_node]
+    starts = [0, *(np.flatnonzero(nodes[1:] != nodes[:-1]) + 1).tolist(), len(nodes)]
+    return [Pick(int(nodes[a]), picked[a:b], cols[a:b])
+            for a, b in itertools.pairwise(starts)]

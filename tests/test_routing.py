@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool.client._routing import pick
 
@@ -48,3 +50,46 @@ def test_several_nodes_a_row_come_as_one_group_per_node() -> None:
     assert tried.sum(axis=1).tolist() == [2, 1, 3]
     again = pick(table(), np.zeros((3, 3), dtype=bool), live, np.arange(3), per_row=2)
     assert sorted(p.node for p in again) == [0, 1, 2]  # each node once
+
+
+def reference_pick(table: np.ndarray, tried: np.ndarray, live: np.ndarray, rows: np.ndarray,
+                   per_row: int | np.ndarray = 1) -> dict[int, list[tuple[int, int]]]:
+    """The rule, one key and one column at a time: each pick is the row's first untried
+    live column, else its first untried one; ``{node: [(row, col), ...]}``."""
+    want = np.broadcast_to(np.asarray(per_row), rows.shape)
+    out: dict[int, list[tuple[int, int]]] = {}
+    for row, count in zip(rows.tolist(), want.tolist(), strict=True):
+        for _ in range(count):
+            untried = [c for c in range(table.shape[1]) if not tried[row, c]]
+            if not untried:
+                break
+            col = next((c for c in untried if live[table[row, c]]), untried[0])
+            tried[row, col] = True
+            out.setdefault(int(table[row, col]), []).append((row, col))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_pick_gives_what_picking_one_column_at_a_time_gives(data: st.DataObject) -> None:
+    nodes = data.draw(st.integers(1, 6))
+    width = data.draw(st.integers(1, min(nodes, 4)))
+    n = data.draw(st.integers(1, 40))
+    table = np.array([data.draw(st.permutations(range(nodes)))[:width] for _ in range(n)],
+                     dtype=np.int32)
+    tried = np.array(data.draw(st.lists(st.lists(st.booleans(), min_size=width,
+                                                 max_size=width), min_size=n, max_size=n)),
+                     dtype=bool).reshape(n, width)
+    live = np.array(data.draw(st.lists(st.booleans(), min_size=nodes, max_size=nodes)))
+    rows = np.array(sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1))),
+                    dtype=np.intp)
+    per_row = data.draw(st.one_of(st.integers(0, width + 1), st.just(
+        np.array(data.draw(st.lists(st.integers(0, width), min_size=len(rows),
+                                    max_size=len(rows))), dtype=np.intp))))
+    expect_tried = tried.copy()
+    expect = reference_pick(table, expect_tried, live, rows, per_row)
+    picks = pick(table, tried, live, rows, per_row)
+    assert {p.node: list(zip(p.rows.tolist(), p.cols.tolist(), strict=True)) for p in picks} \
+        == expect
+    assert [p.node for p in picks] == sorted(expect)  # one group a node, by node
+    assert (tried == expect_tried).all()
