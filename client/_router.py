@@ -110,6 +110,7 @@ class Router:
                 f"no node of the preference list answered for {len(unanswered)} of {n} keys "
                 f"(e.g. {rows_blob(blob, unanswered[:1]).hex()}); "
                 f"nodes down: {[x.node_id for x in ring_nodes if not x.live]}")
+
     def draining(self) -> list[NodeClient]:
         """Live nodes the map marks draining: they own nothing but may still hold chunks."""
         cmap = self.map
