@@ -268,16 +268,9 @@ class ShmMapping:
         if length < ENVELOPE_HEADER_SIZE or offset + length > self.capacity or offset % _PAGE:
             return Status.CORRUPT, None
         rest = length - ENVELOPE_HEADER_SIZE
-        expected = checksum
-        if checksum < 0:
-            try:
-                envelope = EnvelopeHeader.unpack(
-                    self.view[offset : offset + ENVELOPE_HEADER_SIZE])
-                if envelope.stored_len != rest or envelope.codec is not Codec.RAW:
-                    raise CorruptChunkError("envelope does not match the value")
-            except CorruptChunkError:
-                return self._settled(item, Status.CORRUPT)
-            expected = envelope.checksum
+        expected = checksum if checksum >= 0 else self._envelope_checksum(offset, rest)
+        if expected is None:
+            return self._settled(item, Status.CORRUPT)
         src = self.view[offset + ENVELOPE_HEADER_SIZE : offset + length]
         hasher = xxhash.xxh3_64()
         hook = self.after_hash
@@ -316,6 +309,17 @@ class ShmMapping:
         if hasher.intdigest() != expected:
             return (Status.CORRUPT if checksum < 0 else TORN), None
         return Status.OK, out
+
+    def _envelope_checksum(self, offset: int, rest: int) -> int | None:
+        """The checksum the envelope at ``offset`` gives its ``rest`` payload bytes; None
+        where there is no valid raw envelope for them."""
+        try:
+            envelope = EnvelopeHeader.unpack(self.view[offset : offset + ENVELOPE_HEADER_SIZE])
+        except CorruptChunkError:
+            return None
+        if envelope.stored_len != rest or envelope.codec is not Codec.RAW:
+            return None
+        return envelope.checksum
 
     def write(self, item: ShmItem, parts: Sequence[memoryview], *, chunk_index: int,
               num_tokens: int, fingerprint: bytes) -> None:

@@ -213,27 +213,12 @@ class RequestParser:
     _in_frame = False
 
     def _plan(self) -> Plan:
-        limits = self.limits
         while True:
             self._in_frame = False
             raw = yield _FRAME_HEADER
             self._in_frame = True
             assert raw is not None
-            header = FrameHeader.unpack(raw)
-            traced = bool(header.op & OP_FLAG_TRACE)
-            scope = header.op & OP_SCOPE_MASK
-            wire_op = header.op
-            header.op &= ~(OP_FLAG_TRACE | OP_SCOPE_MASK)
-            if header.op not in _KNOWN_OPS or (scope and (
-                    scope == OP_SCOPE_MASK or header.op not in SCOPED_OPS)):
-                raise UnknownOpcodeError(f"unknown opcode {wire_op & ~OP_FLAG_TRACE}")
-            if header.count > limits.max_batch:
-                raise FrameTooLargeError(
-                    f"batch of {header.count} exceeds max_batch {limits.max_batch}")
-            if header.body_len > limits.max_frame_bytes:
-                raise FrameTooLargeError(
-                    f"frame body of {header.body_len} bytes exceeds max_frame_bytes "
-                    f"{limits.max_frame_bytes}")
+            header, scope, traced = self._checked_header(raw)
             trace = None
             if traced:
                 if header.body_len < TRACE_CONTEXT_SIZE:
@@ -243,51 +228,8 @@ class RequestParser:
                 trace = unpack_trace_context(raw_trace)
                 header.body_len -= TRACE_CONTEXT_SIZE
             if header.op in (Op.PUT, Op.PUT_SHM):
-                # PUT_SHM: the same items without their values (the client writes those
-                # into the reserved slots through shared memory, then sends COMMIT)
-                inline = header.op == Op.PUT
-                name = Op(header.op).name
                 request = Request(header, trace=trace, scope=scope)
-                remaining = header.body_len
-                reserved = 0
-                for _ in range(header.count):
-                    if remaining < PUT_ITEM_SIZE:
-                        raise BadFrameError(f"{name} body shorter than its items")
-                    raw_item = yield _PUT_ITEM
-                    assert raw_item is not None
-                    item = PutItemHeader.unpack(raw_item)
-                    remaining -= PUT_ITEM_SIZE
-                    parent = None
-                    if item.flags & PUT_FLAG_PARENT:
-                        if remaining < KEY_SIZE:
-                            raise BadFrameError(f"{name} parent key runs past the frame body")
-                        raw_parent = yield Exact(KEY_SIZE)
-                        assert raw_parent is not None
-                        parent = bytes(raw_parent)
-                        remaining -= KEY_SIZE
-                    if inline and item.value_len > remaining:
-                        raise BadFrameError("PUT value runs past the frame body")
-                    if item.value_len > limits.max_value_bytes:
-                        raise ValueTooLargeError(
-                            f"value of {item.value_len} bytes exceeds max_value_bytes "
-                            f"{limits.max_value_bytes}")
-                    reservation = None
-                    if inline:
-                        reservation = self._reserve(item.key, item.value_len, scope)
-                        if reservation is None:
-                            yield Skip(item.value_len)
-                        else:
-                            self._pending.append(reservation)
-                            yield Into(reservation.view)
-                        remaining -= item.value_len
-                    else:  # the node reserves once it knows the connection may write
-                        reserved += item.value_len
-                        if reserved > limits.max_frame_bytes:
-                            raise FrameTooLargeError(
-                                f"PUT_SHM of more than max_frame_bytes {limits.max_frame_bytes}")
-                    request.items.append(PutItem(item, reservation, parent))
-                if remaining:
-                    raise BadFrameError(f"{remaining} stray bytes after the {name} items")
+                yield from self._put_items(request)
                 self._pending = []
                 self._ready.append(request)
             elif header.op in KEY_OPS:
@@ -310,6 +252,77 @@ class RequestParser:
                 if header.op == Op.HELLO and self._hold_after_hello:
                     self._in_frame = False
                     yield _HOLD
+
+    def _checked_header(self, raw: bytes | bytearray) -> tuple[FrameHeader, int, bool]:
+        """A request's header with its op stripped of the flag bits (and the scope bits
+        and whether a trace context follows), checked against the limits before any body
+        byte is read."""
+        limits = self.limits
+        header = FrameHeader.unpack(raw)
+        traced = bool(header.op & OP_FLAG_TRACE)
+        scope = header.op & OP_SCOPE_MASK
+        wire_op = header.op
+        header.op &= ~(OP_FLAG_TRACE | OP_SCOPE_MASK)
+        if header.op not in _KNOWN_OPS or (scope and (
+                scope == OP_SCOPE_MASK or header.op not in SCOPED_OPS)):
+            raise UnknownOpcodeError(f"unknown opcode {wire_op & ~OP_FLAG_TRACE}")
+        if header.count > limits.max_batch:
+            raise FrameTooLargeError(
+                f"batch of {header.count} exceeds max_batch {limits.max_batch}")
+        if header.body_len > limits.max_frame_bytes:
+            raise FrameTooLargeError(
+                f"frame body of {header.body_len} bytes exceeds max_frame_bytes "
+                f"{limits.max_frame_bytes}")
+        return header, scope, traced
+
+    def _put_items(self, request: Request) -> Generator[Need, bytes | bytearray | None, None]:
+        """A PUT's items, each value received into what ``reserve`` gave it (or skipped
+        when it gave nothing: the item says NO_CAPACITY); PUT_SHM: the same items without
+        their values (the client writes those into the reserved slots through shared
+        memory, then sends COMMIT)."""
+        header, limits = request.header, self.limits
+        inline = header.op == Op.PUT
+        name = Op(header.op).name
+        remaining = header.body_len
+        reserved = 0
+        for _ in range(header.count):
+            if remaining < PUT_ITEM_SIZE:
+                raise BadFrameError(f"{name} body shorter than its items")
+            raw_item = yield _PUT_ITEM
+            assert raw_item is not None
+            item = PutItemHeader.unpack(raw_item)
+            remaining -= PUT_ITEM_SIZE
+            parent = None
+            if item.flags & PUT_FLAG_PARENT:
+                if remaining < KEY_SIZE:
+                    raise BadFrameError(f"{name} parent key runs past the frame body")
+                raw_parent = yield Exact(KEY_SIZE)
+                assert raw_parent is not None
+                parent = bytes(raw_parent)
+                remaining -= KEY_SIZE
+            if inline and item.value_len > remaining:
+                raise BadFrameError("PUT value runs past the frame body")
+            if item.value_len > limits.max_value_bytes:
+                raise ValueTooLargeError(
+                    f"value of {item.value_len} bytes exceeds max_value_bytes "
+                    f"{limits.max_value_bytes}")
+            reservation = None
+            if inline:
+                reservation = self._reserve(item.key, item.value_len, request.scope)
+                if reservation is None:
+                    yield Skip(item.value_len)
+                else:
+                    self._pending.append(reservation)
+                    yield Into(reservation.view)
+                remaining -= item.value_len
+            else:  # the node reserves once it knows the connection may write
+                reserved += item.value_len
+                if reserved > limits.max_frame_bytes:
+                    raise FrameTooLargeError(
+                        f"PUT_SHM of more than max_frame_bytes {limits.max_frame_bytes}")
+            request.items.append(PutItem(item, reservation, parent))
+        if remaining:
+            raise BadFrameError(f"{remaining} stray bytes after the {name} items")
 
 
 @dataclass(slots=True)

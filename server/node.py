@@ -144,16 +144,47 @@ class Node:
                 write_through=s3.write_through and bool(s3.bucket)))
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        server = self.config.server
         if self.config.security.auth_tokens and forbid_dumps():
             # tenants: no process of this user may reach the arena through /proc or ptrace
             log.info("tenants configured: this node is non-dumpable")
         # bind both ports first (port 0 picks one), join the cluster under the addresses
         # they got, and only then serve: no client sees a node that has no map yet. Bound
         # before the SSD tier starts, so a port in use fails at once, in one line.
+        admin_sock = await self._bind()
+        assert self._server is not None
         try:
-            self._server = await loop.create_server(
+            await self._start_ssd()
+        except BaseException:
+            self._server.close()
+            admin_sock.close()
+            if self._dir_lock is not None:
+                os.close(self._dir_lock)
+                self._dir_lock = None
+            raise
+        self._apply_quotas()
+        self.handlers.addresses = (self.data_address, self.admin_address)
+        try:
+            await self.membership.start(self.config.server.node_id,
+                                        self._advertised(self.data_address),
+                                        self._advertised(self.admin_address))
+        except BaseException:
+            self._server.close()
+            admin_sock.close()
+            raise
+        self.handlers.node_id = self.handlers.events.node_id = self.membership.node_id
+        await self._start_services()
+        self._admin = web.AppRunner(make_admin_app(self), access_log=None)
+        await self._admin.setup()
+        await web.SockSite(self._admin, admin_sock, ssl_context=self.tls).start()
+        await self._server.start_serving()
+        self._expiry_task = asyncio.create_task(self._expire_loop())
+
+    async def _bind(self) -> socket.socket:
+        """The data port's server (not serving yet) and the admin port's bound socket;
+        ConfigError naming the flag when a port is taken."""
+        server = self.config.server
+        try:
+            self._server = await asyncio.get_running_loop().create_server(
                 self._accept, server.host, server.data_port, reuse_address=True,
                 start_serving=False, ssl=self.tls,
                 ssl_handshake_timeout=server.hello_timeout_s if self.tls else None)
@@ -169,25 +200,11 @@ class Node:
             raise ConfigError(bind_error(exc, server.host, server.admin_port, "--admin-port",
                                           "KVPOOL_ADMIN_PORT")) from None
         self.admin_address = admin_sock.getsockname()[:2]
-        try:
-            await self._start_ssd()
-        except BaseException:
-            self._server.close()
-            admin_sock.close()
-            if self._dir_lock is not None:
-                os.close(self._dir_lock)
-                self._dir_lock = None
-            raise
-        self._apply_quotas()
-        self.handlers.addresses = (self.data_address, self.admin_address)
-        try:
-            await self.membership.start(server.node_id, self._advertised(self.data_address),
-                                        self._advertised(self.admin_address))
-        except BaseException:
-            self._server.close()
-            admin_sock.close()
-            raise
-        self.handlers.node_id = self.handlers.events.node_id = self.membership.node_id
+        return admin_sock
+
+    async def _start_services(self) -> None:
+        """What runs beside the data path once the node has its id and map: hand-off
+        (drain), metrics, the shared-memory service, tracing."""
         host, port = self._advertised(self.data_address)
         self.handoff = Handoff(self.dram, f"kvpool://{host}:{port}",
                                rate_bytes_s=self.config.cluster.drain_rate_bytes,
@@ -211,11 +228,6 @@ class Node:
             self.handlers.extra_stats["shm"] = self.shm_stats
         if tracing_configured():
             self.handlers.tracing = NodeTracing(self.membership.node_id)
-        self._admin = web.AppRunner(make_admin_app(self), access_log=None)
-        await self._admin.setup()
-        await web.SockSite(self._admin, admin_sock, ssl_context=self.tls).start()
-        await self._server.start_serving()
-        self._expiry_task = asyncio.create_task(self._expire_loop())
 
     def _accept(self) -> NodeConnection:
         server = self.config.server
