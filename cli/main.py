@@ -193,7 +193,12 @@ def _refuse_unknown(parser: argparse.ArgumentParser, argv: list[str],
              if o.startswith("--")}
     name = unknown[0].split("=", 1)[0]
     word = name[2:] if name.startswith("--") else ""
-    close = [flag for w, flag in words.items() if word and word in w.split("-")] or \
+    # flags that share a word with it, most shared first (--data-port on `cluster up`:
+    # --base-port), else near spellings (--jsn: --json)
+    parts = set(word.split("-")) - {"", "no"}
+    shared = sorted(((len(parts & set(w.split("-"))), i, flag)
+                     for i, (w, flag) in enumerate(words.items())), key=lambda t: (-t[0], t[1]))
+    close = [flag for n, _, flag in shared if n] or \
         [words[w] for w in difflib.get_close_matches(word, list(words), n=3, cutoff=0.75)]
     hint = f" (did you mean {' or '.join(close[:3])}?)" if close else ""
     command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")

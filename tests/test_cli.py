@@ -79,6 +79,10 @@ def test_an_unknown_flag_names_its_command_and_the_flags_meant() -> None:
     assert port.stderr.startswith("usage: kvpool serve")
     assert "unrecognized arguments: --port 7790 (did you mean --data-port or --admin-port?)" \
         in port.stderr
+    other = kvpool("cluster", "up", "--data-port", "7800")  # serve's flag, not cluster up's
+    assert other.returncode == 2 and other.stderr.startswith("usage: kvpool cluster up")
+    assert "--data-port" in other.stderr
+    assert "(did you mean --base-port or --data-dir?)" in other.stderr
     typo = kvpool("stats", "--jsn")
     assert typo.returncode == 2 and "--jsn (did you mean --json?)" in typo.stderr
     nothing_close = kvpool("serve", "--bogus")
