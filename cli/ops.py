@@ -39,6 +39,8 @@ BENCH_HELP = {
     "tiers": "DRAM / SSD / S3 tier throughput, lz4 ratios",
     "fill": "PUTs into a filling DRAM tier: memory allocated ahead vs page faults",
     "cluster": "lookup latency and GET throughput, 1 node vs 3-node clusters",
+    "client_ab": "the SDK's small calls (latency, client CPU), this checkout vs --before "
+                 "another, alternating rounds",
     "placement_sim": "consistent-hash balance and movement on join/leave, 10-1000 nodes",
     "metrics_overhead": "throughput with metrics on vs off, and with tracing on",
     "gpu_kv": "GPU client: TTFT cold vs warm, load/store bandwidth (needs torch)",

@@ -1,0 +1,163 @@
+"""The SDK's small calls, this checkout against another one, in one run.
+
+    python -m kvpool.bench.client_ab --before ../old-checkout            # one node
+    python -m kvpool.bench.client_ab --before ../old --cluster 3 --pin   # 3 nodes, 1 CPU
+
+``--before`` is another kvpool checkout (``git worktree add ../old <commit>``). The
+node processes run this checkout's code; each round runs the client once with the
+other checkout's SDK and once with this one's, in turn, so that machine noise hits both
+alike (rounds alternate which goes first). Series, over TCP (``shm=False``): a sync
+``get`` of 4 KiB (the blocking socket), a sync ``exists``, an async ``get`` of 4 KiB
+and an async ``lookup`` of 512 keys, half of them held. Per series it prints p50 and
+p99 (median [min-max] over rounds), the client's CPU a call (user and system,
+``getrusage``), and the median of the per-round ratios after/before. ``--pin`` puts
+the nodes and the client on CPU 0 (what the client's own work costs shows most
+there). Writes ``bench/results/client_ab.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvpool.bench._stats import fmt, save, summary
+from kvpool.server.local_cluster import LocalCluster
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+#: one client run: prints {series: {"p50", "p99", "user", "sys"}} as JSON (seconds)
+_CLIENT = r"""
+import asyncio, json, os, resource, sys, time
+from kvpool.client import AsyncClient, Client
+url, n = sys.argv[1], int(sys.argv[2])
+out = {}
+def timed(name, calls):
+    ts = []
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    for _ in range(n):
+        t = time.perf_counter(); calls(); ts.append(time.perf_counter() - t)
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    ts.sort()
+    out[name] = {"p50": ts[n // 2], "p99": ts[int(n * 0.99)],
+                 "user": (r1.ru_utime - r0.ru_utime) / n, "sys": (r1.ru_stime - r0.ru_stime) / n}
+with Client(url, shm=False) as c:
+    key = os.urandom(16)
+    c.put(key, b"x" * 4096)
+    for name, call in (("sync get 4 KiB", lambda: c.get(key)),
+                       ("sync exists", lambda: c.exists(key))):
+        for _ in range(200):
+            call()
+        timed(name, call)
+async def run_async():
+    async with AsyncClient(url, shm=False) as c:
+        keys = [os.urandom(16) for _ in range(512)]
+        await c.put_many(keys[:256], [b"y" * 100] * 256)
+        loop = asyncio.get_running_loop()
+        for name, make in (("async get 4 KiB", lambda: c.get(keys[0])),
+                           ("async lookup 512", lambda: c.lookup(keys))):
+            for _ in range(100):
+                await make()
+            ts = []
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
+            for _ in range(n):
+                t = time.perf_counter(); await make(); ts.append(time.perf_counter() - t)
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            ts.sort()
+            out[name] = {"p50": ts[n // 2], "p99": ts[int(n * 0.99)],
+                         "user": (r1.ru_utime - r0.ru_utime) / n,
+                         "sys": (r1.ru_stime - r0.ru_stime) / n}
+asyncio.run(run_async())
+print(json.dumps(out))
+"""
+
+
+def _shim(checkout: Path, into: Path) -> Path:
+    """A directory whose ``kvpool`` is ``checkout`` (put first on PYTHONPATH, it wins
+    over the installed package)."""
+    into.mkdir()
+    (into / "kvpool").symlink_to(checkout.resolve(), target_is_directory=True)
+    return into
+
+
+def _client(shim: Path, url: str, calls: int, pin: bool) -> dict[str, dict[str, float]]:
+    cmd = [sys.executable, "-c", _CLIENT, url, str(calls)]
+    if pin:
+        cmd = ["taskset", "-c", "0", *cmd]
+    env = {**os.environ, "PYTHONPATH": str(shim)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+    if done.returncode:
+        raise RuntimeError(f"client run failed: {done.stderr[-2000:]}")
+    result: dict[str, dict[str, float]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _pin(cluster: LocalCluster) -> None:
+    """Every node process (and its threads) on CPU 0."""
+    for node in cluster.nodes:
+        if node.proc is not None:
+            subprocess.run(["taskset", "-a", "-p", "-c", "0", str(node.proc.pid)],
+                           capture_output=True, check=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", required=True, type=Path,
+                        help="the other kvpool checkout (the baseline)")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--calls", type=int, default=3000, help="calls a series a round")
+    parser.add_argument("--cluster", type=int, default=1, help="nodes (1: standalone)")
+    parser.add_argument("--pin", action="store_true", help="everything on CPU 0")
+    args = parser.parse_args(argv)
+    if not (args.before / "client" / "_async.py").exists():
+        parser.error(f"--before {args.before} is not a kvpool checkout")
+    runs: dict[str, list[dict[str, dict[str, float]]]] = {"before": [], "after": []}
+    with tempfile.TemporaryDirectory() as tmp, \
+            LocalCluster(args.cluster, replication=min(2, args.cluster), data_dir=f"{tmp}/nodes",
+                         serve_args=["--no-ssd", "--no-shm"],
+                         standalone=args.cluster == 1) as cluster:
+        if args.pin:
+            _pin(cluster)
+        url = "kvpool://" + ",".join(seed.removeprefix("kvpool://") for seed in cluster.seeds)
+        shims = {"before": _shim(args.before, Path(tmp, "before")),
+                 "after": _shim(CHECKOUT, Path(tmp, "after"))}
+        for r in range(args.rounds):
+            for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
+                runs[side].append(_client(shims[side], url, args.calls, args.pin))
+            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+    table: dict[str, Any] = {}
+    print(f"\n{args.cluster} node(s), {'all on CPU 0' if args.pin else 'as scheduled'}, "
+          f"{args.rounds} rounds x {args.calls} calls; ms, median [min-max] over rounds\n")
+    print("| series | p50 before | p50 after | after/before | p99 before | p99 after "
+          "| client CPU before (user+sys) | after |")
+    print("|---|---|---|---|---|---|---|---|")
+    for series in runs["before"][0]:
+        row: dict[str, Any] = {}
+        for key in ("p50", "p99"):
+            for side in ("before", "after"):
+                row[f"{key} {side}"] = summary([run[series][key] for run in runs[side]])
+        for side in ("before", "after"):
+            row[f"cpu {side}"] = summary([run[series]["user"] + run[series]["sys"]
+                                          for run in runs[side]])
+        row["ratio"] = summary([a[series]["p50"] / b[series]["p50"]
+                                for a, b in zip(runs["after"], runs["before"], strict=True)])
+        table[series] = row
+        print(f"| {series} | {fmt(row['p50 before'], scale=1e3)} | "
+              f"{fmt(row['p50 after'], scale=1e3)} | {fmt(row['ratio'], 'x')} | "
+              f"{fmt(row['p99 before'], scale=1e3)} | {fmt(row['p99 after'], scale=1e3)} | "
+              f"{fmt(row['cpu before'], scale=1e3)} | {fmt(row['cpu after'], scale=1e3)} |")
+    out = save("client_ab", {"before": str(args.before.resolve()), "nodes": args.cluster,
+                             "pin": args.pin, "rounds": args.rounds, "calls": args.calls,
+                             "series": table, "runs": runs})
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
