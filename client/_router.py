@@ -187,8 +187,11 @@ class Router:
         self.map = cmap
         self.nodes = nodes
         self.ring_nodes = [nodes[i] for i in cmap.ring.nodes]
-        log.info("kvpool cluster map epoch %d: %d nodes, replication %d", cmap.epoch,
-                 len(cmap.nodes), cmap.replication)
+        if cmap.is_standalone:
+            log.info("kvpool: standalone node %s at %s", cmap.nodes[0].id, cmap.nodes[0].data)
+        else:
+            log.info("kvpool cluster map epoch %d: %d nodes, replication %d", cmap.epoch,
+                     len(cmap.nodes), cmap.replication)
 
     def _on_newer_epoch(self, epoch: int) -> None:
         if self.map is not None and epoch > self.map.epoch and self._refreshing is None:
