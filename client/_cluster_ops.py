@@ -36,13 +36,11 @@ async def put(router: Router, bkeys: list[bytes], values: Sequence[BufferOrSegme
               fingerprint: bytes, parents: list[bytes | None] | None
               ) -> tuple[list[int], list[bool]]:
     """(a refusal status per key, OK where none; whether some node stored it)."""
-    sole = router.sole_node
-    if sole is not None:
-        answer = await router.ask_sole(lambda: sole.put(
-            bkeys, values, ttl_ms=ttl_ms, flags=flags, chunk_indexes=chunk_indexes,
-            num_tokens=num_tokens, fingerprint=fingerprint, parents=parents))
-        if answer is not None:
-            return answer, [s == Status.OK for s in answer]
+    answer = await router.ask_sole(lambda node: node.put(
+        bkeys, values, ttl_ms=ttl_ms, flags=flags, chunk_indexes=chunk_indexes,
+        num_tokens=num_tokens, fingerprint=fingerprint, parents=parents))
+    if answer is not None:
+        return answer, [s == Status.OK for s in answer]
 
     def send(node: NodeClient, rows: npt.NDArray[np.intp]) -> Awaitable[list[int]]:
         return node.put([bkeys[i] for i in rows], [values[i] for i in rows],
@@ -68,11 +66,9 @@ async def put(router: Router, bkeys: list[bytes], values: Sequence[BufferOrSegme
 async def get(router: Router, blob: bytes, sinks: Sequence[memoryview | Segments] | None
               ) -> list[memoryview | Segments | None]:
     """Each key's payload (in its sink, if given), None where no node has it."""
-    sole = router.sole_node
-    if sole is not None:
-        views = await router.ask_sole(lambda: sole.get(blob, sinks))
-        if views is not None:
-            return views
+    views = await router.ask_sole(lambda node: node.get(blob, sinks))
+    if views is not None:
+        return views
     n = len(blob) // KEY_SIZE
     results: list[memoryview | Segments | None] = [None] * n
 
@@ -107,11 +103,9 @@ async def get(router: Router, blob: bytes, sinks: Sequence[memoryview | Segments
 
 async def exists_codes(router: Router, blob: bytes) -> bytes:
     """The fastest tier holding each key as a ``Tier`` code, 0 where none does."""
-    sole = router.sole_node
-    if sole is not None:
-        codes = await router.ask_sole(lambda: sole.exists(blob))
-        if codes is not None:
-            return codes
+    codes = await router.ask_sole(lambda node: node.exists(blob))
+    if codes is not None:
+        return codes
 
     def send(node: NodeClient, rows: npt.NDArray[np.intp]) -> Awaitable[bytes]:
         return node.exists(rows_blob(blob, rows))
@@ -138,11 +132,9 @@ async def exists_codes(router: Router, blob: bytes) -> bytes:
 
 async def statuses(router: Router, op: Op, blob: bytes) -> list[bool]:
     """DELETE/PIN/UNPIN: True where some node did it."""
-    sole = router.sole_node
-    if sole is not None:
-        answers = await router.ask_sole(lambda: sole.statuses(op, blob))
-        if answers is not None:
-            return [s == Status.OK for s in answers]
+    answers = await router.ask_sole(lambda node: node.statuses(op, blob))
+    if answers is not None:
+        return [s == Status.OK for s in answers]
 
     def send(node: NodeClient, rows: npt.NDArray[np.intp]) -> Awaitable[list[int]]:
         return node.statuses(op, rows_blob(blob, rows))

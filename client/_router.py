@@ -125,17 +125,20 @@ class Router:
         key's preference list is that node, so a batch goes to it whole."""
         return self.ring_nodes[0] if len(self.nodes) == 1 else None
 
-    async def ask_sole(self, call: Callable[[], Awaitable[T]]) -> T | None:
-        """``call()``'s answer from :attr:`sole_node` (it asks it) -- with none of :meth:`fan_out`'s
-        numpy (~100 us a call when run cold after a wake-up, as every call is). A node that
-        fails raises its own error; it is not marked down (there is no other node to turn
-        to, and that would close its other connections under their requests; the one that
-        timed out is already aborted). None after WRONG_OWNER: the map was refreshed,
-        route the call by it."""
-        epoch = self.map.epoch if self.map is not None else 0
-        token = routed_by.set(epoch)
+    async def ask_sole(self, call: Callable[[NodeClient], Awaitable[T]]) -> T | None:
+        """``call(node)``'s answer where the map has one node, asked for the whole batch
+        with none of :meth:`fan_out`'s numpy (~100 us a call when run cold after a
+        wake-up, as every call is). None: fan out instead (the map has more nodes, or
+        the node answered WRONG_OWNER and the map was refreshed). A node that fails
+        raises its own error; it is not marked down (there is no other node to turn to,
+        and that would close its other connections under their requests; the one that
+        timed out is already aborted)."""
+        node, cmap = self.sole_node, self.map
+        if node is None or cmap is None:
+            return None
+        token = routed_by.set(cmap.epoch)
         try:
-            return await call()
+            return await call(node)
         except WrongOwnerError as exc:
             stale = exc.epoch
         finally:
