@@ -79,7 +79,7 @@ from kvpool.protocol.errors import (
     Status,
     error_for_status,
 )
-from kvpool.protocol.frames import PUT_FLAG_PIN, Op, Tier
+from kvpool.protocol.frames import PUT_FLAG_PIN, Op, tier_names
 from kvpool.protocol.parsers import Segments
 
 __all__ = ["AsyncClient", "Key", "parse_url"]
@@ -87,7 +87,6 @@ __all__ = ["AsyncClient", "Key", "parse_url"]
 log = logging.getLogger("kvpool.client")
 
 T = TypeVar("T")
-_TIER_NAMES = {int(t): t.name.lower() for t in Tier}
 
 
 def _sinks(keys: Sequence[Key], buffers: Sequence[BufferOrSegments]
@@ -345,13 +344,13 @@ class AsyncClient:
 
     @traced("exists_many")
     async def exists_many(self, keys: Sequence[Key]) -> list[bool]:
-        return [code != 0 for code in await self.exists_codes(join_keys(keys))]
+        return list(map(bool, await self.exists_codes(join_keys(keys))))
 
     @traced("exists_tiers")
     async def exists_tiers(self, keys: Sequence[Key]) -> list[str | None]:
         """The tier ("dram", "ssd", "s3") holding each key, None where none does."""
         codes = await self.exists_codes(join_keys(keys))
-        return [_TIER_NAMES.get(code, "?") if code else None for code in codes]
+        return tier_names(codes)
 
     @traced("delete_many")
     async def delete_many(self, keys: Sequence[Key]) -> list[bool]:
@@ -375,7 +374,7 @@ class AsyncClient:
         else:
             codes = await self.exists_codes(blob)
             codes = codes[: codes.index(0)] if 0 in codes else codes
-        return [_TIER_NAMES.get(t, "?") for t in codes]
+        return cast(list[str], tier_names(codes))  # no zeros: the held prefix
 
     @traced("stats")
     async def stats(self) -> dict[str, Any]:

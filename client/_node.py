@@ -37,7 +37,6 @@ from kvpool.protocol.frames import (
     KEY_SIZE,
     PROTOCOL_VERSION,
     Op,
-    Tier,
     decode_json,
     encode_json,
 )
@@ -52,7 +51,6 @@ T = TypeVar("T")
 
 Key = bytes | str
 DEFAULT_PORT = 7700
-_TIER_NAMES = {int(t): t.name.lower() for t in Tier}
 #: back-off doublings past which the back-off is at its ceiling whatever the start
 _MAX_DOUBLINGS = 32
 
@@ -110,7 +108,7 @@ def join_keys(keys: Sequence[Key]) -> bytes:
         blob = b"".join(keys)  # type: ignore[arg-type]  # fast path: all bytes-like
     except TypeError:
         return b"".join([key_bytes(k) for k in keys])
-    if len(blob) != KEY_SIZE * len(keys) or any(n != KEY_SIZE for n in map(len, keys)):
+    if len(blob) != KEY_SIZE * len(keys) or list(map(len, keys)).count(KEY_SIZE) != len(keys):
         return b"".join([key_bytes(k) for k in keys])  # raises InvalidKeyError for the bad one
     return blob
 

@@ -11,7 +11,6 @@ back.
 
 from __future__ import annotations
 
-import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -42,23 +41,34 @@ def pick(table: npt.NDArray[np.int32], tried: npt.NDArray[np.bool_], live: npt.N
     every = len(rows) == len(table)  # all the batch's rows (in order): no gather needed
     sub = table if every else table[rows]
     untried = ~(tried if every else tried[rows])
-    alive = live[sub]
-    want = np.broadcast_to(np.asarray(per_row, dtype=np.intp), rows.shape)
-    got = np.zeros(len(rows), dtype=np.intp)
-    take = np.zeros(sub.shape, dtype=bool)
-    for phase in (untried & alive, untried & ~alive):
-        for col in range(sub.shape[1]):
-            now = phase[:, col] & (got < want)
-            take[:, col] |= now
-            got += now
+    cap = np.asarray(per_row)
+    if cap.min() >= sub.shape[1]:  # every untried column: the order of taking is moot
+        take = untried
+    else:
+        alive = live[sub]
+        got = np.zeros(len(rows), dtype=np.intp)
+        take = np.zeros(sub.shape, dtype=bool)
+        for phase in (untried & alive, untried & ~alive):
+            for col in range(sub.shape[1]):
+                now = phase[:, col] & (got < cap)
+                take[:, col] |= now
+                got += now
     where, cols = np.nonzero(take)  # row-major: each node's rows come out in order
     if not len(where):  # every node of these rows' lists has been tried
         return []
+    if every:
+        tried |= take
+    else:
+        tried[rows] |= take
     picked = rows[where]
-    tried[picked, cols] = True
-    nodes = table[picked, cols]
-    by_node = np.argsort(nodes, kind="stable")
-    nodes, picked, cols = nodes[by_node], picked[by_node], cols[by_node]
-    starts = [0, *(np.flatnonzero(nodes[1:] != nodes[:-1]) + 1).tolist(), len(nodes)]
-    return [Pick(int(nodes[a]), picked[a:b], cols[a:b])
-            for a, b in itertools.pairwise(starts)]
+    nodes = sub[take]  # the same row-major order
+    # group by node, rows in order within each: a stable sort, by radix on narrow ints
+    # (the step took ~100 us of a 512-key pick as int32 argsort and slicing)
+    by_node = np.argsort(nodes.astype(np.uint16) if len(live) <= 0xFFFF else nodes,
+                         kind="stable")
+    picked, cols = picked[by_node], cols[by_node]
+    counts = np.bincount(nodes, minlength=len(live))
+    present = np.flatnonzero(counts)
+    ends = np.cumsum(counts[present]).tolist()
+    return [Pick(node, picked[a:b], cols[a:b])
+            for node, a, b in zip(present.tolist(), [0, *ends[:-1]], ends, strict=True)]

@@ -29,13 +29,12 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from opentelemetry.trace import TracerProvider
 
 from kvpool.client import _plans as plans
 from kvpool.client._async import (
-    _TIER_NAMES,
     AsyncClient,
     _bytearrays,
     _sinks,
@@ -51,7 +50,7 @@ from kvpool.client.transport import Transport
 from kvpool.placement.cluster_map import ClusterMap
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
 from kvpool.protocol.errors import Status
-from kvpool.protocol.frames import Op
+from kvpool.protocol.frames import Op, tier_names
 from kvpool.protocol.parsers import Segments
 
 __all__ = ["Client"]
@@ -284,13 +283,13 @@ class Client:
     def exists_many(self, keys: Sequence[Key]) -> list[bool]:
         blob = join_keys(keys)
         return self._either(lambda node: plans.exists(node, blob),
-                            lambda codes: [code != 0 for code in codes],
+                            lambda codes: list(map(bool, codes)),
                             lambda: self._async.exists_many(keys))
 
     def exists_tiers(self, keys: Sequence[Key]) -> list[str | None]:
         blob = join_keys(keys)
         return self._either(lambda node: plans.exists(node, blob),
-                            lambda codes: [_TIER_NAMES.get(c, "?") if c else None for c in codes],
+                            tier_names,
                             lambda: self._async.exists_tiers(keys))
 
     def exists_codes(self, keys: bytes | Sequence[Key]) -> bytes:
@@ -312,7 +311,7 @@ class Client:
     def lookup_tiers(self, keys: Sequence[Key]) -> list[str]:
         blob = join_keys(keys)
         return self._either(lambda node: plans.lookup(node, blob),
-                            lambda codes: [_TIER_NAMES.get(c, "?") for c in codes],
+                            lambda codes: cast(list[str], tier_names(codes)),
                             lambda: self._async.lookup_tiers(keys))
 
     def pin(self, key: Key) -> bool:

@@ -36,7 +36,7 @@ from kvpool.protocol.errors import (
     PermissionDeniedError,
     ServerError,
 )
-from kvpool.protocol.frames import Op, Tier
+from kvpool.protocol.frames import Op, tier_names
 from kvpool.server.auth import ANONYMOUS, Principal, Role, TokenTable, stored_keys
 from kvpool.server.events import EVENT_TYPES, EventBus
 from kvpool.server.lookup_offload import LookupParser
@@ -46,7 +46,6 @@ from kvpool.server.openapi import openapi_document
 
 __all__ = ["make_admin_app"]
 
-_TIER_NAMES = {int(t): t.name.lower() for t in Tier}
 #: seconds between SSE comment lines on an idle event stream (keeps proxies from timing out)
 SSE_HEARTBEAT_S = 15.0
 
@@ -162,7 +161,7 @@ def make_admin_app(node: AdminBackend) -> web.Application:
         except KvpoolError as exc:
             return _error(503, "unavailable", f"{type(exc).__name__}: {exc}")
         reply: dict[str, Any] = {"num_chunks": len(tiers),
-                                 "tiers": [_TIER_NAMES.get(t, "?") for t in tiers],
+                                 "tiers": tier_names(tiers),
                                  "keys": [k.hex() for k in keys[: len(tiers)]]}
         if chunk_tokens is not None:
             reply["num_tokens"] = len(tiers) * chunk_tokens
