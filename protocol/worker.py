@@ -30,8 +30,8 @@ from typing import Any
 from kvpool.protocol.envelope import Codec
 from kvpool.protocol.errors import ConfigError
 
-__all__ = ["KEY_LEN", "REPLY", "REQUEST", "S3_CHANGE", "S3Change", "S3Settings", "SsdOp",
-           "SsdStatus", "WorkerSettings", "decode_keys"]
+__all__ = ["KEY_LEN", "REPLY", "REQUEST", "S3_CHANGE", "S3_LOG_PAGE", "S3Change", "S3Settings",
+           "SsdOp", "SsdStatus", "WorkerSettings", "decode_keys"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +83,8 @@ REPLY = struct.Struct("<IB3xQ")
 KEY_LEN = struct.Struct("<16sQ")
 #: one record of the worker's S3 log: key, S3Change
 S3_CHANGE = struct.Struct("<16sB")
+#: most S3 log records one S3_KEYS reply carries (a shorter reply: the log's end)
+S3_LOG_PAGE = 65536
 
 
 class SsdOp:

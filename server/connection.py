@@ -7,12 +7,10 @@ exactly when every queued reply has left the process: until then the
 entries it references stay acquired (never evicted or reused), and no more
 requests are read from this client (backpressure).
 
-TLS encrypts from its own buffers, so there replies are copied, a piece of at
-most ``TLS_PIECE`` bytes at a time and only while the TLS transport holds less
-than ``TLS_HIGH`` bytes: a TLS client that does not read costs the node a bounded
-amount, however many values its GETs name (1.1 MiB measured with the TLS
-layer's own buffers, ``bench/conn_memory.py``), and its reads are paused as on
-plain TCP.
+TLS encrypts from its own buffers, so there replies are copied piece by piece
+(``tls_replies.py``): a TLS client that does not read costs the node a bounded
+amount, however many values its GETs name (1.1 MiB measured with the TLS layer's
+own buffers, ``bench/conn_memory.py``), and its reads are paused as on plain TCP.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Sequence
 from typing import cast
 
@@ -39,31 +36,12 @@ from kvpool.server.auth import ANONYMOUS, TokenTable, check, scoper_for
 from kvpool.server.handlers import Handlers
 from kvpool.server.reply import Pending, Reply
 from kvpool.server.session import Session
+from kvpool.server.tls_replies import TLS_HIGH, TLS_LOW, TlsReplies
 from kvpool.tiers.dram import Entry, Slot
 
-__all__ = ["TLS_HIGH", "TLS_PIECE", "NodeConnection"]
+__all__ = ["NodeConnection"]
 
 log = logging.getLogger("kvpool.server")
-
-#: a TLS connection's replies are copied only while its transport holds less than this
-TLS_HIGH = 256 << 10
-TLS_LOW = 64 << 10
-#: and this many bytes at a time
-TLS_PIECE = 256 << 10
-
-
-class _Outgoing:
-    """A reply waiting to be copied into a TLS transport, and the entries it reads."""
-
-    __slots__ = ("buffers", "held", "index", "offset")
-
-    def __init__(self, buffers: Sequence[bytes | bytearray | memoryview],
-                 held: Sequence[Entry]) -> None:
-        self.buffers = buffers
-        self.held = held
-        self.index = 0
-        self.offset = 0
-
 
 class NodeConnection(asyncio.BufferedProtocol):
     """One data connection: parse, authorise, dispatch, reply; timeouts and limits.
@@ -102,8 +80,7 @@ class NodeConnection(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._held: list[Entry] = []
         #: TLS only: replies not yet copied into the transport, in order
-        self._outgoing: deque[_Outgoing] = deque()
-        self._close_when_sent = False
+        self._outgoing = TlsReplies(handlers.dram.release)
         self._write_paused = False
         self._hello_done = False
         self._closing = False
@@ -229,10 +206,7 @@ class NodeConnection(asyncio.BufferedProtocol):
             return
         self._parser.abort()
         self._release_held()
-        outgoing, self._outgoing = self._outgoing, deque()
-        for out in outgoing:
-            for entry in out.held:
-                self._handlers.dram.release(entry)
+        self._outgoing.drop()
         if self._handlers.shm is not None:
             self._handlers.shm.close_session(self._session)
         self._registry.discard(self)
@@ -246,7 +220,7 @@ class NodeConnection(asyncio.BufferedProtocol):
         if self._transport is not None and not self._closing:
             self._closing = True
             if self._outgoing:  # TLS replies still to copy: closed once they are
-                self._close_when_sent = True
+                self._outgoing.close_when_sent = True
                 self._transport.pause_reading()
             else:
                 self._transport.close()
@@ -390,7 +364,7 @@ class NodeConnection(asyncio.BufferedProtocol):
         """Queue a reply; ``held`` entries are released once nothing reads their views."""
         assert self._transport is not None
         if self._tls:
-            self._outgoing.append(_Outgoing(buffers, held))
+            self._outgoing.add(buffers, held)
             self._pump()
             return
         self._transport.writelines(buffers)
@@ -403,23 +377,8 @@ class NodeConnection(asyncio.BufferedProtocol):
 
     def _pump(self) -> None:
         """TLS: copy queued replies into the transport until it is full (pause_writing)."""
-        transport, outgoing = self._transport, self._outgoing
-        while outgoing and transport is not None and not self._write_paused:
-            out = outgoing[0]
-            while out.index < len(out.buffers) and not self._write_paused:
-                view = memoryview(out.buffers[out.index]).cast("B")
-                piece = view[out.offset : out.offset + TLS_PIECE]
-                out.offset += len(piece)
-                if out.offset >= len(view):
-                    out.index, out.offset = out.index + 1, 0
-                transport.write(bytes(piece))  # may call pause_writing before it returns
-            if out.index < len(out.buffers):
-                return
-            outgoing.popleft()
-            for entry in out.held:
-                self._handlers.dram.release(entry)
-        if not outgoing and self._close_when_sent and transport is not None:
-            transport.close()
+        if self._transport is not None:
+            self._outgoing.pump(self._transport, lambda: self._write_paused)
 
     def _fail(self, op: int, request_id: int, exc: BaseException) -> None:
         """Reply with the error, then close this connection (and only this one)."""

@@ -10,7 +10,6 @@ import os
 import socket
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +18,11 @@ from opentelemetry.trace import Tracer
 
 from kvpool.client import AsyncClient
 from kvpool.placement.cluster_map import ClusterMap, NodeState
-from kvpool.protocol.envelope import CODEC_BY_NAME
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.parsers import Limits
-from kvpool.protocol.worker import S3Settings, WorkerSettings
 from kvpool.server.admin import make_admin_app
 from kvpool.server.auth import TokenTable, load_tokens
-from kvpool.server.config import NodeConfig, format_size
+from kvpool.server.config import ClusterConfig, NodeConfig
 from kvpool.server.connection import NodeConnection
 from kvpool.server.etcd import EtcdSource
 from kvpool.server.events import EventBus
@@ -37,9 +34,9 @@ from kvpool.server.metrics import NodeMetrics
 from kvpool.server.resources import (
     bind_error,
     bound_socket,
+    dram_tier,
     lock_data_dir,
-    resolve_dram_capacity,
-    resolve_ssd_capacity,
+    worker_settings,
 )
 from kvpool.server.shm import ShmService
 from kvpool.server.ssd import SsdTier
@@ -57,7 +54,17 @@ log = logging.getLogger("kvpool.server")
 METRICS_REFRESH_S = 5.0
 
 
-_CODECS = CODEC_BY_NAME
+def map_source(cluster: ClusterConfig) -> MapSource | None:
+    """Where the node's cluster map comes from: etcd, a file or a peer list, or nowhere
+    (a standalone node)."""
+    if cluster.etcd:
+        return EtcdSource(cluster.etcd, prefix=cluster.etcd_prefix,
+                          lease_ttl_s=cluster.lease_ttl_s, auto_join=cluster.auto_join,
+                          replication=cluster.replication)
+    if cluster.file or cluster.peers:
+        return StaticSource(file=cluster.file, peers=cluster.peers,
+                            replication=cluster.replication)
+    return None
 
 
 class Node:
@@ -66,27 +73,10 @@ class Node:
     def __init__(self, config: NodeConfig, *, dram: DramTier | None = None) -> None:
         self.config = config
         server = config.server
-        if dram is None:
-            capacity = resolve_dram_capacity(config)
-            try:
-                dram = DramTier(capacity, default_ttl_s=config.dram.default_ttl_s or None,
-                                allocate_ahead_bytes=config.dram.allocate_ahead_bytes)
-            except (MemoryError, ValueError) as exc:
-                raise ConfigError(f"DRAM tier of {format_size(capacity)}: {exc}; "
-                                  "lower --dram-capacity or --dram-fraction") from exc
-        self.dram = dram
+        self.dram = dram if dram is not None else dram_tier(config)
         self.stats = NodeStats(timed=config.server.metrics)
         self.limits = Limits(server.max_frame_bytes, server.max_batch, server.max_value_bytes)
-        cluster = config.cluster
-        source: MapSource | None = None
-        if cluster.etcd:
-            source = EtcdSource(cluster.etcd, prefix=cluster.etcd_prefix,
-                                lease_ttl_s=cluster.lease_ttl_s, auto_join=cluster.auto_join,
-                                replication=cluster.replication)
-        elif cluster.file or cluster.peers:
-            source = StaticSource(file=cluster.file, peers=cluster.peers,
-                                  replication=cluster.replication)
-        self.membership = Membership(source)
+        self.membership = Membership(map_source(config.cluster))
         self.tiers = TierManager(self.dram, EventBus(server.node_id), tracer=self._tracer)
         security = config.security
         self.handlers = Handlers(
@@ -126,20 +116,12 @@ class Node:
             # chunks waiting for their write-behind cannot be evicted: keep them to a
             # quarter of DRAM so a PUT always finds room (the rest is shed and counted)
             pending = min(self.config.ssd.max_pending_bytes, self.dram.arena.capacity // 4)
-            s3 = self.config.s3
-            settings = WorkerSettings(
-                capacity_bytes=resolve_ssd_capacity(self.config, path),
-                codec=_CODECS[self.config.ssd.codec],
-                # the worker maps the arena writable: non-dumpable like the node
-                no_dumps=bool(self.config.security.auth_tokens),
-                s3=S3Settings(bucket=s3.bucket, prefix=s3.prefix, endpoint_url=s3.endpoint_url,
-                              region=s3.region, codec=_CODECS[s3.codec],
-                              max_pending_bytes=s3.max_pending_bytes,
-                              relist_interval_s=s3.relist_interval_s) if s3.bucket else None)
-            self.ssd = SsdTier(path, settings, arena_fd=self.dram.arena.fd,
-                               arena_size=self.dram.arena.capacity, max_pending_bytes=pending,
+            self.ssd = SsdTier(path, worker_settings(self.config, path),
+                               arena_fd=self.dram.arena.fd, arena_size=self.dram.arena.capacity,
+                               max_pending_bytes=pending,
                                full_retry_s=self.config.ssd.full_retry_s)
             await self.ssd.start()
+            s3 = self.config.s3
             self.tiers.attach_cold(self.ssd, TieringPolicy(
                 write_through=s3.write_through and bool(s3.bucket)))
 
@@ -225,7 +207,7 @@ class Node:
             await self.shm.start()
             self._publish_epoch()
             self.handlers.attach_shm(self.shm)
-            self.handlers.extra_stats["shm"] = self.shm_stats
+            self.handlers.extra_stats["shm"] = self.shm.stats
         if tracing_configured():
             self.handlers.tracing = NodeTracing(self.membership.node_id)
 
@@ -238,9 +220,9 @@ class Node:
 
     def _apply_quotas(self) -> None:
         quotas = self.handlers.auth.quotas
-        self.dram.quotas = {t: q.dram_bytes for t, q in quotas.items() if q.dram_bytes}
+        self.dram.tenants.quotas = {t: q.dram_bytes for t, q in quotas.items() if q.dram_bytes}
         if self.ssd is not None:
-            self.ssd.quotas = {t: q.ssd_bytes for t, q in quotas.items() if q.ssd_bytes}
+            self.ssd.tenants.quotas = {t: q.ssd_bytes for t, q in quotas.items() if q.ssd_bytes}
 
     def reload(self) -> None:
         """SIGHUP: re-read the cluster map and the tokens file (a bad file keeps the old)."""
@@ -258,7 +240,7 @@ class Node:
         closed = sum(conn.recheck(table) for conn in list(self.connections))
         log.info("tokens reloaded from %s: %d tokens, %d tenant quotas; %d connections "
                  "closed (token revoked or changed)", path, len(table.entries),
-                 len(self.dram.quotas), closed)
+                 len(self.dram.tenants.quotas), closed)
 
     # -- what the admin API asks of the node ----------------------------------------------
 
@@ -271,9 +253,10 @@ class Node:
         return self.handlers.auth
 
     def tenant_usage(self) -> dict[str, dict[str, int]]:
-        ssd = self.ssd.tenant_bytes if self.ssd is not None else {}
-        return {t: {"dram": self.dram.tenant_bytes.get(t, 0), "ssd": ssd.get(t, 0)}
-                for t in sorted(set(self.dram.tenant_bytes) | set(ssd))}
+        dram = self.dram.tenants.used
+        ssd = self.ssd.tenants.used if self.ssd is not None else {}
+        return {t: {"dram": dram.get(t, 0), "ssd": ssd.get(t, 0)}
+                for t in sorted(set(dram) | set(ssd))}
 
     def ready(self) -> tuple[bool, str]:
         """Whether clients should be sent here (GET /readyz)."""
@@ -385,15 +368,6 @@ class Node:
             if self.shm is not None:
                 self.shm.expire()
             self.dram.expire()
-
-    def shm_stats(self) -> dict[str, Any]:
-        """The fast path's counters (GET /v1/stats "shm")."""
-        assert self.shm is not None
-        index = self.shm.index
-        return {"socket": self.shm.name, "lease_s": self.shm.lease_s,
-                "open_leases": self.shm.open_leases, **asdict(self.shm.counters),
-                "index": {} if index is None else {
-                    "entries": len(index), "sets": index.sets, **asdict(index.counters)}}
 
     async def stop(self) -> None:
         """Stop accepting, let open connections flush their replies, then close."""

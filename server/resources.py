@@ -15,11 +15,14 @@ from pathlib import Path
 
 import psutil
 
+from kvpool.protocol.envelope import CODEC_BY_NAME
 from kvpool.protocol.errors import ConfigError
-from kvpool.server.config import NodeConfig
+from kvpool.protocol.worker import S3Settings, WorkerSettings
+from kvpool.server.config import NodeConfig, format_size
+from kvpool.tiers.dram import DramTier
 
-__all__ = ["bind_error", "bound_socket", "lock_data_dir", "resolve_dram_capacity",
-           "resolve_ssd_capacity"]
+__all__ = ["bind_error", "bound_socket", "dram_tier", "lock_data_dir", "resolve_dram_capacity",
+           "resolve_ssd_capacity", "worker_settings"]
 
 
 def resolve_dram_capacity(config: NodeConfig) -> int:
@@ -29,12 +32,39 @@ def resolve_dram_capacity(config: NodeConfig) -> int:
     return int(psutil.virtual_memory().available * config.dram.capacity_fraction)
 
 
+def dram_tier(config: NodeConfig) -> DramTier:
+    """The node's DRAM tier, its arena of the resolved capacity allocated (a ConfigError
+    naming the flags when the machine refuses it)."""
+    capacity = resolve_dram_capacity(config)
+    try:
+        return DramTier(capacity, default_ttl_s=config.dram.default_ttl_s or None,
+                        allocate_ahead_bytes=config.dram.allocate_ahead_bytes)
+    except (MemoryError, ValueError) as exc:
+        raise ConfigError(f"DRAM tier of {format_size(capacity)}: {exc}; "
+                          "lower --dram-capacity or --dram-fraction") from exc
+
+
 def resolve_ssd_capacity(config: NodeConfig, path: Path) -> int:
     """The configured capacity, or ``capacity_fraction`` of the free space under ``path``."""
     if config.ssd.capacity_bytes:
         return config.ssd.capacity_bytes
     path.mkdir(parents=True, exist_ok=True)
     return int(shutil.disk_usage(path).free * config.ssd.capacity_fraction)
+
+
+def worker_settings(config: NodeConfig, path: Path) -> WorkerSettings:
+    """What the SSD tier's worker process is started with: the SSD's capacity (from the
+    disk under ``path`` when given as a fraction), the codecs and the S3 tier below it."""
+    s3 = config.s3
+    return WorkerSettings(
+        capacity_bytes=resolve_ssd_capacity(config, path),
+        codec=CODEC_BY_NAME[config.ssd.codec],
+        # the worker maps the arena writable: non-dumpable like the node
+        no_dumps=bool(config.security.auth_tokens),
+        s3=S3Settings(bucket=s3.bucket, prefix=s3.prefix, endpoint_url=s3.endpoint_url,
+                      region=s3.region, codec=CODEC_BY_NAME[s3.codec],
+                      max_pending_bytes=s3.max_pending_bytes,
+                      relist_interval_s=s3.relist_interval_s) if s3.bucket else None)
 
 
 def bound_socket(host: str, port: int, family: socket.AddressFamily) -> socket.socket:

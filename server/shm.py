@@ -63,7 +63,8 @@ import secrets
 import socket
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.host import host_id
@@ -152,6 +153,14 @@ class ShmService:
     @property
     def open_leases(self) -> int:
         return len(self._leases)
+
+    def stats(self) -> dict[str, Any]:
+        """The fast path's counters (GET /v1/stats "shm")."""
+        index = self.index
+        return {"socket": self.name, "lease_s": self.lease_s, "open_leases": self.open_leases,
+                **asdict(self.counters),
+                "index": {} if index is None else {
+                    "entries": len(index), "sets": index.sets, **asdict(index.counters)}}
 
     # -- lifecycle ------------------------------------------------------------------------
 

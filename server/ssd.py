@@ -24,27 +24,22 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.protocol.envelope import Codec
-from kvpool.protocol.errors import KvpoolError
 from kvpool.protocol.worker import (
-    REPLY,
-    REQUEST,
-    S3_CHANGE,
-    S3Change,
+    S3_LOG_PAGE,
     SsdOp,
     SsdStatus,
     WorkerSettings,
     decode_keys,
 )
+from kvpool.server.s3_mirror import S3KeyMirror
+from kvpool.server.worker_channel import SsdUnavailableError, WorkerChannel
+from kvpool.tiers.tenants import TenantBytes
 
 __all__ = ["SsdCounters", "SsdTier", "SsdUnavailableError"]
 
 _U64 = struct.Struct("<Q")
 
 log = logging.getLogger("kvpool.server.ssd")
-
-
-class SsdUnavailableError(KvpoolError):
-    """The SSD worker is not running (failed to start, or died)."""
 
 
 @dataclass(slots=True)
@@ -65,26 +60,6 @@ class SsdCounters:
     recovered: int = 0
 
 
-class _Replies(asyncio.Protocol):
-    def __init__(self, owner: SsdTier) -> None:
-        self._owner = owner
-        self._buf = bytearray()
-
-    def data_received(self, data: bytes) -> None:
-        buf = self._buf
-        buf += data
-        while len(buf) >= REPLY.size:
-            request_id, status, length = REPLY.unpack_from(buf)
-            if len(buf) < REPLY.size + length:
-                break
-            payload = bytes(buf[REPLY.size : REPLY.size + length])
-            del buf[: REPLY.size + length]
-            self._owner._resolve(request_id, status, payload)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._owner._lost(exc)
-
-
 class SsdTier:
     def __init__(self, path: Path, settings: WorkerSettings, *, arena_fd: int,
                  arena_size: int, max_pending_bytes: int, start_timeout_s: float = 60.0,
@@ -96,11 +71,7 @@ class SsdTier:
         #: seconds between attempts to take writes again once the disk was full
         self.full_retry_s = full_retry_s
         #: keys the worker knows to be in S3 (its writes, its LISTs), mirrored every s3_poll_s
-        self.s3_index: set[bytes] = set()
-        self._s3_log_pos = 0
-        #: keys with DELETEs sent whose S3 half the worker has not logged yet: how many. The
-        #: log may still say PRESENT of them (an upload before the delete), which is stale
-        self._s3_deleting: dict[bytes, int] = {}
+        self.s3_index = S3KeyMirror()
         #: called with each key the SSD dropped to make room (its capacity, a tenant's quota)
         self.on_evicted: Callable[[bytes], object] | None = None
         self._s3_poll_s = s3_poll_s
@@ -111,25 +82,21 @@ class SsdTier:
         self._arena_fd = arena_fd
         self._arena_size = arena_size
         self.index: dict[bytes, int] = {}
-        #: most SSD bytes each tenant's chunks may hold (absent: no quota)
-        self.quotas: dict[str, int] = {}
+        #: SSD bytes of each tenant with a quota (its chunks on disk), and the quotas
+        self.tenants = TenantBytes()
         #: chunks this node wrote for each tenant with a quota, oldest first, and their bytes
         #: (chunks found on disk at start-up belong to no one: the tier forgot who wrote them)
         self.owned: dict[str, dict[bytes, int]] = {}
-        self.tenant_bytes: dict[str, int] = {}
         self._queued: dict[str, int] = {}  #: queued write-behind bytes, by tenant
         self._owner: dict[bytes, str] = {}
         #: write-behinds queued per key, and how many of them a DELETE overtook (the worker
         #: serves SSD requests in order: those complete first and must not be indexed)
         self._writing: dict[bytes, int] = {}
         self._overtaken: dict[bytes, int] = {}
-        self.quota_evictions = 0
         self.counters = SsdCounters()
         self._proc: asyncio.subprocess.Process | None = None
         self._stderr_task: asyncio.Task[None] | None = None
-        self._transport: asyncio.Transport | None = None
-        self._pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
-        self._next_id = 0
+        self._channel: WorkerChannel | None = None
         self.up = False
         #: set when the worker reported a full disk: writes are shed from then on
         self.full: str | None = None
@@ -151,8 +118,8 @@ class SsdTier:
         self._proc.stdin.write(self.settings.encode())
         self._proc.stdin.close()  # EOF: the worker has all of its settings
         loop = asyncio.get_running_loop()
-        self._transport, _ = await loop.create_unix_connection(lambda: _Replies(self),
-                                                               sock=parent)
+        _, self._channel = await loop.create_unix_connection(
+            lambda: WorkerChannel(self._lost), sock=parent)
         self.up = True
         try:
             async with asyncio.timeout(self.start_timeout_s):
@@ -204,20 +171,8 @@ class SsdTier:
     async def refresh_s3_index(self) -> None:
         """Apply the changes to what S3 holds that the worker logged since the last call."""
         while True:
-            _, payload = await self._call(SsdOp.S3_KEYS, offset=self._s3_log_pos)
-            deleting, index = self._s3_deleting, self.s3_index
-            for key, change in S3_CHANGE.iter_unpack(payload):
-                if change == S3Change.DELETED:
-                    left = deleting.pop(key, 1) - 1
-                    if left > 0:
-                        deleting[key] = left
-                    index.discard(key)
-                elif change == S3Change.GONE:
-                    index.discard(key)
-                elif key not in deleting:  # else: from before a delete still under way
-                    index.add(key)
-            self._s3_log_pos += len(payload) // S3_CHANGE.size
-            if len(payload) < 65536 * S3_CHANGE.size:
+            _, payload = await self._call(SsdOp.S3_KEYS, offset=self.s3_index.log_pos)
+            if self.s3_index.apply(payload) < S3_LOG_PAGE:
                 return
 
     async def _forward_stderr(self) -> None:
@@ -227,8 +182,8 @@ class SsdTier:
 
     async def stop(self) -> None:
         self.up = False
-        if self._transport is not None:
-            self._transport.close()  # the worker exits on EOF
+        if self._channel is not None:
+            self._channel.close()  # the worker exits on EOF
         if self._proc is not None and self._proc.returncode is None:
             try:
                 async with asyncio.timeout(30):
@@ -271,7 +226,7 @@ class SsdTier:
                 c.pending_write_bytes + length > self.max_pending_bytes:
             c.shed += 1
             return False
-        if tenant is not None and tenant in self.quotas:
+        if tenant is not None and tenant in self.tenants.quotas:
             if not self._make_room(tenant, length):
                 c.shed += 1
                 return False
@@ -286,15 +241,15 @@ class SsdTier:
 
     def _make_room(self, tenant: str, length: int) -> bool:
         """Drop ``tenant``'s oldest SSD chunks (S3 keeps them) until ``length`` more fit."""
-        quota = self.quotas[tenant]
-        if length > quota:
-            return False
+        # queued writes count as written
+        need = self.tenants.excess(tenant, length + self._queued.get(tenant, 0))
         owned = self.owned.get(tenant, {})
-        length += self._queued.get(tenant, 0)  # queued writes count as written
-        while self.tenant_bytes.get(tenant, 0) + length > quota and owned:
-            self.evict(next(iter(owned)))
-            self.quota_evictions += 1
-        return self.tenant_bytes.get(tenant, 0) + length <= quota
+        while need and owned:  # None (never fits) drops nothing
+            key = next(iter(owned))
+            need = max(0, need - owned[key])
+            self.evict(key)
+            self.tenants.evictions += 1
+        return need == 0
 
     async def confirm(self, key: bytes) -> bool:
         """Whether S3 has ``key``, asked of S3 itself (a HEAD through the worker) rather
@@ -321,7 +276,7 @@ class SsdTier:
         self.index.pop(key, None)
         tenant = self._owner.pop(key, None)
         if tenant is not None:
-            self.tenant_bytes[tenant] -= self.owned[tenant].pop(key)
+            self.tenants.charge(tenant, -self.owned[tenant].pop(key))
 
     def _written(self, future: asyncio.Future[tuple[int, bytes]], key: bytes, length: int,
                  on_done: Callable[[bool], object], *, durable: bool = False,
@@ -366,10 +321,10 @@ class SsdTier:
         """A write-behind of ``key`` reached the SSD (and S3, if ``durable``)."""
         self._forget(key)  # a rewrite replaces the old copy (and its owner)
         self.index[key] = length
-        if tenant is not None and tenant in self.quotas:
+        if tenant is not None and tenant in self.tenants.quotas:
             self._owner[key] = tenant
             self.owned.setdefault(tenant, {})[key] = length
-            self.tenant_bytes[tenant] = self.tenant_bytes.get(tenant, 0) + length
+            self.tenants.charge(tenant, length)
         if durable:
             self.s3_index.add(key)
 
@@ -417,12 +372,13 @@ class SsdTier:
         Queued write-behinds of ``key`` complete first, and are not indexed.
         """
         self._forget(key)
-        self.s3_index.discard(key)
         if key in self._writing:
             self._overtaken[key] = self._writing[key]
+        if self.up and self.has_s3:  # the worker logs one DELETED record for it
+            self.s3_index.deleting(key)
+        else:
+            self.s3_index.discard(key)
         if self.up:
-            if self.has_s3:  # the worker logs one DELETED record for it
-                self._s3_deleting[key] = self._s3_deleting.get(key, 0) + 1
             self._call(SsdOp.DELETE, key).add_done_callback(self._count_failure)
 
     def _count_failure(self, future: asyncio.Future[tuple[int, bytes]]) -> None:
@@ -438,25 +394,11 @@ class SsdTier:
 
     def _call(self, op: int, key: bytes = bytes(16), offset: int = 0,
               length: int = 0) -> asyncio.Future[tuple[int, bytes]]:
-        if not self.up or self._transport is None:
+        if not self.up or self._channel is None:
             raise SsdUnavailableError("the SSD worker is not running")
-        self._next_id = (self._next_id + 1) & 0xFFFFFFFF
-        future: asyncio.Future[tuple[int, bytes]] = \
-            asyncio.get_running_loop().create_future()
-        self._pending[self._next_id] = future
-        self._transport.write(REQUEST.pack(op, self._next_id, key, offset, length))
-        return future
-
-    def _resolve(self, request_id: int, status: int, payload: bytes) -> None:
-        future = self._pending.pop(request_id, None)
-        if future is not None and not future.done():
-            future.set_result((status, payload))
+        return self._channel.call(op, key, offset, length)
 
     def _lost(self, exc: Exception | None) -> None:
         if self.up and self._stderr_task is not None:  # started (start() says why it failed)
             log.error("SSD worker connection lost (%s); serving from DRAM only", exc)
         self.up = False
-        pending, self._pending = self._pending, {}
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(SsdUnavailableError("the SSD worker stopped"))

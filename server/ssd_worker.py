@@ -44,6 +44,7 @@ from kvpool.protocol.worker import (
     REPLY,
     REQUEST,
     S3_CHANGE,
+    S3_LOG_PAGE,
     S3Change,
     S3Settings,
     SsdOp,
@@ -354,7 +355,7 @@ class Worker:
             del self.s3_log[:done]
             self._s3_log_base += done
             start = max(0, offset - self._s3_log_base)
-            records = self.s3_log[start : start + 65536]
+            records = self.s3_log[start : start + S3_LOG_PAGE]
         return SsdStatus.OK, b"".join(records)
 
     def _stats(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:

@@ -379,9 +379,9 @@ class TierManager:
             if s3 is not None:
                 tiers["s3"] = {"name": "s3", "keys_known": len(self.ssd.s3_index), **s3}
         return {"tiers": tiers, "promotions": self.promotions,
-                "quota_evictions": self.dram.quota_evictions,
-                "quota_rejections": self.dram.quota_rejections,
-                "ssd_quota_evictions": self.ssd.quota_evictions if self.ssd else 0}
+                "quota_evictions": self.dram.tenants.evictions,
+                "quota_rejections": self.dram.tenants.rejections,
+                "ssd_quota_evictions": self.ssd.tenants.evictions if self.ssd else 0}
 
 
 async def _ssd_stats(ssd: SsdTier) -> dict[str, Any]:

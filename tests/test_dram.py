@@ -184,6 +184,35 @@ def test_entry_being_sent_is_not_overwritten() -> None:
     assert tier.arena.allocated_bytes <= 2 * PAGE
 
 
+def put_as(tier: DramTier, tenant: str | None, i: int) -> bool:
+    slot = tier.reserve(key(i), PAGE, tenant)
+    if slot is None:
+        return False
+    slot.view[:] = value_of(PAGE)
+    return tier.commit([slot])[0] is not None
+
+
+def test_a_tenant_over_its_quota_evicts_its_own_least_recent_chunks_only() -> None:
+    tier = DramTier(16 * PAGE)
+    tier.tenants.quotas = {"a": 2 * PAGE}
+    assert put_as(tier, "b", 0) and put_as(tier, None, 1)  # "b" has no quota, nobody neither
+    assert put_as(tier, "a", 2) and put_as(tier, "a", 3)
+    assert tier.get(key(2)) is not None  # 3 is now a's least recent
+    assert put_as(tier, "a", 4)  # room for it: a's own 3 goes, nobody else's
+    assert [tier.contains(key(i)) for i in range(5)] == [True, True, True, False, True]
+    assert tier.tenants.used == {"a": 2 * PAGE, "b": PAGE}
+    assert (tier.tenants.evictions, tier.tenants.rejections) == (1, 0)
+    assert tier.reserve(key(5), 3 * PAGE, "a") is None  # over the whole quota: refused
+    assert tier.tenants.rejections == 1 and tier.contains(key(2)) and tier.contains(key(4))
+    (entry,) = tier.acquire_many([key(2)])
+    (other,) = tier.acquire_many([key(4)])
+    assert tier.reserve(key(6), PAGE, "a") is None  # its chunks are being read: none can go
+    assert entry is not None and other is not None
+    tier.release(entry)
+    tier.release(other)
+    assert tier.delete(key(2)) and tier.tenants.used == {"a": PAGE, "b": PAGE}
+
+
 def test_value_larger_than_capacity() -> None:
     tier = DramTier(2 * PAGE)
     assert tier.reserve(key(0), 3 * PAGE) is None

@@ -227,6 +227,28 @@ def test_s3_log_is_read_in_order_and_forgets_what_the_node_applied(tmp_path: Pat
     assert read(4) == [] and worker.s3_log == []
 
 
+def test_the_nodes_s3_mirror_skips_an_upload_logged_before_its_pending_delete() -> None:
+    """The node's side of that log: until the worker logs a DELETE the node sent, a
+    PRESENT record of the key is from before it (stale); one after it counts again."""
+    from kvpool.protocol.worker import S3_CHANGE, S3Change
+    from kvpool.server.s3_mirror import S3KeyMirror
+
+    def log(*records: tuple[int, int]) -> bytes:
+        return b"".join(S3_CHANGE.pack(key(i), change) for i, change in records)
+
+    mirror = S3KeyMirror()
+    assert mirror.apply(log((1, S3Change.PRESENT), (2, S3Change.PRESENT))) == 2
+    assert key(1) in mirror and len(mirror) == 2
+    mirror.deleting(key(1))
+    mirror.deleting(key(1))  # two DELETEs in flight: two DELETED records to come
+    assert key(1) not in mirror
+    mirror.apply(log((1, S3Change.PRESENT), (1, S3Change.DELETED), (1, S3Change.PRESENT)))
+    assert key(1) not in mirror  # the second DELETE is still ahead of that upload
+    mirror.apply(log((1, S3Change.DELETED), (1, S3Change.PRESENT), (2, S3Change.GONE)))
+    assert key(1) in mirror and key(2) not in mirror  # uploaded again after both deletes
+    assert mirror.log_pos == 8
+
+
 def test_worker_settings_travel_whole_and_garbage_is_refused() -> None:
     """What the node sends the worker on its stdin: every field comes back as sent (the
     codecs as Codec, S3 or none), and anything else is a ConfigError, not a half-set tier."""

@@ -22,6 +22,7 @@ from kvpool.tiers.arena import ALIGN, Arena
 from kvpool.tiers.arena_index import ArenaIndex
 from kvpool.tiers.base import TierStats
 from kvpool.tiers.eviction import PrefixAwareLRU
+from kvpool.tiers.tenants import TenantBytes
 
 __all__ = ["DramTier", "Entry", "Slot"]
 
@@ -66,7 +67,7 @@ class Slot:
             self.committed = True
             self.view.release()
             self._tier.arena.free(self.offset, self.length)
-            self._tier._charge(self.tenant, -self.length)
+            self._tier.tenants.charge(self.tenant, -self.length)
 
 
 class DramTier:
@@ -89,13 +90,8 @@ class DramTier:
         self.on_evict: Callable[[Entry], None] | None = None
         #: called with each entry dropped because its TTL passed
         self.on_expire: Callable[[Entry], None] | None = None
-        #: most bytes each tenant's chunks may hold (reserved or stored); absent = no quota
-        self.quotas: dict[str, int] = {}
-        #: bytes each tenant's chunks hold now (reserved or stored)
-        self.tenant_bytes: dict[str, int] = {}
-        #: reservations refused or made room for by a tenant's own quota
-        self.quota_evictions = 0
-        self.quota_rejections = 0
+        #: each tenant's bytes (reserved or stored) and quota
+        self.tenants = TenantBytes()
         #: where co-located clients look values up with no request (see attach_index)
         self.index: ArenaIndex | None = None
 
@@ -111,9 +107,9 @@ class DramTier:
         if arena.extent(nbytes) > arena.capacity:
             self._stats.rejections += 1
             return None
-        if tenant is not None and tenant in self.quotas and not self._within_quota(tenant, nbytes):
+        if tenant is not None and not self._within_quota(tenant, nbytes):
             self._stats.rejections += 1
-            self.quota_rejections += 1
+            self.tenants.rejections += 1
             return None
         offset = arena.alloc(nbytes)
         while offset is None:
@@ -126,34 +122,23 @@ class DramTier:
             if self.on_evict is not None:
                 self.on_evict(victim)
             offset = arena.alloc(nbytes)
-        self._charge(tenant, nbytes)
+        self.tenants.charge(tenant, nbytes)
         return Slot(self, key, offset, nbytes, tenant)
 
     def assign(self, slot: Slot, key: bytes, tenant: str | None) -> None:
         """Give a reserved slot its final key and owner (the node learns them after parsing)."""
         slot.key = key
         if slot.tenant != tenant and not slot.committed:
-            self._charge(slot.tenant, -slot.length)
-            self._charge(tenant, slot.length)
+            self.tenants.charge(slot.tenant, -slot.length)
+            self.tenants.charge(tenant, slot.length)
             slot.tenant = tenant
-
-    def _charge(self, tenant: str | None, nbytes: int) -> None:
-        if tenant is not None:
-            left = self.tenant_bytes.get(tenant, 0) + nbytes
-            if left:
-                self.tenant_bytes[tenant] = left
-            else:
-                self.tenant_bytes.pop(tenant, None)
 
     def _within_quota(self, tenant: str, nbytes: int) -> bool:
         """Evict ``tenant``'s own chunks until ``nbytes`` more fit its quota; False if not."""
-        quota = self.quotas[tenant]
-        if nbytes > quota:
-            return False
-        if self.tenant_bytes.get(tenant, 0) + nbytes <= quota:
-            return True
+        need = self.tenants.excess(tenant, nbytes)
+        if not need:  # 0: fits; None: never fits
+            return need == 0
         victims = []
-        need = self.tenant_bytes.get(tenant, 0) + nbytes - quota
         for key in self._lru.candidates():
             entry = self._index[key]
             if entry.tenant == tenant and entry.readers == 0:
@@ -166,7 +151,7 @@ class DramTier:
         for victim in victims:
             self._remove(victim)
             self._stats.evictions += 1
-            self.quota_evictions += 1
+            self.tenants.evictions += 1
             if self.on_evict is not None:
                 self.on_evict(victim)
         return True
@@ -417,7 +402,7 @@ class DramTier:
             self.index.withdraw(entry.key)
         del self._index[entry.key]
         self._used_bytes -= entry.length
-        self._charge(entry.tenant, -entry.length)
+        self.tenants.charge(entry.tenant, -entry.length)
         self._lru.discard(entry.key)
         entry.live = False
         if entry.readers == 0:
