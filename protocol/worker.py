@@ -56,6 +56,9 @@ class WorkerSettings:
 
     capacity_bytes: int
     codec: Codec = Codec.LZ4
+    #: whether there is an SSD tier (RocksDB); without one the worker serves S3 alone, the
+    #: tier below DRAM, and every write it takes is an upload (as PUT_DURABLE)
+    ssd: bool = True
     #: RocksDB memtable bytes (None: an eighth of the capacity, 2-64 MiB)
     write_buffer_bytes: int | None = None
     #: the worker's niceness: on a busy machine the node's event loop should win the CPU

@@ -145,7 +145,8 @@ SSD_CODECS = ("none", "lz4", "shuffle-lz4")
 
 @dataclass(frozen=True, slots=True)
 class SsdConfig:
-    enabled: bool = knob(True, "run the SSD tier (RocksDB in data_dir/ssd) below DRAM",
+    enabled: bool = knob(True, "run the SSD tier (RocksDB in data_dir/ssd) below DRAM (off with "
+                         "--s3-bucket: S3 right below DRAM, nothing on local disk)",
                          flag="--ssd", env="KVPOOL_SSD", kind="bool")
     capacity_bytes: int = knob(0, "SSD tier capacity (0 = capacity_fraction of free disk space)",
                                flag="--ssd-capacity", env="KVPOOL_SSD_CAPACITY", kind="size")
@@ -284,11 +285,6 @@ class NodeConfig:
     s3: S3Config = field(default_factory=S3Config)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
-
-    def __post_init__(self) -> None:
-        if self.s3.bucket and not self.ssd.enabled:
-            raise ConfigError("the S3 tier runs in the SSD tier's worker: it needs the SSD tier "
-                              "(drop --no-ssd)")
 
 
 _SECTIONS: dict[str, type[Any]] = {"server": ServerConfig, "dram": DramConfig, "ssd": SsdConfig,

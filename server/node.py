@@ -109,21 +109,24 @@ class Node:
         return tracing.tracer if tracing is not None else None
 
     async def _start_ssd(self) -> None:
-        server = self.config.server
+        """The cold tier: its worker process, with the SSD tier, S3, or both (none: a
+        DRAM-only node)."""
+        server, s3 = self.config.server, self.config.s3
+        if not (self.config.ssd.enabled or s3.bucket):
+            return
         if self.config.ssd.enabled:
             self._dir_lock = lock_data_dir(Path(server.data_dir))
-            path = Path(server.data_dir) / "ssd"
-            # chunks waiting for their write-behind cannot be evicted: keep them to a
-            # quarter of DRAM so a PUT always finds room (the rest is shed and counted)
-            pending = min(self.config.ssd.max_pending_bytes, self.dram.arena.capacity // 4)
-            self.ssd = SsdTier(path, worker_settings(self.config, path),
-                               arena_fd=self.dram.arena.fd, arena_size=self.dram.arena.capacity,
-                               max_pending_bytes=pending,
-                               full_retry_s=self.config.ssd.full_retry_s)
-            await self.ssd.start()
-            s3 = self.config.s3
-            self.tiers.attach_cold(self.ssd, TieringPolicy(
-                write_through=s3.write_through and bool(s3.bucket)))
+        path = Path(server.data_dir) / "ssd"
+        # chunks waiting for their write-behind cannot be evicted: keep them to a
+        # quarter of DRAM so a PUT always finds room (the rest is shed and counted)
+        pending = min(self.config.ssd.max_pending_bytes, self.dram.arena.capacity // 4)
+        self.ssd = SsdTier(path, worker_settings(self.config, path),
+                           arena_fd=self.dram.arena.fd, arena_size=self.dram.arena.capacity,
+                           max_pending_bytes=pending,
+                           full_retry_s=self.config.ssd.full_retry_s)
+        await self.ssd.start()
+        self.tiers.attach_cold(self.ssd, TieringPolicy(
+            write_through=s3.write_through and bool(s3.bucket)))
 
     async def start(self) -> None:
         if self.config.security.auth_tokens and forbid_dumps():

@@ -53,12 +53,15 @@ def resolve_ssd_capacity(config: NodeConfig, path: Path) -> int:
 
 
 def worker_settings(config: NodeConfig, path: Path) -> WorkerSettings:
-    """What the SSD tier's worker process is started with: the SSD's capacity (from the
-    disk under ``path`` when given as a fraction), the codecs and the S3 tier below it."""
+    """What the cold-tier worker process is started with: the SSD tier or none, its
+    capacity (from the disk under ``path`` when given as a fraction), the codecs and the
+    S3 tier (below the SSD, or alone below DRAM)."""
     s3 = config.s3
+    ssd = config.ssd.enabled
     return WorkerSettings(
-        capacity_bytes=resolve_ssd_capacity(config, path),
+        capacity_bytes=resolve_ssd_capacity(config, path) if ssd else 0,
         codec=CODEC_BY_NAME[config.ssd.codec],
+        ssd=ssd,
         # the worker maps the arena writable: non-dumpable like the node
         no_dumps=bool(config.security.auth_tokens),
         s3=S3Settings(bucket=s3.bucket, prefix=s3.prefix, endpoint_url=s3.endpoint_url,

@@ -41,15 +41,16 @@ async def _serve(config: NodeConfig) -> None:
         f"{config.dram.capacity_fraction:.0%} of available memory"
     print(f"kvpool node {node.handlers.node_id}: DRAM tier {format_size(dram.capacity_bytes)} "
           f"({how})", flush=True)
-    if node.ssd is not None:
+    if node.ssd is not None and node.ssd.has_ssd:
         ssd = node.ssd
         print(f"kvpool node {node.handlers.node_id}: SSD tier {format_size(ssd.capacity_bytes)}"
               f" in {ssd.path} ({config.ssd.codec}), {len(ssd.index)} chunks on disk",
               flush=True)
     if config.s3.bucket:
         where = config.s3.endpoint_url or "AWS"
+        below = "" if config.ssd.enabled else ", right below DRAM (no SSD tier)"
         print(f"kvpool node {node.handlers.node_id}: S3 tier s3://{config.s3.bucket}/"
-              f"{config.s3.prefix} at {where} ({config.s3.codec})", flush=True)
+              f"{config.s3.prefix} at {where} ({config.s3.codec}){below}", flush=True)
     cmap = node.membership.map
     if cmap is not None:
         assert node.membership.source is not None

@@ -106,7 +106,8 @@ class SsdTier:
     async def start(self) -> None:
         """Spawn the worker and load its index; SsdUnavailableError if it cannot start."""
         parent, child = socket.socketpair()
-        self.path.mkdir(parents=True, exist_ok=True)
+        if self.has_ssd:
+            self.path.mkdir(parents=True, exist_ok=True)
         self._proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvpool.server.ssd_worker", "--path", str(self.path),
             "--arena-fd", str(self._arena_fd), "--arena-size", str(self._arena_size),
@@ -211,6 +212,12 @@ class SsdTier:
     def has_s3(self) -> bool:
         return self.settings.s3 is not None
 
+    @property
+    def has_ssd(self) -> bool:
+        """False: S3 alone is below DRAM (every write is an upload; :attr:`index` stays
+        empty)."""
+        return self.settings.ssd
+
     def write(self, key: bytes, offset: int, length: int,
               on_done: Callable[[bool], object], *, durable: bool = False,
               tenant: str | None = None) -> bool:
@@ -219,14 +226,16 @@ class SsdTier:
         Returns False, counting a shed write, when the worker is down or the
         pending budget is spent: a cache drops work rather than block or grow.
         Otherwise the caller keeps that memory alive until ``on_done(stored)`` runs.
-        ``durable``: also upload to S3 before answering; ``stored`` then means "in S3".
+        ``durable``: also upload to S3 before answering; ``stored`` then means "in S3"
+        (always so without an SSD tier).
         """
+        durable = durable or not self.has_ssd
         c = self.counters
         if not self.up or self.full is not None or \
                 c.pending_write_bytes + length > self.max_pending_bytes:
             c.shed += 1
             return False
-        if tenant is not None and tenant in self.tenants.quotas:
+        if tenant is not None and self.has_ssd and tenant in self.tenants.quotas:
             if not self._make_room(tenant, length):
                 c.shed += 1
                 return False
@@ -320,11 +329,12 @@ class SsdTier:
     def _index(self, key: bytes, length: int, tenant: str | None, *, durable: bool) -> None:
         """A write-behind of ``key`` reached the SSD (and S3, if ``durable``)."""
         self._forget(key)  # a rewrite replaces the old copy (and its owner)
-        self.index[key] = length
-        if tenant is not None and tenant in self.tenants.quotas:
-            self._owner[key] = tenant
-            self.owned.setdefault(tenant, {})[key] = length
-            self.tenants.charge(tenant, length)
+        if self.has_ssd:
+            self.index[key] = length
+            if tenant is not None and tenant in self.tenants.quotas:
+                self._owner[key] = tenant
+                self.owned.setdefault(tenant, {})[key] = length
+                self.tenants.charge(tenant, length)
         if durable:
             self.s3_index.add(key)
 

@@ -81,10 +81,11 @@ def _recv_exact(sock: socket.socket, buf: memoryview) -> bool:
 class Worker:
     """Serves the node's requests: SSD ops on this thread, S3 ops on a small pool."""
 
-    def __init__(self, tier: RocksDbTier, arena: memoryview,
+    def __init__(self, tier: RocksDbTier | None, arena: memoryview,
                  s3_settings: S3Settings | None = None, *, s3: S3Tier | None = None) -> None:
-        """``s3_settings``: the S3 tier to write behind to (None: none); ``s3`` an S3Tier
-        made from them already (tests hand in one of their own)."""
+        """``tier``: the SSD tier (None: none, S3 alone is below DRAM); ``s3_settings``:
+        the S3 tier to write behind to (None: none); ``s3`` an S3Tier made from them
+        already (tests hand in one of their own)."""
         if s3 is None and s3_settings is not None:
             s3 = S3Tier(s3_settings.bucket, prefix=s3_settings.prefix,
                         endpoint_url=s3_settings.endpoint_url or None,
@@ -265,10 +266,12 @@ class Worker:
 
     def _put_durable(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
         tier = self.tier
-        tier.last_evicted = []
         view = self.arena[offset : offset + length]
-        tier.put(key, view)  # a full SSD does not matter here: S3 is what makes it durable
-        evicted = b"".join(tier.last_evicted)
+        evicted = b""
+        if tier is not None:
+            tier.last_evicted = []
+            tier.put(key, view)  # a full SSD does not matter here: S3 makes it durable
+            evicted = b"".join(tier.last_evicted)
         if self.s3 is None:
             return SsdStatus.ERROR, b""
         # an index that says S3 has it may be stale (another node deleted it since our
@@ -279,6 +282,8 @@ class Worker:
 
     def _put(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
         tier = self.tier
+        if tier is None:  # S3 alone: the node sends PUT_DURABLE
+            return SsdStatus.REFUSED, b""
         tier.last_evicted = []
         view = self.arena[offset : offset + length]
         ok = tier.put(key, view)
@@ -289,6 +294,8 @@ class Worker:
 
     def _get(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
         tier = self.tier
+        if tier is None:
+            return SsdStatus.MISS, b""
         corrupt_before = tier.num_corrupt
         value = tier.get(key)
         if value is None:
@@ -330,22 +337,23 @@ class Worker:
         return None
 
     def _reopen(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
-        if self.tier.reopen():
+        if self.tier is None or self.tier.reopen():
             return SsdStatus.OK, b""
         return SsdStatus.FULL, (self.tier.full or "").encode()
 
     def _evict(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
-        return (SsdStatus.OK if self.tier.delete(key) else SsdStatus.MISS), b""
+        found = self.tier is not None and self.tier.delete(key)
+        return (SsdStatus.OK if found else SsdStatus.MISS), b""
 
     def _delete(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
-        found = self.tier.delete(key)
+        found = self.tier is not None and self.tier.delete(key)
         if self.s3 is not None:
             self._s3_in_order(key, self._delete_s3, key)
         return (SsdStatus.OK if found else SsdStatus.MISS), b""
 
     def _keys(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
-        return SsdStatus.OK, b"".join(KEY_LEN.pack(k, n)
-                                      for k, n in self.tier.value_lens().items())
+        lens = self.tier.value_lens() if self.tier is not None else {}
+        return SsdStatus.OK, b"".join(KEY_LEN.pack(k, n) for k, n in lens.items())
 
     def _s3_keys(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
         """S3 log records from record ``offset`` on (the first the node has not applied:
@@ -360,9 +368,9 @@ class Worker:
 
     def _stats(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
         tier = self.tier
-        stats: dict[str, Any] = tier.stats().to_dict()
-        stats["corrupt"] = tier.num_corrupt
-        stats["full"] = tier.full
+        stats: dict[str, Any] = {}
+        if tier is not None:
+            stats.update(tier.stats().to_dict(), corrupt=tier.num_corrupt, full=tier.full)
         if self.s3 is not None:
             s3 = self.s3.stats().to_dict()
             s3.update(errors=self.s3.num_errors, corrupt=self.s3.num_corrupt,
@@ -421,19 +429,22 @@ def main(argv: list[str] | None = None) -> int:
     sock = socket.socket(fileno=args.sock_fd)
     arena_map = mmap.mmap(args.arena_fd, args.arena_size)
     os.close(args.arena_fd)
-    try:
-        tier = RocksDbTier(args.path, settings.capacity_bytes, codec=settings.codec,
-                           write_buffer_bytes=settings.write_buffer_bytes)
-    except Exception as exc:
-        print(f"kvpool ssd worker: cannot open {args.path}: {exc}", file=sys.stderr)
-        return 2
+    tier = None
+    if settings.ssd:
+        try:
+            tier = RocksDbTier(args.path, settings.capacity_bytes, codec=settings.codec,
+                               write_buffer_bytes=settings.write_buffer_bytes)
+        except Exception as exc:
+            print(f"kvpool ssd worker: cannot open {args.path}: {exc}", file=sys.stderr)
+            return 2
     arena = memoryview(arena_map)
     worker = Worker(tier, arena, settings.s3)
     worker.start_s3()
     try:
         worker.serve(sock)
     finally:
-        tier.close()
+        if tier is not None:
+            tier.close()
     return 0
 
 

@@ -115,10 +115,12 @@ class TierManager:
         for entry in entries:
             if entry.expires_at is not None:
                 # a chunk with a TTL lives in DRAM only, so it can never outlive its TTL
-                if entry.key in ssd.index:
+                # (nor can an older copy of its key below)
+                if ssd.holds(entry.key):
                     ssd.delete(entry.key)
                 continue
-            if entry.key in ssd.index:  # content-addressed: the SSD copy is the same bytes
+            # content-addressed: a copy below is the same bytes (S3 alone: one S3 holds)
+            if entry.key in ssd.index or (not ssd.has_ssd and entry.key in ssd.s3_index):
                 continue
             dram.hold(entry)
             if not ssd.write(entry.key, entry.offset, entry.length,
@@ -374,10 +376,14 @@ class TierManager:
         dram = self.dram.stats()
         tiers: dict[str, Any] = {"dram": dram.to_dict()}
         if self.ssd is not None:
-            tiers["ssd"] = await _ssd_stats(self.ssd)
-            s3 = tiers["ssd"].pop("s3", None)
+            cold = await _ssd_stats(self.ssd)
+            s3 = cold.pop("s3", None)
+            if self.ssd.has_ssd:
+                tiers["ssd"] = cold
             if s3 is not None:
                 tiers["s3"] = {"name": "s3", "keys_known": len(self.ssd.s3_index), **s3}
+                if not self.ssd.has_ssd:  # the node's side: worker up, uploads pending, shed
+                    tiers["s3"]["node"] = {"up": cold["up"], **asdict(self.ssd.counters)}
         return {"tiers": tiers, "promotions": self.promotions,
                 "quota_evictions": self.dram.tenants.evictions,
                 "quota_rejections": self.dram.tenants.rejections,

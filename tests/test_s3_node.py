@@ -239,3 +239,32 @@ def test_write_through_asks_s3_before_acking_a_chunk_its_index_lists(
             assert tier_stats(c, "s3")["insertions"] == 2
     finally:
         assert node.stop() == 0
+
+
+def test_s3_right_below_dram_with_no_ssd_tier(s3_endpoint: str, s3_bucket: str) -> None:
+    """``--no-ssd`` with a bucket: DRAM over S3 alone. Every write-behind is an upload;
+    chunks DRAM evicted come back from S3; nothing is written to the local disk."""
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    node = start_node("--no-ssd", "--dram-capacity", "8MiB", "--s3-bucket", s3_bucket,
+                      "--s3-endpoint", s3_endpoint, "--s3-region", "us-east-1")
+    keys = [os.urandom(16) for _ in range(40)]
+    values = [os.urandom(300_000) for _ in keys]  # 12 MB: more than DRAM holds
+    try:
+        with Client(node.url) as c:
+            for start in range(0, len(keys), 5):  # paced: uploads are slower than PUTs
+                c.put_many(keys[start : start + 5], values[start : start + 5])
+                wait_until(lambda n=start + 5: tier_stats(c, "s3").get("keys_known", 0) >= n)
+            tiers = c.stats()["tiers"]
+            assert "ssd" not in tiers
+            assert tiers["s3"]["node"]["shed"] == 0 and tiers["s3"]["node"]["up"]
+            assert tiers["s3"]["node"]["writes"] == 40
+            held = c.lookup_tiers(keys)
+            assert len(held) == 40 and "s3" in held and held[-1] == "dram"  # evicted: in S3
+            assert c.get_many(keys) == values  # promoted back from S3 where DRAM lost them
+            assert c.stats()["promotions"] >= held.count("s3")
+            assert s3.list_objects_v2(Bucket=s3_bucket)["KeyCount"] == 40
+            assert c.delete(keys[0])
+            wait_until(lambda: s3.list_objects_v2(Bucket=s3_bucket)["KeyCount"] == 39)
+        assert not os.path.exists(os.path.join(node.data_dir, "ssd"))  # no RocksDB here
+    finally:
+        assert node.stop() == 0
