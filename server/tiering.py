@@ -106,8 +106,8 @@ class TierManager:
         return [i for i, e in enumerate(committed) if e is not None and e.expires_at is None]
 
     def write_behind(self, entries: Iterable[Entry]) -> None:
-        """Queue each chunk for the SSD (held in DRAM meanwhile); a chunk with a TTL
-        deletes its key's SSD copy instead."""
+        """Queue each chunk for the tier below (held in DRAM meanwhile); a chunk with a
+        TTL deletes its key's copies below instead."""
         ssd = self.ssd
         if ssd is None:
             return  # (a worker that is down sheds, and counts, every write)

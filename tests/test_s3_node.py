@@ -268,3 +268,23 @@ def test_s3_right_below_dram_with_no_ssd_tier(s3_endpoint: str, s3_bucket: str) 
         assert not os.path.exists(os.path.join(node.data_dir, "ssd"))  # no RocksDB here
     finally:
         assert node.stop() == 0
+
+
+def test_a_chunk_stored_with_a_ttl_takes_its_keys_copy_out_of_s3(s3_endpoint: str,
+                                                                  s3_bucket: str) -> None:
+    """A TTL chunk lives in DRAM only; an older copy of its key below (here in S3, with no
+    SSD tier) is deleted, so the key cannot come back from S3 once the TTL has passed."""
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    node = start_node("--no-ssd", "--dram-capacity", "8MiB", "--s3-bucket", s3_bucket,
+                      "--s3-endpoint", s3_endpoint, "--s3-region", "us-east-1")
+    try:
+        with Client(node.url) as c:
+            k = os.urandom(16)
+            c.put(k, b"old value")
+            wait_until(lambda: s3.list_objects_v2(Bucket=s3_bucket)["KeyCount"] == 1)
+            c.put(k, b"short-lived", ttl=0.5)
+            wait_until(lambda: s3.list_objects_v2(Bucket=s3_bucket)["KeyCount"] == 0)
+            time.sleep(0.6)
+            assert c.get(k) is None  # gone: not the old value promoted back from S3
+    finally:
+        assert node.stop() == 0
