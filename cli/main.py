@@ -78,7 +78,7 @@ def _cluster_up(args: argparse.Namespace) -> int:
 
     from kvpool.server.local_cluster import LocalCluster
 
-    serve_args = [a for a in args.serve_args if a != "--"]
+    serve_args = list(args.serve_args)
     if args.dram_capacity:
         serve_args = ["--dram-capacity", args.dram_capacity, *serve_args]
     if not any(a.startswith(("--ssd-capacity", "--ssd-fraction")) for a in serve_args):
@@ -126,6 +126,17 @@ def _demo(args: argparse.Namespace) -> int:
     return code
 
 
+def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
+    """``--node 2`` is refused with a hint, not taken as ``--nodes 2`` (a flag added later
+    would silently change what an abbreviation in someone's script means); in every
+    sub-command too."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                _no_abbreviations(command)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool", description="kvpool: a KV-cache store for "
                                      "LLM inference.")
@@ -167,15 +178,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "restarting it with back-off (1 s doubling to 30 s)")
     up.add_argument("--startup-timeout", type=float, default=120.0,
                     help="seconds each node may take to get ready (default: 120)")
-    up.add_argument("serve_args", nargs=argparse.REMAINDER,
-                    help="-- then flags for every node, e.g. -- --no-ssd")
-    up.set_defaults(func=_cluster_up)
+    # what follows "--" (every node's `kvpool serve` flags) is split off in main(): a
+    # REMAINDER positional here also swallowed the value of an unknown flag before it
+    up.usage = f"{up.format_usage()[len('usage: '):].rstrip()} [-- SERVE_FLAGS ...]"
+    up.set_defaults(func=_cluster_up, serve_args=[])
     add_cluster_commands(csub)
     demo = sub.add_parser(
         "demo", add_help=False,
         help="SmolLM2 cold vs warm through kvpool (needs the hf extra; demo --help)")
     demo.add_argument("demo_args", nargs=argparse.REMAINDER)
     demo.set_defaults(func=_demo)
+    _no_abbreviations(parser)
     return parser
 
 
@@ -209,9 +222,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["demo"]:  # everything after "demo" is the demo's own (torch-side) CLI
         return _demo(argparse.Namespace(demo_args=argv[1:]))
     parser = build_parser()
+    serve_flags: list[str] = []
+    if argv[:2] == ["cluster", "up"] and "--" in argv:  # the rest: every node's serve flags
+        split = argv.index("--")
+        argv, serve_flags = argv[:split], argv[split + 1 :]
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         _refuse_unknown(parser, argv, unknown)
+    if serve_flags:
+        args.serve_args = serve_flags
     try:
         code: int = args.func(args)
         sys.stdout.flush()

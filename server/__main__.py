@@ -19,7 +19,8 @@ except ModuleNotFoundError as exc:  # the SDK-only install
 argv = sys.argv[1:]
 if argv[:1] == ["serve"]:
     argv = argv[1:]
-parser = argparse.ArgumentParser(prog="python -m kvpool.server", description="Run one node.")
+parser = argparse.ArgumentParser(prog="python -m kvpool.server", description="Run one node.",
+                                 allow_abbrev=False)
 add_arguments(parser)
 try:
     run_node(load_config(parser.parse_args(argv)))

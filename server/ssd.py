@@ -1,4 +1,5 @@
-"""The node's handle on its SSD tier: spawns the worker process and talks to it.
+"""The node's handle on its cold tier (the SSD, S3 below it, or S3 alone right below
+DRAM): spawns the worker process and talks to it (``worker_channel.py``).
 
 Keeps the index the data path needs without any I/O: which keys are on SSD
 and the length of each RAW envelope (a DRAM slot is reserved with it before
@@ -61,6 +62,10 @@ class SsdCounters:
 
 
 class SsdTier:
+    """The worker's tiers as the data path sees them, with no I/O: which keys the SSD
+    holds (and each one's length), which S3 holds (:class:`S3KeyMirror`), the
+    write-behinds in flight and the tenants' SSD bytes."""
+
     def __init__(self, path: Path, settings: WorkerSettings, *, arena_fd: int,
                  arena_size: int, max_pending_bytes: int, start_timeout_s: float = 60.0,
                  s3_poll_s: float = 1.0, full_retry_s: float = 10.0) -> None:

@@ -81,8 +81,11 @@ def test_an_unknown_flag_names_its_command_and_the_flags_meant() -> None:
         in port.stderr
     other = kvpool("cluster", "up", "--data-port", "7800")  # serve's flag, not cluster up's
     assert other.returncode == 2 and other.stderr.startswith("usage: kvpool cluster up")
-    assert "--data-port" in other.stderr
-    assert "(did you mean --base-port or --data-dir?)" in other.stderr
+    assert "arguments: --data-port 7800 (did you mean --base-port or --data-dir?)" \
+        in other.stderr  # its value too (`-- SERVE_FLAGS` no longer swallows it)
+    short = kvpool("cluster", "up", "--node", "2")  # no abbreviations: not taken as --nodes
+    assert short.returncode == 2
+    assert "unrecognized arguments: --node 2 (did you mean --nodes?)" in short.stderr
     typo = kvpool("stats", "--jsn")
     assert typo.returncode == 2 and "--jsn (did you mean --json?)" in typo.stderr
     nothing_close = kvpool("serve", "--bogus")
