@@ -15,7 +15,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from kvpool.cli.admin_http import AdminError, add_admin_args, call_first
 from kvpool.cli.cluster import add_cluster_commands, hit_rate
@@ -66,10 +66,40 @@ def _stats(args: argparse.Namespace) -> int:
     if shm:
         table.add_row("  of which shared memory",
                       f"{format_size(shm_in)} / {format_size(shm_out)}")
+    _cold_rows(table, stats)
     table.add_row("connections open", str(stats["connections"]["open"]))
     table.add_row("requests", ", ".join(f"{k}={v}" for k, v in stats["requests"].items() if v))
     Console().print(table)
     return 0
+
+
+def _cold_rows(table: Any, stats: dict[str, Any]) -> None:
+    """The tiers below DRAM, where the node has them: the SSD's use and the write-behinds
+    it shed; what S3 holds as far as the node knows, and its uploads and errors."""
+    tiers = stats.get("tiers", {})
+    ssd = tiers.get("ssd")
+    if ssd is not None:
+        state = "" if ssd.get("up") else " (worker down)"
+        if ssd.get("full"):
+            state = f" (full: {ssd['full']})"
+        table.add_row("SSD used / capacity",
+                      f"{format_size(ssd.get('used_bytes', 0))} / "
+                      f"{format_size(ssd.get('capacity_bytes', 0))}{state}")
+        table.add_row("  objects, writes shed", f"{ssd.get('num_objects', 0)}, "
+                      f"{ssd.get('shed', 0)}")
+    s3 = tiers.get("s3")
+    if s3 is not None:
+        node = s3.get("node", {})  # S3 right below DRAM: the node's side of the uploads
+        below = " (right below DRAM)" if ssd is None else ""
+        table.add_row(f"S3 objects known{below}", str(s3.get("keys_known", 0)))
+        pending = node.get("pending_write_bytes", 0) if node else s3.get("pending_bytes", 0)
+        shed = node.get("shed", 0) + s3.get("shed", 0)
+        errors = f"{s3.get('errors', 0)}" + (f" (last: {s3['last_error']})"
+                                             if s3.get("last_error") else "")
+        table.add_row("  uploads pending, shed, errors",
+                      f"{format_size(pending)}, {shed}, {errors}")
+    if ssd is not None or s3 is not None:
+        table.add_row("promotions", str(stats.get("promotions", 0)))
 
 
 def _cluster_up(args: argparse.Namespace) -> int:

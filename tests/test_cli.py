@@ -40,6 +40,8 @@ def test_stats_json_and_table(node: NodeProcess) -> None:
     assert stats["capacity_bytes"] == 64 << 20 and "requests" in stats
     table = kvpool("stats", "--admin", node.admin_url)
     assert table.returncode == 0 and "DRAM used / capacity" in table.stdout
+    assert "SSD used / capacity" in table.stdout and "/ 256.0 MiB" in table.stdout
+    assert "S3" not in table.stdout  # no bucket
 
 
 def test_stats_counts_bytes_read_through_shared_memory() -> None:

@@ -6,6 +6,8 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -265,6 +267,11 @@ def test_s3_right_below_dram_with_no_ssd_tier(s3_endpoint: str, s3_bucket: str) 
             assert s3.list_objects_v2(Bucket=s3_bucket)["KeyCount"] == 40
             assert c.delete(keys[0])
             wait_until(lambda: s3.list_objects_v2(Bucket=s3_bucket)["KeyCount"] == 39)
+        table = subprocess.run([sys.executable, "-m", "kvpool.cli", "stats", "--admin",
+                                node.admin_url], capture_output=True, text=True, timeout=60,
+                               check=True)
+        assert "S3 objects known (right below DRAM)" in table.stdout
+        assert "SSD" not in table.stdout
         assert not os.path.exists(os.path.join(node.data_dir, "ssd"))  # no RocksDB here
     finally:
         assert node.stop() == 0
