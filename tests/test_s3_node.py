@@ -22,6 +22,16 @@ from kvpool.tiers.s3 import object_name
 from .conftest import start_node
 
 
+@pytest.fixture(autouse=True)
+def aws_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Test credentials for boto3 here and in the nodes (which inherit the environment),
+    also in the tests that start moto servers of their own: they ran only after a test
+    that used the session's server had set them."""
+    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                        ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(name, os.environ.get(name, value))
+
+
 def tier_stats(c: Client, tier: str) -> dict[str, Any]:
     stats: dict[str, Any] = c.stats()["tiers"].get(tier, {})
     return stats
@@ -108,7 +118,8 @@ def test_s3_outage_does_not_touch_dram_and_ssd_and_recovers() -> None:
         server.stop()
 
 
-def test_write_through_acknowledges_only_what_s3_holds() -> None:
+@pytest.mark.parametrize("below", [(), ("--no-ssd",)], ids=["ssd-and-s3", "s3-alone"])
+def test_write_through_acknowledges_only_what_s3_holds(below: tuple[str, ...]) -> None:
     from moto.server import ThreadedMotoServer
 
     from kvpool.client import NotDurableError
@@ -120,15 +131,16 @@ def test_write_through_acknowledges_only_what_s3_holds() -> None:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    s3.create_bucket(Bucket="kvpool-through")
-    node = start_node("--dram-capacity", "16MiB", "--s3-bucket", "kvpool-through",
+    bucket = f"kvpool-through-{os.urandom(4).hex()}"  # moto's buckets outlive its server
+    s3.create_bucket(Bucket=bucket)
+    node = start_node("--dram-capacity", "16MiB", "--s3-bucket", bucket,
                       "--s3-endpoint", endpoint, "--s3-region", "us-east-1",
-                      "--s3-write-through")
+                      "--s3-write-through", *below)
     try:
         with Client(node.url, timeout=60) as c:
             keys = [os.urandom(16) for _ in range(3)]
             c.put_many(keys, [os.urandom(50_000) for _ in keys])
-            names = {o["Key"] for o in s3.list_objects_v2(Bucket="kvpool-through")["Contents"]}
+            names = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"]}
             assert names == {object_name("kvpool", k) for k in keys}  # no waiting needed
             server.stop()
             k = os.urandom(16)
