@@ -39,6 +39,7 @@ BENCH_HELP = {
     "tiers": "DRAM / SSD / S3 tier throughput, lz4 ratios",
     "fill": "PUTs into a filling DRAM tier: memory allocated ahead vs page faults",
     "cluster": "lookup latency and GET throughput, 1 node vs 3-node clusters",
+    "concurrency": "small GETs with 1/8/32 in flight: AsyncClient vs Redis's asyncio client",
     "client_ab": "the SDK's small calls (latency, client CPU), this checkout vs --before "
                  "another, alternating rounds",
     "placement_sim": "consistent-hash balance and movement on join/leave, 10-1000 nodes",
