@@ -268,3 +268,92 @@ def test_capacity_is_respected(n: int) -> None:
         assert tier.put(key(i), value_of(n * PAGE - 7))
         assert tier.arena.allocated_bytes <= 16 * PAGE
     assert tier.stats().num_objects == 16 // n
+
+
+# -- room for a large value among small ones (tiers/room.py) ------------------------------
+
+
+def small_values_read_at_random(pages: int) -> tuple[DramTier, list[bytes]]:
+    """A full tier of one-page values, half of them read in random order: the LRU order
+    has nothing to do with where values lie."""
+    import random
+
+    tier = DramTier(pages * PAGE)
+    keys = [key(i) for i in range(pages)]
+    value = value_of(PAGE)
+    for k in keys:
+        assert tier.put(k, value)
+    for k in random.Random(7).sample(keys, pages // 2):
+        assert tier.get(k) is not None
+    return tier, keys
+
+
+def test_a_large_value_among_small_ones_evicts_about_its_size_not_the_cache() -> None:
+    """LRU victims scattered over the arena free no extent big enough until most of it is
+    gone (the whole 64 MiB cache for a 1 MiB value, measured); the LRU phase is bounded
+    by the value's extent, then room is made by place: at most twice its size goes."""
+    tier, keys = small_values_read_at_random(256)
+    slot = tier.reserve(key(1000), 32 * PAGE)
+    assert slot is not None
+    evicted = tier.stats().evictions
+    assert 32 < evicted <= 64  # the LRU phase made no hole: by place it is
+    assert sum(tier.contains(k) for k in keys) == 256 - evicted
+    slot.view[:] = value_of(32 * PAGE)
+    assert tier.commit([slot])[0] is not None
+    assert tier.get(key(1000)) is not None
+
+
+def test_room_by_place_never_takes_a_pinned_value_or_one_being_read() -> None:
+    """Every 8th page pinned and every 8th (offset by 4) being read: no run of 8 free
+    pages can be made, so an 8-page value is refused, and none of those is evicted."""
+    tier, keys = small_values_read_at_random(64)
+    entries = {k: tier._index[k] for k in keys}
+    pinned = [k for k in keys if entries[k].offset // PAGE % 8 == 0]
+    read = [k for k in keys if entries[k].offset // PAGE % 8 == 4]
+    assert tier.pin_many(pinned, True) == [True] * len(pinned)
+    held = tier.acquire_many(read)
+    assert tier.reserve(key(1000), 8 * PAGE) is None
+    assert all(tier.contains(k) for k in pinned + read)
+    slot = tier.reserve(key(1001), 3 * PAGE)  # 3 pages fit between them
+    assert slot is not None
+    slot.release()
+    for entry in held:
+        assert entry is not None
+        tier.release(entry)
+    assert tier.reserve(key(1002), 8 * PAGE) is None  # the pins still split the arena
+    tier.pin_many(pinned, False)
+    assert tier.reserve(key(1003), 8 * PAGE) is not None
+
+
+@given(st.lists(st.tuples(st.sampled_from(["put", "get", "pin", "read", "done"]),
+                          st.integers(0, 40), st.integers(1, 12)), max_size=150))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_eviction_keeps_pins_readers_and_its_place_index(ops: list[tuple[str, int, int]]
+                                                         ) -> None:
+    """Random puts of 1-12 pages into 32, reads, pins and held reads: a pinned or held
+    value is never evicted, held bytes never change, and the index of where values lie
+    matches the values."""
+    tier = DramTier(32 * PAGE)
+    held: list[tuple[object, bytes]] = []
+    pinned: set[bytes] = set()
+    for op, i, pages in ops:
+        k = key(i)
+        if op == "put":  # over a pinned or held key too: the pin stays, the held bytes too
+            tier.put(k, value_of(pages * PAGE))
+        elif op == "get":
+            tier.get(k)
+        elif op == "pin" and tier.pin_many([k], True)[0]:
+            pinned.add(k)
+        elif op == "read":
+            (entry,) = tier.acquire_many([k])
+            if entry is not None:
+                held.append((entry, bytes(tier.view(entry))))
+        elif op == "done" and held:
+            tier.release(held.pop(0)[0])  # type: ignore[arg-type]
+        assert all(tier.contains(p) for p in pinned)
+        for entry, data in held:
+            assert bytes(tier.view(entry)) == data  # type: ignore[arg-type]
+        assert tier.arena.allocated_bytes <= 32 * PAGE
+        places = tier._places
+        assert sorted(places._starts) == sorted(e.offset for e in tier._index.values())
+        assert all(places._starts[e.offset] is e for e in tier._index.values())

@@ -129,6 +129,15 @@ class Arena:
             end += next_size
         self._add_free(start, end - start)
 
+    def free_extent_at(self, offset: int) -> int:
+        """Bytes of the free extent that starts at ``offset`` (0: none does)."""
+        return self._by_start.get(offset, 0)
+
+    def free_extent_ending_at(self, offset: int) -> int:
+        """Bytes of the free extent that ends at ``offset`` (0: none does)."""
+        start = self._by_end.get(offset)
+        return 0 if start is None else offset - start
+
     def _add_free(self, start: int, size: int) -> None:
         self._by_size.add((size, start))
         self._by_start[start] = size

@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from kvpool.protocol.envelope import Codec, EnvelopeHeader
 from kvpool.protocol.errors import CorruptChunkError
 from kvpool.protocol.shm_index import IndexSlot
+from kvpool.tiers import room
 from kvpool.tiers.arena import ALIGN, Arena
 from kvpool.tiers.arena_index import ArenaIndex
 from kvpool.tiers.base import TierStats
 from kvpool.tiers.eviction import PrefixAwareLRU
+from kvpool.tiers.room import Places
 from kvpool.tiers.tenants import TenantBytes
 
 __all__ = ["DramTier", "Entry", "Slot"]
@@ -44,6 +46,19 @@ class Entry:
     last_access: float = 0.0  #: wall-clock time of its last PUT or GET
     tenant: str | None = None  #: whose quota the chunk counts against (None: no one's)
     checksum: int = -1  #: its envelope's payload checksum (-1: not a raw value)
+
+
+def _index_slot(entry: Entry, arena: Arena, now: float) -> IndexSlot:
+    """What the arena index says of ``entry`` to co-located clients (``now``: the tier's
+    clock; its TTL is published as a wall-clock deadline, which every process reads
+    alike)."""
+    expires = 0.0 if entry.expires_at is None else time.time() + (entry.expires_at - now)
+    return IndexSlot(entry.key, entry.offset, entry.length, arena.gens[entry.offset // ALIGN],
+                     entry.checksum, expires)
+
+
+def _evictable(entry: Entry) -> bool:
+    return entry.readers == 0 and not entry.pinned
 
 
 class Slot:
@@ -92,6 +107,8 @@ class DramTier:
         self.on_expire: Callable[[Entry], None] | None = None
         #: each tenant's bytes (reserved or stored) and quota
         self.tenants = TenantBytes()
+        #: entries by where they lie (for room by place, when LRU order makes none)
+        self._places: Places[Entry] = Places(self.arena)
         #: where co-located clients look values up with no request (see attach_index)
         self.index: ArenaIndex | None = None
 
@@ -100,8 +117,12 @@ class DramTier:
     def reserve(self, key: bytes, nbytes: int, tenant: str | None = None) -> Slot | None:
         """Arena memory for an incoming value, evicting as needed; None if it can't fit.
 
-        A ``tenant`` with a quota first makes room among its own chunks (least
-        recently used first): one tenant never evicts another to exceed its quota.
+        Least recently used entries go first, up to the value's own size; if no extent
+        big enough has formed by then (small values scattered over the arena), room is
+        made by place around one of the next victims (``tiers/room.py``): one value
+        evicts at most about twice its size, never the whole cache. A ``tenant`` with a
+        quota first makes room among its own chunks (least recently used first): one
+        tenant never evicts another to exceed its quota.
         """
         arena = self.arena
         if arena.extent(nbytes) > arena.capacity:
@@ -112,16 +133,19 @@ class DramTier:
             self.tenants.rejections += 1
             return None
         offset = arena.alloc(nbytes)
-        while offset is None:
+        budget = room.LRU_BOUND * arena.extent(nbytes)  # then by place (tiers/room.py)
+        while offset is None and budget > 0:
             victim = self._next_victim()
             if victim is None:
-                self._stats.rejections += 1
-                return None
-            self._remove(victim)
-            self._stats.evictions += 1
-            if self.on_evict is not None:
-                self.on_evict(victim)
+                break
+            self._evict(victim)
+            budget -= arena.extent(victim.length)
             offset = arena.alloc(nbytes)
+        if offset is None:
+            offset = self._hole(nbytes)
+        if offset is None:
+            self._stats.rejections += 1
+            return None
         self.tenants.charge(tenant, nbytes)
         return Slot(self, key, offset, nbytes, tenant)
 
@@ -149,11 +173,8 @@ class DramTier:
         if need > 0:
             return False
         for victim in victims:
-            self._remove(victim)
-            self._stats.evictions += 1
+            self._evict(victim)
             self.tenants.evictions += 1
-            if self.on_evict is not None:
-                self.on_evict(victim)
         return True
 
     def commit(self, slots: Sequence[Slot], *, ttl_s: Sequence[float | None] | None = None,
@@ -381,6 +402,7 @@ class DramTier:
             heapq.heappush(self._expiry, (entry.expires_at, next(self._seq), entry))
         entry.last_access = time.time()
         self._index[entry.key] = entry
+        self._places.add(entry)
         self._used_bytes += entry.length
         self._stats.insertions += 1
         if self.index is not None:
@@ -388,19 +410,14 @@ class DramTier:
 
     def _publish(self, entry: Entry) -> None:
         assert self.index is not None
-        if entry.checksum < 0:  # clients read the index's values as raw payloads
-            return
-        expires = 0.0
-        if entry.expires_at is not None:  # a wall-clock deadline: every process reads it alike
-            expires = time.time() + (entry.expires_at - self._clock())
-        self.index.publish(IndexSlot(entry.key, entry.offset, entry.length,
-                                     self.arena.gens[entry.offset // ALIGN], entry.checksum,
-                                     expires))
+        if entry.checksum >= 0:  # clients read the index's values as raw payloads
+            self.index.publish(_index_slot(entry, self.arena, self._clock()))
 
     def _remove(self, entry: Entry) -> None:
         if self.index is not None:  # before the extent is freed
             self.index.withdraw(entry.key)
         del self._index[entry.key]
+        self._places.discard(entry)
         self._used_bytes -= entry.length
         self.tenants.charge(entry.tenant, -entry.length)
         self._lru.discard(entry.key)
@@ -408,9 +425,21 @@ class DramTier:
         if entry.readers == 0:
             self.arena.free(entry.offset, entry.length)
 
+    def _evict(self, entry: Entry) -> None:
+        self._remove(entry)
+        self._stats.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(entry)
+
+    def _hole(self, nbytes: int) -> int | None:
+        """Evict a contiguous run of entries around one of the next LRU victims, room for
+        ``nbytes``; its offset, or None."""
+        victims = self._places.hole((self._index[k] for k in self._lru.candidates()),
+                                    self.arena.extent(nbytes), _evictable)
+        for victim in victims or ():
+            self._evict(victim)
+        return self.arena.alloc(nbytes) if victims is not None else None
+
     def _next_victim(self) -> Entry | None:
-        for key in self._lru.candidates():
-            entry = self._index[key]
-            if entry.readers == 0:
-                return entry
-        return None
+        index = self._index
+        return next((e for k in self._lru.candidates() if (e := index[k]).readers == 0), None)
