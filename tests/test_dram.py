@@ -305,7 +305,8 @@ def test_a_large_value_among_small_ones_evicts_about_its_size_not_the_cache() ->
 
 def test_room_by_place_never_takes_a_pinned_value_or_one_being_read() -> None:
     """Every 8th page pinned and every 8th (offset by 4) being read: no run of 8 free
-    pages can be made, so an 8-page value is refused, and none of those is evicted."""
+    pages can be made, so an 8-page value is refused (after LRU order alone, the last
+    resort, evicted the rest), and none of those is evicted."""
     tier, keys = small_values_read_at_random(64)
     entries = {k: tier._index[k] for k in keys}
     pinned = [k for k in keys if entries[k].offset // PAGE % 8 == 0]
@@ -314,6 +315,7 @@ def test_room_by_place_never_takes_a_pinned_value_or_one_being_read() -> None:
     held = tier.acquire_many(read)
     assert tier.reserve(key(1000), 8 * PAGE) is None
     assert all(tier.contains(k) for k in pinned + read)
+    assert tier.stats().num_objects == len(pinned) + len(read)
     slot = tier.reserve(key(1001), 3 * PAGE)  # 3 pages fit between them
     assert slot is not None
     slot.release()
@@ -357,3 +359,20 @@ def test_eviction_keeps_pins_readers_and_its_place_index(ops: list[tuple[str, in
         places = tier._places
         assert sorted(places._starts) == sorted(e.offset for e in tier._index.values())
         assert all(places._starts[e.offset] is e for e in tier._index.values())
+
+
+def test_a_value_that_fits_only_once_blocked_holes_are_bypassed_is_still_stored() -> None:
+    """The 50 coldest values each sit between two pinned ones, so no hole by place can be
+    made around any of the 32 LRU victims tried; LRU order alone, the last resort, still
+    makes room, past the pins."""
+    tier = DramTier(128 * PAGE)
+    for i in range(128):
+        assert tier.put(key(i), value_of(PAGE))
+    for i in range(0, 128, 2):  # the odd pages become the coldest
+        tier.get(key(i))
+    pins = [key(i) for i in range(0, 100, 2)]
+    assert tier.pin_many(pins, True) == [True] * 50
+    slot = tier.reserve(key(1000), 8 * PAGE)
+    assert slot is not None and slot.offset >= 99 * PAGE  # beyond the last pin (page 98)
+    assert all(tier.contains(k) for k in pins)
+    assert tier.stats().evictions > 16  # more than the bound + a hole: LRU order went on

@@ -120,7 +120,8 @@ class DramTier:
         Least recently used entries go first, up to the value's own size; if no extent
         big enough has formed by then (small values scattered over the arena), room is
         made by place around one of the next victims (``tiers/room.py``): one value
-        evicts at most about twice its size, never the whole cache. A ``tenant`` with a
+        evicts at most about twice its size, not the whole cache (unless pinned or held
+        entries block every hole tried: then LRU order alone). A ``tenant`` with a
         quota first makes room among its own chunks (least recently used first): one
         tenant never evicts another to exceed its quota.
         """
@@ -134,15 +135,18 @@ class DramTier:
             return None
         offset = arena.alloc(nbytes)
         budget = room.LRU_BOUND * arena.extent(nbytes)  # then by place (tiers/room.py)
-        while offset is None and budget > 0:
-            victim = self._next_victim()
+        by_place = True
+        while offset is None:
+            if budget <= 0 and by_place:  # LRU order made no hole within its budget
+                by_place = False
+                offset = self._hole(nbytes)
+                continue
+            victim = self._next_victim()  # (every hole blocked: LRU order alone, as before)
             if victim is None:
                 break
             self._evict(victim)
             budget -= arena.extent(victim.length)
             offset = arena.alloc(nbytes)
-        if offset is None:
-            offset = self._hole(nbytes)
         if offset is None:
             self._stats.rejections += 1
             return None

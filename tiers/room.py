@@ -9,7 +9,8 @@ reservation stops after ``LRU_BOUND`` times the value's extent, and room is then
 made by place: around one of the next LRU victims (the seed), the free extents and
 evictable entries next to it are taken until they span the value's extent. At most
 ``MAX_SEEDS`` seeds are tried; a hole blocked on both sides (a pinned entry, one
-being read, a slot being written, the arena's ends) tries the next seed.
+being read, a slot being written, the arena's ends) tries the next seed, and when
+all are blocked the tier goes on in LRU order alone, as it did before.
 """
 
 from __future__ import annotations
