@@ -31,7 +31,7 @@ from kvpool.protocol.envelope import Codec
 from kvpool.protocol.errors import ConfigError
 
 __all__ = ["KEY_LEN", "REPLY", "REQUEST", "S3_CHANGE", "S3_LOG_PAGE", "S3Change", "S3Settings",
-           "SsdOp", "SsdStatus", "WorkerSettings", "decode_keys"]
+           "SsdOp", "SsdStatus", "TieringPolicy", "WorkerSettings", "decode_keys"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,14 +51,39 @@ class S3Settings:
 
 
 @dataclass(frozen=True, slots=True)
+class TieringPolicy:
+    """Where a node's chunks go below DRAM: decided once from its config
+    (``server.resources.tiering_policy``), held by its ``TierManager`` and sent to its
+    cold-tier worker in :class:`WorkerSettings`.
+
+    Rules that are not settings: a chunk with a TTL lives in DRAM only (a copy of its
+    key below is deleted), and a chunk whose key a tier below holds already is not
+    written there again (a key is its content's address).
+    """
+
+    #: write chunks behind to the SSD tier (RocksDB on local disk)
+    ssd: bool = True
+    #: write them behind to S3: after the SSD, or right below DRAM without one (every
+    #: write then an upload the worker answers once S3 has it)
+    s3: bool = False
+    #: answer a PUT only once S3 holds each chunk (with ``s3``)
+    write_through: bool = False
+
+    @property
+    def cold(self) -> bool:
+        """Whether anything is below DRAM (else the node runs no worker)."""
+        return self.ssd or self.s3
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerSettings:
     """What the cold-tier worker runs, decided once by the node (``server/node.py``)."""
 
     capacity_bytes: int
     codec: Codec = Codec.LZ4
-    #: whether there is an SSD tier (RocksDB); without one the worker serves S3 alone, the
-    #: tier below DRAM, and every write it takes is an upload (as PUT_DURABLE)
-    ssd: bool = True
+    #: the node's tiering policy (without ``ssd`` the worker opens no RocksDB and serves
+    #: S3 alone)
+    policy: TieringPolicy = TieringPolicy()
     #: RocksDB memtable bytes (None: an eighth of the capacity, 2-64 MiB)
     write_buffer_bytes: int | None = None
     #: the worker's niceness: on a busy machine the node's event loop should win the CPU
@@ -76,7 +101,8 @@ class WorkerSettings:
         try:
             fields: dict[str, Any] = json.loads(data)
             s3 = fields.pop("s3")
-            return cls(**{**fields, "codec": Codec(fields["codec"])},
+            return cls(**{**fields, "codec": Codec(fields["codec"]),
+                          "policy": TieringPolicy(**fields["policy"])},
                        s3=S3Settings(**{**s3, "codec": Codec(s3["codec"])}) if s3 else None)
         except (ValueError, TypeError, KeyError) as exc:
             raise ConfigError(f"bad cold-tier worker settings: {exc}") from exc

@@ -36,12 +36,13 @@ from kvpool.server.resources import (
     bound_socket,
     dram_tier,
     lock_data_dir,
+    tiering_policy,
     worker_settings,
 )
 from kvpool.server.shm import ShmService
 from kvpool.server.ssd import SsdTier
 from kvpool.server.stats import NodeStats
-from kvpool.server.tiering import TieringPolicy, TierManager
+from kvpool.server.tiering import TierManager
 from kvpool.server.tls import client_context, server_context
 from kvpool.server.tracing import NodeTracing, tracing_configured
 from kvpool.tiers.dram import DramTier
@@ -110,23 +111,23 @@ class Node:
 
     async def _start_ssd(self) -> None:
         """The cold tier: its worker process, with the SSD tier, S3, or both (none: a
-        DRAM-only node)."""
-        server, s3 = self.config.server, self.config.s3
-        if not (self.config.ssd.enabled or s3.bucket):
+        DRAM-only node), as the tiering policy says."""
+        policy = tiering_policy(self.config)
+        if not policy.cold:
             return
-        if self.config.ssd.enabled:
-            self._dir_lock = lock_data_dir(Path(server.data_dir))
-        path = Path(server.data_dir) / "ssd"
+        data_dir = Path(self.config.server.data_dir)
+        if policy.ssd:
+            self._dir_lock = lock_data_dir(data_dir)
+        path = data_dir / "ssd"
         # chunks waiting for their write-behind cannot be evicted: keep them to a
         # quarter of DRAM so a PUT always finds room (the rest is shed and counted)
         pending = min(self.config.ssd.max_pending_bytes, self.dram.arena.capacity // 4)
-        self.ssd = SsdTier(path, worker_settings(self.config, path),
+        self.ssd = SsdTier(path, worker_settings(self.config, policy, path),
                            arena_fd=self.dram.arena.fd, arena_size=self.dram.arena.capacity,
                            max_pending_bytes=pending,
                            full_retry_s=self.config.ssd.full_retry_s)
         await self.ssd.start()
-        self.tiers.attach_cold(self.ssd, TieringPolicy(
-            write_through=s3.write_through and bool(s3.bucket)))
+        self.tiers.attach_cold(self.ssd, policy)
 
     async def start(self) -> None:
         if self.config.security.auth_tokens and forbid_dumps():

@@ -17,12 +17,12 @@ import psutil
 
 from kvpool.protocol.envelope import CODEC_BY_NAME
 from kvpool.protocol.errors import ConfigError
-from kvpool.protocol.worker import S3Settings, WorkerSettings
+from kvpool.protocol.worker import S3Settings, TieringPolicy, WorkerSettings
 from kvpool.server.config import NodeConfig, format_size
 from kvpool.tiers.dram import DramTier
 
 __all__ = ["bind_error", "bound_socket", "dram_tier", "lock_data_dir", "resolve_dram_capacity",
-           "resolve_ssd_capacity", "worker_settings"]
+           "resolve_ssd_capacity", "tiering_policy", "worker_settings"]
 
 
 def resolve_dram_capacity(config: NodeConfig) -> int:
@@ -52,22 +52,28 @@ def resolve_ssd_capacity(config: NodeConfig, path: Path) -> int:
     return int(shutil.disk_usage(path).free * config.ssd.capacity_fraction)
 
 
-def worker_settings(config: NodeConfig, path: Path) -> WorkerSettings:
-    """What the cold-tier worker process is started with: the SSD tier or none, its
+def tiering_policy(config: NodeConfig) -> TieringPolicy:
+    """What lies below the node's DRAM, read from its config in this one place."""
+    s3 = bool(config.s3.bucket)
+    return TieringPolicy(ssd=config.ssd.enabled, s3=s3,
+                         write_through=s3 and config.s3.write_through)
+
+
+def worker_settings(config: NodeConfig, policy: TieringPolicy, path: Path) -> WorkerSettings:
+    """What the cold-tier worker process is started with: the policy, the SSD's
     capacity (from the disk under ``path`` when given as a fraction), the codecs and the
-    S3 tier (below the SSD, or alone below DRAM)."""
+    S3 tier's settings."""
     s3 = config.s3
-    ssd = config.ssd.enabled
     return WorkerSettings(
-        capacity_bytes=resolve_ssd_capacity(config, path) if ssd else 0,
+        capacity_bytes=resolve_ssd_capacity(config, path) if policy.ssd else 0,
         codec=CODEC_BY_NAME[config.ssd.codec],
-        ssd=ssd,
+        policy=policy,
         # the worker maps the arena writable: non-dumpable like the node
         no_dumps=bool(config.security.auth_tokens),
         s3=S3Settings(bucket=s3.bucket, prefix=s3.prefix, endpoint_url=s3.endpoint_url,
                       region=s3.region, codec=CODEC_BY_NAME[s3.codec],
                       max_pending_bytes=s3.max_pending_bytes,
-                      relist_interval_s=s3.relist_interval_s) if s3.bucket else None)
+                      relist_interval_s=s3.relist_interval_s) if policy.s3 else None)
 
 
 def bound_socket(host: str, port: int, family: socket.AddressFamily) -> socket.socket:

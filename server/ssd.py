@@ -221,7 +221,7 @@ class SsdTier:
     def has_ssd(self) -> bool:
         """False: S3 alone is below DRAM (every write is an upload; :attr:`index` stays
         empty)."""
-        return self.settings.ssd
+        return self.settings.policy.ssd
 
     def write(self, key: bytes, offset: int, length: int,
               on_done: Callable[[bool], object], *, durable: bool = False,

@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     arena_map = mmap.mmap(args.arena_fd, args.arena_size)
     os.close(args.arena_fd)
     tier = None
-    if settings.ssd:
+    if settings.policy.ssd:
         try:
             tier = RocksDbTier(args.path, settings.capacity_bytes, codec=settings.codec,
                                write_buffer_bytes=settings.write_buffer_bytes)

@@ -4,10 +4,12 @@
 op table (``server/handlers.py``) decodes requests, calls it, and encodes its
 answers. Its rules, all here:
 
-- every chunk committed to DRAM is queued for a write-behind to the SSD tier
-  (skipped if the SSD already has that key: keys are content addresses), so that
-  evicting it from DRAM later is a plain drop; the SSD worker writes it on to S3
-  when the node has a bucket;
+- what lies below DRAM is the node's :class:`TieringPolicy` (``protocol/worker.py``):
+  the SSD tier, S3 below it, or S3 alone;
+- every chunk committed to DRAM is queued for a write-behind to the tier below
+  (skipped if it has that key already: keys are content addresses), so that
+  evicting it from DRAM later is a plain drop; the worker writes it on to S3
+  when the policy says so;
 - a chunk with a TTL lives in DRAM only (the cold tiers keep no expiry), so it can
   never outlive its TTL: a cold copy of its key is deleted instead;
 - with :attr:`TieringPolicy.write_through` (and S3 configured), a PUT is acknowledged
@@ -26,30 +28,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from opentelemetry.trace import Tracer
 
 from kvpool.protocol.envelope import CODEC_NAMES
 from kvpool.protocol.frames import Tier
-from kvpool.protocol.worker import SsdStatus
+from kvpool.protocol.worker import SsdStatus, TieringPolicy
 from kvpool.server.events import EventBus
 from kvpool.server.ssd import SsdTier, SsdUnavailableError
 from kvpool.server.tracing import tier_span
 from kvpool.tiers.dram import DramTier, Entry, Slot
 
 __all__ = ["TierManager", "TieringPolicy"]
-
-
-@dataclass(frozen=True)
-class TieringPolicy:
-    """How a node's tiers take a new chunk (the rest of the rules are fixed: module doc).
-
-    ``write_through``: acknowledge a PUT only once S3 holds the chunk (needs S3).
-    """
-
-    write_through: bool = False
 
 
 class TierManager:

@@ -253,9 +253,12 @@ def test_worker_settings_travel_whole_and_garbage_is_refused() -> None:
     """What the node sends the worker on its stdin: every field comes back as sent (the
     codecs as Codec, S3 or none), and anything else is a ConfigError, not a half-set tier."""
     from kvpool.protocol.errors import ConfigError
-    from kvpool.protocol.worker import S3Settings
+    from kvpool.protocol.worker import S3Settings, TieringPolicy
 
     for settings in (WorkerSettings(1 << 30),
+                     WorkerSettings(0, policy=TieringPolicy(ssd=False, s3=True,
+                                                            write_through=True),
+                                    s3=S3Settings("alone")),
                      WorkerSettings(5 << 20, Codec.RAW, write_buffer_bytes=4 << 20, nice=0,
                                     no_dumps=True,
                                     s3=S3Settings("b", prefix="p", endpoint_url="http://x:1",
@@ -265,7 +268,11 @@ def test_worker_settings_travel_whole_and_garbage_is_refused() -> None:
         again = WorkerSettings.decode(settings.encode())
         assert again == settings
         assert isinstance(again.codec, Codec)
+    policy = b'"policy": {"ssd": true, "s3": false, "write_through": false}'
     for garbage in (b"", b"[]", b'{"capacity_bytes": 1}', b'{"capacity_bytes": 1, "codec": 9, '
-                    b'"write_buffer_bytes": null, "nice": 5, "no_dumps": false, "s3": null}'):
+                    b'"write_buffer_bytes": null, "nice": 5, "no_dumps": false, "s3": null, '
+                    + policy + b"}",
+                    b'{"capacity_bytes": 1, "codec": 1, "write_buffer_bytes": null, "nice": 5, '
+                    b'"no_dumps": false, "s3": null, "policy": {"ssd": true, "disk": 1}}'):
         with pytest.raises(ConfigError):
             WorkerSettings.decode(garbage)
