@@ -9,10 +9,8 @@ chunk being sent is never overwritten mid-send.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvpool.protocol.envelope import Codec, EnvelopeHeader
@@ -22,7 +20,7 @@ from kvpool.tiers import room
 from kvpool.tiers.arena import ALIGN, Arena
 from kvpool.tiers.arena_index import ArenaIndex
 from kvpool.tiers.base import TierStats
-from kvpool.tiers.eviction import PrefixAwareLRU
+from kvpool.tiers.eviction import Deadlines, PrefixAwareLRU
 from kvpool.tiers.room import Places
 from kvpool.tiers.tenants import TenantBytes
 
@@ -55,6 +53,19 @@ def _index_slot(entry: Entry, arena: Arena, now: float) -> IndexSlot:
     expires = 0.0 if entry.expires_at is None else time.time() + (entry.expires_at - now)
     return IndexSlot(entry.key, entry.offset, entry.length, arena.gens[entry.offset // ALIGN],
                      entry.checksum, expires)
+
+
+def _tenant_victims(entries: Iterable[Entry], tenant: str, need: int) -> list[Entry] | None:
+    """``tenant``'s entries not being read, from ``entries`` in order, until they hold
+    ``need`` bytes; None if they never do."""
+    victims = []
+    for entry in entries:
+        if entry.tenant == tenant and entry.readers == 0:
+            victims.append(entry)
+            need -= entry.length
+            if need <= 0:
+                return victims
+    return None
 
 
 def _evictable(entry: Entry) -> bool:
@@ -97,8 +108,7 @@ class DramTier:
         self._default_ttl = default_ttl_s
         self._index: dict[bytes, Entry] = {}
         self._lru = PrefixAwareLRU()
-        self._expiry: list[tuple[float, int, Entry]] = []
-        self._seq = itertools.count()
+        self._deadlines: Deadlines[Entry] = Deadlines()  # TTLs
         self._stats = TierStats(self.name, self.arena.capacity)
         self._used_bytes = 0
         #: called with each entry evicted to make room (not for deletes or expiry)
@@ -166,20 +176,12 @@ class DramTier:
         need = self.tenants.excess(tenant, nbytes)
         if not need:  # 0: fits; None: never fits
             return need == 0
-        victims = []
-        for key in self._lru.candidates():
-            entry = self._index[key]
-            if entry.tenant == tenant and entry.readers == 0:
-                victims.append(entry)
-                need -= entry.length
-                if need <= 0:
-                    break
-        if need > 0:
-            return False
-        for victim in victims:
+        victims = _tenant_victims((self._index[k] for k in self._lru.candidates()), tenant,
+                                  need)
+        for victim in victims or ():
             self._evict(victim)
             self.tenants.evictions += 1
-        return True
+        return victims is not None
 
     def commit(self, slots: Sequence[Slot], *, ttl_s: Sequence[float | None] | None = None,
                pin: Sequence[bool] | None = None,
@@ -330,12 +332,9 @@ class DramTier:
 
     def expire(self) -> int:
         """Drop every entry whose TTL has passed; returns how many."""
-        now = self._clock()
-        heap = self._expiry
         n = 0
-        while heap and heap[0][0] <= now:
-            expires_at, _, entry = heapq.heappop(heap)
-            if entry.live and entry.expires_at == expires_at:
+        for expires_at, entry in self._deadlines.due(self._clock()):
+            if entry.live and entry.expires_at == expires_at:  # else: stored again, or gone
                 self._expired(entry)
                 n += 1
         return n
@@ -403,7 +402,7 @@ class DramTier:
         ttl = ttl_s if ttl_s is not None else self._default_ttl
         if ttl is not None:
             entry.expires_at = self._clock() + ttl
-            heapq.heappush(self._expiry, (entry.expires_at, next(self._seq), entry))
+            self._deadlines.add(entry.expires_at, entry)
         entry.last_access = time.time()
         self._index[entry.key] = entry
         self._places.add(entry)

@@ -1,4 +1,5 @@
-"""Eviction order: least recently used first; at equal recency, deepest first.
+"""Eviction order: least recently used first; at equal recency, deepest first. And
+expiry order: soonest deadline first (:class:`Deadlines`).
 
 A chunk is useless without its ancestors, so when several chunks are touched
 by one request (a prefix stored or loaded together, hence equally recent),
@@ -9,10 +10,15 @@ its shallowest chunk ends up the most recent.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
+from typing import Generic, TypeVar
 
-__all__ = ["PrefixAwareLRU"]
+__all__ = ["Deadlines", "PrefixAwareLRU"]
+
+T = TypeVar("T")
 
 
 class PrefixAwareLRU:
@@ -42,3 +48,24 @@ class PrefixAwareLRU:
     def candidates(self) -> Iterator[bytes]:
         """Keys from first to last to evict. Do not mutate while iterating."""
         return iter(self._order)
+
+
+class Deadlines(Generic[T]):
+    """Items by deadline, soonest first (a heap). An item whose deadline changed, or that
+    went away, stays in it until it comes up: the caller checks it then."""
+
+    __slots__ = ("_heap", "_seq")
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, T]] = []
+        self._seq = itertools.count()  # ties never compare the items
+
+    def add(self, at: float, item: T) -> None:
+        heapq.heappush(self._heap, (at, next(self._seq), item))
+
+    def due(self, now: float) -> Iterator[tuple[float, T]]:
+        """Take out the items whose deadline is ``now`` or past, soonest first."""
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            at, _, item = heapq.heappop(heap)
+            yield at, item
