@@ -36,8 +36,10 @@ __all__ = ["KEY_LEN", "REPLY", "REQUEST", "S3_CHANGE", "S3_LOG_PAGE", "S3Change"
 
 @dataclass(frozen=True, slots=True)
 class S3Settings:
-    """The S3 tier below the SSD: where it is, and how the worker writes behind to it
-    (everything the SSD takes is uploaded, within ``max_pending_bytes`` in flight)."""
+    """The S3 tier (below the SSD, or alone below DRAM): where it is, and how the worker
+    writes behind to it (everything the SSD takes is uploaded, within
+    ``max_pending_bytes`` in flight; with no SSD, each write is an upload answered once
+    S3 has it)."""
 
     bucket: str
     prefix: str = "kvpool"
