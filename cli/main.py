@@ -93,7 +93,7 @@ def _cold_rows(table: Any, stats: dict[str, Any]) -> None:
         below = " (right below DRAM)" if ssd is None else ""
         table.add_row(f"S3 objects known{below}", str(s3.get("keys_known", 0)))
         pending = node.get("pending_write_bytes", 0) if node else s3.get("pending_bytes", 0)
-        shed = node.get("shed", 0) + s3.get("shed", 0)
+        shed = s3.get("shed", 0)  # with S3 alone, the node's shed writes included
         errors = f"{s3.get('errors', 0)}" + (f" (last: {s3['last_error']})"
                                              if s3.get("last_error") else "")
         table.add_row("  uploads pending, shed, errors",

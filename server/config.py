@@ -156,7 +156,8 @@ class SsdConfig:
                       "(docs/tiers.md has the numbers behind the default)",
                       flag="--ssd-codec", env="KVPOOL_SSD_CODEC")
     max_pending_bytes: int = knob(256 << 20, "write-behind budget (at most 1/4 of DRAM); past "
-                                  "it, SSD writes are shed",
+                                  "it, writes below DRAM (to the SSD, or to S3 alone) are "
+                                  "shed",
                                   flag="--ssd-max-pending", env="KVPOOL_SSD_MAX_PENDING",
                                   kind="size")
     full_retry_s: float = knob(10.0, "once the disk is full (the tier serves its chunks and "

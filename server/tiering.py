@@ -375,7 +375,10 @@ class TierManager:
             if s3 is not None:
                 tiers["s3"] = {"name": "s3", "keys_known": len(self.ssd.s3_index), **s3}
                 if not self.ssd.has_ssd:  # the node's side: worker up, uploads pending, shed
-                    tiers["s3"]["node"] = {"up": cold["up"], **asdict(self.ssd.counters)}
+                    node = {"up": cold["up"], **asdict(self.ssd.counters)}
+                    tiers["s3"]["node"] = node
+                    # what was not written below is S3's shed writes here (no SSD to shed)
+                    tiers["s3"]["shed"] = tiers["s3"].get("shed", 0) + node["shed"]
         return {"tiers": tiers, "promotions": self.promotions,
                 "quota_evictions": self.dram.tenants.evictions,
                 "quota_rejections": self.dram.tenants.rejections,

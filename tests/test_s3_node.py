@@ -307,3 +307,28 @@ def test_a_chunk_stored_with_a_ttl_takes_its_keys_copy_out_of_s3(s3_endpoint: st
             assert c.get(k) is None  # gone: not the old value promoted back from S3
     finally:
         assert node.stop() == 0
+
+
+def test_with_s3_alone_a_write_the_budget_sheds_is_counted_and_exported(
+        s3_endpoint: str, s3_bucket: str) -> None:
+    """With no SSD, a chunk the write-behind budget sheds lives in DRAM only until evicted:
+    /v1/stats and /metrics say how many (as S3's shed writes)."""
+    import urllib.request
+
+    node = start_node("--no-ssd", "--dram-capacity", "8MiB", "--ssd-max-pending", "1MiB",
+                      "--s3-bucket", s3_bucket, "--s3-endpoint", s3_endpoint,
+                      "--s3-region", "us-east-1")
+    try:
+        with Client(node.url) as c:
+            keys = [os.urandom(16) for _ in range(8)]
+            c.put_many(keys, [os.urandom(300_000) for _ in keys])  # 2.4 MB in one frame
+            s3 = tier_stats(c, "s3")
+            assert s3["shed"] == s3["node"]["shed"] >= 4  # at most 3 fit 1 MiB in flight
+            wait_until(lambda: tier_stats(c, "s3")["node"]["pending_writes"] == 0)
+            stored = tier_stats(c, "s3")["node"]["writes"]
+            assert stored + s3["shed"] == 8
+        with urllib.request.urlopen(f"{node.admin_url}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        assert f'kvpool_shed_writes_total{{tier="s3"}} {s3["shed"]}' in text.replace(".0\n", "\n")
+    finally:
+        assert node.stop() == 0
