@@ -152,6 +152,7 @@ class AsyncClient:
                                      shm_put_min_bytes=shm_put_min_bytes, shm_index=shm_index,
                                      transport=transport)
         self.timeout = timeout
+        self._over_tcp = self.options.over_tcp
         #: where client spans go; None: the application's global provider (no spans, and no
         #: trace context on the wire, unless it installed an SDK provider)
         self.tracer_provider = tracer_provider
@@ -334,8 +335,7 @@ class AsyncClient:
         (:mod:`kvpool.client._blocking`); which one is the node's to say
         (:meth:`NodeClient.gets_by_shm`, :meth:`NodeClient.puts_by_shm`)."""
         node = self._router.standalone_node
-        return node if node is not None and _tracer(self) is None \
-            and self.options.over_tcp else None
+        return node if node is not None and self._over_tcp and _tracer(self) is None else None
 
     async def send_touches(self) -> None:
         """Report the reads made through the arena index now (one TOUCH a node)."""

@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TypeVar, cast
 
+from kvpool.client import _plans as plans
 from kvpool.client._connection import Buffer, request_head
 from kvpool.client._node import NodeClient
 from kvpool.client._plans import Plan, Sink
@@ -34,7 +35,7 @@ from kvpool.protocol.errors import (
     KvpoolTimeoutError,
     Status,
 )
-from kvpool.protocol.frames import PROTOCOL_VERSION, Op, decode_json, encode_json
+from kvpool.protocol.frames import KEY_SIZE, PROTOCOL_VERSION, Op, decode_json, encode_json
 from kvpool.protocol.parsers import Reply, ReplyParser
 
 __all__ = ["BlockingConnection", "BlockingNode"]
@@ -45,6 +46,9 @@ T = TypeVar("T")
 _JOIN_BELOW = 64 << 10
 #: parts per ``sendmsg`` (Linux's IOV_MAX is 1024)
 _IOV_MAX = 1024
+#: bytes a reply's first receive takes at most (a GET of a value up to about this size
+#: then arrives in one receive: a few KiB of a cache's small values, hashes, codes)
+_FIRST_RECEIVE = 64 << 10
 
 
 class BlockingConnection:
@@ -58,6 +62,9 @@ class BlockingConnection:
         self._scope_flags = scope_flags
         self._sinks: Sequence[Sink | None] | None = None
         self._parser = ReplyParser(self._sink_for, max_reply_body)
+        #: a reply's first receive (a small reply's all)
+        self._scratch = bytearray(_FIRST_RECEIVE)
+        self._scratch_view = memoryview(self._scratch)
         self._next_id = 0
         try:
             sock = socket.create_connection((host, port), timeout=connect_timeout)
@@ -114,7 +121,9 @@ class BlockingConnection:
         request_id = self._next_id
         deadline = time.monotonic() + self._timeout
         self._sinks = sinks
-        body_len = sum(memoryview(b).nbytes for b in body)
+        body_len = 0
+        for part in body:
+            body_len += len(part) if type(part) is bytes else memoryview(part).nbytes
         try:
             head = request_head(op, request_id, count, body_len, epoch=epoch,
                                 scope_flags=self._scope_flags)
@@ -168,17 +177,33 @@ class BlockingConnection:
             sock.settimeout(max(deadline - time.monotonic(), 1e-3))
 
     def _receive(self, sock: socket.socket, deadline: float) -> Reply:
+        """The reply to the one request in flight. Every reply starts on an empty parser:
+        one request at a time, a stream that ends past its reply is refused below, and any
+        failure closes the connection."""
+        # a small reply comes whole in the first receive: parsed in one pass, without the
+        # streamed parser's steps (a GET payload's bytes are copied and checksummed as
+        # that parser would); anything longer goes on through that parser
+        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+        n = sock.recv_into(self._scratch)
+        if not n:
+            raise OSError("the node closed the connection")
+        first = self._scratch_view[:n]
         parser = self._parser
-        while True:
+        parsed = parser.whole_reply(first)
+        if parsed is not None:
+            if parsed[1] != n:
+                raise OSError("the node sent replies to requests not made")
+            return parsed[0]
+        replies = parser.feed(first)
+        while not replies:
             sock.settimeout(max(deadline - time.monotonic(), 1e-3))
             n = sock.recv_into(parser.get_buffer(-1))
             if not n:
                 raise OSError("the node closed the connection")
             replies = parser.buffer_updated(n)
-            if replies:
-                if len(replies) > 1:
-                    raise OSError("the node sent replies to requests not made")
-                return replies[0]
+        if len(replies) > 1 or not parser.between_replies:
+            raise OSError("the node sent replies to requests not made")
+        return replies[0]
 
     def _sink_for(self, request_id: int, index: int, nbytes: int) -> Sink | None:
         sinks = self._sinks
@@ -217,6 +242,20 @@ class BlockingNode:
                 calls = plan.send(replies)
             except StopIteration as done:
                 return cast(T, done.value)
+
+    def get(self, blob: bytes, sinks: Sequence[Sink] | None) -> list[Sink | None]:
+        """GET: :func:`plans.get_tcp`'s results; a batch that fits one frame (every
+        call but the largest) is asked without stepping the plan."""
+        node = self.node
+        count = len(blob) // KEY_SIZE
+        if count > int(node.server_info["max_batch"]):
+            return self.run(plans.get_tcp(node, blob, sinks))
+        reply = node.check(self._connection().call(Op.GET, count, [blob], sinks,
+                                                    epoch=node.epoch))
+        out, corrupt = plans.received(node, blob, sinks, [range(count)], [reply])
+        if corrupt:
+            self.run(plans.drop_corrupt(node, corrupt))
+        return out
 
     def _connection(self) -> BlockingConnection:
         conn = self._conn

@@ -58,6 +58,7 @@ Sink = memoryview | Segments
 #: one request frame: op, item count, body parts, and the GET reply's sinks (or None)
 Call = tuple[int, int, Sequence[Buffer], Sequence[Sink | None] | None]
 Plan = Generator[list[Call], list[Reply], T]
+_OK = Status.OK  # (a module global: an enum attribute lookup costs ~0.2 us a time)
 
 
 class Host(Protocol):
@@ -118,11 +119,21 @@ def get_tcp(node: Host, blob: bytes, sinks: Sequence[Sink] | None) -> Plan[list[
     parts = chunks(len(blob) // KEY_SIZE, _max_batch(node))
     replies = yield [(Op.GET, len(p), [blob_part(blob, p)],
                       [sinks[i] for i in p] if sinks is not None else None) for p in parts]
+    out, corrupt = received(node, blob, sinks, parts, replies)
+    if corrupt:
+        yield from drop_corrupt(node, corrupt)
+    return out
+
+
+def received(node: Host, blob: bytes, sinks: Sequence[Sink] | None, parts: Sequence[range],
+             replies: Sequence[Reply]) -> tuple[list[Sink | None], list[bytes]]:
+    """GET replies (one per part of the batch) as payload views, None for misses and
+    corrupt chunks, and the corrupt chunks' keys (to drop)."""
     out: list[Sink | None] = []
     corrupt: list[bytes] = []
     for part, reply in zip(parts, replies, strict=True):
         for i, item in zip(part, reply.items, strict=True):
-            if item.status == Status.OK:
+            if item.status == _OK:
                 assert item.payload is not None
                 out.append(item.payload)
                 node.bytes_by_path["tcp"] += len(item.payload)
@@ -132,9 +143,7 @@ def get_tcp(node: Host, blob: bytes, sinks: Sequence[Sink] | None) -> Plan[list[
             if item.status == Status.CORRUPT:
                 corrupt.append(blob_part(blob, range(i, i + 1)))
             out.append(None)
-    if corrupt:
-        yield from drop_corrupt(node, corrupt)
-    return out
+    return out, corrupt
 
 
 def too_small(blob: bytes, i: int, sinks: Sequence[Sink] | None) -> Any:

@@ -54,6 +54,8 @@ class Router:
         self.nodes: dict[str, NodeClient] = {}
         #: ``nodes`` in ring order (the map's node indexes)
         self.ring_nodes: list[NodeClient] = []
+        #: the node, when this client routes by a standalone node's map (epoch 0)
+        self.standalone_node: NodeClient | None = None
         #: corrupt chunks counted by node clients no longer in the map
         self.num_corrupt_gone = 0
         self._refreshing: asyncio.Task[None] | None = None
@@ -146,11 +148,6 @@ class Router:
         await self.refresh(min_epoch=stale)
         return None
 
-    @property
-    def standalone_node(self) -> NodeClient | None:
-        """The node, when this client routes by a standalone node's map (epoch 0)."""
-        cmap = self.map
-        return self.ring_nodes[0] if cmap is not None and cmap.is_standalone else None
 
     async def map_from(self, node: NodeClient) -> ClusterMap:
         """The map to route by, from a node that said HELLO: a cluster node's map, or a
@@ -190,6 +187,7 @@ class Router:
         self.map = cmap
         self.nodes = nodes
         self.ring_nodes = [nodes[i] for i in cmap.ring.nodes]
+        self.standalone_node = self.ring_nodes[0] if cmap.is_standalone else None
         if cmap.is_standalone:
             log.info("kvpool: standalone node %s at %s", cmap.nodes[0].id, cmap.nodes[0].data)
         else:

@@ -226,10 +226,16 @@ class Client:
         raise_put_errors(bkeys, done[0], [s == Status.OK for s in done[0]])
 
     def get(self, key: Key) -> bytearray | None:
-        return self.get_many([key])[0]
+        done = self._get((key,), None)
+        if done is None:
+            return self._run(self._async.get_many((key,)))[0]
+        return _bytearrays(done)[0]
 
     def get_into(self, key: Key, buffer: BufferOrSegments) -> int | None:
-        return self.get_many_into([key], [buffer])[0]
+        done = self._get((key,), (buffer,))
+        if done is None:
+            return self._run(self._async.get_many_into((key,), (buffer,)))[0]
+        return len(done[0]) if done[0] is not None else None
 
     def get_many(self, keys: Sequence[Key]) -> list[bytearray | None]:
         done = self._get(keys, None)
@@ -257,18 +263,24 @@ class Client:
             blob = join_keys(keys)
             sinks = _sinks(keys, buffers) if buffers is not None else None
             shm = node.shm_path
-            if shm.can_read_local:
-                if shm.touch_due or time.monotonic() >= self._loop_until:
-                    # report what is due; hear of connections that ended meanwhile
-                    self._loop.run_until_complete(self._async.send_touches())
-                    self._loop_until = time.monotonic() + TOUCH_DELAY_S
+            if shm.mapping is not None:  # a same-host node granted its arena
                 if shm.can_read_local:
-                    found = shm.read_local(blob, sinks)
-                    if found is not None:
-                        return found
-            if node.gets_by_shm or not self._blocking_allowed:
+                    if shm.touch_due or time.monotonic() >= self._loop_until:
+                        # report what is due; hear of connections that ended meanwhile
+                        self._loop.run_until_complete(self._async.send_touches())
+                        self._loop_until = time.monotonic() + TOUCH_DELAY_S
+                    if shm.can_read_local:
+                        found = shm.read_local(blob, sinks)
+                        if found is not None:
+                            return found
+                if node.gets_by_shm:
+                    return None
+            if not self._blocking_allowed:
                 return None
-            return self._blocking_node(node).run(plans.get_tcp(node, blob, sinks))
+            blocking = self._blocking
+            if blocking is None or blocking.node is not node:
+                blocking = self._blocking_node(node)
+            return blocking.get(blob, sinks)
 
     def _either(self, plan_for: Callable[[NodeClient], plans.Plan[T] | None],
                 post: Callable[[T], R], coro: Callable[[], Coroutine[Any, Any, R]]) -> R:

@@ -64,6 +64,8 @@ class Codec(enum.IntEnum):
     SHUFFLE_LZ4 = 2
 
 
+_RAW = Codec.RAW
+
 #: the codecs by the names configuration, start-up lines and stats use
 CODEC_BY_NAME = {"none": Codec.RAW, "lz4": Codec.LZ4, "shuffle-lz4": Codec.SHUFFLE_LZ4}
 CODEC_NAMES = {codec: name for name, codec in CODEC_BY_NAME.items()}
@@ -124,20 +126,19 @@ class EnvelopeHeader(NamedTuple):
             raise CorruptChunkError(
                 f"envelope header needs {ENVELOPE_HEADER_SIZE} bytes, got {len(buf)}"
             )
-        head = bytes(buf[: _HEADER.size])
         (check,) = _CHECK.unpack_from(buf, _HEADER.size)
-        if xxhash.xxh32_intdigest(head) != check:
+        if xxhash.xxh32_intdigest(buf[: _HEADER.size]) != check:
             raise CorruptChunkError("envelope header checksum mismatch")
         (magic, version, codec, elem_size, _flags, raw_len, stored_len, checksum, num_tokens,
-         chunk_index, fingerprint) = _HEADER.unpack(head)
+         chunk_index, fingerprint) = _HEADER.unpack_from(buf)
         if magic != ENVELOPE_MAGIC:
             raise CorruptChunkError(f"bad envelope magic {magic!r}")
         if version != ENVELOPE_VERSION:
             raise CorruptChunkError(f"unsupported envelope version {version}")
-        if codec == Codec.RAW:
+        if codec == _RAW:  # (a module global: Codec.RAW costs an enum lookup each time)
             if raw_len != stored_len:
                 raise CorruptChunkError("raw codec with raw_len != stored_len")
-            codec_enum = Codec.RAW
+            codec_enum = _RAW
         else:
             try:
                 codec_enum = Codec(codec)

@@ -148,6 +148,12 @@ class StreamReader:
         """Bytes received but not yet consumed by the plan."""
         return self._end - self._start
 
+    @property
+    def at_boundary(self) -> bool:
+        """Whether nothing is buffered and the plan waits for the ``whole`` hook's
+        boundary need (a frame's first byte)."""
+        return self._start == self._end and self._need is self._boundary is not None
+
     def close(self) -> None:
         self._plan.close()
 
