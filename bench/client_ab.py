@@ -2,11 +2,14 @@
 
     python -m kvpool.bench.client_ab --before ../old-checkout            # one node
     python -m kvpool.bench.client_ab --before ../old --cluster 3 --pin   # 3 nodes, 1 CPU
+    python -m kvpool.bench.client_ab --before ../old --vary nodes        # the node's code
 
 ``--before`` is another kvpool checkout (``git worktree add ../old <commit>``). The
 node processes run this checkout's code; each round runs the client once with the
 other checkout's SDK and once with this one's, in turn, so that machine noise hits both
-alike (rounds alternate which goes first). Series, over TCP (``shm=False``): a sync
+alike (rounds alternate which goes first). ``--vary nodes`` turns it around: two sets
+of nodes, one running each checkout's code, and this checkout's client against each in
+turn (what a change to the node does to the same calls). Series, over TCP (``shm=False``): a sync
 ``get`` of 4 KiB (the blocking socket), a sync ``exists``, an async ``get`` of 4 KiB
 and an async ``lookup`` of 512 keys, half of them held. Per series it prints p50 and
 p99 (median [min-max] over rounds), the client's CPU a call (user and system,
@@ -18,6 +21,7 @@ there). Writes ``bench/results/client_ab.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -77,6 +81,27 @@ print(json.dumps(out))
 """
 
 
+def _start(stack: contextlib.ExitStack, nodes: int, data_dir: Path, pin: bool,
+           shim: Path | None) -> str:
+    """Start ``nodes`` DRAM-only nodes (running ``shim``'s checkout, else this one's) for
+    the rest of ``stack``; their URL."""
+    saved = os.environ.get("PYTHONPATH")
+    if shim is not None:  # the node processes inherit it
+        os.environ["PYTHONPATH"] = str(shim)
+    try:
+        cluster = stack.enter_context(LocalCluster(
+            nodes, replication=min(2, nodes), data_dir=data_dir,
+            serve_args=["--no-ssd", "--no-shm"], standalone=nodes == 1))
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+    if pin:
+        _pin(cluster)
+    return "kvpool://" + ",".join(seed.removeprefix("kvpool://") for seed in cluster.seeds)
+
+
 def _shim(checkout: Path, into: Path) -> Path:
     """A directory whose ``kvpool`` is ``checkout`` (put first on PYTHONPATH, it wins
     over the installed package)."""
@@ -114,25 +139,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=3000, help="calls a series a round")
     parser.add_argument("--cluster", type=int, default=1, help="nodes (1: standalone)")
     parser.add_argument("--pin", action="store_true", help="everything on CPU 0")
+    parser.add_argument("--vary", choices=("client", "nodes"), default="client",
+                        help="which side runs the other checkout's code (default: client)")
     args = parser.parse_args(argv)
     if not (args.before / "client" / "_async.py").exists():
         parser.error(f"--before {args.before} is not a kvpool checkout")
     runs: dict[str, list[dict[str, dict[str, float]]]] = {"before": [], "after": []}
-    with tempfile.TemporaryDirectory() as tmp, \
-            LocalCluster(args.cluster, replication=min(2, args.cluster), data_dir=f"{tmp}/nodes",
-                         serve_args=["--no-ssd", "--no-shm"],
-                         standalone=args.cluster == 1) as cluster:
-        if args.pin:
-            _pin(cluster)
-        url = "kvpool://" + ",".join(seed.removeprefix("kvpool://") for seed in cluster.seeds)
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         shims = {"before": _shim(args.before, Path(tmp, "before")),
                  "after": _shim(CHECKOUT, Path(tmp, "after"))}
+        sides = ("before", "after") if args.vary == "nodes" else ("this",)
+        urls = {side: _start(stack, args.cluster, Path(tmp, f"nodes-{side}"), args.pin,
+                             shims.get(side)) for side in sides}
         for r in range(args.rounds):
             for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
-                runs[side].append(_client(shims[side], url, args.calls, args.pin))
+                if args.vary == "nodes":
+                    runs[side].append(_client(shims["after"], urls[side], args.calls, args.pin))
+                else:
+                    runs[side].append(_client(shims[side], urls["this"], args.calls, args.pin))
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     table: dict[str, Any] = {}
     print(f"\n{args.cluster} node(s), {'all on CPU 0' if args.pin else 'as scheduled'}, "
+          f"{'the nodes' if args.vary == 'nodes' else 'the client'} before and after, "
           f"{args.rounds} rounds x {args.calls} calls; ms, median [min-max] over rounds\n")
     print("| series | p50 before | p50 after | after/before | p99 before | p99 after "
           "| client CPU before (user+sys) | after |")
@@ -153,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt(row['p99 before'], scale=1e3)} | {fmt(row['p99 after'], scale=1e3)} | "
               f"{fmt(row['cpu before'], scale=1e3)} | {fmt(row['cpu after'], scale=1e3)} |")
     out = save("client_ab", {"before": str(args.before.resolve()), "nodes": args.cluster,
+                             "vary": args.vary,
                              "pin": args.pin, "rounds": args.rounds, "calls": args.calls,
                              "series": table, "runs": runs})
     print(f"\nwrote {out}")

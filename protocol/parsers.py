@@ -8,7 +8,7 @@ the unit tests use.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -122,7 +122,8 @@ class PutItem:
 @dataclass(slots=True)
 class Request:
     header: FrameHeader
-    keys: list[bytes] = field(default_factory=list)
+    #: a key op's keys (a tuple, as the body is split)
+    keys: Sequence[bytes] = ()
     items: list[PutItem] = field(default_factory=list)
     body: bytes | bytearray = b""
     #: the caller's trace context, when the frame carried one (OP_FLAG_TRACE)
@@ -131,7 +132,7 @@ class Request:
     scope: int = 0
     #: the keys as the client sent them, when the node has mapped ``keys`` to stored keys
     #: (placement uses these); None when ``keys`` are the client's keys
-    client_keys: list[bytes] | None = None
+    client_keys: Sequence[bytes] | None = None
 
     def release(self) -> None:
         """Give back what this PUT frame's values were received into (a no-op once used)."""

@@ -68,7 +68,7 @@ def test_parser_strips_the_trace_context_at_every_split() -> None:
         requests = parser.feed(stream[:split]) + parser.feed(stream[split:])
         assert parser.error is None
         assert [r.header.op for r in requests] == [Op.GET, Op.PUT, Op.EXISTS]
-        assert requests[0].keys == keys
+        assert list(requests[0].keys) == keys
         assert requests[0].trace == (TRACE_ID, SPAN_ID, 1)
         assert requests[1].trace == (TRACE_ID, SPAN_ID, 1)
         assert requests[1].header.body_len == len(put_body)

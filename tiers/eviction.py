@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Generic, TypeVar
@@ -62,6 +63,12 @@ class Deadlines(Generic[T]):
 
     def add(self, at: float, item: T) -> None:
         heapq.heappush(self._heap, (at, next(self._seq), item))
+
+    @property
+    def next_at(self) -> float:
+        """The soonest deadline (inf when none): nothing is due before it."""
+        heap = self._heap
+        return heap[0][0] if heap else math.inf
 
     def due(self, now: float) -> Iterator[tuple[float, T]]:
         """Take out the items whose deadline is ``now`` or past, soonest first."""
