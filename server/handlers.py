@@ -304,7 +304,7 @@ class Handlers:
         return reply
 
     def exists(self, request: Request) -> Reply:
-        tiers = bytes(self.store.tiers(request.keys))
+        tiers = self.store.tiers(request.keys)
         self.stats.lookup_chunks_found += len(tiers) - tiers.count(0)
         # statuses: OK (0) where a tier holds the key, NOT_FOUND (1) where none does
         statuses = tiers.translate(_STATUS_OF_TIER)

@@ -354,7 +354,7 @@ class Node:
         """Tier codes of the leading ``keys`` held anywhere in the cluster (admin lookups)."""
         if self.membership.map is None:
             tiers = self.tiers.tiers(keys)
-            return tiers[: tiers.index(0)] if 0 in tiers else tiers
+            return list(tiers[: tiers.index(0)] if 0 in tiers else tiers)
         if self._peers is None:
             # the node asks its peers as any client would: through the SDK, seeded by itself
             host, port = self.data_address

@@ -234,6 +234,22 @@ def test_ttl_expiry_with_injected_clock() -> None:
     assert tier.arena.allocated_bytes == 0
 
 
+def test_contains_many_sees_a_ttl_run_out() -> None:
+    """A batch check (EXISTS, LOOKUP) answers from the index alone while no TTL is due,
+    and finds (and drops) an entry whose TTL ran out once one is."""
+    clock = FakeClock()
+    tier = DramTier(8 * PAGE, clock=clock)
+    tier.put(key(0), value_of(PAGE))
+    slot = tier.reserve(key(1), PAGE)
+    assert slot is not None
+    slot.view[:] = value_of(PAGE)
+    tier.commit([slot], ttl_s=[5.0])
+    assert tier.contains_many([key(0), key(1), key(2)]) == [True, True, False]
+    clock.now += 6
+    assert tier.contains_many([key(1), key(0)]) == [False, True]
+    assert tier.stats().num_objects == 1 and tier.stats().expirations == 1
+
+
 def test_released_reservation_frees_memory() -> None:
     tier = DramTier(4 * PAGE)
     slot = tier.reserve(key(0), 3 * PAGE)

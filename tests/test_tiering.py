@@ -75,9 +75,9 @@ async def test_a_chunk_goes_behind_to_ssd_leaves_dram_and_is_promoted_back(
     put(tiers, key, value)
     await settled(ssd)
     assert key in ssd.index
-    assert tiers.tiers([key, other]) == [Tier.DRAM, 0]
+    assert list(tiers.tiers([key, other])) == [Tier.DRAM, 0]
     assert tiers.evict("dram", None) == {"dram": 1, "ssd": 0}
-    assert tiers.tiers([key, other]) == [Tier.SSD, 0]
+    assert list(tiers.tiers([key, other])) == [Tier.SSD, 0]
 
     entries = tiers.acquire([key, other])
     assert entries == [None, None]
@@ -89,7 +89,7 @@ async def test_a_chunk_goes_behind_to_ssd_leaves_dram_and_is_promoted_back(
     assert entry.readers == 1  # held for the reply being built, as acquire's are
     tiers.dram.release(entry)
     assert tiers.promotions == 1
-    assert tiers.tiers([key]) == [Tier.DRAM]
+    assert list(tiers.tiers([key])) == [Tier.DRAM]
     assert drained(sub) == [("stored", "dram"), ("demoted", "ssd"), ("stored", "dram")]
     info = tiers.chunk_info(key)
     assert info is not None and info["tiers"] == ["dram", "ssd"]
@@ -105,15 +105,15 @@ async def test_a_chunk_with_a_ttl_never_goes_below_dram(tiers: TierManager) -> N
     await settled(ssd)
     assert key in ssd.index
     assert tiers.delete([key]) == [True]
-    assert tiers.tiers([key]) == [0]
+    assert list(tiers.tiers([key])) == [0]
     put(tiers, key, value_of(50_000))
     await settled(ssd)
     tiers.dram.delete_many([key])  # DRAM alone loses it; the SSD copy stays
-    assert tiers.tiers([key]) == [Tier.SSD]
+    assert list(tiers.tiers([key])) == [Tier.SSD]
     put(tiers, key, value_of(50_000), ttl_s=60)  # the same key, now with a TTL
     await settled(ssd)
     assert key not in ssd.index  # its cold copy is gone: it cannot outlive the TTL
-    assert tiers.tiers([key]) == [Tier.DRAM]
+    assert list(tiers.tiers([key])) == [Tier.DRAM]
 
 
 async def test_delete_reaches_every_tier_and_says_which_held_it(tiers: TierManager) -> None:
@@ -126,7 +126,7 @@ async def test_delete_reaches_every_tier_and_says_which_held_it(tiers: TierManag
     await settled(ssd)
     tiers.dram.delete_many([keys[1]])  # on the SSD only
     assert tiers.delete(keys) == [True, True, False]
-    assert tiers.tiers(keys) == [0, 0, 0]
+    assert list(tiers.tiers(keys)) == [0, 0, 0]
     assert drained(sub) == [("removed", "dram"), ("removed", "ssd")]
     assert tiers.chunk_info(keys[0]) is None
     assert (await tiers.flush(5.0))["flushed"]

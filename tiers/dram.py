@@ -293,16 +293,7 @@ class DramTier:
         now = self._clock()
         if self._deadlines.next_at > now:  # no entry has expired: a look-up in C a key
             return list(map(self._index.__contains__, keys))
-        # ``_live`` inlined: this runs once a key of every EXISTS and LOOKUP
-        get = self._index.get
-        out = []
-        for key in keys:
-            entry = get(key)
-            if entry is not None and entry.expires_at is not None and entry.expires_at <= now:
-                self._expired(entry)
-                entry = None
-            out.append(entry is not None)
-        return out
+        return [self._live(key, now) is not None for key in keys]
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` are present."""
