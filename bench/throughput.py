@@ -12,7 +12,10 @@ other series' blocks). Prints a table (median and min-max GB/s of ``--runs`` run
 the median of the per-run ratios, each sample paired with the other series' sample of
 the same run) and writes JSON. Targets are the issue's: GET >= 0.85x iperf3, >= 1.0x raw Python,
 >= 2.0x Redis; PUT >= 0.75x iperf3; EXISTS/LOOKUP of 512 keys p50 <= 1 ms; RSS of a
-full DRAM tier <= capacity x 1.10 + 150 MB.
+full DRAM tier <= capacity x 1.10 + 150 MB. ``raw python`` is a one-way stream;
+``raw python request/reply`` asks for one value at a time over a bare socket (a 16-byte
+request, the value back, nothing parsed or checked): the most a call for one value can
+move in Python here, the ceiling of the one-value-a-call rows.
 
 The ``kvpool ...`` series go over TCP (``shm=False``): the sync client's calls run on
 its blocking socket, and those marked ``(loop)`` make the same calls on the
@@ -122,6 +125,45 @@ def raw_python(size: int, budget: int) -> float:
     return size * count / elapsed / 1e9
 
 
+def _raw_replier(port: int, size: int) -> None:
+    payload = os.urandom(size)
+    request = bytearray(16)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while s.recv_into(request, 16, socket.MSG_WAITALL) == 16:
+            s.sendall(payload)
+
+
+def raw_request_reply(size: int, budget: int) -> float:
+    """GB/s of one value a call at its floor in Python: a 16-byte request, then ``size``
+    bytes back, over one loopback connection, the replier in another process (no
+    parsing, no checksum: what a GET of one value a call could reach at most)."""
+    count = max(4, budget // size)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        replier = mp.get_context("spawn").Process(
+            target=_raw_replier, args=(listener.getsockname()[1], size))
+        replier.start()
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = memoryview(bytearray(size))
+        request = bytes(16)
+        with conn:
+            start = time.perf_counter()
+            for _ in range(count):
+                conn.sendall(request)
+                got = 0
+                while got < size:
+                    n = conn.recv_into(buf[got:])
+                    if n == 0:
+                        raise RuntimeError("raw replier closed early")
+                    got += n
+            elapsed = time.perf_counter() - start
+        replier.join()  # it sees the connection end
+    return size * count / elapsed / 1e9
+
+
 def iperf3(port: int, seconds: float) -> float:
     out = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-l", "1M", "-t",
                           str(seconds), "-J"], capture_output=True, text=True, check=True,
@@ -149,6 +191,8 @@ def redis_client(port: int) -> Any:
 #: each run's sample of a series is the sum of this many blocks of its calls, spread over
 #: the run (see measure_size)
 BLOCKS = 8
+#: the floor of one value a call: a bare Python request and reply (see raw_request_reply)
+RAW_REQUEST_REPLY = "raw python request/reply"
 
 
 def _block_calls(calls: int, block: int) -> int:
@@ -373,7 +417,8 @@ def measure_size(size: int, budget: int, runs: int, client: Client, rds: Any, *,
     if rds is not None:
         ops["redis set"] = lambda: rds.set(next_key(), raw[it["i"]])
         ops["redis get"] = lambda: rds.get(next_key())
-    samples: dict[str, list[float]] = {name: [] for name in [*ops, "raw python"]}
+    samples: dict[str, list[float]] = {name: [] for name in [*ops, "raw python",
+                                                             RAW_REQUEST_REPLY]}
     calls = {name: max(1, count // per_call.get(name, 1)) for name in ops}
     for _ in range(runs):
         # a run's sample of each series is BLOCKS blocks of its calls, taken in turn with
@@ -391,6 +436,7 @@ def measure_size(size: int, budget: int, runs: int, client: Client, rds: Any, *,
             samples[name].append(size * per_call.get(name, 1) * calls[name]
                                  / elapsed[name] / 1e9)
         samples["raw python"].append(raw_python(size, budget))
+        samples[RAW_REQUEST_REPLY].append(raw_request_reply(size, budget))
     arena.close()
     dram.close()
     # the samples too: a ratio to another series pairs the samples of one run
