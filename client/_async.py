@@ -333,7 +333,7 @@ class AsyncClient:
         record. The sync client then reads through the node's arena index
         (``node.shm_path``) or runs the op plans on a blocking socket
         (:mod:`kvpool.client._blocking`); which one is the node's to say
-        (:meth:`NodeClient.gets_by_shm`, :meth:`NodeClient.puts_by_shm`)."""
+        (:attr:`ShmPath.carries_gets`, :meth:`ShmPath.carries_put`)."""
         node = self._router.standalone_node
         return node if node is not None and self._over_tcp and _tracer(self) is None else None
 

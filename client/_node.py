@@ -211,45 +211,19 @@ class NodeClient:
                   flags: int, chunk_indexes: Sequence[int] | None, num_tokens: int,
                   fingerprint: bytes, parents: Sequence[bytes | None] | None = None
                   ) -> list[int]:
-        """One Status per key, in as few frames as the node's limits allow.
-
-        A call whose values total at least :attr:`shm_put_min_bytes` goes through
-        the arena when the node granted this client writes (PUT_SHM, then COMMIT);
-        smaller ones over TCP.
-        """
+        """One Status per key, in as few frames as the node's limits allow, through the
+        arena or over TCP (:meth:`ShmPath.put` decides)."""
         conn = await self._connection()
         items = plans.put_items(self, bkeys, values, ttl_ms=ttl_ms, flags=flags,
                                 chunk_indexes=chunk_indexes, parents=parents)
-        statuses = [0] * len(items)
-        by_tcp = items
-        if conn.shm_write and self.puts_by_shm(items):
-            # those whose slots were given back before COMMIT are sent again over TCP
-            by_tcp = await self.shm_path.put(conn, items, statuses, num_tokens=num_tokens,
-                                             fingerprint=fingerprint)
-        if by_tcp:
-            await self.run(plans.put_tcp(self, by_tcp, statuses, num_tokens=num_tokens,
-                                         fingerprint=fingerprint), conn)
-        return statuses
-
-    def puts_by_shm(self, items: Sequence[plans.PutItem]) -> bool:
-        """Whether a put of ``items`` goes through the arena (else over TCP): the node
-        granted this client writes, and the values total ``shm_put_min_bytes`` or more."""
-        shm = self.shm_path.mapping
-        return shm is not None and shm.writable and self.options.shm is not False \
-            and sum(it.nbytes for it in items) >= self.options.shm_put_min_bytes
-
-    @property
-    def gets_by_shm(self) -> bool:
-        """Whether GETs go through the arena (else over TCP): the node granted it."""
-        return self.shm_path.mapping is not None and self.options.shm is not False
+        return await self.shm_path.put(conn, items, num_tokens=num_tokens,
+                                       fingerprint=fingerprint)
 
     async def get(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None
                   ) -> list[memoryview | Segments | None]:
-        """Payload views (None for misses and corrupt chunks, which are deleted here)."""
-        conn = await self._connection()
-        if conn.shm and self.gets_by_shm:
-            return await self.shm_path.get(conn, blob, sinks)
-        return await self.run(plans.get_tcp(self, blob, sinks), conn)
+        """Payload views (None for misses and corrupt chunks, which are deleted here),
+        through the arena or over TCP (:meth:`ShmPath.get` decides)."""
+        return await self.shm_path.get(await self._connection(), blob, sinks)
 
     async def exists(self, blob: bytes) -> bytes:
         """One tier code per key, 0 where absent."""

@@ -6,8 +6,14 @@ write access). GETs copy what the arena index has with no request, then ask
 GET_SHM (a lease) for the rest, and fall back to TCP for values freed while
 they were copied; puts write into slots PUT_SHM reserved, COMMIT them, and
 send over TCP what a lease lost. Reads through the index are reported to
-the node later in one TOUCH. Whether a call takes this path at all is the
-node client's decision (``gets_by_shm``, ``puts_by_shm``).
+the node later in one TOUCH.
+
+It owns its TCP fallback, and so the choice of path: every GET and put of its
+node client comes here (:meth:`ShmPath.get`, :meth:`ShmPath.put`), and goes over
+TCP, by the same op plans, when the arena cannot carry it (none granted, ``shm=False``,
+a connection not granted, a put below ``shm_put_min_bytes``). The sync client asks
+the same questions before its loop-free paths (:attr:`ShmPath.carries_gets`,
+:meth:`ShmPath.carries_put`).
 """
 
 from __future__ import annotations
@@ -88,8 +94,37 @@ class ShmPath:
             self.mapping.close()
             self.mapping = None
 
-    async def put(self, conn: Connection, items: list[plans.PutItem], statuses: list[int], *,
-                  num_tokens: int, fingerprint: bytes) -> list[plans.PutItem]:
+    @property
+    def carries_gets(self) -> bool:
+        """Whether GETs go through the arena (else over TCP): the node granted it."""
+        return self.mapping is not None and self.node.options.shm is not False
+
+    def carries_put(self, items: Sequence[plans.PutItem]) -> bool:
+        """Whether a put of ``items`` goes through the arena (else over TCP): the node
+        granted this client writes, and the values total ``shm_put_min_bytes`` or more."""
+        shm, options = self.mapping, self.node.options
+        return shm is not None and shm.writable and options.shm is not False \
+            and sum(it.nbytes for it in items) >= options.shm_put_min_bytes
+
+    async def put(self, conn: Connection, items: list[plans.PutItem], *, num_tokens: int,
+                  fingerprint: bytes) -> list[int]:
+        """One Status per item: through the arena where it carries the put (PUT_SHM, the
+        values into their slots, COMMIT), else over TCP; an item whose lease ended
+        before its COMMIT goes again over TCP."""
+        statuses = [0] * len(items)
+        by_tcp = items
+        if conn.shm_write and self.carries_put(items):
+            by_tcp = await self._put_leased(conn, items, statuses, num_tokens=num_tokens,
+                                            fingerprint=fingerprint)
+        if by_tcp:
+            await self.node.run(plans.put_tcp(self.node, by_tcp, statuses,
+                                              num_tokens=num_tokens, fingerprint=fingerprint),
+                                conn)
+        return statuses
+
+    async def _put_leased(self, conn: Connection, items: list[plans.PutItem],
+                          statuses: list[int], *, num_tokens: int, fingerprint: bytes
+                          ) -> list[plans.PutItem]:
         """PUT_SHM, write each value into its slot, COMMIT; the items whose lease expired."""
         shm = self.mapping
         assert shm is not None
@@ -126,11 +161,13 @@ class ShmPath:
     async def get(self, conn: Connection, blob: bytes,
                   sinks: Sequence[memoryview | Segments] | None
                   ) -> list[memoryview | Segments | None]:
-        """GET through the arena: values the arena index has are copied with no request
-        (and reported later, in one TOUCH for many calls); the rest are asked for with
-        GET_SHM."""
+        """Payload views (None for misses and corrupt chunks). Through the arena where it
+        carries GETs: values the arena index has are copied with no request (and
+        reported later, in one TOUCH for many calls); the rest are asked for with
+        GET_SHM. Else over TCP."""
         shm = self.mapping
-        assert shm is not None
+        if shm is None or not conn.shm or self.node.options.shm is False:
+            return await self.node.run(plans.get_tcp(self.node, blob, sinks), conn)
         if not self.node.options.shm_index or shm.index is None:
             return await self._get_leased(conn, shm, blob, sinks)
         out, rest = self._read_indexed(shm, blob, sinks, all_or_none=False)

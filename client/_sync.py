@@ -212,7 +212,7 @@ class Client:
         def plan_for(node: NodeClient) -> plans.Plan[list[int]] | None:
             items = plans.put_items(node, bkeys, values, ttl_ms=ttl_ms, flags=flags,
                                     chunk_indexes=chunk_indexes, parents=bparents)
-            if node.puts_by_shm(items):
+            if node.shm_path.carries_put(items):
                 return None
             return plans.put_tcp(node, items, [0] * len(items), num_tokens=num_tokens,
                                  fingerprint=fingerprint)
@@ -273,7 +273,7 @@ class Client:
                         found = shm.read_local(blob, sinks)
                         if found is not None:
                             return found
-                if node.gets_by_shm:
+                if shm.carries_gets:
                     return None
             if not self._blocking_allowed:
                 return None

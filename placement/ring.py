@@ -83,7 +83,10 @@ class Ring:
         # ties (vanishingly rare) break by node index, so the order is deterministic
         order = np.lexsort((owners, positions))
         self.positions: npt.NDArray[np.uint64] = positions[order]
-        self._table = self._successors(owners[order], self.width)
+        table = self._successors(owners[order], self.width)
+        # one row more, the first point's again: a position past the last point wraps to
+        # the first with no fix-up of searchsorted's answer
+        self._table = np.concatenate([table, table[:1]])
 
     @staticmethod
     def _successors(owner: npt.NDArray[np.int32], width: int) -> npt.NDArray[np.int32]:
@@ -124,8 +127,9 @@ class Ring:
         if not 1 <= r <= self.width:
             raise ValueError(f"r must be in 1..{self.width} for this ring, got {r}")
         point = np.searchsorted(self.positions, positions, side="left")
-        point[point == len(self.positions)] = 0  # past the last point: wrap to the first
-        return self._table[point, :r]
+        # (``take`` of whole rows: ~4x faster than fancy indexing with a column slice)
+        rows = self._table.take(point, axis=0)
+        return rows if r == self.width else rows[:, :r]
 
     def owners_many(self, keys: bytes | Sequence[bytes], r: int = 1) -> list[list[str]]:
         """The owners of each key, preferred first."""
