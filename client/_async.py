@@ -152,7 +152,6 @@ class AsyncClient:
                                      shm_put_min_bytes=shm_put_min_bytes, shm_index=shm_index,
                                      transport=transport)
         self.timeout = timeout
-        self._over_tcp = self.options.over_tcp
         #: where client spans go; None: the application's global provider (no spans, and no
         #: trace context on the wire, unless it installed an SDK provider)
         self.tracer_provider = tracer_provider
@@ -329,13 +328,12 @@ class AsyncClient:
     @property
     def direct_node(self) -> NodeClient | None:
         """The standalone node, when a call to it may run in the caller's thread with no
-        event loop: connected over TCP (not a mock transport), and no client spans to
-        record. The sync client then reads through the node's arena index
-        (``node.shm_path``) or runs the op plans on a blocking socket
-        (:mod:`kvpool.client._blocking`); which one is the node's to say
-        (:attr:`ShmPath.carries_gets`, :meth:`ShmPath.carries_put`)."""
+        event loop: no client spans to record. The sync client then reads through the
+        node's arena index (``node.shm_path``) or runs the op plans on a blocking
+        connection its transport opens (:mod:`kvpool.client._blocking`); which one is
+        the node's to say (:attr:`ShmPath.carries_gets`, :meth:`ShmPath.carries_put`)."""
         node = self._router.standalone_node
-        return node if node is not None and self._over_tcp and _tracer(self) is None else None
+        return node if node is not None and _tracer(self) is None else None
 
     async def send_touches(self) -> None:
         """Report the reads made through the arena index now (one TOUCH a node)."""

@@ -1,14 +1,14 @@
-"""The sync client's TCP transport: one blocking socket per node, no event loop.
+"""The sync client's loop-free calls: the op plans on a blocking connection, no event loop.
 
 A sync call that runs the client's event loop costs ~80 us more than the
 request itself on this 2-core VM (``run_until_complete`` sets up and tears
 down uvloop's signal socketpair on every run, and the reply crosses a
 protocol callback and a future). :class:`BlockingNode` runs the same op
-plans (:mod:`kvpool.client._plans`) as the async pool, over a socket the
-sync client owns: the request goes out in one ``send``, the reply is
-received with ``recv_into`` straight into the reply parser's buffer -- and
-a GET payload straight into the caller's buffer, checksummed as it arrives,
-as the async path does.
+plans (:mod:`kvpool.client._plans`) as the async pool, over a blocking
+connection the client's transport opens for the sync client
+(:meth:`Transport.open_blocking <kvpool.client.transport.Transport.open_blocking>`:
+a socket of its own over TCP, :mod:`kvpool.client._socket`; the handler, in the
+calling thread, on a mock transport).
 
 One request is in flight at a time (a batch larger than the node's
 ``max_batch`` goes frame by frame): the sync client serialises its calls
@@ -18,200 +18,24 @@ paused reading could wait forever.
 
 from __future__ import annotations
 
-import select
-import socket
-import ssl as ssl_module
-import time
 from collections.abc import Sequence
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from kvpool.client import _plans as plans
-from kvpool.client._connection import Buffer, request_head
 from kvpool.client._node import NodeClient
 from kvpool.client._plans import Plan, Sink
-from kvpool.protocol.errors import (
-    KvpoolConnectionError,
-    KvpoolError,
-    KvpoolTimeoutError,
-    Status,
-)
 from kvpool.protocol.frames import KEY_SIZE, PROTOCOL_VERSION, Op, decode_json, encode_json
-from kvpool.protocol.parsers import Reply, ReplyParser
 
-__all__ = ["BlockingConnection", "BlockingNode"]
+if TYPE_CHECKING:
+    from kvpool.client.transport import BlockingLink
+
+__all__ = ["BlockingNode"]
 
 T = TypeVar("T")
-#: bodies up to this size are joined and sent with one ``send``; larger ones go as a
-#: ``sendmsg`` of their parts (no copy of the values)
-_JOIN_BELOW = 64 << 10
-#: parts per ``sendmsg`` (Linux's IOV_MAX is 1024)
-_IOV_MAX = 1024
-#: bytes a reply's first receive takes at most (a GET of a value up to about this size
-#: then arrives in one receive: a few KiB of a cache's small values, hashes, codes)
-_FIRST_RECEIVE = 64 << 10
-
-
-class BlockingConnection:
-    """One blocking socket to a node: a request, then its reply, within ``timeout``."""
-
-    def __init__(self, host: str, port: int, *, timeout: float, connect_timeout: float,
-                 ssl: ssl_module.SSLContext | None = None, scope_flags: int = 0,
-                 max_reply_body: int = 64 << 20) -> None:
-        self.peer = f"{host}:{port}"
-        self._timeout = timeout
-        self._scope_flags = scope_flags
-        self._sinks: Sequence[Sink | None] | None = None
-        self._parser = ReplyParser(self._sink_for, max_reply_body)
-        #: a reply's first receive (a small reply's all)
-        self._scratch = bytearray(_FIRST_RECEIVE)
-        self._scratch_view = memoryview(self._scratch)
-        self._next_id = 0
-        try:
-            sock = socket.create_connection((host, port), timeout=connect_timeout)
-        except TimeoutError:
-            raise KvpoolTimeoutError(
-                f"connecting to {self.peer} took longer than {connect_timeout}s") from None
-        except OSError as exc:
-            raise KvpoolConnectionError(f"cannot connect to kvpool node {self.peer}: {exc}"
-                                        ) from exc
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if ssl is not None:
-            try:
-                sock = ssl.wrap_socket(sock, server_hostname=host)
-            except OSError as exc:  # ssl.SSLError included
-                sock.close()
-                raise KvpoolConnectionError(f"TLS to kvpool node {self.peer} failed: {exc}"
-                                            ) from exc
-        self._sock: socket.socket | None = sock
-        self._tls = ssl is not None
-        self._poll = select.poll()
-        self._poll.register(sock.fileno(), select.POLLIN)
-        #: monotonic time of the last reply (the node closes connections idle for long)
-        self.last_used = time.monotonic()
-
-    @property
-    def is_open(self) -> bool:
-        return self._sock is not None
-
-    def stale(self, idle_s: float) -> bool:
-        """Whether this connection should not carry another request: closed here; the node
-        ended it (anything readable between requests is its EOF or an error frame);
-        or idle for most of the node's idle timeout (``idle_s``; 0: none)."""
-        if self._sock is None:
-            return True
-        if self._poll.poll(0):
-            return True
-        return bool(idle_s) and time.monotonic() - self.last_used >= idle_s * 0.75
-
-    def close(self) -> None:
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            sock.close()
-
-    def call(self, op: int, count: int, body: Sequence[Buffer],
-             sinks: Sequence[Sink | None] | None = None, *, epoch: int = 0) -> Reply:
-        """Send one request frame and wait for its reply (any status: the caller checks).
-
-        Any failure closes the connection: a reply may be half read.
-        """
-        sock = self._sock
-        if sock is None:
-            raise KvpoolConnectionError(f"connection to {self.peer} is closed")
-        self._next_id = (self._next_id + 1) & 0xFFFFFFFF
-        request_id = self._next_id
-        deadline = time.monotonic() + self._timeout
-        self._sinks = sinks
-        body_len = 0
-        for part in body:
-            body_len += len(part) if type(part) is bytes else memoryview(part).nbytes
-        try:
-            head = request_head(op, request_id, count, body_len, epoch=epoch,
-                                scope_flags=self._scope_flags)
-            self._send(sock, [*head, *body], len(head[0]) + body_len, deadline)
-            reply = self._receive(sock, deadline)
-        except TimeoutError:
-            self.close()
-            raise KvpoolTimeoutError(
-                f"{Op(op).name} to {self.peer} got no reply within {self._timeout}s") from None
-        except KvpoolError as exc:
-            self.close()
-            raise KvpoolConnectionError(f"bad reply stream from {self.peer}: {exc}") from exc
-        except OSError as exc:
-            self.close()
-            raise KvpoolConnectionError(f"connection to {self.peer} lost: {exc}") from exc
-        except BaseException:  # KeyboardInterrupt mid-reply: the stream is not reusable
-            self.close()
-            raise
-        finally:
-            self._sinks = None
-        if reply.header.request_id != request_id:
-            self.close()
-            if reply.header.status != Status.OK:  # the node refused the frame itself
-                return reply
-            raise KvpoolConnectionError(
-                f"{self.peer} answered request {reply.header.request_id}, not {request_id}")
-        self.last_used = time.monotonic()
-        return reply
-
-    def _send(self, sock: socket.socket, parts: list[Buffer], total: int,
-              deadline: float) -> None:
-        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
-        if total < _JOIN_BELOW or self._tls:  # an SSL socket has no sendmsg
-            if total < _JOIN_BELOW:
-                sock.sendall(b"".join(parts))
-            else:
-                for part in parts:
-                    sock.sendall(part)
-            return
-        views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
-        first = 0
-        while first < len(views):
-            sent = sock.sendmsg(views[first : first + _IOV_MAX])
-            while sent:
-                n = views[first].nbytes
-                if sent < n:
-                    views[first] = views[first][sent:]
-                    break
-                sent -= n
-                first += 1
-            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
-
-    def _receive(self, sock: socket.socket, deadline: float) -> Reply:
-        """The reply to the one request in flight. Every reply starts on an empty parser:
-        one request at a time, a stream that ends past its reply is refused below, and any
-        failure closes the connection."""
-        # a small reply comes whole in the first receive: parsed in one pass, without the
-        # streamed parser's steps (a GET payload's bytes are copied and checksummed as
-        # that parser would); anything longer goes on through that parser
-        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
-        n = sock.recv_into(self._scratch)
-        if not n:
-            raise OSError("the node closed the connection")
-        first = self._scratch_view[:n]
-        parser = self._parser
-        parsed = parser.whole_reply(first)
-        if parsed is not None:
-            if parsed[1] != n:
-                raise OSError("the node sent replies to requests not made")
-            return parsed[0]
-        replies = parser.feed(first)
-        while not replies:
-            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
-            n = sock.recv_into(parser.get_buffer(-1))
-            if not n:
-                raise OSError("the node closed the connection")
-            replies = parser.buffer_updated(n)
-        if len(replies) > 1 or not parser.between_replies:
-            raise OSError("the node sent replies to requests not made")
-        return replies[0]
-
-    def _sink_for(self, request_id: int, index: int, nbytes: int) -> Sink | None:
-        sinks = self._sinks
-        return sinks[index] if sinks is not None else None
 
 
 class BlockingNode:
-    """Runs op plans against one node over a :class:`BlockingConnection` it (re)opens.
+    """Runs op plans against one node over a blocking connection it (re)opens.
 
     ``node`` is the async client's ``NodeClient`` for the same node: its settings
     (token, TLS, timeouts, scope), limits, counters and reply checks are shared, so a
@@ -220,7 +44,7 @@ class BlockingNode:
 
     def __init__(self, node: NodeClient) -> None:
         self.node = node
-        self._conn: BlockingConnection | None = None
+        self._conn: BlockingLink | None = None
         self._idle_s = 0.0
 
     def close(self) -> None:
@@ -257,16 +81,14 @@ class BlockingNode:
             self.run(plans.drop_corrupt(node, corrupt))
         return out
 
-    def _connection(self) -> BlockingConnection:
+    def _connection(self) -> BlockingLink:
         conn = self._conn
         if conn is not None and not conn.stale(self._idle_s):
             return conn
         self.close()
         node = self.node
         options = node.options
-        conn = BlockingConnection(node.host, node.port, timeout=options.timeout,
-                                  connect_timeout=options.connect_timeout, ssl=options.ssl,
-                                  scope_flags=options.scope_flags)
+        conn = options.connector.open_blocking(node.host, node.port, options)
         request: dict[str, Any] = {"protocol": PROTOCOL_VERSION, "client": options.client_name}
         if options.token:
             request["token"] = options.token

@@ -65,8 +65,8 @@ class ClientOptions:
 
     @property
     def over_tcp(self) -> bool:
-        """Whether connections are TCP sockets (the sync client's blocking socket and the
-        same-host fast path only make sense then)."""
+        """Whether connections are TCP sockets (the same-host fast path only makes sense
+        then)."""
         return isinstance(self.connector, TcpTransport)
 
     @property

@@ -3,36 +3,61 @@
 A :class:`~kvpool.client._node.NodeClient` asks its transport for each pooled
 connection. Whatever the transport, the connection is the same
 :class:`~kvpool.client._connection.Connection` (framing, pipelining, deadlines,
-payloads checksummed as they arrive); the transport only carries its bytes.
+payloads checksummed as they arrive); the transport only carries its bytes. The sync
+client's loop-free calls ask it for a blocking connection (:meth:`Transport.open_blocking`,
+a :class:`BlockingLink`: one request, then its reply, in the calling thread).
 
 - :class:`TcpTransport` (the default): a socket to ``host:port``, TLS where the
-  client has an ``ssl`` context.
+  client has an ``ssl`` context; for the sync client, a blocking socket of its own
+  (:class:`~kvpool.client._socket.BlockingConnection`).
 - :class:`MockTransport`: no socket and no node; each request frame, parsed as a
   node parses it, goes to a handler function that returns the reply frame. Unit
   tests of the SDK's routing logic (failover, map refresh, batching, corrupt-chunk
   handling) run on it in milliseconds; httpx's ``MockTransport`` is the model.
-  The sync client's loop-free paths (a blocking socket, the arena index) are off
-  with it: every call runs on the loop, through the handler.
+  The sync client's blocking calls reach the same handler in the calling thread (a
+  reply never given is a timeout at once). The same-host fast path is off with it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvpool.client._connection import Buffer, Connection
+from kvpool.client._connection import Buffer, Connection, request_head
+from kvpool.client._plans import Sink
+from kvpool.client._socket import BlockingConnection
 from kvpool.protocol.errors import KvpoolConnectionError, KvpoolTimeoutError
-from kvpool.protocol.parsers import Request, RequestParser
+from kvpool.protocol.frames import Op
+from kvpool.protocol.parsers import Reply, ReplyParser, Request, RequestParser
 
 if TYPE_CHECKING:
     from kvpool.client._options import ClientOptions
 
-__all__ = ["MockHandler", "MockTransport", "TcpTransport", "Transport"]
+__all__ = ["BlockingLink", "MockHandler", "MockTransport", "TcpTransport", "Transport"]
+
+
+class BlockingLink(Protocol):
+    """A blocking connection to a node: one request at a time, in the calling thread."""
+
+    def call(self, op: int, count: int, body: Sequence[Buffer],
+             sinks: Sequence[Sink | None] | None = None, *, epoch: int = 0) -> Reply:
+        """Send one request frame and return its reply, any status (the caller checks);
+        KvpoolConnectionError (or its timeout subclass), after which the link is closed."""
+        ...
+
+    def stale(self, idle_s: float) -> bool:
+        """Whether it should not carry another request (closed, ended by the node, or
+        idle for most of the node's idle timeout ``idle_s``)."""
+        ...
+
+    def close(self) -> None:
+        ...
 
 
 class Transport(Protocol):
-    """Opens a connection to a node (``make`` builds the client's end of it)."""
+    """Opens connections to a node: pooled ones for the async core (``make`` builds the
+    client's end), and a blocking one for the sync client's loop-free calls."""
 
     async def open(self, host: str, port: int, options: ClientOptions,
                    make: Callable[[], Connection]) -> Connection:
@@ -40,9 +65,18 @@ class Transport(Protocol):
         subclass) when the node cannot be reached."""
         ...
 
+    def open_blocking(self, host: str, port: int, options: ClientOptions) -> BlockingLink:
+        """A blocking connection, ready for HELLO; errors as :meth:`open`'s."""
+        ...
+
 
 class TcpTransport:
     """A TCP socket per connection (TLS with ``options.ssl``)."""
+
+    def open_blocking(self, host: str, port: int, options: ClientOptions) -> BlockingLink:
+        return BlockingConnection(host, port, timeout=options.timeout,
+                                  connect_timeout=options.connect_timeout, ssl=options.ssl,
+                                  scope_flags=options.scope_flags)
 
     async def open(self, host: str, port: int, options: ClientOptions,
                    make: Callable[[], Connection]) -> Connection:
@@ -78,6 +112,7 @@ class MockTransport:
         #: addresses that refuse new connections
         self.down: set[str] = set()
         self._open: dict[str, list[_MockSocket]] = {}
+        self._links: dict[str, list[_MockLink]] = {}
 
     async def open(self, host: str, port: int, options: ClientOptions,
                    make: Callable[[], Connection]) -> Connection:
@@ -91,10 +126,71 @@ class MockTransport:
         conn.connection_made(sock)  # type: ignore[arg-type]  # the calls Connection makes
         return conn
 
+    def open_blocking(self, host: str, port: int, options: ClientOptions) -> BlockingLink:
+        address = f"{host}:{port}"
+        if address in self.down:
+            raise KvpoolConnectionError(
+                f"cannot connect to kvpool node {address}: connection refused (mock)")
+        link = _MockLink(self, address, options)
+        self._links.setdefault(address, []).append(link)
+        return link
+
     def drop(self, address: str) -> None:
         """End every open connection to ``address`` (as a node that exits does)."""
         for sock in self._open.pop(address, []):
             sock.lose(None)
+        for link in self._links.pop(address, []):
+            link.close()
+
+
+class _MockLink:
+    """A sync client's blocking connection on a :class:`MockTransport`: each request
+    frame, parsed as a node parses it, goes to the handler in the calling thread, and
+    its reply is parsed as one received from a socket (into the caller's buffers)."""
+
+    def __init__(self, owner: MockTransport, address: str, options: ClientOptions) -> None:
+        self._owner = owner
+        self.peer = address
+        self._options = options
+        self._requests = RequestParser()
+        self._sinks: Sequence[Sink | None] | None = None
+        self._replies = ReplyParser(lambda _rid, index, _n: self._sinks[index]
+                                    if self._sinks is not None else None)
+        self._open = True
+        self._next_id = 0
+
+    def call(self, op: int, count: int, body: Sequence[Buffer],
+             sinks: Sequence[Sink | None] | None = None, *, epoch: int = 0) -> Reply:
+        if not self._open:
+            raise KvpoolConnectionError(f"connection to {self.peer} is closed")
+        self._next_id += 1
+        body_len = sum(memoryview(part).nbytes for part in body)
+        head = request_head(op, self._next_id, count, body_len, epoch=epoch,
+                            scope_flags=self._options.scope_flags)
+        (request,) = self._requests.feed(b"".join([*head, *body]))
+        try:
+            reply = self._owner.handler(self.peer, request)
+        except OSError as exc:
+            self.close()
+            raise KvpoolConnectionError(f"connection to {self.peer} lost: {exc}") from exc
+        finally:
+            request.release()
+        if reply is None:  # no reply ever: the deadline runs out (at once, here)
+            self.close()
+            raise KvpoolTimeoutError(f"{Op(op).name} to {self.peer} got no reply within "
+                                     f"{self._options.timeout}s")
+        self._sinks = sinks
+        try:
+            (answer,) = self._replies.feed(b"".join(reply))
+        finally:
+            self._sinks = None
+        return answer
+
+    def stale(self, idle_s: float) -> bool:
+        return not self._open
+
+    def close(self) -> None:
+        self._open = False
 
 
 class _MockSocket:

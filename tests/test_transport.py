@@ -37,15 +37,34 @@ def cluster(epoch: int = 1, ids: tuple[str, ...] = ("a", "b", "c"), *,
     return MockNodes({info.data: MockNode(info.id) for info in infos}, cmap)
 
 
-def test_the_sync_client_runs_on_a_mock_transport_with_no_node() -> None:
-    """Every op of a standalone node, split by the node's max_batch, with no socket (the
-    blocking path and the same-host fast path are off on a mock transport)."""
+class _NoLoop:
+    """Stands in for the sync client's event loop and fails the test if it is run."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def is_closed(self) -> bool:
+        return self.loop.is_closed()
+
+    def run_until_complete(self, coro: object) -> None:
+        raise AssertionError(f"the event loop ran for {coro}")
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_the_sync_client_runs_on_a_mock_transport_with_no_node(blocking: bool) -> None:
+    """Every op of a standalone node, split by the node's max_batch, with no socket: on
+    the transport's blocking link in the calling thread (no event loop run once
+    connected), or on the loop with ``blocking=False``. The same-host fast path is off
+    on a mock transport."""
     mock = standalone(max_batch=4)
     node = mock.nodes["127.0.0.1:7700"]
     keys = [rkey() for _ in range(10)]
     values = [os.urandom(100 + i) for i in range(10)]
-    with Client("127.0.0.1:7700", transport=mock.transport) as c:
-        assert c.async_client.direct_node is None
+    with Client("127.0.0.1:7700", transport=mock.transport, blocking=blocking) as c:
+        assert c.async_client.direct_node is not None
+        loop = c._loop
+        if blocking:
+            c._loop = _NoLoop(loop)  # type: ignore[assignment]
         c.put_many(keys, values)
         assert [n for op, n in node.seen if op == Op.PUT] == [4, 4, 2]
         assert set(node.store) == set(keys)
@@ -57,8 +76,34 @@ def test_the_sync_client_runs_on_a_mock_transport_with_no_node() -> None:
         assert c.lookup([*keys[:5], rkey(), keys[6]]) == 5
         assert c.delete_many([keys[0], rkey()]) == [True, False]
         assert c.get(keys[0]) is None
+        c._loop = loop
         assert c.map is not None and c.map.is_standalone and c.epoch == 0
     assert c.bytes_by_path["shm"] == 0
+
+
+def test_the_sync_clients_blocking_link_fails_and_recovers_as_a_socket_would() -> None:
+    """On the mock transport's blocking link: a node that never answers is a timeout (at
+    once: the mock has no clock), a connection that breaks is a connection error, and
+    the next call opens a new link; a node that is down refuses it."""
+    mock = standalone()
+    node = mock.nodes["127.0.0.1:7700"]
+    key = rkey()
+    with Client("127.0.0.1:7700", transport=mock.transport, timeout=0.2) as c:
+        loop = c._loop
+        c._loop = _NoLoop(loop)  # type: ignore[assignment]
+        c.put(key, b"v")
+        node.silent.add(Op.GET)
+        with pytest.raises(KvpoolTimeoutError, match=r"GET to 127\.0\.0\.1:7700 got no reply"):
+            c.get(key)
+        node.silent.clear()
+        assert c.get(key) == b"v"  # a new link
+        mock.transport.drop("127.0.0.1:7700")
+        assert c.exists(key)  # the dropped link was seen stale: a new one
+        mock.transport.down.add("127.0.0.1:7700")
+        mock.transport.drop("127.0.0.1:7700")
+        with pytest.raises(KvpoolConnectionError, match="connection refused"):
+            c.get(key)
+        c._loop = loop
 
 
 async def test_a_corrupt_value_is_a_miss_and_is_deleted_where_it_lay() -> None:

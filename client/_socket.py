@@ -1,0 +1,199 @@
+"""One blocking socket to a node, for the sync client: a request, then its reply.
+
+:class:`BlockingConnection` is what :meth:`TcpTransport.open_blocking
+<kvpool.client.transport.TcpTransport.open_blocking>` opens for the sync client's
+loop-free calls (:mod:`kvpool.client._blocking` drives the op plans over it). The
+request goes out in one ``send``; a small reply is received whole in one
+``recv_into`` and parsed in one pass; a larger one goes on through the streamed
+reply parser, a GET payload straight into the caller's buffer, checksummed as it
+arrives, as the async path does.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import ssl as ssl_module
+import time
+from collections.abc import Sequence
+
+from kvpool.client._connection import Buffer, request_head
+from kvpool.client._plans import Sink
+from kvpool.protocol.errors import (
+    KvpoolConnectionError,
+    KvpoolError,
+    KvpoolTimeoutError,
+    Status,
+)
+from kvpool.protocol.frames import Op
+from kvpool.protocol.parsers import Reply, ReplyParser
+
+__all__ = ["BlockingConnection"]
+
+#: bodies up to this size are joined and sent with one ``send``; larger ones go as a
+#: ``sendmsg`` of their parts (no copy of the values)
+_JOIN_BELOW = 64 << 10
+#: parts per ``sendmsg`` (Linux's IOV_MAX is 1024)
+_IOV_MAX = 1024
+#: bytes a reply's first receive takes at most (a GET of a value up to about this size
+#: then arrives in one receive: a few KiB of a cache's small values, hashes, codes)
+_FIRST_RECEIVE = 64 << 10
+
+
+class BlockingConnection:
+    """One blocking socket to a node: a request, then its reply, within ``timeout``."""
+
+    def __init__(self, host: str, port: int, *, timeout: float, connect_timeout: float,
+                 ssl: ssl_module.SSLContext | None = None, scope_flags: int = 0,
+                 max_reply_body: int = 64 << 20) -> None:
+        self.peer = f"{host}:{port}"
+        self._timeout = timeout
+        self._scope_flags = scope_flags
+        self._sinks: Sequence[Sink | None] | None = None
+        self._parser = ReplyParser(self._sink_for, max_reply_body)
+        #: a reply's first receive (a small reply's all)
+        self._scratch = bytearray(_FIRST_RECEIVE)
+        self._scratch_view = memoryview(self._scratch)
+        self._next_id = 0
+        try:
+            sock = socket.create_connection((host, port), timeout=connect_timeout)
+        except TimeoutError:
+            raise KvpoolTimeoutError(
+                f"connecting to {self.peer} took longer than {connect_timeout}s") from None
+        except OSError as exc:
+            raise KvpoolConnectionError(f"cannot connect to kvpool node {self.peer}: {exc}"
+                                        ) from exc
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if ssl is not None:
+            try:
+                sock = ssl.wrap_socket(sock, server_hostname=host)
+            except OSError as exc:  # ssl.SSLError included
+                sock.close()
+                raise KvpoolConnectionError(f"TLS to kvpool node {self.peer} failed: {exc}"
+                                            ) from exc
+        self._sock: socket.socket | None = sock
+        self._tls = ssl is not None
+        self._poll = select.poll()
+        self._poll.register(sock.fileno(), select.POLLIN)
+        #: monotonic time of the last reply (the node closes connections idle for long)
+        self.last_used = time.monotonic()
+
+    @property
+    def is_open(self) -> bool:
+        return self._sock is not None
+
+    def stale(self, idle_s: float) -> bool:
+        """Whether this connection should not carry another request: closed here; the node
+        ended it (anything readable between requests is its EOF or an error frame);
+        or idle for most of the node's idle timeout (``idle_s``; 0: none)."""
+        if self._sock is None:
+            return True
+        if self._poll.poll(0):
+            return True
+        return bool(idle_s) and time.monotonic() - self.last_used >= idle_s * 0.75
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def call(self, op: int, count: int, body: Sequence[Buffer],
+             sinks: Sequence[Sink | None] | None = None, *, epoch: int = 0) -> Reply:
+        """Send one request frame and wait for its reply (any status: the caller checks).
+
+        Any failure closes the connection: a reply may be half read.
+        """
+        sock = self._sock
+        if sock is None:
+            raise KvpoolConnectionError(f"connection to {self.peer} is closed")
+        self._next_id = (self._next_id + 1) & 0xFFFFFFFF
+        request_id = self._next_id
+        deadline = time.monotonic() + self._timeout
+        self._sinks = sinks
+        body_len = 0
+        for part in body:
+            body_len += len(part) if type(part) is bytes else memoryview(part).nbytes
+        try:
+            head = request_head(op, request_id, count, body_len, epoch=epoch,
+                                scope_flags=self._scope_flags)
+            self._send(sock, [*head, *body], len(head[0]) + body_len, deadline)
+            reply = self._receive(sock, deadline)
+        except TimeoutError:
+            self.close()
+            raise KvpoolTimeoutError(
+                f"{Op(op).name} to {self.peer} got no reply within {self._timeout}s") from None
+        except KvpoolError as exc:
+            self.close()
+            raise KvpoolConnectionError(f"bad reply stream from {self.peer}: {exc}") from exc
+        except OSError as exc:
+            self.close()
+            raise KvpoolConnectionError(f"connection to {self.peer} lost: {exc}") from exc
+        except BaseException:  # KeyboardInterrupt mid-reply: the stream is not reusable
+            self.close()
+            raise
+        finally:
+            self._sinks = None
+        if reply.header.request_id != request_id:
+            self.close()
+            if reply.header.status != Status.OK:  # the node refused the frame itself
+                return reply
+            raise KvpoolConnectionError(
+                f"{self.peer} answered request {reply.header.request_id}, not {request_id}")
+        self.last_used = time.monotonic()
+        return reply
+
+    def _send(self, sock: socket.socket, parts: list[Buffer], total: int,
+              deadline: float) -> None:
+        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+        if total < _JOIN_BELOW or self._tls:  # an SSL socket has no sendmsg
+            if total < _JOIN_BELOW:
+                sock.sendall(b"".join(parts))
+            else:
+                for part in parts:
+                    sock.sendall(part)
+            return
+        views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
+        first = 0
+        while first < len(views):
+            sent = sock.sendmsg(views[first : first + _IOV_MAX])
+            while sent:
+                n = views[first].nbytes
+                if sent < n:
+                    views[first] = views[first][sent:]
+                    break
+                sent -= n
+                first += 1
+            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+
+    def _receive(self, sock: socket.socket, deadline: float) -> Reply:
+        """The reply to the one request in flight. Every reply starts on an empty parser:
+        one request at a time, a stream that ends past its reply is refused below, and any
+        failure closes the connection."""
+        # a small reply comes whole in the first receive: parsed in one pass, without the
+        # streamed parser's steps (a GET payload's bytes are copied and checksummed as
+        # that parser would); anything longer goes on through that parser
+        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+        n = sock.recv_into(self._scratch)
+        if not n:
+            raise OSError("the node closed the connection")
+        first = self._scratch_view[:n]
+        parser = self._parser
+        parsed = parser.whole_reply(first)
+        if parsed is not None:
+            if parsed[1] != n:
+                raise OSError("the node sent replies to requests not made")
+            return parsed[0]
+        replies = parser.feed(first)
+        while not replies:
+            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+            n = sock.recv_into(parser.get_buffer(-1))
+            if not n:
+                raise OSError("the node closed the connection")
+            replies = parser.buffer_updated(n)
+        if len(replies) > 1 or not parser.between_replies:
+            raise OSError("the node sent replies to requests not made")
+        return replies[0]
+
+    def _sink_for(self, request_id: int, index: int, nbytes: int) -> Sink | None:
+        sinks = self._sinks
+        return sinks[index] if sinks is not None else None
