@@ -7,6 +7,8 @@
    "1 node, cluster map" is the same node with a one-node map: the client
    routes (ring, picks, fan-out) but talks to one process, which separates
    the cost of routing from the cost of more processes sharing the cores.
+   The same through the sync ``Client`` (what the vLLM connector's scheduler
+   calls: its own uvloop loop, or the blocking socket for a standalone node).
 2. GET throughput with 2 client processes (``get_many_into``, 8 x 1 MiB
    per call, preallocated buffers) against a 3-node cluster and against
    one node, same run, same data. On a 2-core machine this shows whether
@@ -29,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpool.client import AsyncClient
+from kvpool.client import AsyncClient, Client
 from kvpool.server.local_cluster import LocalCluster
 
 MiB = 1 << 20
@@ -49,6 +51,21 @@ async def lookup_latency(seeds: list[str], samples: int) -> dict[str, float]:
         for _ in range(samples):
             t = time.perf_counter()
             await c.lookup_tiers(keys)
+            times.append(time.perf_counter() - t)
+    times.sort()
+    return {"p50_ms": statistics.median(times) * 1e3,
+            "p99_ms": times[int(0.99 * (len(times) - 1))] * 1e3,
+            "min_ms": times[0] * 1e3}
+
+
+def sync_lookup_latency(seeds: list[str], samples: int) -> dict[str, float]:
+    keys = keys_for(512, 1)  # stored by lookup_latency
+    with Client(seeds) as c:
+        assert c.lookup(keys) == 512
+        times = []
+        for _ in range(samples):
+            t = time.perf_counter()
+            c.lookup_tiers(keys)
             times.append(time.perf_counter() - t)
     times.sort()
     return {"p50_ms": statistics.median(times) * 1e3,
@@ -98,7 +115,7 @@ def get_throughput(seeds: list[str], num_values: int, size: int, total_bytes: in
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    results: dict[str, Any] = {"lookup": {}, "get": {}}
+    results: dict[str, Any] = {"lookup": {}, "sync lookup": {}, "get": {}}
     num_values = 64
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as tmp:
         setups = {"1 node": LocalCluster(1, replication=1, data_dir=f"{tmp}/one",
@@ -113,6 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             with cluster:
                 seeds = cluster.seeds
                 results["lookup"][name] = asyncio.run(lookup_latency(seeds, args.samples))
+                results["sync lookup"][name] = sync_lookup_latency(seeds, args.samples)
                 asyncio.run(fill(seeds, num_values, MiB))
                 rates = [get_throughput(seeds, num_values, MiB, args.mib * MiB, 2)
                          for _ in range(args.runs)]
@@ -125,12 +143,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def table(results: dict[str, Any]) -> str:
     base_get = results["get"]["1 node"]["median_gbps"]
     base_lookup = results["lookup"]["1 node"]["p50_ms"]
-    out = ["| setup | lookup 512 keys p50 | p99 | ÷ 1 node p50 | GET 2 procs GB/s median "
-           "[min-max] | ÷ 1 node |", "|---|---|---|---|---|---|"]
+    out = ["| setup | lookup 512 keys p50 | p99 | ÷ 1 node p50 | sync Client p50 | p99 "
+           "| GET 2 procs GB/s median [min-max] | ÷ 1 node |",
+           "|---|---|---|---|---|---|---|---|"]
     for name in results["get"]:
         lk, g = results["lookup"][name], results["get"][name]
+        sl = results["sync lookup"][name]
         out.append(f"| {name} | {lk['p50_ms']:.2f} ms | {lk['p99_ms']:.2f} ms "
-                   f"| {lk['p50_ms'] / base_lookup:.2f}x | {g['median_gbps']:.2f} "
+                   f"| {lk['p50_ms'] / base_lookup:.2f}x | {sl['p50_ms']:.2f} ms "
+                   f"| {sl['p99_ms']:.2f} ms | {g['median_gbps']:.2f} "
                    f"[{g['min_gbps']:.2f}-{g['max_gbps']:.2f}] "
                    f"| {g['median_gbps'] / base_get:.2f}x |")
     return "\n".join(out)
