@@ -68,6 +68,9 @@ class NodeConnection(asyncio.BufferedProtocol):
         self._hello_timeout = hello_timeout_s
         self._timer: asyncio.TimerHandle | None = None
         self._made_at = self._last_rx = 0.0
+        #: the loop it runs on, kept: ``asyncio.get_running_loop()`` makes a getpid system
+        #: call each time on CPython 3.11, and a request asked it up to twice
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._frame_since: float | None = None
         self._paused_since: float | None = None
         self._rejected = False
@@ -112,9 +115,14 @@ class NodeConnection(asyncio.BufferedProtocol):
         self._registry.add(self)
         stats.connections_open += 1
         stats.connections_total += 1
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._made_at = self._last_rx = loop.time()
         self._arm(loop)
+
+    @property
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop
+        return loop if loop is not None else asyncio.get_running_loop()
 
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
         limits = [self._hello_timeout] + ([self._idle_timeout] if self._idle_timeout else [])
@@ -124,7 +132,7 @@ class NodeConnection(asyncio.BufferedProtocol):
         self._timer = None
         if self._transport is None or self._closing:
             return
-        loop = asyncio.get_running_loop()
+        loop = self._running_loop
         now = loop.time()
         idle = self._idle_timeout
         why = ""
@@ -169,7 +177,7 @@ class NodeConnection(asyncio.BufferedProtocol):
             self._fail(0, 0, parser.error)
             return
         if self._idle_timeout:
-            now = self._last_rx = asyncio.get_running_loop().time()
+            now = self._last_rx = self._running_loop.time()
             if not self._parser.mid_frame:
                 self._frame_since = None
             elif self._frame_since is None:
@@ -182,7 +190,7 @@ class NodeConnection(asyncio.BufferedProtocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
-        self._paused_since = asyncio.get_running_loop().time()
+        self._paused_since = self._running_loop.time()
         if self._transport is not None and not self._closing:
             self._transport.pause_reading()
 
@@ -327,7 +335,7 @@ class NodeConnection(asyncio.BufferedProtocol):
             if stats.timed:
                 stats.observe(header.op, time.perf_counter() - started)
         else:  # waits on the SSD tier; its reply goes out when ready, under its request id
-            task = asyncio.get_running_loop().create_task(
+            task = self._running_loop.create_task(
                 self._finish(header.op, header.request_id, reply, started, span))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
