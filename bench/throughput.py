@@ -100,28 +100,41 @@ def _raw_sender(port: int, size: int, count: int) -> None:
             s.sendall(payload)
 
 
-def raw_python(size: int, budget: int) -> float:
-    """GB/s of sendall -> recv_into over one loopback connection, sender in another process."""
-    count = max(4, budget // size)
+@contextlib.contextmanager
+def _peer(target: Callable[..., None], *args: Any) -> Iterator[socket.socket]:
+    """The accepted end of a loopback connection whose other end is ``target(port,
+    *args)`` in a spawned process (joined once the connection is closed)."""
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
-        sender = mp.get_context("spawn").Process(
-            target=_raw_sender, args=(listener.getsockname()[1], size, count))
-        sender.start()
+        peer = mp.get_context("spawn").Process(
+            target=target, args=(listener.getsockname()[1], *args))
+        peer.start()
         conn, _ = listener.accept()
-        buf = memoryview(bytearray(size))
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with conn:
-            start = time.perf_counter()
-            for _ in range(count):
-                got = 0
-                while got < size:
-                    n = conn.recv_into(buf[got:])
-                    if n == 0:
-                        raise RuntimeError("raw sender closed early")
-                    got += n
-            elapsed = time.perf_counter() - start
-        sender.join()
+            yield conn
+        peer.join()  # it sees the connection end
+
+
+def _receive(conn: socket.socket, buf: memoryview) -> None:
+    got = 0
+    while got < len(buf):
+        n = conn.recv_into(buf[got:])
+        if n == 0:
+            raise RuntimeError("the raw peer closed early")
+        got += n
+
+
+def raw_python(size: int, budget: int) -> float:
+    """GB/s of sendall -> recv_into over one loopback connection, sender in another process."""
+    count = max(4, budget // size)
+    buf = memoryview(bytearray(size))
+    with _peer(_raw_sender, size, count) as conn:
+        start = time.perf_counter()
+        for _ in range(count):
+            _receive(conn, buf)
+        elapsed = time.perf_counter() - start
     return size * count / elapsed / 1e9
 
 
@@ -139,28 +152,14 @@ def raw_request_reply(size: int, budget: int) -> float:
     bytes back, over one loopback connection, the replier in another process (no
     parsing, no checksum: what a GET of one value a call could reach at most)."""
     count = max(4, budget // size)
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        replier = mp.get_context("spawn").Process(
-            target=_raw_replier, args=(listener.getsockname()[1], size))
-        replier.start()
-        conn, _ = listener.accept()
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        buf = memoryview(bytearray(size))
-        request = bytes(16)
-        with conn:
-            start = time.perf_counter()
-            for _ in range(count):
-                conn.sendall(request)
-                got = 0
-                while got < size:
-                    n = conn.recv_into(buf[got:])
-                    if n == 0:
-                        raise RuntimeError("raw replier closed early")
-                    got += n
-            elapsed = time.perf_counter() - start
-        replier.join()  # it sees the connection end
+    buf = memoryview(bytearray(size))
+    request = bytes(16)
+    with _peer(_raw_replier, size) as conn:
+        start = time.perf_counter()
+        for _ in range(count):
+            conn.sendall(request)
+            _receive(conn, buf)
+        elapsed = time.perf_counter() - start
     return size * count / elapsed / 1e9
 
 

@@ -222,3 +222,18 @@ def text_prompt(tokenizer: Any, n: int, topic: str) -> list[int]:
     ids: list[int] = tokenizer(text).input_ids
     assert len(ids) >= n
     return ids[:n]
+
+
+class NoLoop:
+    """Stands in for a sync client's event loop (``client._loop = NoLoop(client._loop)``)
+    and fails the test if it is run: the calls made meanwhile took a loop-free path."""
+
+    def __init__(self, loop: Any) -> None:
+        self.loop = loop
+
+    def is_closed(self) -> bool:
+        return bool(self.loop.is_closed())
+
+    def run_until_complete(self, coro: object) -> None:
+        raise AssertionError(f"the event loop ran for {coro}")
+

@@ -22,7 +22,7 @@ from kvpool.client import (
 from kvpool.placement.keys import ChunkHasher, Namespace
 from kvpool.protocol.errors import ConfigError
 
-from .conftest import NodeProcess, put_corrupt, start_node
+from .conftest import NodeProcess, NoLoop, put_corrupt, start_node
 
 
 def rkey() -> bytes:
@@ -312,26 +312,13 @@ def test_every_async_coroutine_has_a_sync_twin_with_the_same_signature() -> None
     assert list(sync_init)[len(async_init) :] == ["blocking"]
 
 
-class _NoLoop:
-    """Stands in for the sync client's event loop and fails the test if it is run."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-
-    def is_closed(self) -> bool:
-        return self.loop.is_closed()
-
-    def run_until_complete(self, coro: object) -> None:
-        raise AssertionError(f"the event loop ran for {coro}")
-
-
 def test_sync_calls_over_tcp_run_no_event_loop(node: NodeProcess) -> None:
     """Once connected, every key op of a sync client of a TCP node runs in the calling
     thread on its blocking socket, with the same results the loop gives."""
     k, v = rkey(), os.urandom(300_000)
     with Client(node.url, shm=False) as c:
         loop = c._loop
-        c._loop = _NoLoop(loop)  # type: ignore[assignment]
+        c._loop = NoLoop(loop)  # type: ignore[assignment]
         try:
             c.put(k, v, pin=True)
             assert c.get(k) == v

@@ -19,6 +19,7 @@ from kvpool.placement.cluster_map import ClusterMap, NodeInfo, NodeState
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
 from kvpool.protocol.frames import Op
 
+from .conftest import NoLoop
 from .mock_nodes import MockNode, MockNodes
 
 
@@ -37,19 +38,6 @@ def cluster(epoch: int = 1, ids: tuple[str, ...] = ("a", "b", "c"), *,
     return MockNodes({info.data: MockNode(info.id) for info in infos}, cmap)
 
 
-class _NoLoop:
-    """Stands in for the sync client's event loop and fails the test if it is run."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-
-    def is_closed(self) -> bool:
-        return self.loop.is_closed()
-
-    def run_until_complete(self, coro: object) -> None:
-        raise AssertionError(f"the event loop ran for {coro}")
-
-
 @pytest.mark.parametrize("blocking", [True, False])
 def test_the_sync_client_runs_on_a_mock_transport_with_no_node(blocking: bool) -> None:
     """Every op of a standalone node, split by the node's max_batch, with no socket: on
@@ -64,7 +52,7 @@ def test_the_sync_client_runs_on_a_mock_transport_with_no_node(blocking: bool) -
         assert c.async_client.direct_node is not None
         loop = c._loop
         if blocking:
-            c._loop = _NoLoop(loop)  # type: ignore[assignment]
+            c._loop = NoLoop(loop)  # type: ignore[assignment]
         c.put_many(keys, values)
         assert [n for op, n in node.seen if op == Op.PUT] == [4, 4, 2]
         assert set(node.store) == set(keys)
@@ -90,7 +78,7 @@ def test_the_sync_clients_blocking_link_fails_and_recovers_as_a_socket_would() -
     key = rkey()
     with Client("127.0.0.1:7700", transport=mock.transport, timeout=0.2) as c:
         loop = c._loop
-        c._loop = _NoLoop(loop)  # type: ignore[assignment]
+        c._loop = NoLoop(loop)  # type: ignore[assignment]
         c.put(key, b"v")
         node.silent.add(Op.GET)
         with pytest.raises(KvpoolTimeoutError, match=r"GET to 127\.0\.0\.1:7700 got no reply"):
