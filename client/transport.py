@@ -27,7 +27,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvpool.client._connection import Buffer, Connection, request_head
 from kvpool.client._plans import Sink
 from kvpool.client._socket import BlockingConnection
-from kvpool.protocol.errors import KvpoolConnectionError, KvpoolTimeoutError
+from kvpool.protocol.errors import (
+    KvpoolConnectionError,
+    KvpoolError,
+    KvpoolTimeoutError,
+    Status,
+)
 from kvpool.protocol.frames import Op
 from kvpool.protocol.parsers import Reply, ReplyParser, Request, RequestParser
 
@@ -181,9 +186,21 @@ class _MockLink:
                                      f"{self._options.timeout}s")
         self._sinks = sinks
         try:
-            (answer,) = self._replies.feed(b"".join(reply))
+            replies = self._replies.feed(b"".join(reply))
+        except KvpoolError as exc:  # as the socket's link: the stream is not reusable
+            self.close()
+            raise KvpoolConnectionError(f"bad reply stream from {self.peer}: {exc}") from exc
         finally:
             self._sinks = None
+        if len(replies) != 1:
+            self.close()
+            raise KvpoolConnectionError(f"{self.peer} did not answer request {self._next_id}")
+        answer = replies[0]
+        if answer.header.request_id != self._next_id:  # as the socket's link does
+            self.close()
+            if answer.header.status == Status.OK:
+                raise KvpoolConnectionError(f"{self.peer} answered request "
+                                            f"{answer.header.request_id}, not {self._next_id}")
         return answer
 
     def stale(self, idle_s: float) -> bool:
