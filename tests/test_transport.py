@@ -11,13 +11,16 @@ import asyncio
 import os
 import re
 import time
+from collections.abc import Iterable
 
 import pytest
 
 from kvpool.client import AsyncClient, Client, KvpoolConnectionError, KvpoolTimeoutError
+from kvpool.client._connection import Buffer
 from kvpool.placement.cluster_map import ClusterMap, NodeInfo, NodeState
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
 from kvpool.protocol.frames import Op
+from kvpool.protocol.parsers import Request
 
 from .conftest import NoLoop
 from .mock_nodes import MockNode, MockNodes
@@ -198,3 +201,26 @@ async def test_a_standalone_node_that_refuses_connections_raises_its_own_error()
             await c.get(rkey())
         mock.transport.down.clear()  # back: the next call reaches it, no back-off wait
         assert await asyncio.wait_for(c.exists(rkey()), 2) is False
+
+
+def test_the_sync_clients_blocking_link_refuses_a_reply_to_another_request() -> None:
+    """A reply under another request id ends the link with a connection error, as a
+    socket's link does (the stream cannot be trusted after it)."""
+    mock = standalone()
+    answer = mock.transport.handler
+
+    def misnumbered(address: str, request: Request) -> Iterable[Buffer] | None:
+        reply = answer(address, request)
+        if request.header.op != Op.EXISTS or reply is None:
+            return reply
+        frame = bytearray(b"".join(reply))
+        frame[4:8] = (request.header.request_id + 1).to_bytes(4, "little")  # the id field
+        return [bytes(frame)]
+
+    mock.transport.handler = misnumbered
+    with Client("127.0.0.1:7700", transport=mock.transport) as c:
+        loop = c._loop
+        c._loop = NoLoop(loop)  # type: ignore[assignment]
+        with pytest.raises(KvpoolConnectionError, match="answered request"):
+            c.exists(rkey())
+        c._loop = loop
