@@ -221,6 +221,8 @@ def test_the_sync_clients_blocking_link_refuses_a_reply_to_another_request() -> 
     with Client("127.0.0.1:7700", transport=mock.transport) as c:
         loop = c._loop
         c._loop = NoLoop(loop)  # type: ignore[assignment]
-        with pytest.raises(KvpoolConnectionError, match="answered request"):
-            c.exists(rkey())
-        c._loop = loop
+        try:
+            with pytest.raises(KvpoolConnectionError, match="answered request"):
+                c.exists(rkey())
+        finally:
+            c._loop = loop
