@@ -347,7 +347,7 @@ def encode_keys_request(op: int, request_id: int, keys: Sequence[bytes]) -> list
 
 def decode_keys(body: bytes | bytearray | memoryview, count: int) -> Sequence[bytes]:
     """The ``count`` 16-byte keys of a key op's body, split in C (a struct of ``count``
-    16-byte fields: 512 keys in ~15 us here, against ~60 us for a comprehension)."""
+    16-byte fields: 512 keys in ~14 us here, against ~46 us for a comprehension)."""
     if len(body) != KEY_SIZE * count:
         raise BadFrameError(f"{count} keys need {KEY_SIZE * count} body bytes, got {len(body)}")
     return _keys_struct(count).unpack(body)
