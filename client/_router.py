@@ -95,6 +95,13 @@ class Router:
             if len(ring_nodes) == 1:  # every key's list is that node: nothing to look up
                 stale = await state.deliver(cmap.epoch, ring_nodes,
                                             [np.flatnonzero(~state.done)], count=1)
+            elif per_row == "all" and not sequential and cmap.width == len(ring_nodes):
+                # every key's list is every node (a small cluster) and all of it is asked at
+                # once: what ``rounds`` would send, with no ring lookup or picks (~0.15 ms
+                # of a 512-key lookup on 3 nodes here)
+                rows = np.flatnonzero(~state.done)
+                stale = await state.deliver(cmap.epoch, ring_nodes, [rows] * len(ring_nodes),
+                                            count=len(ring_nodes))
             else:
                 if positions is None:
                     positions = key_positions(blob)

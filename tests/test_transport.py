@@ -226,3 +226,26 @@ def test_the_sync_clients_blocking_link_refuses_a_reply_to_another_request() -> 
                 c.exists(rkey())
         finally:
             c._loop = loop
+
+
+@pytest.mark.parametrize("ids", [("a", "b", "c"), ("a", "b", "c", "d")])
+async def test_exists_asks_each_node_once_for_the_keys_whose_list_holds_it(
+        ids: tuple[str, ...]) -> None:
+    """EXISTS asks every node of each key's list at once, one frame a node. When the list
+    is every node (3 nodes, replication 2 + 1 fallback) that is the whole batch to each
+    node; with a 4th node, each node gets only the keys whose list holds it."""
+    mock = cluster(ids=ids)
+    assert mock.map is not None
+    keys = [rkey() for _ in range(50)]
+    async with AsyncClient("10.0.0.1:7700", transport=mock.transport) as c:
+        await c.put_many(keys[:20], [b"v"] * 20)
+        for node in mock.nodes.values():
+            node.seen.clear()
+        assert await c.exists_many(keys) == [True] * 20 + [False] * 30
+        lists = mock.map.preference(keys)
+        for node in mock.nodes.values():
+            asked = [n for op, n in node.seen if op == Op.EXISTS]
+            assert asked == [sum(node.node_id in pref for pref in lists)]
+        if len(ids) == 3:
+            assert all(n == 50 for node in mock.nodes.values()
+                       for op, n in node.seen if op == Op.EXISTS)
