@@ -15,7 +15,7 @@ import select
 import socket
 import ssl as ssl_module
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvpool.client._connection import Buffer, request_head
 from kvpool.client._plans import Sink
@@ -28,7 +28,7 @@ from kvpool.protocol.errors import (
 from kvpool.protocol.frames import Op
 from kvpool.protocol.parsers import Reply, ReplyParser
 
-__all__ = ["BlockingConnection"]
+__all__ = ["BlockingConnection", "answer_to"]
 
 #: bodies up to this size are joined and sent with one ``send``; larger ones go as a
 #: ``sendmsg`` of their parts (no copy of the values)
@@ -38,6 +38,18 @@ _IOV_MAX = 1024
 #: bytes a reply's first receive takes at most (a GET of a value up to about this size
 #: then arrives in one receive: a few KiB of a cache's small values, hashes, codes)
 _FIRST_RECEIVE = 64 << 10
+
+
+def answer_to(reply: Reply, request_id: int, peer: str, close: Callable[[], None]) -> Reply:
+    """``reply``, if it answers ``request_id``. One under another id ends a blocking link
+    (``close``): an error frame (the node refused the frame itself) is still handed back;
+    anything else is KvpoolConnectionError."""
+    if reply.header.request_id != request_id:
+        close()
+        if reply.header.status == Status.OK:
+            raise KvpoolConnectionError(
+                f"{peer} answered request {reply.header.request_id}, not {request_id}")
+    return reply
 
 
 class BlockingConnection:
@@ -133,14 +145,9 @@ class BlockingConnection:
             raise
         finally:
             self._sinks = None
-        if reply.header.request_id != request_id:
-            self.close()
-            if reply.header.status != Status.OK:  # the node refused the frame itself
-                return reply
-            raise KvpoolConnectionError(
-                f"{self.peer} answered request {reply.header.request_id}, not {request_id}")
+        answer = answer_to(reply, request_id, self.peer, self.close)
         self.last_used = time.monotonic()
-        return reply
+        return answer
 
     def _send(self, sock: socket.socket, parts: list[Buffer], total: int,
               deadline: float) -> None:

@@ -277,10 +277,7 @@ class Client:
                     return None
             if not self._blocking_allowed:
                 return None
-            blocking = self._blocking
-            if blocking is None or blocking.node is not node:
-                blocking = self._blocking_node(node)
-            return blocking.get(blob, sinks)
+            return self._blocking_node(node).get(blob, sinks)
 
     def _either(self, plan_for: Callable[[NodeClient], plans.Plan[T] | None],
                 post: Callable[[T], R], coro: Callable[[], Coroutine[Any, Any, R]]) -> R:

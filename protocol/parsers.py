@@ -423,8 +423,9 @@ class ReplyParser:
         """The reply at the start of ``data`` if it lies whole there, parsed in one pass,
         and the bytes it took; None if it is not all there. The same checks and results
         as the streamed plan below, which takes the rest; this path saves stepping a
-        generator per field (~10 us a small GET here). A blocking client that received
-        into its own buffer calls it directly when :attr:`between_replies`."""
+        generator per field (~10 us a small GET here). A blocking client (one request at
+        a time, so always :attr:`between_replies` when a reply starts) calls it directly
+        on what it received into its own buffer."""
         if len(data) < FRAME_HEADER_SIZE:
             return None
         header = FrameHeader.unpack(data[:FRAME_HEADER_SIZE])
