@@ -28,7 +28,7 @@ from kvpool.protocol.errors import (
 from kvpool.protocol.frames import Op
 from kvpool.protocol.parsers import Reply, ReplyParser
 
-__all__ = ["BlockingConnection", "answer_to"]
+__all__ = ["BlockingConnection", "stray_reply"]
 
 #: bodies up to this size are joined and sent with one ``send``; larger ones go as a
 #: ``sendmsg`` of their parts (no copy of the values)
@@ -40,15 +40,15 @@ _IOV_MAX = 1024
 _FIRST_RECEIVE = 64 << 10
 
 
-def answer_to(reply: Reply, request_id: int, peer: str, close: Callable[[], None]) -> Reply:
-    """``reply``, if it answers ``request_id``. One under another id ends a blocking link
-    (``close``): an error frame (the node refused the frame itself) is still handed back;
-    anything else is KvpoolConnectionError."""
-    if reply.header.request_id != request_id:
-        close()
-        if reply.header.status == Status.OK:
-            raise KvpoolConnectionError(
-                f"{peer} answered request {reply.header.request_id}, not {request_id}")
+def stray_reply(reply: Reply, request_id: int, peer: str, close: Callable[[], None]) -> Reply:
+    """A ``reply`` under another id than ``request_id``, the one request in flight: it ends
+    a blocking link (``close``). An error frame (the node refused the frame itself) is
+    still handed back; anything else is KvpoolConnectionError. (Called only on a mismatch:
+    the caller compares the ids.)"""
+    close()
+    if reply.header.status == Status.OK:
+        raise KvpoolConnectionError(
+            f"{peer} answered request {reply.header.request_id}, not {request_id}")
     return reply
 
 
@@ -145,9 +145,10 @@ class BlockingConnection:
             raise
         finally:
             self._sinks = None
-        answer = answer_to(reply, request_id, self.peer, self.close)
+        if reply.header.request_id != request_id:
+            return stray_reply(reply, request_id, self.peer, self.close)
         self.last_used = time.monotonic()
-        return answer
+        return reply
 
     def _send(self, sock: socket.socket, parts: list[Buffer], total: int,
               deadline: float) -> None:

@@ -49,15 +49,12 @@ class _GlobalTracer:
         self.tracer: trace.Tracer | None = None
         self.next_check = 0.0
 
-    def get(self) -> trace.Tracer | None:
-        if self.tracer is not None:
-            return self.tracer
-        now = time.monotonic()
-        if now >= self.next_check:
-            self.next_check = now + 1.0
-            provider = trace.get_tracer_provider()
-            if not isinstance(provider, (_PROXY, _NOOP)):  # installed: it stays for good
-                self.tracer = provider.get_tracer("kvpool.client")
+    def check(self, now: float) -> trace.Tracer | None:
+        """Look for an installed provider (at ``now``, monotonic); its tracer, if any."""
+        self.next_check = now + 1.0
+        provider = trace.get_tracer_provider()
+        if not isinstance(provider, (_PROXY, _NOOP)):  # installed: it stays for good
+            self.tracer = provider.get_tracer("kvpool.client")
         return self.tracer
 
 
@@ -73,9 +70,12 @@ def explicit_tracer(provider: trace.TracerProvider | None) -> trace.Tracer | Non
 
 def _tracer(owner: _HasProvider) -> trace.Tracer | None:
     """The tracer for ``owner``'s spans, or None when no SDK provider is installed."""
-    if owner.tracer_provider is None:
-        return _GLOBAL.get()
-    return owner.tracer
+    if owner.tracer_provider is not None:
+        return owner.tracer
+    tracer = _GLOBAL.tracer  # (checked here, not in a method: every call passes this way)
+    if tracer is None and (now := time.monotonic()) >= _GLOBAL.next_check:
+        return _GLOBAL.check(now)
+    return tracer
 
 
 def wire_context() -> bytes | None:

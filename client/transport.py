@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpool.client._connection import Buffer, Connection, request_head
 from kvpool.client._plans import Sink
-from kvpool.client._socket import BlockingConnection, answer_to
+from kvpool.client._socket import BlockingConnection, stray_reply
 from kvpool.protocol.errors import KvpoolConnectionError, KvpoolError, KvpoolTimeoutError
 from kvpool.protocol.frames import Op
 from kvpool.protocol.parsers import Reply, ReplyParser, Request, RequestParser
@@ -191,7 +191,10 @@ class _MockLink:
         if len(replies) != 1:
             self.close()
             raise KvpoolConnectionError(f"{self.peer} did not answer request {self._next_id}")
-        return answer_to(replies[0], self._next_id, self.peer, self.close)
+        answer = replies[0]
+        if answer.header.request_id != self._next_id:
+            return stray_reply(answer, self._next_id, self.peer, self.close)
+        return answer
 
     def stale(self, idle_s: float) -> bool:
         return not self._open

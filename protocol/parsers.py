@@ -440,9 +440,10 @@ class ReplyParser:
         return Reply(header, body=bytes(data[FRAME_HEADER_SIZE:end])), end
 
     def _whole_get_reply(self, header: FrameHeader, data: memoryview, end: int) -> Reply:
-        """The GET reply whose body is ``data[FRAME_HEADER_SIZE:end]``. (Enum members
-        are module globals here and slices are few: each costs ~0.2 us on a small VM,
-        and a small GET's whole parse is ~10 of them.)"""
+        """The GET reply whose body is ``data[FRAME_HEADER_SIZE:end]``: each value's
+        envelope checked, its payload copied into its sink and checksummed. (Enum members
+        are module globals here and slices and calls are few: each costs ~0.2 us on a
+        small VM, and a small GET's whole parse is ~10 of them.)"""
         reply = Reply(header)
         items = reply.items
         unpack_item = GET_ITEM_STRUCT.unpack_from
@@ -460,30 +461,23 @@ class ReplyParser:
             elif value_len < ENVELOPE_HEADER_SIZE:
                 items.append(GetResult(_CORRUPT))
             else:
-                items.append(self._whole_value(header.request_id, index,
-                                               data[pos:stop]))
+                payload = data[pos + ENVELOPE_HEADER_SIZE : stop]
+                opened = self._open_value(header.request_id, index, data[pos:stop],
+                                          payload.nbytes)
+                if isinstance(opened, GetResult):
+                    items.append(opened)
+                else:
+                    envelope, sink = opened
+                    if isinstance(sink, Segments):
+                        _scatter(payload, sink)
+                    else:
+                        sink[:] = payload
+                    items.append(_verdict(xxhash.xxh3_64_intdigest(payload), envelope, sink,
+                                          payload.nbytes))
             pos = stop
         if pos != end:
             raise BadFrameError(f"{end - pos} stray bytes after the GET items")
         return reply
-
-    def _whole_value(self, request_id: int, index: int, value: memoryview) -> GetResult:
-        """One GET value (envelope and payload) received whole: copied into its sink and
-        checksummed."""
-        payload = value[ENVELOPE_HEADER_SIZE:]
-        opened = self._open_value(request_id, index, value, payload.nbytes)
-        if isinstance(opened, GetResult):
-            return opened
-        envelope, sink = opened
-        if isinstance(sink, Segments):
-            left = payload
-            for view in sink.views:
-                piece = left[: view.nbytes]
-                view[: piece.nbytes] = piece
-                left = left[piece.nbytes :]
-        else:
-            sink[:] = payload
-        return _verdict(xxhash.xxh3_64_intdigest(payload), envelope, sink, payload.nbytes)
 
     def _open_value(self, request_id: int, index: int, raw_env: bytes | bytearray | memoryview,
                     rest: int) -> tuple[EnvelopeHeader, memoryview | Segments] | GetResult:
@@ -574,6 +568,15 @@ class ReplyParser:
         else:
             yield Into(sink, hasher.update)
         return _verdict(hasher.intdigest(), envelope, sink, rest)
+
+
+def _scatter(payload: memoryview, sink: Segments) -> None:
+    """Copy ``payload`` into ``sink``'s views in order (it fits: the caller checked)."""
+    left = payload
+    for view in sink.views:
+        piece = left[: view.nbytes]
+        view[: piece.nbytes] = piece
+        left = left[piece.nbytes :]
 
 
 def _verdict(digest: int, envelope: EnvelopeHeader, sink: memoryview | Segments,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import socket
+import threading
 import time
 from collections.abc import Iterable
 
@@ -17,9 +19,11 @@ import pytest
 
 from kvpool.client import AsyncClient, Client, KvpoolConnectionError, KvpoolTimeoutError
 from kvpool.client._connection import Buffer
+from kvpool.client._socket import BlockingConnection
 from kvpool.placement.cluster_map import ClusterMap, NodeInfo, NodeState
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
-from kvpool.protocol.frames import Op
+from kvpool.protocol.errors import Status
+from kvpool.protocol.frames import FRAME_HEADER_SIZE, FrameHeader, Op, encode_frame
 from kvpool.protocol.parsers import Request
 
 from .conftest import NoLoop
@@ -226,6 +230,42 @@ def test_the_sync_clients_blocking_link_refuses_a_reply_to_another_request() -> 
                 c.exists(rkey())
         finally:
             c._loop = loop
+
+
+@pytest.mark.parametrize("status", [Status.OK, Status.BAD_FRAME])
+def test_the_socket_link_ends_on_a_reply_to_another_request(status: Status) -> None:
+    """The same over a real socket: a peer on 127.0.0.1 answers one EXISTS under the next
+    request id. An OK reply is a connection error; an error frame (the node refused the
+    frame itself) is handed back. Either way the link is closed."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def peer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            raw = conn.recv(FRAME_HEADER_SIZE, socket.MSG_WAITALL)
+            header = FrameHeader.unpack(raw)
+            conn.recv(header.body_len, socket.MSG_WAITALL)
+            body = b"\x00" * header.count if status == Status.OK else b"refused"
+            conn.sendall(b"".join(encode_frame(header.op, header.request_id + 1, [body],
+                                               count=header.count, status=status)))
+            conn.recv(1)  # until the client closes
+
+    thread = threading.Thread(target=peer, daemon=True)
+    thread.start()
+    link = BlockingConnection("127.0.0.1", port, timeout=5, connect_timeout=5)
+    try:
+        if status == Status.OK:
+            with pytest.raises(KvpoolConnectionError, match="answered request 2, not 1"):
+                link.call(Op.EXISTS, 1, [os.urandom(16)])
+        else:
+            reply = link.call(Op.EXISTS, 1, [os.urandom(16)])
+            assert reply.header.status == status and bytes(reply.body) == b"refused"
+        assert not link.is_open
+    finally:
+        link.close()
+        thread.join(5)
+        listener.close()
 
 
 @pytest.mark.parametrize("ids", [("a", "b", "c"), ("a", "b", "c", "d")])
