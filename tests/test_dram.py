@@ -324,7 +324,7 @@ def test_room_by_place_never_takes_a_pinned_value_or_one_being_read() -> None:
     pages can be made, so an 8-page value is refused (after LRU order alone, the last
     resort, evicted the rest), and none of those is evicted."""
     tier, keys = small_values_read_at_random(64)
-    entries = {k: tier._index[k] for k in keys}
+    entries = {k: tier._entries[k] for k in keys}
     pinned = [k for k in keys if entries[k].offset // PAGE % 8 == 0]
     read = [k for k in keys if entries[k].offset // PAGE % 8 == 4]
     assert tier.pin_many(pinned, True) == [True] * len(pinned)
@@ -373,8 +373,8 @@ def test_eviction_keeps_pins_readers_and_its_place_index(ops: list[tuple[str, in
             assert bytes(tier.view(entry)) == data  # type: ignore[arg-type]
         assert tier.arena.allocated_bytes <= 32 * PAGE
         places = tier._places
-        assert sorted(places._starts) == sorted(e.offset for e in tier._index.values())
-        assert all(places._starts[e.offset] is e for e in tier._index.values())
+        assert sorted(places._starts) == sorted(e.offset for e in tier._entries.values())
+        assert all(places._starts[e.offset] is e for e in tier._entries.values())
 
 
 def test_a_value_that_fits_only_once_blocked_holes_are_bypassed_is_still_stored() -> None:

@@ -96,16 +96,37 @@ def test_value_larger_than_capacity_is_refused(tier: Tier) -> None:
 
 
 def test_the_cold_tiers_ledger_evicts_least_recent_then_deepest_until_the_bytes_fit() -> None:
-    from kvpool.tiers.ledger import Ledger
+    from kvpool.tiers.ledger import Held, Ledger
 
-    ledger = Ledger()
+    ledger: Ledger[Held] = Ledger()
     for key, size, depth in ((b"a", 10, 0), (b"b", 10, 1), (b"c", 10, 2), (b"d", 10, 0)):
-        ledger.add(key, size, depth)
+        ledger.add(key, Held(size, depth))
     ledger.touch(b"a")  # now the most recent: b, c, d are older
     assert ledger.used == 40 and len(ledger) == 4
     assert ledger.victims(capacity=40) == []  # it fits already
     assert ledger.victims(capacity=40, incoming=15) == [b"b", b"c"]
     assert (ledger.used, sorted(ledger)) == (20, [b"a", b"d"])
-    ledger.add(b"d", 25, 3)  # a key stored again counts once, at its new size
-    assert ledger.used == 35 and ledger.forget(b"a") and not ledger.forget(b"a")
+    ledger.add(b"d", Held(25, 3))  # a key stored again counts once, at its new size
+    assert ledger.used == 35 and ledger.forget(b"a") == Held(10, 0)
+    assert ledger.forget(b"a") is None
     assert ledger.victims(capacity=0) == [b"d"] and ledger.used == 0
+
+
+def test_a_key_held_out_of_the_ledgers_order_is_never_a_victim_until_touched() -> None:
+    """The DRAM tier's pins: held out (``hold_out``, or added with ``used_now=False`` and
+    never touched), a key counts its bytes but is not offered; a batch touched together
+    puts its deepest keys first to evict."""
+    from kvpool.tiers.ledger import Held, Ledger
+
+    ledger: Ledger[Held] = Ledger()
+    ledger.add(b"p", Held(10, 0))
+    ledger.hold_out(b"p")
+    for key, depth in ((b"x", 0), (b"y", 1), (b"z", 2)):
+        ledger.add(key, Held(10, depth), used_now=False)
+    assert (ledger.used, ledger.evictable, list(ledger.candidates())) == (40, 0, [])
+    ledger.touch_many([(b"x", 0), (b"y", 1), (b"z", 2)])
+    assert list(ledger.candidates()) == [b"z", b"y", b"x"]
+    assert ledger.victims(capacity=0) == [b"z", b"y", b"x"]  # never the held-out key
+    assert (ledger.used, ledger.keys(), ledger.evictable) == (10, [b"p"], 0)
+    ledger.touch(b"p")  # back in the order (an unpin)
+    assert ledger.victims(capacity=0) == [b"p"] and len(ledger) == 0

@@ -20,7 +20,8 @@ from kvpool.tiers import room
 from kvpool.tiers.arena import ALIGN, Arena
 from kvpool.tiers.arena_index import ArenaIndex
 from kvpool.tiers.base import TierStats
-from kvpool.tiers.eviction import Deadlines, PrefixAwareLRU
+from kvpool.tiers.eviction import Deadlines
+from kvpool.tiers.ledger import Ledger
 from kvpool.tiers.room import Places
 from kvpool.tiers.tenants import TenantBytes
 
@@ -106,11 +107,11 @@ class DramTier:
         self.arena = Arena(capacity_bytes, allocate_ahead=allocate_ahead_bytes)
         self._clock = clock
         self._default_ttl = default_ttl_s
-        self._index: dict[bytes, Entry] = {}
-        self._lru = PrefixAwareLRU()
+        #: the entries, their bytes, and the eviction order (pinned entries held out of it)
+        self._ledger: Ledger[Entry] = Ledger()
+        self._entries = self._ledger.records  # (read here; changed through the ledger)
         self._deadlines: Deadlines[Entry] = Deadlines()  # TTLs
         self._stats = TierStats(self.name, self.arena.capacity)
-        self._used_bytes = 0
         #: called with each entry evicted to make room (not for deletes or expiry)
         self.on_evict: Callable[[Entry], None] | None = None
         #: called with each entry dropped because its TTL passed
@@ -176,8 +177,8 @@ class DramTier:
         need = self.tenants.excess(tenant, nbytes)
         if not need:  # 0: fits; None: never fits
             return need == 0
-        victims = _tenant_victims((self._index[k] for k in self._lru.candidates()), tenant,
-                                  need)
+        entries = self._entries
+        victims = _tenant_victims((entries[k] for k in self._ledger.candidates()), tenant, need)
         for victim in victims or ():
             self._evict(victim)
             self.tenants.evictions += 1
@@ -211,13 +212,13 @@ class DramTier:
             if not entry.pinned:
                 touched.append((entry.key, depth))
             ok.append(entry)
-        self._lru.touch(touched)
+        self._ledger.touch_many(touched)
         return ok
 
     def attach_index(self, index: ArenaIndex) -> None:
         """Publish every value in ``index`` from now on (and those stored already)."""
         self.index = index
-        for entry in self._index.values():
+        for entry in self._entries.values():
             self._publish(entry)
 
     def acquire_many(self, keys: Sequence[bytes]) -> list[Entry | None]:
@@ -249,7 +250,7 @@ class DramTier:
             found.append(entry)
             if not entry.pinned:
                 touched.append((key, entry.depth))
-        self._lru.touch(touched)
+        self._ledger.touch_many(touched)
         return found
 
     def hold(self, entry: Entry) -> None:
@@ -268,7 +269,7 @@ class DramTier:
 
     def keys(self) -> list[bytes]:
         """A snapshot of the keys held now (live or not yet swept)."""
-        return list(self._index)
+        return list(self._entries)
 
     def peek(self, key: bytes) -> Entry | None:
         """The live entry for ``key``, without counting a hit or touching its recency."""
@@ -282,7 +283,7 @@ class DramTier:
 
     def evict_where(self, keep: Callable[[Entry], bool] | None = None) -> list[Entry]:
         """Evict every unpinned entry not being read that ``keep`` does not keep; the evicted."""
-        gone = [e for e in list(self._index.values())
+        gone = [e for e in list(self._entries.values())
                 if not e.pinned and e.readers == 0 and (keep is None or not keep(e))]
         for entry in gone:
             self._remove(entry)
@@ -292,7 +293,7 @@ class DramTier:
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         now = self._clock()
         if self._deadlines.next_at > now:  # no entry has expired: a look-up in C a key
-            return list(map(self._index.__contains__, keys))
+            return list(map(self._entries.__contains__, keys))
         return [self._live(key, now) is not None for key in keys]
 
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -306,7 +307,7 @@ class DramTier:
     def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
         out = []
         for key in keys:
-            entry = self._index.get(key)
+            entry = self._entries.get(key)
             if entry is not None:
                 self._remove(entry)
             out.append(entry is not None)
@@ -324,12 +325,12 @@ class DramTier:
                 continue
             if pinned and not entry.pinned:
                 entry.pinned = True
-                self._lru.discard(key)
+                self._ledger.hold_out(key)
             elif not pinned and entry.pinned:
                 entry.pinned = False
                 touched.append((key, entry.depth))
             out.append(True)
-        self._lru.touch(touched)
+        self._ledger.touch_many(touched)
         return out
 
     def expire(self) -> int:
@@ -368,14 +369,15 @@ class DramTier:
 
     def stats(self) -> TierStats:
         s = self._stats
-        s.num_objects = len(self._index)
-        s.num_pinned = s.num_objects - len(self._lru)
-        s.used_bytes = self._used_bytes
+        s.num_objects = len(self._ledger)
+        s.num_pinned = s.num_objects - self._ledger.evictable
+        s.used_bytes = self._ledger.used
         s.allocated_bytes = self.arena.allocated_bytes
         return TierStats(**s.to_dict())
 
     def close(self) -> None:
-        self._index.clear()
+        self._ledger = Ledger()
+        self._entries = self._ledger.records
         if self.index is not None:
             self.index.close()
             self.index = None
@@ -384,7 +386,7 @@ class DramTier:
     # -- internals ------------------------------------------------------------------------
 
     def _live(self, key: bytes, now: float) -> Entry | None:
-        entry = self._index.get(key)
+        entry = self._entries.get(key)
         if entry is not None and entry.expires_at is not None and entry.expires_at <= now:
             self._expired(entry)
             return None
@@ -397,7 +399,7 @@ class DramTier:
             self.on_expire(entry)
 
     def _insert(self, entry: Entry, ttl_s: float | None) -> None:
-        old = self._index.get(entry.key)
+        old = self._entries.get(entry.key)
         if old is not None:
             entry.pinned = entry.pinned or old.pinned
             self._remove(old)
@@ -406,9 +408,8 @@ class DramTier:
             entry.expires_at = self._clock() + ttl
             self._deadlines.add(entry.expires_at, entry)
         entry.last_access = time.time()
-        self._index[entry.key] = entry
+        self._ledger.add(entry.key, entry, used_now=False)  # the caller touches (unpinned)
         self._places.add(entry)
-        self._used_bytes += entry.length
         self._stats.insertions += 1
         if self.index is not None:
             self._publish(entry)
@@ -421,11 +422,9 @@ class DramTier:
     def _remove(self, entry: Entry) -> None:
         if self.index is not None:  # before the extent is freed
             self.index.withdraw(entry.key)
-        del self._index[entry.key]
+        self._ledger.forget(entry.key)
         self._places.discard(entry)
-        self._used_bytes -= entry.length
         self.tenants.charge(entry.tenant, -entry.length)
-        self._lru.discard(entry.key)
         entry.live = False
         if entry.readers == 0:
             self.arena.free(entry.offset, entry.length)
@@ -439,12 +438,14 @@ class DramTier:
     def _hole(self, nbytes: int) -> int | None:
         """Evict a contiguous run of entries around one of the next LRU victims, room for
         ``nbytes``; its offset, or None."""
-        victims = self._places.hole((self._index[k] for k in self._lru.candidates()),
+        entries = self._entries
+        victims = self._places.hole((entries[k] for k in self._ledger.candidates()),
                                     self.arena.extent(nbytes), _evictable)
         for victim in victims or ():
             self._evict(victim)
         return self.arena.alloc(nbytes) if victims is not None else None
 
     def _next_victim(self) -> Entry | None:
-        index = self._index
-        return next((e for k in self._lru.candidates() if (e := index[k]).readers == 0), None)
+        entries = self._entries
+        return next((e for k in self._ledger.candidates() if (e := entries[k]).readers == 0),
+                    None)

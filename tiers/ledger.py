@@ -1,77 +1,128 @@
-"""What a cold tier holds, in memory: each key's stored bytes and depth, the bytes in
-use, and the order to evict in (:class:`~kvpool.tiers.eviction.PrefixAwareLRU`: least
-recently used first, deepest first at equal recency).
+"""What a tier holds, in memory: a record for each key (its stored bytes and its depth in
+its prefix), the bytes in use, and the order to evict in
+(:class:`~kvpool.tiers.eviction.PrefixAwareLRU`: least recently used first, deepest
+first at equal recency).
 
-The RocksDB and S3 tiers keep one each (the DRAM tier's index also holds pins, TTLs
-and tenants, and keeps its own). Not thread-safe: a tier used from several threads
-holds its own lock around it.
+Every tier keeps one. The RocksDB and S3 tiers hold :class:`Held` records and evict by
+bytes (:meth:`Ledger.victims`). The DRAM tier's records are its entries (offset, pins,
+readers, TTL, tenant) and its ledger is its index: a pinned entry is held out of the
+eviction order, and since its room is a free extent of its arena rather than a byte
+count, it walks :meth:`Ledger.candidates` itself (``tiers/dram.py``, ``tiers/room.py``).
+
+Not thread-safe: a tier used from several threads holds its own lock around it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 from kvpool.tiers.eviction import PrefixAwareLRU
 
-__all__ = ["Ledger"]
+__all__ = ["Held", "Ledger", "Record"]
 
 
-class Ledger:
-    """Keys with their sizes and depths; ``used`` bytes in all."""
+class Record(Protocol):
+    """What the ledger reads of a record: its stored bytes and its depth in its prefix."""
 
-    __slots__ = ("_depths", "_lru", "_sizes", "used")
+    @property
+    def length(self) -> int: ...
+
+    @property
+    def depth(self) -> int: ...
+
+
+@dataclass(slots=True, frozen=True)
+class Held:
+    """A cold tier's record: ``length`` stored bytes at ``depth`` in its prefix."""
+
+    length: int
+    depth: int
+
+
+R = TypeVar("R", bound=Record)
+
+
+class Ledger(Generic[R]):
+    """Records by key; ``used`` bytes in all; the eviction order of the keys not held out."""
+
+    __slots__ = ("_lru", "records", "used")
 
     def __init__(self) -> None:
-        self._sizes: dict[bytes, int] = {}
-        self._depths: dict[bytes, int] = {}
+        #: the records by key (read it freely; change it only through the ledger)
+        self.records: dict[bytes, R] = {}
         self._lru = PrefixAwareLRU()
         self.used = 0
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._sizes
+        return key in self.records
 
     def __len__(self) -> int:
-        return len(self._sizes)
+        return len(self.records)
 
     def __iter__(self) -> Iterator[bytes]:
         """The keys held (do not add or forget while iterating)."""
-        return iter(self._sizes)
+        return iter(self.records)
 
     def keys(self) -> list[bytes]:
-        return list(self._sizes)
+        return list(self.records)
 
-    def add(self, key: bytes, size: int, depth: int) -> None:
-        """Hold ``key`` (``size`` bytes, at ``depth`` in its prefix), used now."""
-        self.forget(key)
-        self._sizes[key] = size
-        self._depths[key] = depth
-        self.used += size
-        self._lru.touch([(key, depth)])
+    @property
+    def evictable(self) -> int:
+        """How many keys are in the eviction order (the rest are held out)."""
+        return len(self._lru)
+
+    def add(self, key: bytes, record: R, *, used_now: bool = True) -> None:
+        """Hold ``key``'s ``record`` (in place of any before it), used now; with
+        ``used_now=False`` it joins the eviction order only when touched (a batch stored
+        together is touched at once, in depth order)."""
+        records = self.records
+        if key in records:
+            self.forget(key)
+        records[key] = record
+        self.used += record.length
+        if used_now:
+            self._lru.touch([(key, record.depth)])
 
     def touch(self, key: bytes) -> None:
         """``key`` (held) was used now."""
-        self._lru.touch([(key, self._depths[key])])
+        self._lru.touch([(key, self.records[key].depth)])
 
-    def forget(self, key: bytes) -> bool:
-        """Drop ``key``; whether it was held."""
-        size = self._sizes.pop(key, None)
-        if size is None:
-            return False
-        self.used -= size
-        del self._depths[key]
+    def touch_many(self, batch: Iterable[tuple[bytes, int]]) -> None:
+        """``(key, depth)`` pairs (held) were used now, together: the deepest become the
+        first to evict among them."""
+        self._lru.touch(batch)
+
+    def hold_out(self, key: bytes) -> None:
+        """Never offer ``key`` (held) as a victim until it is touched again (a pin)."""
         self._lru.discard(key)
-        return True
+
+    def forget(self, key: bytes) -> R | None:
+        """Drop ``key``; its record, if it was held."""
+        record = self.records.pop(key, None)
+        if record is None:
+            return None
+        self.used -= record.length
+        self._lru.discard(key)
+        return record
+
+    def candidates(self) -> Iterator[bytes]:
+        """The keys not held out, first to evict first (their records are in
+        :attr:`records`). Do not add or forget while iterating."""
+        return self._lru.candidates()
 
     def victims(self, capacity: int, incoming: int = 0) -> list[bytes]:
         """Drop keys, first to evict first, until ``incoming`` more bytes fit in
         ``capacity``; the keys dropped."""
         victims: list[bytes] = []
         used = self.used
+        records = self.records
         for key in self._lru.candidates():
             if used + incoming <= capacity:
                 break
             victims.append(key)
-            used -= self._sizes[key]
+            used -= records[key].length
         for key in victims:
             self.forget(key)
         return victims

@@ -35,7 +35,7 @@ from kvpool.protocol.envelope import Codec, EnvelopeHeader
 from kvpool.protocol.errors import CorruptChunkError
 from kvpool.tiers.base import TierStats
 from kvpool.tiers.codec import decode, encode
-from kvpool.tiers.ledger import Ledger
+from kvpool.tiers.ledger import Held, Ledger
 
 __all__ = ["RocksDbTier"]
 
@@ -107,7 +107,7 @@ class RocksDbTier:
             # is there read-only until reopen() succeeds
             self._open(read_only=True)
             self.full = f"opened read-only: {exc}"
-        self._ledger = Ledger()
+        self._ledger: Ledger[Held] = Ledger()
         #: each key's RAW envelope length (what a DRAM slot for it needs)
         self._value_lens: dict[bytes, int] = {}
         #: keys evicted by the last ``put`` (the node drops them from its own index)
@@ -171,7 +171,7 @@ class RocksDbTier:
             rows.append((written_at, -depth, key, stored_len))
         rows.sort()  # in the order they were written: the oldest first to evict
         for _, neg_depth, key, stored_len in rows:
-            self._ledger.add(key, stored_len, -neg_depth)
+            self._ledger.add(key, Held(stored_len, -neg_depth))
 
     # -- the Tier interface ---------------------------------------------------------------
 
@@ -233,7 +233,7 @@ class RocksDbTier:
             self._stats.rejections += 1
             self._reset_index()  # the victims were not deleted after all
             return False
-        self._ledger.add(key, size, header.chunk_index)
+        self._ledger.add(key, Held(size, header.chunk_index))
         self._value_lens[key] = header.value_len
         self._stats.insertions += 1
         return True
@@ -291,5 +291,5 @@ class RocksDbTier:
         return victims
 
     def _forget(self, key: bytes) -> None:
-        if self._ledger.forget(key):
+        if self._ledger.forget(key) is not None:
             del self._value_lens[key]

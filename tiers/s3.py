@@ -42,7 +42,7 @@ from kvpool.protocol.envelope import Codec, EnvelopeHeader
 from kvpool.protocol.errors import CorruptChunkError
 from kvpool.tiers.base import TierStats
 from kvpool.tiers.codec import decode, encode
-from kvpool.tiers.ledger import Ledger
+from kvpool.tiers.ledger import Held, Ledger
 
 __all__ = ["S3Tier", "object_name"]
 
@@ -85,7 +85,7 @@ class S3Tier:
                                         multipart_chunksize=max(5 << 20, multipart_threshold // 2),
                                         use_threads=False)
         self._lock = threading.Lock()  # the index is shared by the node's worker threads
-        self._ledger = Ledger()
+        self._ledger: Ledger[Held] = Ledger()
         self._stats = TierStats(self.name, capacity_bytes)
         self._clock = clock
         self._log_interval = log_interval_s
@@ -254,7 +254,7 @@ class S3Tier:
     def _remember(self, key: bytes, size: int, depth: int) -> None:
         if self._listing is not None:
             self._listing.add(key)
-        self._ledger.add(key, size, depth)
+        self._ledger.add(key, Held(size, depth))
 
     def _forget(self, key: bytes, *, notify: bool = False) -> None:
         with self._lock:
@@ -265,7 +265,7 @@ class S3Tier:
         """Drop ``key`` from the index; whether it was there."""
         if self._listing is not None:
             self._listing.add(key)
-        return self._ledger.forget(key)
+        return self._ledger.forget(key) is not None
 
     def _victims(self) -> list[bytes]:
         victims = self._ledger.victims(self._stats.capacity_bytes)
