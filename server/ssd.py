@@ -34,7 +34,7 @@ from kvpool.protocol.worker import (
 )
 from kvpool.server.s3_mirror import S3KeyMirror
 from kvpool.server.worker_channel import SsdUnavailableError, WorkerChannel
-from kvpool.tiers.tenants import TenantBytes
+from kvpool.tiers.tenants import TenantChunks
 
 __all__ = ["SsdCounters", "SsdTier", "SsdUnavailableError"]
 
@@ -87,13 +87,11 @@ class SsdTier:
         self._arena_fd = arena_fd
         self._arena_size = arena_size
         self.index: dict[bytes, int] = {}
+        #: the chunks this node wrote for each tenant with a quota (chunks found on disk at
+        #: start-up belong to no one: the tier forgot who wrote them)
+        self._quotas = TenantChunks()
         #: SSD bytes of each tenant with a quota (its chunks on disk), and the quotas
-        self.tenants = TenantBytes()
-        #: chunks this node wrote for each tenant with a quota, oldest first, and their bytes
-        #: (chunks found on disk at start-up belong to no one: the tier forgot who wrote them)
-        self.owned: dict[str, dict[bytes, int]] = {}
-        self._queued: dict[str, int] = {}  #: queued write-behind bytes, by tenant
-        self._owner: dict[bytes, str] = {}
+        self.tenants = self._quotas.tenants
         #: write-behinds queued per key, and how many of them a DELETE overtook (the worker
         #: serves SSD requests in order: those complete first and must not be indexed)
         self._writing: dict[bytes, int] = {}
@@ -240,11 +238,16 @@ class SsdTier:
                 c.pending_write_bytes + length > self.max_pending_bytes:
             c.shed += 1
             return False
-        if tenant is not None and self.has_ssd and tenant in self.tenants.quotas:
-            if not self._make_room(tenant, length):
+        if self.has_ssd and self._quotas.limits(tenant):
+            assert tenant is not None
+            victims = self._quotas.victims(tenant, length)
+            if victims is None:
                 c.shed += 1
                 return False
-            self._queued[tenant] = self._queued.get(tenant, 0) + length
+            for victim in victims:  # the tenant's oldest SSD chunks (S3 keeps them)
+                self.evict(victim)
+            self.tenants.evictions += len(victims)
+            self._quotas.queue(tenant, length)
         c.pending_writes += 1
         c.pending_write_bytes += length
         self._writing[key] = self._writing.get(key, 0) + 1
@@ -252,18 +255,6 @@ class SsdTier:
         future.add_done_callback(lambda f: self._written(f, key, length, on_done,
                                                          durable=durable, tenant=tenant))
         return True
-
-    def _make_room(self, tenant: str, length: int) -> bool:
-        """Drop ``tenant``'s oldest SSD chunks (S3 keeps them) until ``length`` more fit."""
-        # queued writes count as written
-        need = self.tenants.excess(tenant, length + self._queued.get(tenant, 0))
-        owned = self.owned.get(tenant, {})
-        while need and owned:  # None (never fits) drops nothing
-            key = next(iter(owned))
-            need = max(0, need - owned[key])
-            self.evict(key)
-            self.tenants.evictions += 1
-        return need == 0
 
     async def confirm(self, key: bytes) -> bool:
         """Whether S3 has ``key``, asked of S3 itself (a HEAD through the worker) rather
@@ -288,9 +279,7 @@ class SsdTier:
     def _forget(self, key: bytes) -> None:
         """``key`` is no longer on the SSD (S3 is another matter)."""
         self.index.pop(key, None)
-        tenant = self._owner.pop(key, None)
-        if tenant is not None:
-            self.tenants.charge(tenant, -self.owned[tenant].pop(key))
+        self._quotas.forget(key)
 
     def _written(self, future: asyncio.Future[tuple[int, bytes]], key: bytes, length: int,
                  on_done: Callable[[bool], object], *, durable: bool = False,
@@ -298,8 +287,7 @@ class SsdTier:
         c = self.counters
         c.pending_writes -= 1
         c.pending_write_bytes -= length
-        if tenant is not None and tenant in self._queued:
-            self._queued[tenant] -= length
+        self._quotas.arrived(tenant, length)
         self._writing[key] -= 1
         if not self._writing[key]:
             del self._writing[key]
@@ -336,10 +324,9 @@ class SsdTier:
         self._forget(key)  # a rewrite replaces the old copy (and its owner)
         if self.has_ssd:
             self.index[key] = length
-            if tenant is not None and tenant in self.tenants.quotas:
-                self._owner[key] = tenant
-                self.owned.setdefault(tenant, {})[key] = length
-                self.tenants.charge(tenant, length)
+            if self._quotas.limits(tenant):
+                assert tenant is not None
+                self._quotas.add(key, tenant, length)
         if durable:
             self.s3_index.add(key)
 

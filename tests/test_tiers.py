@@ -130,3 +130,28 @@ def test_a_key_held_out_of_the_ledgers_order_is_never_a_victim_until_touched() -
     assert (ledger.used, ledger.keys(), ledger.evictable) == (10, [b"p"], 0)
     ledger.touch(b"p")  # back in the order (an unpin)
     assert ledger.victims(capacity=0) == [b"p"] and len(ledger) == 0
+
+
+def test_tenant_chunks_name_the_tenants_oldest_chunks_and_count_writes_on_their_way() -> None:
+    """The SSD's quotas: a tenant over its quota gives up its own oldest chunks, writes
+    still queued count as written, and a value that can never fit gives up nothing."""
+    from kvpool.tiers.tenants import TenantChunks
+
+    quotas = TenantChunks()
+    quotas.tenants.quotas = {"acme": 100}
+    assert quotas.limits("acme") and not quotas.limits("bolt") and not quotas.limits(None)
+    for i in range(4):
+        quotas.add(bytes([i]) * 16, "acme", 25)
+    assert quotas.tenants.used == {"acme": 100}
+    assert quotas.victims("acme", 30) == [b"\x00" * 16, b"\x01" * 16]  # oldest first
+    quotas.add(b"\x00" * 16, "acme", 25)  # written again: now the newest
+    assert quotas.victims("acme", 10) == [b"\x01" * 16]
+    quotas.queue("acme", 40)  # on its way: counted as written
+    assert quotas.victims("acme", 10) == [b"\x01" * 16, b"\x02" * 16]
+    quotas.arrived("acme", 40)
+    assert quotas.victims("acme", 101) is None  # more than the quota: nothing given up
+    quotas.queue("acme", 90)
+    assert quotas.victims("acme", 20) is None  # with all four gone, still 10 too many
+    quotas.arrived("acme", 90)
+    quotas.forget(b"\x01" * 16)
+    assert quotas.tenants.used == {"acme": 75} and quotas.victims("acme", 25) == []
