@@ -93,6 +93,21 @@ def tokens_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
     return list(tokens)
 
 
+def _id_list(block_ids: Sequence[int] | torch.Tensor, count: int, num_blocks: int
+             ) -> list[int]:
+    """The first ``count`` block ids, as ints; LayoutError if there are fewer or one is
+    outside ``[0, num_blocks)``."""
+    ids = block_ids[:count] if not isinstance(block_ids, torch.Tensor) \
+        else block_ids.reshape(-1)[:count].tolist()
+    ids = [int(i) for i in ids]
+    if len(ids) < count:
+        raise LayoutError(f"{count} block ids needed, got {len(ids)}")
+    if ids and (min(ids) < 0 or max(ids) >= num_blocks):
+        raise LayoutError(f"block ids must be in [0, {num_blocks}), got "
+                          f"{min(ids)}..{max(ids)}")
+    return ids
+
+
 class AsyncPagedKVConnector:
     """Moves chunks between kvpool and one engine's paged KV tensors (see the module doc).
 
@@ -163,17 +178,6 @@ class AsyncPagedKVConnector:
         self._copier.shutdown(wait=True)
 
     # -- helpers --------------------------------------------------------------------------
-
-    def _id_list(self, block_ids: Sequence[int] | torch.Tensor, count: int) -> list[int]:
-        ids = block_ids[:count] if not isinstance(block_ids, torch.Tensor) \
-            else block_ids.reshape(-1)[:count].tolist()
-        ids = [int(i) for i in ids]
-        if len(ids) < count:
-            raise LayoutError(f"{count} block ids needed, got {len(ids)}")
-        if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
-            raise LayoutError(f"block ids must be in [0, {self.num_blocks}), got "
-                              f"{min(ids)}..{max(ids)}")
-        return ids
 
     def _segments(self, ids: list[int], chunk: int, skip_blocks: int = 0
                   ) -> list[bytes | bytearray | memoryview]:
@@ -296,7 +300,7 @@ class AsyncPagedKVConnector:
         found = wanted if self.direct else first + await self.client.lookup(keys[first:])
         if found == first:
             return first * self.chunk_tokens
-        id_list = self._id_list(block_ids, found * self.blocks_per_chunk)
+        id_list = _id_list(block_ids, found * self.blocks_per_chunk, self.num_blocks)
         skip_blocks = skip_tokens // self.layout.block_size - first * self.blocks_per_chunk
         if self.direct:
             loaded = await self._load_direct(keys, id_list, first, found, skip_blocks)
@@ -396,7 +400,7 @@ class AsyncPagedKVConnector:
         self.stats.chunks_skipped += count - len(todo)
         if not todo:
             return 0
-        id_list = self._id_list(block_ids, count * self.blocks_per_chunk)
+        id_list = _id_list(block_ids, count * self.blocks_per_chunk, self.num_blocks)
         k = self.depth
         digest = self.namespace.digest
         if self.direct:  # puts straight from the blocks, ``depth`` at a time

@@ -222,6 +222,12 @@ class _Request:
     saved: bool = False
 
 
+def _usable(request: Any) -> bool:
+    """Whether the pool may serve ``request``: token ids, no multimodal input, no LoRA."""
+    return not (getattr(request, "mm_features", None) or getattr(request, "lora_request", None)
+                or getattr(request, "prompt_token_ids", None) is None)
+
+
 class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """kvpool behind vLLM's V1 KV connector interface (see the module doc)."""
 
@@ -292,12 +298,6 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._client = self.settings.client()
         return self._client
 
-    @staticmethod
-    def _usable(request: Any) -> bool:
-        return not (getattr(request, "mm_features", None) or getattr(request, "lora_request",
-                                                                     None)
-                    or getattr(request, "prompt_token_ids", None) is None)
-
     # -- scheduler side ---------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any,
@@ -306,7 +306,7 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         prompt token to compute); one lookup round trip, no side effect on the pool."""
         if not self.load_enabled:
             return 0, False
-        if not self._usable(request):
+        if not _usable(request):
             self.stats.data["skipped"] += 1
             return 0, False
         tokens = request.prompt_token_ids

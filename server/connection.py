@@ -43,6 +43,52 @@ __all__ = ["NodeConnection"]
 
 log = logging.getLogger("kvpool.server")
 
+
+class Timeouts:
+    """When a connection last did each thing (loop time), against its timeouts: what
+    :meth:`NodeConnection._check_timeouts` judges every ``period`` seconds."""
+
+    __slots__ = ("frame_since", "hello", "idle", "last_rx", "made_at", "paused_since")
+
+    def __init__(self, hello_timeout_s: float, idle_timeout_s: float) -> None:
+        self.hello = hello_timeout_s
+        self.idle = idle_timeout_s  #: 0: none
+        self.made_at = self.last_rx = 0.0
+        #: since when a frame has been arriving (None: between frames)
+        self.frame_since: float | None = None
+        #: since when replies have waited for the peer to read them (None: none wait)
+        self.paused_since: float | None = None
+
+    @property
+    def period(self) -> float:
+        return max(0.05, min([self.hello] + ([self.idle] if self.idle else [])) / 4)
+
+    def received(self, now: float, mid_frame: bool) -> None:
+        """Bytes came in at ``now``; ``mid_frame``: a frame is still arriving."""
+        self.last_rx = now
+        if not mid_frame:
+            self.frame_since = None
+        elif self.frame_since is None:
+            self.frame_since = now
+
+    def overdue(self, now: float, *, hello_done: bool, busy: bool) -> str:
+        """Why the connection must close at ``now`` ("": it need not); ``busy``: requests
+        of it are still being served."""
+        idle = self.idle
+        if not hello_done and now - self.made_at > self.hello:
+            return f"no HELLO within {self.hello}s"
+        if not idle:
+            return ""
+        if self.frame_since is not None and now - self.frame_since > idle:
+            return f"one frame took longer than {idle}s to arrive"
+        if self.paused_since is not None and now - self.paused_since > idle:
+            return f"replies left unread for {idle}s"
+        if self.frame_since is None and self.paused_since is None and not busy \
+                and now - self.last_rx > idle:
+            return f"idle for {idle}s"
+        return ""
+
+
 class NodeConnection(asyncio.BufferedProtocol):
     """One data connection: parse, authorise, dispatch, reply; timeouts and limits.
 
@@ -64,16 +110,12 @@ class NodeConnection(asyncio.BufferedProtocol):
         self._handlers = handlers
         self._registry = registry
         self._max_connections = max_connections
-        self._idle_timeout = idle_timeout_s
-        self._hello_timeout = hello_timeout_s
+        self._timeouts = Timeouts(hello_timeout_s, idle_timeout_s)
         self._timer: asyncio.TimerHandle | None = None
-        self._made_at = self._last_rx = 0.0
         #: the loop it runs on (the server makes its protocols there), kept:
         #: ``asyncio.get_running_loop()`` makes a getpid system call each time on CPython
         #: 3.11, and a request asked it up to twice
         self._loop = asyncio.get_running_loop()
-        self._frame_since: float | None = None
-        self._paused_since: float | None = None
         self._rejected = False
         self._tls = False
         self._parser = RequestParser(handlers.limits, reserve=self._reserve,
@@ -117,37 +159,23 @@ class NodeConnection(asyncio.BufferedProtocol):
         stats.connections_open += 1
         stats.connections_total += 1
         loop = self._loop
-        self._made_at = self._last_rx = loop.time()
-        self._arm(loop)
-
-    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
-        limits = [self._hello_timeout] + ([self._idle_timeout] if self._idle_timeout else [])
-        self._timer = loop.call_later(max(0.05, min(limits) / 4), self._check_timeouts)
+        self._timeouts.made_at = self._timeouts.last_rx = loop.time()
+        self._timer = loop.call_later(self._timeouts.period, self._check_timeouts)
 
     def _check_timeouts(self) -> None:
         self._timer = None
         if self._transport is None or self._closing:
             return
         loop = self._loop
-        now = loop.time()
-        idle = self._idle_timeout
-        why = ""
-        if not self._hello_done and now - self._made_at > self._hello_timeout:
-            why = f"no HELLO within {self._hello_timeout}s"
-        elif idle and self._frame_since is not None and now - self._frame_since > idle:
-            why = f"one frame took longer than {idle}s to arrive"
-        elif idle and self._paused_since is not None and now - self._paused_since > idle:
-            why = f"replies left unread for {idle}s"
-        elif idle and self._frame_since is None and self._paused_since is None \
-                and not self._tasks and now - self._last_rx > idle:
-            why = f"idle for {idle}s"
+        why = self._timeouts.overdue(loop.time(), hello_done=self._hello_done,
+                                     busy=bool(self._tasks))
         if why:
             self._handlers.stats.connections_timed_out += 1
             log.info("%s: closing: %s", self.peer, why)
             self._closing = True
             self._transport.abort()  # the peer is not reading: a graceful close could hang
             return
-        self._arm(loop)
+        self._timer = loop.call_later(self._timeouts.period, self._check_timeouts)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._parser.get_buffer(sizehint)
@@ -172,12 +200,8 @@ class NodeConnection(asyncio.BufferedProtocol):
         if parser.error is not None:
             self._fail(0, 0, parser.error)
             return
-        if self._idle_timeout:
-            now = self._last_rx = self._loop.time()
-            if not self._parser.mid_frame:
-                self._frame_since = None
-            elif self._frame_since is None:
-                self._frame_since = now
+        if self._timeouts.idle:
+            self._timeouts.received(self._loop.time(), self._parser.mid_frame)
 
     def eof_received(self) -> bool | None:
         if self._parser.mid_frame:
@@ -186,13 +210,13 @@ class NodeConnection(asyncio.BufferedProtocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
-        self._paused_since = self._loop.time()
+        self._timeouts.paused_since = self._loop.time()
         if self._transport is not None and not self._closing:
             self._transport.pause_reading()
 
     def resume_writing(self) -> None:
         self._write_paused = False
-        self._paused_since = None
+        self._timeouts.paused_since = None
         self._release_held()
         if self._outgoing:
             self._pump()
@@ -263,11 +287,10 @@ class NodeConnection(asyncio.BufferedProtocol):
         """Map the frame's keys to the keys they are stored under (the tenant's scope)."""
         scope = request.scope
         if request.items:
-            dram = self._handlers.dram
             for item in request.items:
                 slot = item.reservation
                 if isinstance(slot, Slot):
-                    dram.assign(slot, scoper(slot.key, scope), self._quota_tenant)
+                    slot.assign(scoper(slot.key, scope), self._quota_tenant)
                 if item.parent is not None:
                     item.parent = scoper(item.parent, scope)
             if request.header.op == Op.PUT_SHM:  # the node reserves its slots under these

@@ -88,6 +88,14 @@ class Slot:
         self.view = tier.arena.view[offset : offset + length]
         self.committed = False
 
+    def assign(self, key: bytes, tenant: str | None) -> None:
+        """The slot's final key and owner (the node learns them after parsing)."""
+        self.key = key
+        if self.tenant != tenant and not self.committed:
+            self._tier.tenants.charge(self.tenant, -self.length)
+            self._tier.tenants.charge(tenant, self.length)
+            self.tenant = tenant
+
     def release(self) -> None:
         """Give the memory back (a frame that never completed). No-op once committed."""
         if not self.committed:
@@ -163,14 +171,6 @@ class DramTier:
             return None
         self.tenants.charge(tenant, nbytes)
         return Slot(self, key, offset, nbytes, tenant)
-
-    def assign(self, slot: Slot, key: bytes, tenant: str | None) -> None:
-        """Give a reserved slot its final key and owner (the node learns them after parsing)."""
-        slot.key = key
-        if slot.tenant != tenant and not slot.committed:
-            self.tenants.charge(slot.tenant, -slot.length)
-            self.tenants.charge(tenant, slot.length)
-            slot.tenant = tenant
 
     def _within_quota(self, tenant: str, nbytes: int) -> bool:
         """Evict ``tenant``'s own chunks until ``nbytes`` more fit its quota; False if not."""
