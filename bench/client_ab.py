@@ -1,8 +1,8 @@
 """The SDK's small calls, this checkout against another one, in one run.
 
-    python -m kvpool.bench.client_ab --before ../old-checkout            # one node
-    python -m kvpool.bench.client_ab --before ../old --cluster 3 --pin   # 3 nodes, 1 CPU
-    python -m kvpool.bench.client_ab --before ../old --vary nodes        # the node's code
+    python -m bench.client_ab --before ../old-checkout            # one node
+    python -m bench.client_ab --before ../old --cluster 3 --pin   # 3 nodes, 1 CPU
+    python -m bench.client_ab --before ../old --vary nodes        # the node's code
 
 ``--before`` is another kvpool checkout (``git worktree add ../old <commit>``). The
 node processes run this checkout's code; each round runs the client once with the
@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvpool.bench._stats import fmt, save, summary
+from bench._stats import fmt, save, summary
 from kvpool.server.local_cluster import LocalCluster
 
 CHECKOUT = Path(__file__).resolve().parent.parent

@@ -14,7 +14,7 @@
    one node, same run, same data. On a 2-core machine this shows whether
    routing costs anything, not a speed-up.
 
-    python -m kvpool.bench.cluster [--quick]
+    python -m bench.cluster [--quick]
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ async def _worker(seeds: list[str], num_values: int, size: int, total_bytes: int
 def get_throughput(seeds: list[str], num_values: int, size: int, total_bytes: int,
                    processes: int) -> float:
     """Aggregate GB/s of ``processes`` client processes started together."""
-    cmd = [sys.executable, "-m", "kvpool.bench.cluster", "--worker", ",".join(seeds),
+    cmd = [sys.executable, "-m", "bench.cluster", "--worker", ",".join(seeds),
            str(num_values), str(size), str(total_bytes)]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(processes)]
     rates = []

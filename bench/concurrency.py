@@ -1,7 +1,7 @@
 """Small GETs with many requests in flight: kvpool's AsyncClient against Redis's.
 
-    python -m kvpool.bench.concurrency                 # 5 runs, 1/8/32 in flight
-    python -m kvpool.bench.concurrency --quick         # smoke run
+    python -m bench.concurrency                 # 5 runs, 1/8/32 in flight
+    python -m bench.concurrency --quick         # smoke run
 
 Starts a DRAM-only kvpool node (``--no-ssd``) and ``redis-server`` on 127.0.0.1 and
 stores ``--keys`` values of ``--size`` bytes in both. Each run then times ``--ops``
@@ -25,8 +25,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvpool.bench._procs import Proc, start_node, start_redis
-from kvpool.bench._stats import fmt, save, summary
+from bench._procs import Proc, start_node, start_redis
+from bench._stats import fmt, save, summary
 from kvpool.client import AsyncClient
 
 Get = Callable[[bytes], Awaitable[Any]]

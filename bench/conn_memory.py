@@ -1,6 +1,6 @@
 """What one connection costs a node, by kind: the figures behind docs/security.md.
 
-    python -m kvpool.bench.conn_memory [--connections 400] [--runs 3]
+    python -m bench.conn_memory [--connections 400] [--runs 3]
 
 For each kind, a fresh node (DRAM only) is started, its RSS read, ``--connections``
 connections of that kind opened and held, and its RSS read again once it has settled;
@@ -32,7 +32,7 @@ from typing import Any
 
 import psutil
 
-from kvpool.bench._procs import Proc, start_node
+from bench._procs import Proc, start_node
 from kvpool.client import Client
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -1,7 +1,7 @@
 """PUTs into a node whose DRAM tier is filling: memory allocated ahead vs page faults.
 
-    python -m kvpool.bench.fill              # ~1-2 minutes on 2 cores
-    python -m kvpool.bench.fill --quick      # smoke run
+    python -m bench.fill              # ~1-2 minutes on 2 cores
+    python -m bench.fill --quick      # smoke run
 
 A node's arena is mapped at start, but the kernel allocates a page only when it is
 first written, so every PUT into memory never used before pays a page fault per
@@ -24,8 +24,8 @@ import statistics
 import time
 from typing import Any
 
-from kvpool.bench._procs import start_node
-from kvpool.bench._stats import fmt, save, summary
+from bench._procs import start_node
+from bench._stats import fmt, save, summary
 from kvpool.client import Client
 
 MiB = 1 << 20

@@ -14,7 +14,7 @@ closes, the harness checks what a hostile client must never do:
 - make a stored witness chunk unreadable or different,
 - leave a fast-path lease (read or write) open.
 
-Run: ``python -m kvpool.bench.fuzz_frames -atheris_runs=200000`` (libFuzzer
+Run: ``python -m bench.fuzz_frames -atheris_runs=200000`` (libFuzzer
 flags pass through; ``-max_total_time=600`` bounds it by time). A seed corpus
 of valid frames is written to ``~/.cache/kvpool/fuzz-corpus`` (or under
 ``$KVPOOL_CACHE_DIR``) on first use, and the corpus grows there. The

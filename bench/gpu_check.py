@@ -1,6 +1,6 @@
 """One short check of the GPU client on a CUDA machine (under 5 minutes).
 
-    python -m kvpool.bench.gpu_check            # needs torch with CUDA and a GPU
+    python -m bench.gpu_check            # needs torch with CUDA and a GPU
 
 1. pinned vs pageable host-to-device copy GB/s (the ceiling of a load);
 2. a local node, paged KV caches on the GPU (Llama-3-8B geometry: 32 layers, 8 KV
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvpool.bench._procs import start_node
+from bench._procs import start_node
 from kvpool.client import Client
 from kvpool.gpu import KVLayout, PagedKVConnector
 

@@ -10,7 +10,7 @@
     all interleaved in the same run, and each run over TCP then through shared memory
     (the shm / TCP ratios pair the two paths' samples of a run).
 
-    python -m kvpool.bench.gpu_kv            # ~4 minutes; --quick for a smoke run
+    python -m bench.gpu_kv            # ~4 minutes; --quick for a smoke run
 
 Prints a table and writes bench/results/gpu_kv.json.
 """
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from kvpool.bench._procs import start_node
-from kvpool.bench._stats import summary
+from bench._procs import start_node
+from bench._stats import summary
 from kvpool.client import Client
 from kvpool.gpu import KVLayout, PagedKVConnector
 

@@ -1,6 +1,6 @@
 """LMCache's remote tier through kvpool, vs kvpool's SDK and vs LMCache's own server.
 
-    python -m kvpool.bench.lmcache [--rounds 7] [--python $VLLM_CPU_PYTHON]
+    python -m bench.lmcache [--rounds 7] [--python $VLLM_CPU_PYTHON]
 
 One kvpool node (DRAM only) and LMCache's own cache server (``python -m
 lmcache.v1.server``, CPU) on 127.0.0.1; the measurement runs in the engines'
@@ -34,8 +34,8 @@ import threading
 import time
 from typing import Any
 
-from kvpool.bench._procs import _wait_port, free_port, run_json, start_node
-from kvpool.bench._stats import fmt, save, summary
+from bench._procs import _wait_port, free_port, run_json, start_node
+from bench._stats import fmt, save, summary
 
 CHUNKS = 32
 SIDES = ("kvpool plugin", "kvpool SDK", "LMCache server")
@@ -171,7 +171,7 @@ def main() -> int:
                                  stderr=subprocess.DEVNULL, text=True)
     try:
         _wait_port(port, lm_server, timeout=60)
-        result = run_json(args.python, "kvpool.bench.lmcache", "--measure", node.url,
+        result = run_json(args.python, "bench.lmcache", "--measure", node.url,
                           f"lm://127.0.0.1:{port}", "--rounds", str(args.rounds), timeout=1200)
     except RuntimeError as exc:
         print(exc, file=sys.stderr)

@@ -12,7 +12,7 @@ get_many_into of 16 x 1 MiB (bulk). It also times, in-process, what tracing
 off adds to every client call: the check for a tracer provider and for a
 current span.
 
-    python -m kvpool.bench.metrics_overhead      # ~2 minutes; --quick for a smoke run
+    python -m bench.metrics_overhead      # ~2 minutes; --quick for a smoke run
 
 Prints a table and writes bench/results/metrics_overhead.json.
 """
@@ -34,7 +34,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from kvpool.bench._procs import Proc, start_node
+from bench._procs import Proc, start_node
 from kvpool.client import Client
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -1,6 +1,6 @@
 """Chunks into and out of paged KV blocks, by layout: what the GPU client's copies cost.
 
-    python -m kvpool.bench.paged_copy [--runs 9] [--chunks 16] [--threads 1]
+    python -m bench.paged_copy [--runs 9] [--chunks 16] [--threads 1]
 
 SmolLM2-135M's geometry (30 layers, 3 KV heads, head dim 64, bf16), 256-token chunks,
 vLLM's CPU block size 128, on the CPU. For each layout, ``scatter`` (a load: chunk ->

@@ -14,8 +14,8 @@ For each ring size, nodes get mixed weights (1, 2 or 4: think 64, 128 and
 - owners() latency: 512 keys with 3 owners each (one prompt of 128k tokens
   at 256 tokens per chunk), and 1 key, median of many calls.
 
-    python -m kvpool.bench.placement_sim            # 10M keys
-    python -m kvpool.bench.placement_sim --keys 1e6 # quicker
+    python -m bench.placement_sim            # 10M keys
+    python -m bench.placement_sim --keys 1e6 # quicker
 """
 
 from __future__ import annotations

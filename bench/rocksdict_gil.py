@@ -1,6 +1,6 @@
 """How long rocksdict calls hold the GIL: the reason the SSD tier runs in its own process.
 
-    python -m kvpool.bench.rocksdict_gil
+    python -m bench.rocksdict_gil
 
 A background thread loops on one rocksdict call while the main thread spins and
 records the longest gap between its iterations; an idle baseline is measured the

@@ -1,6 +1,6 @@
 """Room for a large value in a DRAM tier full of small ones: LRU order alone vs by place.
 
-    python -m kvpool.bench.room [--capacity-mib 64] [--runs 3]
+    python -m bench.room [--capacity-mib 64] [--runs 3]
 
 For each size of the small values and of the large one: a fresh tier of
 ``--capacity-mib`` filled with the small values, half of them read in random order
@@ -21,7 +21,7 @@ import statistics
 import time
 from typing import Any
 
-from kvpool.bench._stats import fmt, save, summary
+from bench._stats import fmt, save, summary
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, seal
 from kvpool.tiers import room
 from kvpool.tiers.dram import DramTier

@@ -1,6 +1,6 @@
 """SGLang's HiCache through kvpool: the backend's batch calls vs the SDK's on the same pages.
 
-    python -m kvpool.bench.sglang [--rounds 7] [--python $VLLM_CPU_PYTHON]
+    python -m bench.sglang [--rounds 7] [--python $VLLM_CPU_PYTHON]
 
 One kvpool node (DRAM only) on 127.0.0.1; the measurement runs in the engines'
 environment (a python with ``sglang==0.5.23`` and kvpool: ``.ci/run`` makes it). A
@@ -30,8 +30,8 @@ import sys
 import time
 from typing import Any
 
-from kvpool.bench._procs import run_json, start_node
-from kvpool.bench._stats import fmt, save, summary
+from bench._procs import run_json, start_node
+from bench._stats import fmt, save, summary
 
 PAGES = 128  # SGLang's STORAGE_BATCH_SIZE: the pages of one batch call
 
@@ -181,7 +181,7 @@ def main() -> int:
         return 2
     node = start_node("--dram-capacity", "4GiB", "--no-ssd")
     try:
-        result = run_json(args.python, "kvpool.bench.sglang", "--measure", node.url,
+        result = run_json(args.python, "bench.sglang", "--measure", node.url,
                           "--rounds", str(args.rounds))
     except RuntimeError as exc:
         print(exc, file=sys.stderr)

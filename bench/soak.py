@@ -1,6 +1,6 @@
 """Fault and soak run: 3 nodes + S3 under 32 clients while nodes die, S3 stops, SSDs fill.
 
-    python -m kvpool.bench.soak [--duration 900] [--clients 32]
+    python -m bench.soak [--duration 900] [--clients 32]
 
 What runs, all on 127.0.0.1:
 
@@ -57,7 +57,7 @@ from typing import Any
 import psutil
 import xxhash
 
-from kvpool.bench._attacks import MaximalLookups, TlsNonReaders, UnauthenticatedPuts
+from bench._attacks import MaximalLookups, TlsNonReaders, UnauthenticatedPuts
 from kvpool.client import AsyncClient, Client
 from kvpool.server.local_cluster import LocalCluster, free_ports
 
@@ -101,7 +101,7 @@ class S3Process:
     def __init__(self) -> None:
         (self.port,) = free_ports(1)
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", f"from kvpool.bench.soak import s3_server_main; "
+            [sys.executable, "-c", f"from bench.soak import s3_server_main; "
              f"s3_server_main({self.port})"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True, env={**os.environ, **AWS}, stderr=subprocess.DEVNULL)
         self._wait()
@@ -261,7 +261,7 @@ class AttackTarget:
 
         import trustme  # the test extra: a CA made here, for the TLS node
 
-        from kvpool.bench._procs import start_node
+        from bench._procs import start_node
 
         ca = trustme.CA()
         cert = ca.issue_cert("127.0.0.1")

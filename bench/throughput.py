@@ -1,10 +1,10 @@
 """Single-node throughput and latency, against the loopback ceiling and Redis, in one run.
 
-    python -m kvpool.bench.throughput            # full run, 1-3 minutes on 2 cores
-    python -m kvpool.bench.throughput --quick    # smoke run
+    python -m bench.throughput            # full run, 1-3 minutes on 2 cores
+    python -m bench.throughput --quick    # smoke run
 
 Starts a kvpool node (DRAM only: ``--no-ssd``, this measures the data path; see
-``kvpool.bench.tiers`` for the SSD tier), ``redis-server`` and ``iperf3 -s`` on
+``bench.tiers`` for the SSD tier), ``redis-server`` and ``iperf3 -s`` on
 127.0.0.1 and, for each
 value size, interleaves the runs of every system so that machine noise hits them
 alike (each run's sample of a series is 8 blocks of its calls, taken in turn with the
@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-from kvpool.bench._procs import Proc, start_iperf3, start_node, start_redis
+from bench._procs import Proc, start_iperf3, start_node, start_redis
 from kvpool.client import Client
 from kvpool.client._shm import ShmMapping
 from kvpool.protocol.envelope import seal

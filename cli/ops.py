@@ -4,7 +4,8 @@
 work from any machine, with no Python SDK connection): lookup asks one node,
 which answers for the whole cluster; pin/unpin ask every node of the map,
 since a chunk may sit on any of its owners. ``bench`` runs a benchmark module
-of ``kvpool.bench`` in a child process.
+of a kvpool checkout's ``bench/`` in a child process (the benchmarks are not in the
+wheel, as the tests are not: they come with the source).
 
 Exit codes: 0 done; 1 done, but some chunk was on no node (pin/unpin) or the
 benchmark failed; 2 bad input, or a node could not be reached or refused.
@@ -13,8 +14,8 @@ benchmark failed; 2 bad input, or a node could not be reached or refused.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+import os
 import pkgutil
 import subprocess
 import sys
@@ -160,17 +161,29 @@ def _pin(args: argparse.Namespace) -> int:
     return 0 if all(results.values()) else 1
 
 
-def bench_modules() -> list[str]:
-    """The benchmark modules of ``kvpool.bench`` (found without importing them)."""
-    spec = importlib.util.find_spec("kvpool.bench")
-    if spec is None or not spec.submodule_search_locations:
-        return []
-    return sorted(m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)
+def bench_root() -> Path | None:
+    """The kvpool checkout whose ``bench/`` to run: the current directory if it is one,
+    else the one this kvpool is installed from (``pip install -e``); None if neither."""
+    installed = Path(__file__).resolve().parents[1]  # a checkout's root, in an editable install
+    for root in (Path.cwd(), installed):
+        if (root / "bench" / "throughput.py").is_file() and (root / "pyproject.toml").is_file():
+            return root
+    return None
+
+
+def bench_modules(root: Path) -> list[str]:
+    """The benchmark modules of ``root``'s ``bench/`` (found without importing them)."""
+    return sorted(m.name for m in pkgutil.iter_modules([str(root / "bench")])
                   if not m.name.startswith("_"))
 
 
 def _bench(args: argparse.Namespace) -> int:
-    names = bench_modules()
+    root = bench_root()
+    if root is None:
+        print("kvpool bench: the benchmarks come with kvpool's source, not the wheel: run it "
+              "in a checkout (git clone ...; pip install -e '.[dev]')", file=sys.stderr)
+        return 2
+    names = bench_modules(root)
     if not args.name:
         for name in names:
             print(f"  {name:<18} {BENCH_HELP.get(name, '')}")
@@ -181,7 +194,11 @@ def _bench(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     flags = [a for a in args.bench_args if a != "--"]
-    code = subprocess.call([sys.executable, "-m", f"kvpool.bench.{args.name}", *flags])
+    # the checkout's root on the path (of the benchmark and of what it starts): ``bench``
+    # is a top-level package there, as ``tests`` is
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    code = subprocess.call([sys.executable, "-m", f"bench.{args.name}", *flags],
+                           env={**os.environ, "PYTHONPATH": path})
     return 0 if code == 0 else 1
 
 
@@ -216,9 +233,10 @@ def add_ops_commands(sub: Any) -> None:
 
     bench = sub.add_parser(
         "bench", help="run a benchmark (no NAME: list them)",
-        description="Run python -m kvpool.bench.NAME with the flags that follow; each prints "
+        description="Run python -m bench.NAME of a kvpool checkout (this directory, or the one "
+        "kvpool is installed from with pip install -e) with the flags that follow; each prints "
         "a table and writes JSON under bench/results. Exit codes: 0 done, 1 the benchmark "
-        "failed, 2 no such benchmark.")
+        "failed, 2 no such benchmark, or no checkout.")
     bench.add_argument("name", nargs="?", help="benchmark to run")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER,
                        help="flags for the benchmark, e.g. --quick")

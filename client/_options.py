@@ -13,7 +13,7 @@ __all__ = ["SHM_PUT_MIN_BYTES", "ClientOptions"]
 
 #: a put call whose values total fewer bytes goes over TCP: through shared memory it
 #: takes two round trips (PUT_SHM, COMMIT), which small calls do not earn back.
-#: Measured on the 2-core VM (kvpool.bench.throughput, shm / TCP): one 256 KiB value
+#: Measured on the 2-core VM (bench.throughput, shm / TCP): one 256 KiB value
 #: 0.77x, one 1 MiB 1.01x, one 4 MiB 2.15x; 8 x 256 KiB 1.26x, 8 x 1 MiB 1.90x
 SHM_PUT_MIN_BYTES = 1 << 20
 

@@ -7,7 +7,7 @@ layer imports with the CPU torch: the backend is made the way SGLang's cache
 controller makes a ``dynamic`` backend (``StorageBackendFactory.create_backend`` with
 a real ``HiCacheStorageConfig``, then ``register_mem_pool_host``).
 
-The host pool is a **stand-in**, ``kvpool.bench.sglang.HostPool``: SGLang's own
+The host pool is a **stand-in**, ``bench.sglang.HostPool``: SGLang's own
 ``MHATokenToKVPoolHost`` does not import here (its module pulls in SGLang's model
 configs, which import torchvision; PyPI's torchvision is a CUDA build, and installing
 it breaks ``import vllm`` in this environment and replaces its torch). The stand-in
@@ -45,7 +45,7 @@ from typing import Any
 
 
 def host_pool(layout: str, page_size: int, pages: int, **geometry: int) -> Any:
-    from kvpool.bench.sglang import HostPool
+    from bench.sglang import HostPool
 
     return HostPool(layout, page_size, pages, **geometry)
 

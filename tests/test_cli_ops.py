@@ -15,7 +15,7 @@ from kvpool.client import Client
 from kvpool.placement.keys import ChunkHasher, Namespace
 from kvpool.server.local_cluster import LocalCluster
 
-from .conftest import http_json, start_node
+from .conftest import ROOT, http_json, start_node
 
 NS = {"model": "cli-ops", "dtype": "bfloat16", "num_layers": 2, "num_kv_heads": 4,
       "head_dim": 64, "chunk_tokens": 16}
@@ -139,3 +139,18 @@ def test_bench_lists_and_runs_benchmarks() -> None:
     assert help_run.returncode == 0 and "usage" in help_run.stdout
     unknown = kvpool("bench", "nope")
     assert unknown.returncode == 2 and "no benchmark 'nope'" in unknown.stderr
+
+
+def test_bench_runs_the_checkouts_benchmarks_from_any_directory(tmp_path: Path) -> None:
+    """The benchmarks are not installed: from outside the checkout, ``kvpool bench`` finds
+    the one kvpool is installed from (pip install -e), and the benchmark and what it
+    starts import ``bench`` from there."""
+    done = subprocess.run([sys.executable, "-m", "kvpool.cli", "bench", "placement_sim",
+                           "--sizes", "3", "--keys", "2000", "--out", str(tmp_path / "p.json")],
+                          capture_output=True, text=True, timeout=120, check=False,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "p.json").is_file()  # its flags' paths: the caller's directory
+    from kvpool.cli.ops import bench_root
+
+    assert bench_root() == ROOT

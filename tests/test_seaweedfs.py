@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import boto3
 import pytest
 
-from kvpool.bench._procs import start_seaweedfs
+from bench._procs import start_seaweedfs
 from kvpool.client import Client
 from kvpool.protocol.envelope import seal
 from kvpool.tiers.s3 import S3Tier

@@ -59,10 +59,10 @@ def vllm_env() -> dict[str, str]:
 
 def driver(tmp: Path, command: str, spec: dict[str, Any] | None = None,
            timeout: float = 300) -> dict[str, Any]:
-    """``generate`` (an engine: kvpool.bench._vllm_engine) or one of tests/vllm_driver.py's
+    """``generate`` (an engine: bench._vllm_engine) or one of tests/vllm_driver.py's
     checks, in vLLM's environment; its JSON answer plus its ``log``."""
     out = tmp / f"{command}-{time.monotonic_ns()}.json"
-    module = "kvpool.bench._vllm_engine" if command == "generate" else "tests.vllm_driver"
+    module = "bench._vllm_engine" if command == "generate" else "tests.vllm_driver"
     args = [VLLM_PYTHON, "-m", module, command]
     if spec is not None:
         path = tmp / f"spec-{time.monotonic_ns()}.json"

@@ -10,7 +10,7 @@ against it, bit for bit. ``gpu-layouts``: the same for the ``bhnc`` kind against
 views vLLM gives its GPU backends, in every ``KVCacheLayout`` (see
 :func:`gpu_layouts_check`). ``settings``: what the connector's settings say of good and
 bad ``kv_connector_extra_config`` dicts, and its back-off's steps. Engines run through
-``kvpool.bench._vllm_engine`` (shared with the benchmark).
+``bench._vllm_engine`` (shared with the benchmark).
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ class AheadAllocator:
     ``madvise(MADV_POPULATE_WRITE)`` (:class:`~kvpool.protocol.pages.Populator`; it lets
     go of the GIL); before Linux 5.14, ``posix_fallocate`` of the memory file allocates
     the pages (their faults into the node's mapping remain). Measured on the 2-core VM
-    (``python -m kvpool.bench.fill``, 512 PUTs of 1 MiB into a fresh node over TCP):
+    (``python -m bench.fill``, 512 PUTs of 1 MiB into a fresh node over TCP):
     1.38 GB/s with madvise, the rate of PUTs into memory already written (1.27-1.36),
     against 0.59 with a fault per 4 KiB page; ``posix_fallocate`` alone gave 1.28x. On a refusal
     (out of memory) it stops and the pages fault in as before.
