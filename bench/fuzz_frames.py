@@ -109,11 +109,10 @@ class Harness:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.dram = DramTier(8 << 20)
-        self.handlers = Handlers("fuzz", TierManager(self.dram, EventBus("fuzz")),
-                                 Limits(4 << 20, 64, 1 << 20), NodeStats())
         # the fast path's leases (never started: no socket; sessions are granted by flag)
         self.shm = ShmService(self.dram, lease_s=5.0)
-        self.handlers.attach_shm(self.shm)
+        self.handlers = Handlers("fuzz", TierManager(self.dram, EventBus("fuzz")),
+                                 Limits(4 << 20, 64, 1 << 20), NodeStats(), shm=self.shm)
         self.registry: set[NodeConnection] = set()
         self.runs = 0
         assert self.dram.put(WITNESS_KEY, WITNESS)

@@ -65,23 +65,27 @@ class Handlers:
 
     def __init__(self, node_id: str, tiers: TierManager, limits: Limits, stats: NodeStats,
                  membership: Membership | None = None, *, auth: TokenTable | None = None,
-                 idle_timeout_s: float = 0.0) -> None:
+                 idle_timeout_s: float = 0.0,
+                 addresses: tuple[tuple[str, int], tuple[str, int]] = (("", 0), ("", 0)),
+                 shm: ShmService | None = None, tracing: NodeTracing | None = None,
+                 extra_stats: dict[str, Callable[[], Any]] | None = None) -> None:
+        """A node's op table, made once the node knows all of this (its ports bound, its
+        id from the cluster, the fast path and tracing started; its data port serves only
+        then). ``shm``: serve the same-host fast path's ops (None: off)."""
         self.node_id = node_id
         self.store = tiers
         self.membership = membership or Membership()
-        #: where the node listens, for the map a standalone node serves (set by the Node)
-        self.addresses: tuple[tuple[str, int], tuple[str, int]] = (("", 0), ("", 0))
+        #: where the node listens, for the map a standalone node serves
+        self.addresses = addresses
         self.wrong_owner = 0
         #: more sections of the stats snapshot (name -> function giving a JSON-able value)
-        self.extra_stats: dict[str, Callable[[], Any]] = {}
+        self.extra_stats = dict(extra_stats or {})
         self.dram = tiers.dram
         self.events: EventBus = tiers.events
         self.limits = limits
         self.stats = stats
-        #: the same-host fast path's ops (None: off; :meth:`attach_shm`)
-        self.shm_ops: ShmOps | None = None
         #: spans for requests that carry a trace context (None: tracing is not configured)
-        self.tracing: NodeTracing | None = None
+        self.tracing = tracing
         #: the node closes data connections idle this long (0: never); told in HELLO
         self.idle_timeout_s = idle_timeout_s
         #: tokens -> tenant and role (empty: open mode); replaced whole on SIGHUP
@@ -104,12 +108,12 @@ class Handlers:
             Op.HELLO: self.hello,
             **dict.fromkeys(_SHM_OPS, self._no_fast_path),
         }
-
-    def attach_shm(self, service: ShmService) -> None:
-        """Serve the same-host fast path's ops (once ``service`` runs)."""
-        self.shm_ops = ShmOps(service, self.dram, self.stats, read=self._get,
-                              store=self._store, reply=self._reply)
-        self._session_table.update(self.shm_ops.table)
+        #: the same-host fast path's ops (None: off)
+        self.shm_ops: ShmOps | None = None
+        if shm is not None:
+            self.shm_ops = ShmOps(shm, self.dram, self.stats, read=self._get,
+                                  store=self._store, reply=self._reply)
+            self._session_table.update(self.shm_ops.table)
 
     @property
     def shm(self) -> ShmService | None:

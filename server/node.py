@@ -8,8 +8,9 @@ import contextlib
 import logging
 import os
 import socket
+import ssl
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.parsers import Limits
 from kvpool.server.admin import make_admin_app
 from kvpool.server.auth import TokenTable, load_tokens
-from kvpool.server.config import ClusterConfig, NodeConfig
+from kvpool.server.config import ClusterConfig, NodeConfig, ServerConfig
 from kvpool.server.connection import NodeConnection
 from kvpool.server.etcd import EtcdSource
 from kvpool.server.events import EventBus
@@ -68,6 +69,27 @@ def map_source(cluster: ClusterConfig) -> MapSource | None:
     return None
 
 
+async def bind_ports(server: ServerConfig, accept: Callable[[], asyncio.BaseProtocol],
+                     tls: ssl.SSLContext | None) -> tuple[asyncio.Server, socket.socket]:
+    """The data port's server (``accept`` makes its connections; not serving yet) and the
+    admin port's bound socket; ConfigError naming the flag when a port is taken."""
+    try:
+        data = await asyncio.get_running_loop().create_server(
+            accept, server.host, server.data_port, reuse_address=True, start_serving=False,
+            ssl=tls, ssl_handshake_timeout=server.hello_timeout_s if tls else None)
+    except OSError as exc:
+        raise ConfigError(bind_error(exc, server.host, server.data_port, "--data-port",
+                                      "KVPOOL_DATA_PORT")) from None
+    family = socket.AF_INET6 if ":" in server.host else socket.AF_INET
+    try:
+        admin = bound_socket(server.host, server.admin_port, family)
+    except OSError as exc:
+        data.close()
+        raise ConfigError(bind_error(exc, server.host, server.admin_port, "--admin-port",
+                                      "KVPOOL_ADMIN_PORT")) from None
+    return data, admin
+
+
 class Node:
     """Owns the tiers and the listening sockets. ``start``/``stop`` on a running loop."""
 
@@ -80,10 +102,12 @@ class Node:
         self.membership = Membership(map_source(config.cluster))
         self.tiers = TierManager(self.dram, EventBus(server.node_id), tracer=self._tracer)
         security = config.security
-        self.handlers = Handlers(
-            server.node_id, self.tiers, self.limits, self.stats, self.membership,
-            auth=load_tokens(security.auth_tokens) if security.auth_tokens else None,
-            idle_timeout_s=server.idle_timeout_s)
+        #: tokens -> tenant and role (empty: open mode); replaced whole on SIGHUP
+        self.auth = load_tokens(security.auth_tokens) if security.auth_tokens else TokenTable()
+        #: the node's spans (None: tracing is not configured; set as it starts)
+        self.tracing: NodeTracing | None = None
+        #: the op table, made by ``start`` once everything it is given is known
+        self._handlers: Handlers | None = None
         self.tls = server_context(security)
         #: how this node connects to its peers: token, scope and TLS
         self.peer_options: dict[str, Any] = {"token": security.peer_token, "scope": "raw",
@@ -104,10 +128,16 @@ class Node:
         self.data_address: tuple[str, int] = (server.host, server.data_port)
         self.admin_address: tuple[str, int] = (server.host, server.admin_port)
 
+    @property
+    def handlers(self) -> Handlers:
+        """The op table (the node has started)."""
+        if self._handlers is None:
+            raise RuntimeError("the node has not started")
+        return self._handlers
+
     def _tracer(self) -> Tracer | None:
         """The tracer of the spans tiers make (None: tracing is not configured)."""
-        tracing = self.handlers.tracing
-        return tracing.tracer if tracing is not None else None
+        return self.tracing.tracer if self.tracing is not None else None
 
     async def _start_ssd(self) -> None:
         """The cold tier: its worker process, with the SSD tier, S3, or both (none: a
@@ -136,8 +166,9 @@ class Node:
         # bind both ports first (port 0 picks one), join the cluster under the addresses
         # they got, and only then serve: no client sees a node that has no map yet. Bound
         # before the SSD tier starts, so a port in use fails at once, in one line.
-        admin_sock = await self._bind()
-        assert self._server is not None
+        self._server, admin_sock = await bind_ports(self.config.server, self._accept, self.tls)
+        self.data_address = self._server.sockets[0].getsockname()[:2]
+        self.admin_address = admin_sock.getsockname()[:2]
         try:
             await self._start_ssd()
         except BaseException:
@@ -148,7 +179,6 @@ class Node:
                 self._dir_lock = None
             raise
         self._apply_quotas()
-        self.handlers.addresses = (self.data_address, self.admin_address)
         try:
             await self.membership.start(self.config.server.node_id,
                                         self._advertised(self.data_address),
@@ -157,63 +187,46 @@ class Node:
             self._server.close()
             admin_sock.close()
             raise
-        self.handlers.node_id = self.handlers.events.node_id = self.membership.node_id
-        await self._start_services()
+        self.tiers.events.node_id = self.membership.node_id
+        extra_stats = await self._start_services()
+        self._handlers = Handlers(
+            self.membership.node_id, self.tiers, self.limits, self.stats, self.membership,
+            auth=self.auth, idle_timeout_s=self.config.server.idle_timeout_s,
+            addresses=(self.data_address, self.admin_address), shm=self.shm,
+            tracing=self.tracing, extra_stats=extra_stats)
+        if self.metrics is not None and self.metrics.otlp:
+            self._metrics_task = asyncio.create_task(self._refresh_metrics_loop())
         self._admin = web.AppRunner(make_admin_app(self), access_log=None)
         await self._admin.setup()
         await web.SockSite(self._admin, admin_sock, ssl_context=self.tls).start()
         await self._server.start_serving()
         self._expiry_task = asyncio.create_task(self._expire_loop())
 
-    async def _bind(self) -> socket.socket:
-        """The data port's server (not serving yet) and the admin port's bound socket;
-        ConfigError naming the flag when a port is taken."""
-        server = self.config.server
-        try:
-            self._server = await asyncio.get_running_loop().create_server(
-                self._accept, server.host, server.data_port, reuse_address=True,
-                start_serving=False, ssl=self.tls,
-                ssl_handshake_timeout=server.hello_timeout_s if self.tls else None)
-        except OSError as exc:
-            raise ConfigError(bind_error(exc, server.host, server.data_port, "--data-port",
-                                          "KVPOOL_DATA_PORT")) from None
-        self.data_address = self._server.sockets[0].getsockname()[:2]
-        family = socket.AF_INET6 if ":" in server.host else socket.AF_INET
-        try:
-            admin_sock = bound_socket(server.host, server.admin_port, family)
-        except OSError as exc:
-            self._server.close()
-            raise ConfigError(bind_error(exc, server.host, server.admin_port, "--admin-port",
-                                          "KVPOOL_ADMIN_PORT")) from None
-        self.admin_address = admin_sock.getsockname()[:2]
-        return admin_sock
-
-    async def _start_services(self) -> None:
+    async def _start_services(self) -> dict[str, Callable[[], Any]]:
         """What runs beside the data path once the node has its id and map: hand-off
-        (drain), metrics, the shared-memory service, tracing."""
+        (drain), metrics, the shared-memory service, tracing; the stats sections they
+        add."""
         host, port = self._advertised(self.data_address)
         self.handoff = Handoff(self.dram, f"kvpool://{host}:{port}",
                                rate_bytes_s=self.config.cluster.drain_rate_bytes,
                                leave=lambda: self.membership.change("remove",
                                                                     self.membership.node_id),
                                client_options=self.peer_options)
-        self.handlers.extra_stats["drain"] = self.handoff_progress
+        extra_stats: dict[str, Callable[[], Any]] = {"drain": self.handoff_progress}
         self.membership.listeners.append(self._map_changed)
         self._map_changed(self.membership.map)
         if self.config.server.metrics:
             self.metrics = NodeMetrics(self.membership.node_id)
-            if self.metrics.otlp:
-                self._metrics_task = asyncio.create_task(self._refresh_metrics_loop())
         if self.config.server.shm and sys.platform.startswith("linux"):
             self.shm = ShmService(self.dram, lease_s=self.config.server.shm_lease_s,
                                   allow=self.config.server.shm_allow,
                                   write=self.config.server.shm_write)
             await self.shm.start()
             self._publish_epoch()
-            self.handlers.attach_shm(self.shm)
-            self.handlers.extra_stats["shm"] = self.shm.stats
+            extra_stats["shm"] = self.shm.stats
         if tracing_configured():
-            self.handlers.tracing = NodeTracing(self.membership.node_id)
+            self.tracing = NodeTracing(self.membership.node_id)
+        return extra_stats
 
     def _accept(self) -> NodeConnection:
         server = self.config.server
@@ -223,7 +236,7 @@ class Node:
                               hello_timeout_s=server.hello_timeout_s)
 
     def _apply_quotas(self) -> None:
-        quotas = self.handlers.auth.quotas
+        quotas = self.auth.quotas
         self.dram.tenants.quotas = {t: q.dram_bytes for t, q in quotas.items() if q.dram_bytes}
         if self.ssd is not None:
             self.ssd.tenants.quotas = {t: q.ssd_bytes for t, q in quotas.items() if q.ssd_bytes}
@@ -239,7 +252,9 @@ class Node:
         except ConfigError as exc:
             log.error("tokens file not reloaded, the previous one stays in force: %s", exc)
             return
-        self.handlers.auth = table
+        self.auth = table
+        if self._handlers is not None:
+            self._handlers.auth = table
         self._apply_quotas()
         closed = sum(conn.recheck(table) for conn in list(self.connections))
         log.info("tokens reloaded from %s: %d tokens, %d tenant quotas; %d connections "
@@ -254,7 +269,7 @@ class Node:
 
     @property
     def auth_table(self) -> TokenTable:
-        return self.handlers.auth
+        return self.auth
 
     def tenant_usage(self) -> dict[str, dict[str, int]]:
         dram = self.dram.tenants.used
@@ -335,11 +350,11 @@ class Node:
 
     @property
     def node_id(self) -> str:
-        return self.handlers.node_id
+        return self.membership.node_id or self.config.server.node_id
 
     @property
     def events(self) -> EventBus:
-        return self.handlers.events
+        return self.tiers.events
 
     async def snapshot(self) -> dict[str, Any]:
         return await self.handlers.snapshot()
@@ -396,7 +411,7 @@ class Node:
         if self._server is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
-        self.handlers.events.close()  # ends open /v1/events streams
+        self.tiers.events.close()  # ends open /v1/events streams
         if self._admin is not None:
             await self._admin.cleanup()
         if self._peers is not None:
@@ -412,7 +427,8 @@ class Node:
         if self.shm is not None:
             await self.shm.stop()
         if self.metrics is not None:
-            await self._refresh_metrics()  # the last export sees the final counters
+            if self._handlers is not None:
+                await self._refresh_metrics()  # the last export sees the final counters
             self.metrics.shutdown()
-        if self.handlers.tracing is not None:  # exports the spans still queued
-            await asyncio.to_thread(self.handlers.tracing.shutdown)
+        if self.tracing is not None:  # exports the spans still queued
+            await asyncio.to_thread(self.tracing.shutdown)

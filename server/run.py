@@ -39,31 +39,31 @@ async def _serve(config: NodeConfig) -> None:
     dram = node.dram.stats()
     how = "configured" if config.dram.capacity_bytes else \
         f"{config.dram.capacity_fraction:.0%} of available memory"
-    print(f"kvpool node {node.handlers.node_id}: DRAM tier {format_size(dram.capacity_bytes)} "
+    print(f"kvpool node {node.node_id}: DRAM tier {format_size(dram.capacity_bytes)} "
           f"({how})", flush=True)
     if node.ssd is not None and node.ssd.has_ssd:
         ssd = node.ssd
-        print(f"kvpool node {node.handlers.node_id}: SSD tier {format_size(ssd.capacity_bytes)}"
+        print(f"kvpool node {node.node_id}: SSD tier {format_size(ssd.capacity_bytes)}"
               f" in {ssd.path} ({config.ssd.codec}), {len(ssd.index)} chunks on disk",
               flush=True)
     if config.s3.bucket:
         where = config.s3.endpoint_url or "AWS"
         below = "" if config.ssd.enabled else ", right below DRAM (no SSD tier)"
-        print(f"kvpool node {node.handlers.node_id}: S3 tier s3://{config.s3.bucket}/"
+        print(f"kvpool node {node.node_id}: S3 tier s3://{config.s3.bucket}/"
               f"{config.s3.prefix} at {where} ({config.s3.codec}){below}", flush=True)
     cmap = node.membership.map
     if cmap is not None:
         assert node.membership.source is not None
-        print(f"kvpool node {node.handlers.node_id}: cluster epoch {cmap.epoch}, "
+        print(f"kvpool node {node.node_id}: cluster epoch {cmap.epoch}, "
               f"{len(cmap.nodes)} nodes, replication {cmap.replication} "
               f"({node.membership.source.describe()}; SIGHUP reloads)", flush=True)
-    auth = node.handlers.auth
+    auth = node.auth
     if auth.open:
         log.warning("OPEN MODE: no --auth-tokens file, so every client that can reach "
                     "%s:%d may read, write and delete every chunk. Give a tokens file for "
                     "tenants and roles.", data_host, data_port)
     else:
-        print(f"kvpool node {node.handlers.node_id}: auth on, {len(auth.entries)} tokens "
+        print(f"kvpool node {node.node_id}: auth on, {len(auth.entries)} tokens "
               f"from {auth.source} (SIGHUP reloads)", flush=True)
     scheme = "https" if node.tls else "http"
     print(f"kvpool: ready data={data_host}:{data_port} admin={scheme}://{admin_host}:{admin_port}",
