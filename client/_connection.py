@@ -13,7 +13,7 @@ from typing import cast
 
 from kvpool.client._tracing import wire_context
 from kvpool.protocol.errors import KvpoolConnectionError, KvpoolError, KvpoolTimeoutError
-from kvpool.protocol.frames import FRAME_MAGIC, FRAME_STRUCT, OP_FLAG_TRACE, SCOPED_OPS, Op
+from kvpool.protocol.frames import OP_FLAG_TRACE, SCOPED_OPS, Op, pack_frame_header
 from kvpool.protocol.parsers import Reply, ReplyParser, Segments
 
 __all__ = ["Connection", "request_head"]
@@ -26,14 +26,13 @@ BufferOrSegments = Buffer | list[Buffer] | tuple[Buffer, ...]
 def request_head(op: int, request_id: int, count: int, body_len: int, *, epoch: int,
                  scope_flags: int) -> list[Buffer]:
     """What goes before a request's body: its frame header (the op with the connection's
-    scope bits), then the current span's trace context if a span is sampled. (Packed
-    here in place: every request of both clients passes this way.)"""
+    scope bits), then the current span's trace context if a span is sampled."""
     trace = wire_context()
     wire_op = op | scope_flags if op in SCOPED_OPS else op
     if trace is None:
-        return [FRAME_STRUCT.pack(FRAME_MAGIC, wire_op, 0, request_id, count, epoch, body_len)]
-    return [FRAME_STRUCT.pack(FRAME_MAGIC, wire_op | OP_FLAG_TRACE, 0, request_id, count,
-                              epoch, body_len + len(trace)), trace]
+        return [pack_frame_header(wire_op, request_id, count, body_len, epoch=epoch)]
+    return [pack_frame_header(wire_op | OP_FLAG_TRACE, request_id, count,
+                              body_len + len(trace), epoch=epoch), trace]
 
 
 class _Pending:

@@ -72,7 +72,6 @@ from kvpool.protocol.errors import BadFrameError, Status
 __all__ = [
     "FRAME_HEADER_SIZE",
     "FRAME_MAGIC",
-    "FRAME_STRUCT",
     "GET_ITEM_SIZE",
     "GET_ITEM_STRUCT",
     "KEY_SIZE",
@@ -167,9 +166,6 @@ KEY_OPS = frozenset({Op.GET, Op.EXISTS, Op.DELETE, Op.LOOKUP, Op.PIN, Op.UNPIN, 
 SCOPED_OPS = KEY_OPS | {Op.PUT, Op.PUT_SHM}
 
 _FRAME = struct.Struct("<2sBBIIIQ")
-#: the frame header's layout (magic, op, status, request_id, count, epoch, body_len), for
-#: a client that packs its request headers in place
-FRAME_STRUCT = _FRAME
 FRAME_HEADER_SIZE = _FRAME.size
 assert FRAME_HEADER_SIZE == 24
 
