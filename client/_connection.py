@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from kvpool.client._tracing import wire_context
 from kvpool.protocol.errors import KvpoolConnectionError, KvpoolError, KvpoolTimeoutError
 from kvpool.protocol.frames import OP_FLAG_TRACE, SCOPED_OPS, Op, pack_frame_header
 from kvpool.protocol.parsers import Reply, ReplyParser, Segments
+
+if TYPE_CHECKING:
+    from kvpool.client._shm_put import Ahead
 
 __all__ = ["Connection", "request_head"]
 
@@ -70,6 +73,8 @@ class Connection(asyncio.BufferedProtocol):
         self.shm = False
         #: ... and for writing (PUT_SHM, COMMIT): a client of the node's own user
         self.shm_write = False
+        #: arena slots the node reserved for this connection's next put of the same sizes
+        self.put_ahead: Ahead | None = None
         #: OP_FLAG_SHARED or OP_FLAG_RAW on every key op and PUT (0: the tenant's scope)
         self.scope_flags = 0
         #: loop time of the last request sent or reply received (idle connections are

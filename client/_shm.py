@@ -236,6 +236,10 @@ class ShmMapping:
                     self.index = ShmIndex(index_fd, size)  # else GET_SHM still works
         self.capacity = int(offer["capacity"])
         self.writable = writable
+        #: how long the node keeps a lease (a PUT_SHM's slots among them)
+        self.lease_s = float(offer.get("lease_s") or 5.0)
+        #: the node takes COMMIT_AS (a put in one round trip, ``client/_shm_put.py``)
+        self.commit_as = offer.get("commit_as") is True
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         try:
             self._mmap = mmap.mmap(fd, int(offer["file_size"]), prot=prot)

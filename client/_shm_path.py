@@ -4,9 +4,9 @@
 holds what the node granted at HELLO (the arena mapping, maybe its index and
 write access). GETs copy what the arena index has with no request, then ask
 GET_SHM (a lease) for the rest, and fall back to TCP for values freed while
-they were copied; puts write into slots PUT_SHM reserved, COMMIT them, and
-send over TCP what a lease lost. Reads through the index are reported to
-the node later in one TOUCH.
+they were copied; puts write into slots PUT_SHM (or the put before) reserved,
+COMMIT them (``client/_shm_put.py``), and send over TCP what a lease lost.
+Reads through the index are reported to the node later in one TOUCH.
 
 It owns its TCP fallback, and so the choice of path: every GET and put of its
 node client comes here (:meth:`ShmPath.get`, :meth:`ShmPath.put`), and goes over
@@ -21,12 +21,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Literal, overload
 
 from kvpool.client import _plans as plans
-from kvpool.client._connection import Buffer, Connection
+from kvpool.client._connection import Connection
 from kvpool.client._plans import routed_by
 from kvpool.client._shm import TORN, ShmMapping
+from kvpool.client._shm_put import LeasedPuts, ignore_result
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
 from kvpool.protocol.errors import KvpoolError, Status
 from kvpool.protocol.frames import (
@@ -34,7 +35,6 @@ from kvpool.protocol.frames import (
     Op,
     ShmItem,
     decode_shm_reply,
-    decode_statuses,
     encode_lease_ids,
 )
 from kvpool.protocol.parsers import TOO_SMALL, Reply, Segments
@@ -50,12 +50,6 @@ TOUCH_BATCH = 256
 TOUCH_DELAY_S = 0.05
 
 
-def _ignore_result(future: asyncio.Future[Any]) -> None:
-    """A RELEASE or TOUCH reply: nothing to do (a failed connection ends its leases)."""
-    if not future.cancelled():
-        future.exception()
-
-
 class ShmPath:
     """One node's arena, as this client mapped it, and the ops that go through it."""
 
@@ -63,8 +57,8 @@ class ShmPath:
         self.node = node
         #: the arena the node granted (None: TCP only, so far)
         self.mapping: ShmMapping | None = None
-        #: PUT_SHM leases that ended before their COMMIT (the values went again over TCP)
-        self.shm_put_expired = 0
+        #: puts through the arena (PUT_SHM, or slots held ahead; COMMIT or COMMIT_AS)
+        self.puts = LeasedPuts(node)
         #: fast-path values freed while they were copied (fetched again over TCP)
         self.shm_torn = 0
         #: values read through the index; found there but stale (asked with GET_SHM)
@@ -95,6 +89,11 @@ class ShmPath:
             self.mapping = None
 
     @property
+    def shm_put_expired(self) -> int:
+        """PUT_SHM leases that ended before their COMMIT (the values went again over TCP)."""
+        return self.puts.expired
+
+    @property
     def carries_gets(self) -> bool:
         """Whether GETs go through the arena (else over TCP): the node granted it."""
         return self.mapping is not None and self.node.options.shm is not False
@@ -109,54 +108,19 @@ class ShmPath:
     async def put(self, conn: Connection, items: list[plans.PutItem], *, num_tokens: int,
                   fingerprint: bytes) -> list[int]:
         """One Status per item: through the arena where it carries the put (PUT_SHM, the
-        values into their slots, COMMIT), else over TCP; an item whose lease ended
-        before its COMMIT goes again over TCP."""
+        values into their slots, COMMIT; see ``client/_shm_put.py``), else over TCP; an item
+        whose lease ended before its COMMIT goes again over TCP."""
         statuses = [0] * len(items)
         by_tcp = items
         if conn.shm_write and self.carries_put(items):
-            by_tcp = await self._put_leased(conn, items, statuses, num_tokens=num_tokens,
-                                            fingerprint=fingerprint)
+            assert self.mapping is not None
+            by_tcp = await self.puts.put(conn, self.mapping, items, statuses,
+                                         num_tokens=num_tokens, fingerprint=fingerprint)
         if by_tcp:
             await self.node.run(plans.put_tcp(self.node, by_tcp, statuses,
                                               num_tokens=num_tokens, fingerprint=fingerprint),
                                 conn)
         return statuses
-
-    async def _put_leased(self, conn: Connection, items: list[plans.PutItem],
-                          statuses: list[int], *, num_tokens: int, fingerprint: bytes
-                          ) -> list[plans.PutItem]:
-        """PUT_SHM, write each value into its slot, COMMIT; the items whose lease expired."""
-        shm = self.mapping
-        assert shm is not None
-        frames = plans.frames(self.node, items)
-        replies = await self.node.gather([
-            (conn, Op.PUT_SHM, len(frame), [b for it in frame for b in it.head()], None)
-            for frame in frames])
-        commits: list[tuple[Connection, int, int, list[Buffer], None]] = []
-        committing: list[list[plans.PutItem]] = []
-        writes: list[tuple[ShmItem, Sequence[memoryview], int]] = []
-        for frame, reply in zip(frames, replies, strict=True):
-            lease, slots = decode_shm_reply(reply.body, len(frame))
-            for item, slot in zip(frame, slots, strict=True):
-                if slot.status == Status.OK:
-                    writes.append((slot, item.parts, item.chunk_index))
-                else:
-                    statuses[item.index] = slot.status
-            if lease:
-                commits.append((conn, Op.COMMIT, len(frame), [encode_lease_ids([lease])], None))
-                committing.append(frame)
-        shm.write_many(writes, num_tokens=num_tokens, fingerprint=fingerprint)
-        expired: list[plans.PutItem] = []
-        for frame, reply in zip(committing, await self.node.gather(commits), strict=True):
-            for item, status in zip(frame, decode_statuses(reply.body, len(frame)), strict=True):
-                if status == Status.NOT_FOUND:  # the lease ended before COMMIT: not stored
-                    expired.append(item)
-                    continue
-                statuses[item.index] = status
-                if status == Status.OK:
-                    self.node.put_bytes_by_path["shm"] += item.nbytes
-        self.shm_put_expired += len(expired)
-        return expired
 
     async def get(self, conn: Connection, blob: bytes,
                   sinks: Sequence[memoryview | Segments] | None
@@ -311,7 +275,7 @@ class ShmPath:
                                   epoch=self.node.epoch)
             except KvpoolError:
                 break
-            touch.add_done_callback(_ignore_result)
+            touch.add_done_callback(ignore_result)
             sent.append(touch)
         return sent
 
@@ -350,7 +314,7 @@ class ShmPath:
         if leases:  # copied: the node may evict those values again (no need to wait)
             release = conn.send(Op.RELEASE, len(leases), [encode_lease_ids(leases)],
                                 epoch=self.node.epoch)
-            release.add_done_callback(_ignore_result)
+            release.add_done_callback(ignore_result)
         if too_small >= 0:
             plans.too_small(blob, too_small, sinks)
         if torn:  # freed (and maybe reused) mid-copy: ask again over TCP

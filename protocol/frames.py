@@ -81,6 +81,8 @@ __all__ = [
     "OP_FLAG_TRACE",
     "OP_SCOPE_MASK",
     "PROTOCOL_VERSION",
+    "COMMIT_AGAIN",
+    "COMMIT_AS_SIZE",
     "PUT_FLAG_PARENT",
     "PUT_FLAG_PIN",
     "PUT_ITEM_SIZE",
@@ -97,6 +99,7 @@ __all__ = [
     "Tier",
     "decode_json",
     "decode_keys",
+    "decode_commit_as",
     "decode_lease_ids",
     "decode_shm_reply",
     "decode_lookup",
@@ -105,6 +108,7 @@ __all__ = [
     "encode_frame",
     "encode_json",
     "encode_keys_request",
+    "encode_commit_as",
     "encode_lease_ids",
     "encode_lookup_reply",
     "encode_statuses",
@@ -157,13 +161,17 @@ class Op(enum.IntEnum):
     COMMIT = 14
     #: reads made through the arena index, with no request: count them, refresh recency
     TOUCH = 15
+    #: publish the slots of a PUT_SHM lease under the item headers this frame carries (the
+    #: keys of the values written into them), and with COMMIT_AGAIN reserve as many slots
+    #: of the same sizes under a new lease: a same-host put in one round trip
+    COMMIT_AS = 16
 
 
 #: Ops whose request body is exactly ``count`` keys.
 KEY_OPS = frozenset({Op.GET, Op.EXISTS, Op.DELETE, Op.LOOKUP, Op.PIN, Op.UNPIN, Op.GET_SHM,
                      Op.TOUCH})
 #: Ops whose op byte may carry scope bits (OP_FLAG_SHARED, OP_FLAG_RAW).
-SCOPED_OPS = KEY_OPS | {Op.PUT, Op.PUT_SHM}
+SCOPED_OPS = KEY_OPS | {Op.PUT, Op.PUT_SHM, Op.COMMIT_AS}
 
 _FRAME = struct.Struct("<2sBBIIIQ")
 FRAME_HEADER_SIZE = _FRAME.size
@@ -283,6 +291,27 @@ def decode_lease_ids(body: bytes | bytearray | memoryview, count: int) -> list[i
     if len(body) != 8 * count:
         raise BadFrameError(f"{count} lease ids need {8 * count} body bytes, got {len(body)}")
     return list(struct.unpack(f"<{count}Q", body))
+
+
+#: COMMIT_AS's fixed part: the lease id, flags (COMMIT_AGAIN), zero
+_COMMIT_AS = struct.Struct("<QII")
+COMMIT_AS_SIZE = _COMMIT_AS.size
+assert COMMIT_AS_SIZE == 16
+#: COMMIT_AS flag: reserve the same number of slots of the same sizes under a new lease
+COMMIT_AGAIN = 1
+
+
+def encode_commit_as(lease: int, flags: int) -> bytes:
+    """What a COMMIT_AS body starts with (its item headers follow, as in PUT_SHM)."""
+    return _COMMIT_AS.pack(lease, flags, 0)
+
+
+def decode_commit_as(prefix: bytes | bytearray | memoryview) -> tuple[int, int]:
+    """``(lease id, flags)`` of a COMMIT_AS body's fixed part."""
+    lease, flags, zero = _COMMIT_AS.unpack(prefix)
+    if zero or flags & ~COMMIT_AGAIN:
+        raise BadFrameError(f"COMMIT_AS with unknown flags {flags:#x}/{zero:#x}")
+    return lease, flags
 
 
 _TRACE = struct.Struct("<B16s8sB")

@@ -25,6 +25,7 @@ from kvpool.protocol.errors import (
     ValueTooLargeError,
 )
 from kvpool.protocol.frames import (
+    COMMIT_AS_SIZE,
     FRAME_HEADER_SIZE,
     GET_ITEM_SIZE,
     GET_ITEM_STRUCT,
@@ -73,6 +74,8 @@ _RAW = Codec.RAW
 MAX_CONTROL_BODY = 64 << 10
 
 _KNOWN_OPS = frozenset(int(op) for op in Op)
+#: ops whose body is PUT item headers (with the values only in PUT)
+_PUT_LIKE = frozenset({Op.PUT, Op.PUT_SHM, Op.COMMIT_AS})
 # needs asked for on every frame, made once (a plan never mutates a need)
 _FRAME_HEADER = Exact(FRAME_HEADER_SIZE)
 _PUT_ITEM = Exact(PUT_ITEM_SIZE)
@@ -234,8 +237,15 @@ class RequestParser:
                 assert raw_trace is not None
                 trace = unpack_trace_context(raw_trace)
                 header.body_len -= TRACE_CONTEXT_SIZE
-            if header.op in (Op.PUT, Op.PUT_SHM):
+            if header.op in _PUT_LIKE:
                 request = Request(header, trace=trace, scope=scope)
+                if header.op == Op.COMMIT_AS:  # the lease and flags, then items as PUT_SHM's
+                    if header.body_len < COMMIT_AS_SIZE:
+                        raise BadFrameError("COMMIT_AS body shorter than its lease id")
+                    prefix = yield Exact(COMMIT_AS_SIZE)
+                    assert prefix is not None
+                    request.body = bytes(prefix)
+                    header.body_len -= COMMIT_AS_SIZE
                 yield from self._put_items(request)
                 self._pending = []
                 self._ready.append(request)

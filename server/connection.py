@@ -293,7 +293,7 @@ class NodeConnection(asyncio.BufferedProtocol):
                     slot.assign(scoper(slot.key, scope), self._quota_tenant)
                 if item.parent is not None:
                     item.parent = scoper(item.parent, scope)
-            if request.header.op == Op.PUT_SHM:  # the node reserves its slots under these
+            if request.header.op in (Op.PUT_SHM, Op.COMMIT_AS):  # slots are keyed by these
                 request.keys = [scoper(item.header.key, scope) for item in request.items]
         elif request.keys:
             request.client_keys = request.keys

@@ -54,10 +54,10 @@ __all__ = ["Handlers"]
 _STATUS_OF_TIER = bytes([Status.NOT_FOUND] + [Status.OK] * 255)
 #: ops whose keys are placed by the cluster map (a stale client may have sent them astray)
 _ROUTED_OPS = frozenset({Op.PUT, Op.GET, Op.EXISTS, Op.DELETE, Op.LOOKUP, Op.PIN, Op.UNPIN,
-                         Op.GET_SHM, Op.PUT_SHM})
-_PUT_OPS = frozenset({Op.PUT, Op.PUT_SHM})
+                         Op.GET_SHM, Op.PUT_SHM, Op.COMMIT_AS})
+_PUT_OPS = frozenset({Op.PUT, Op.PUT_SHM, Op.COMMIT_AS})
 #: the same-host fast path's ops (server/shm_ops.py)
-_SHM_OPS = (Op.GET_SHM, Op.RELEASE, Op.PUT_SHM, Op.COMMIT, Op.TOUCH)
+_SHM_OPS = (Op.GET_SHM, Op.RELEASE, Op.PUT_SHM, Op.COMMIT, Op.COMMIT_AS, Op.TOUCH)
 
 
 class Handlers:
@@ -208,8 +208,10 @@ class Handlers:
     def put(self, request: Request) -> Reply | Pending:
         return self._store(request, request.items)
 
-    def _store(self, request: Request, items: Sequence[PutItem]) -> Reply | Pending:
-        """Publish received slots (a PUT's, or a committed PUT_SHM's); reply one Status each."""
+    def _store(self, request: Request, items: Sequence[PutItem], tail: Buffers | None = None
+               ) -> Reply | Pending:
+        """Publish received slots (a PUT's, or a committed PUT_SHM's); reply one Status each
+        (then ``tail``: COMMIT_AS's next lease)."""
         statuses = [Status.OK] * len(items)
         slots: list[Slot] = []
         where: list[int] = []
@@ -234,12 +236,12 @@ class Handlers:
         durable = [(where[j], e) for j in self.store.through(committed)
                    if (e := committed[j]) is not None]
         if durable:
-            return self._put_through(request, statuses, durable)
+            return self._put_through(request, statuses, durable, tail)
         self.store.write_behind(e for e in committed if e is not None)
-        return self._put_reply(request, statuses)
+        return self._put_reply(request, statuses, tail)
 
     async def _put_through(self, request: Request, statuses: list[Status],
-                           durable: Sequence[tuple[int, Entry]]) -> Reply:
+                           durable: Sequence[tuple[int, Entry]], tail: Buffers | None) -> Reply:
         """Write-through: answer once S3 has every chunk (UNAVAILABLE for those it has not)."""
         entries = [e for _, e in durable]
         with tier_span(self._tracer(request), "kvpool.s3 write", keys=len(entries)):
@@ -247,13 +249,14 @@ class Handlers:
         for (i, _), ok in zip(durable, done, strict=True):
             if not ok:
                 statuses[i] = Status.UNAVAILABLE
-        return self._put_reply(request, statuses)
+        return self._put_reply(request, statuses, tail)
 
-    def _put_reply(self, request: Request, statuses: Sequence[Status]) -> Reply:
+    def _put_reply(self, request: Request, statuses: Sequence[Status], tail: Buffers | None = None
+                   ) -> Reply:
         for status in statuses:
             if status != Status.OK:
                 self.stats.error(status, Op.PUT)
-        return self._reply(request, [encode_statuses(statuses)])
+        return self._reply(request, [encode_statuses(statuses), *(tail or ())])
 
     def _count_reads(self, entries: Sequence[Entry | None]) -> None:
         misses = entries.count(None)

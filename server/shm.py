@@ -215,7 +215,8 @@ class ShmService:
         arena = self.dram.arena
         offer: dict[str, object] = {
             "socket": self.name, "ticket": ticket, "capacity": arena.capacity,
-            "file_size": arena.file_size(arena.capacity), "lease_s": self.lease_s}
+            "file_size": arena.file_size(arena.capacity), "lease_s": self.lease_s,
+            "commit_as": True}  # this node takes COMMIT_AS (older ones: PUT_SHM and COMMIT)
         # the index holds stored keys; a tenant's are scoped, so it looks its own up by GET_SHM
         session.index = self.index is not None and session.principal.tenant is None
         if session.index and self.index is not None:
@@ -300,11 +301,12 @@ class ShmService:
         return lease.items
 
     def release(self, session: Session, ids: list[int]) -> list[bool]:
-        """End the given leases of ``session``; False for one that had expired (or is not its)."""
+        """End the given leases of ``session`` (a PUT_SHM lease's slots are given back
+        unwritten); False for one that had expired (or is not its)."""
         done = []
         for lease_id in ids:
             lease = self._leases.get(lease_id)
-            if lease is None or lease.session is not session or lease.items is not None:
+            if lease is None or lease.session is not session:
                 done.append(False)
                 continue
             self._end(lease_id)

@@ -1,4 +1,5 @@
-"""The op table's same-host fast-path ops: GET_SHM, RELEASE, TOUCH, PUT_SHM, COMMIT.
+"""The op table's same-host fast-path ops: GET_SHM, RELEASE, TOUCH, PUT_SHM, COMMIT,
+COMMIT_AS.
 
 They answer with where values lie in the shared arena instead of the values, under
 leases of the connection's session (``server/shm.py`` keeps the leases and grants);
@@ -12,8 +13,10 @@ from collections.abc import Callable, Sequence
 
 from kvpool.protocol.errors import BadFrameError, Status
 from kvpool.protocol.frames import (
+    COMMIT_AGAIN,
     Op,
     ShmItem,
+    decode_commit_as,
     decode_lease_ids,
     encode_lease_ids,
     encode_statuses,
@@ -24,7 +27,7 @@ from kvpool.server.session import Session
 from kvpool.server.shm import ShmService
 from kvpool.server.stats import NodeStats
 from kvpool.tiers.arena import ALIGN
-from kvpool.tiers.dram import DramTier, Entry
+from kvpool.tiers.dram import DramTier, Entry, Slot
 
 __all__ = ["ShmOps"]
 
@@ -32,12 +35,12 @@ __all__ = ["ShmOps"]
 class ShmOps:
     """The fast path's ops over ``service``. ``read(request, session)``: the op table's
     GET, leasing what it finds to ``session`` (it answers through :meth:`lease_reply`);
-    ``store(request, items)``: its PUT of received slots; ``reply(request, body)``: a
-    reply frame."""
+    ``store(request, items, tail)``: its PUT of received slots (the reply's statuses,
+    then ``tail``); ``reply(request, body)``: a reply frame."""
 
     def __init__(self, service: ShmService, dram: DramTier, stats: NodeStats, *,
                  read: Callable[[Request, Session], Reply | Pending],
-                 store: Callable[[Request, Sequence[PutItem]], Reply | Pending],
+                 store: Callable[[Request, Sequence[PutItem], Buffers | None], Reply | Pending],
                  reply: Callable[[Request, Buffers], Reply]) -> None:
         self.service = service
         self.dram = dram
@@ -50,6 +53,7 @@ class ShmOps:
             Op.RELEASE: self.release,
             Op.PUT_SHM: self.put_shm,
             Op.COMMIT: self.commit,
+            Op.COMMIT_AS: self.commit_as,
             Op.TOUCH: self.touch,
         }
 
@@ -84,11 +88,16 @@ class ShmOps:
         """Reserve a slot per item for the client to write into; they wait for COMMIT."""
         if not session.write:
             raise BadFrameError("PUT_SHM needs a connection granted the arena for writing")
+        return self._reply(request, self._reserve(request, request.items, session))
+
+    def _reserve(self, request: Request, items: list[PutItem], session: Session) -> Buffers:
+        """A slot for each of ``items`` (``request``'s or their like), under one lease of
+        ``session``: the lease id, then where each slot lies (NO_CAPACITY: no room)."""
         tenant = session.principal.quota_tenant
         keys = request.keys or [item.header.key for item in request.items]  # scoped, if any
         body: Buffers = []
         reserved = 0
-        for key, item in zip(keys, request.items, strict=True):
+        for key, item in zip(keys, items, strict=True):
             slot = self.dram.reserve(key, item.header.value_len, tenant)
             item.reservation = slot
             if slot is None:
@@ -96,8 +105,8 @@ class ShmOps:
             else:
                 body.append(ShmItem(Status.OK, slot.offset, slot.length, 0).pack())
                 reserved += 1
-        lease = self.service.reserve(session, request.items) if reserved else 0
-        return self._reply(request, [encode_lease_ids([lease]), *body])
+        lease = self.service.reserve(session, items) if reserved else 0
+        return [encode_lease_ids([lease]), *body]
 
     def commit(self, request: Request, session: Session) -> Reply | Pending:
         """Publish the slots of a PUT_SHM lease (NOT_FOUND for all: it had expired)."""
@@ -114,10 +123,48 @@ class ShmOps:
                 if item.reservation is not None:
                     item.reservation.release()
             raise BadFrameError(f"COMMIT of {count} items for a lease of {len(items)}")
+        self._count_commit(items)
+        return self._store(request, items, None)
+
+    def commit_as(self, request: Request, session: Session) -> Reply | Pending:
+        """COMMIT under the keys (and TTLs, flags, parents) of the frame's item headers, of
+        the sizes the lease's slots were reserved for; with COMMIT_AGAIN, slots of the same
+        sizes under a new lease follow the statuses (the client's next put of this shape
+        writes into them: one round trip a put)."""
+        if not session.write:
+            raise BadFrameError("COMMIT_AS needs a connection granted the arena for writing")
+        lease, flags = decode_commit_as(request.body)
+        held = self.service.take(session, lease)
+        count = request.header.count
+        if held is not None and (len(held) != count or any(
+                h.header.value_len != i.header.value_len
+                for h, i in zip(held, request.items, strict=True))):
+            for item in held:
+                if item.reservation is not None:
+                    item.reservation.release()
+            raise BadFrameError("COMMIT_AS items do not match the sizes of the lease's slots")
+        tail: Buffers | None = None
+        if flags & COMMIT_AGAIN:
+            tail = self._reserve(request, [PutItem(i.header, None) for i in request.items],
+                                 session)
+        if held is None:
+            self.stats.error(Status.NOT_FOUND, Op.COMMIT_AS)
+            return self._reply(request, [encode_statuses([Status.NOT_FOUND] * count),
+                                         *(tail or ())])
+        keys = request.keys or [item.header.key for item in request.items]  # scoped, if any
+        tenant = session.principal.quota_tenant
+        items: list[PutItem] = []
+        for key, old, new in zip(keys, held, request.items, strict=True):
+            if isinstance(old.reservation, Slot):  # PUT_SHM reserved it: always a Slot
+                old.reservation.assign(key, tenant)
+            items.append(PutItem(new.header, old.reservation, new.parent))
+        self._count_commit(items)
+        return self._store(request, items, tail)
+
+    def _count_commit(self, items: list[PutItem]) -> None:
         reserved = [i for i in items if i.reservation is not None]
         self.service.counters.committed += len(reserved)
         self.service.counters.bytes_in += sum(i.header.value_len for i in reserved)
-        return self._store(request, items)
 
     def lease_reply(self, request: Request, entries: list[Entry | None], session: Session
                     ) -> Reply:

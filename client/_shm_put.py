@@ -1,0 +1,177 @@
+"""Same-host puts: values written straight into slots of the node's arena.
+
+A put through the arena takes two round trips the first time: PUT_SHM reserves a
+slot per value (under a lease), the client writes each envelope and payload into
+its slot, and COMMIT publishes them. A node that takes COMMIT_AS (its HELLO offer
+says ``commit_as``) is sent that instead of COMMIT: the same publish, under the
+item headers the frame carries, and with COMMIT_AGAIN it reserves as many slots of
+the same sizes under a new lease in the same reply. The connection keeps those
+(:class:`Ahead`), and the next put of that shape (the usual case: an engine's chunks
+all have one size) writes into them and sends only COMMIT_AS, with its own keys: one
+round trip a put instead of two.
+
+Slots held ahead are arena memory reserved for a put that may not come: the node
+gives them back when the lease ends (``lease_s``, 5 s by default, or the connection
+closes), and this client sends RELEASE for those it will not use (a put of another
+shape). It uses them only within half the lease: a lease that ran out under a
+client writing into its slots could have them reused by another value (readers then
+find that value corrupt and drop it; never wrong bytes), so the margin is kept wide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvpool.client import _plans as plans
+from kvpool.client._connection import Buffer, Connection
+from kvpool.client._shm import ShmMapping
+from kvpool.protocol.errors import Status
+from kvpool.protocol.frames import (
+    COMMIT_AGAIN,
+    Op,
+    ShmItem,
+    decode_shm_reply,
+    decode_statuses,
+    encode_commit_as,
+    encode_lease_ids,
+)
+
+if TYPE_CHECKING:
+    from kvpool.client._node import NodeClient
+
+__all__ = ["AHEAD_MAX_BYTES", "Ahead", "LeasedPuts", "ignore_result"]
+
+#: slots are held ahead only for a put of at most this many bytes (and of at most 1/16
+#: of the arena): they are memory taken from the cache until the next put
+AHEAD_MAX_BYTES = 64 << 20
+
+
+@dataclass(slots=True)
+class Ahead:
+    """Slots a COMMIT_AS reserved for its connection's next put of the same sizes."""
+
+    lease: int
+    slots: list[ShmItem]
+    #: each slot's value length (envelope included), in order
+    lengths: tuple[int, ...]
+    #: time.monotonic() after which the slots are not written (half the node's lease)
+    usable_until: float
+
+
+def ignore_result(future: asyncio.Future[Any]) -> None:
+    """A RELEASE or TOUCH reply: nothing to do (a failed connection ends its leases)."""
+    if not future.cancelled():
+        future.exception()
+
+
+class LeasedPuts:
+    """The arena put of one node client (:meth:`put`), and the slots each of its
+    connections holds ahead."""
+
+    def __init__(self, node: NodeClient) -> None:
+        self.node = node
+        #: PUT_SHM leases that ended before their COMMIT (the values went again over TCP)
+        self.expired = 0
+        #: puts that wrote into slots held ahead (one round trip), and those that did not
+        self.one_trip = 0
+        self.two_trips = 0
+
+    async def put(self, conn: Connection, shm: ShmMapping, items: list[plans.PutItem],
+                  statuses: list[int], *, num_tokens: int, fingerprint: bytes
+                  ) -> list[plans.PutItem]:
+        """Write ``items`` into arena slots and publish them; fills ``statuses`` and
+        returns the items whose lease ended before their COMMIT (to go over TCP)."""
+        frames = plans.frames(self.node, items)
+        ahead = self._take_ahead(conn, frames)
+        leases: list[tuple[int, list[ShmItem]]]
+        if ahead is not None:
+            leases = [(ahead.lease, ahead.slots)]
+            self.one_trip += 1
+        else:
+            replies = await self.node.gather([
+                (conn, Op.PUT_SHM, len(frame), [b for it in frame for b in it.head()], None)
+                for frame in frames])
+            leases = [decode_shm_reply(reply.body, len(frame))
+                      for frame, reply in zip(frames, replies, strict=True)]
+            self.two_trips += 1
+        flags = COMMIT_AGAIN if self._may_hold(shm, frames) else 0
+        commits: list[tuple[Connection, int, int, list[Buffer], None]] = []
+        committing: list[list[plans.PutItem]] = []
+        writes: list[tuple[ShmItem, Sequence[memoryview], int]] = []
+        for frame, (lease, slots) in zip(frames, leases, strict=True):
+            for item, slot in zip(frame, slots, strict=True):
+                if slot.status == Status.OK:
+                    writes.append((slot, item.parts, item.chunk_index))
+                else:
+                    statuses[item.index] = slot.status
+            if not lease:
+                continue
+            if shm.commit_as:
+                commits.append((conn, Op.COMMIT_AS, len(frame),
+                                [encode_commit_as(lease, flags),
+                                 *[b for it in frame for b in it.head()]], None))
+            else:
+                commits.append((conn, Op.COMMIT, len(frame), [encode_lease_ids([lease])], None))
+            committing.append(frame)
+        shm.write_many(writes, num_tokens=num_tokens, fingerprint=fingerprint)
+        expired: list[plans.PutItem] = []
+        for frame, reply in zip(committing, await self.node.gather(commits), strict=True):
+            count = len(frame)
+            body = memoryview(reply.body)
+            if flags:
+                self._keep_ahead(conn, shm, body[count:], frame)
+            for item, status in zip(frame, decode_statuses(body[:count], count), strict=True):
+                if status == Status.NOT_FOUND:  # the lease ended before COMMIT: not stored
+                    expired.append(item)
+                    continue
+                statuses[item.index] = status
+                if status == Status.OK:
+                    self.node.put_bytes_by_path["shm"] += item.nbytes
+        self.expired += len(expired)
+        return expired
+
+    @staticmethod
+    def _may_hold(shm: ShmMapping, frames: list[list[plans.PutItem]]) -> bool:
+        """Whether to ask for slots ahead: a node that takes COMMIT_AS, a put of one
+        frame, small against the arena."""
+        if not shm.commit_as or len(frames) != 1:
+            return False
+        nbytes = sum(item.header.value_len for item in frames[0])
+        return nbytes <= min(AHEAD_MAX_BYTES, shm.capacity // 16)
+
+    def _take_ahead(self, conn: Connection, frames: list[list[plans.PutItem]]) -> Ahead | None:
+        """``conn``'s slots held ahead if they fit this put (one frame of the same sizes,
+        in time); they are this put's now. Slots that do not fit are released."""
+        ahead = conn.put_ahead
+        if ahead is None:
+            return None
+        conn.put_ahead = None
+        if len(frames) == 1 and time.monotonic() < ahead.usable_until and \
+                ahead.lengths == tuple(item.header.value_len for item in frames[0]):
+            return ahead
+        self._release(conn, ahead)
+        return None
+
+    def _keep_ahead(self, conn: Connection, shm: ShmMapping, tail: memoryview,
+                    frame: list[plans.PutItem]) -> None:
+        """Keep the slots a COMMIT_AGAIN reply reserved (all of them, or none)."""
+        lease, slots = decode_shm_reply(tail, len(frame))
+        if not lease:
+            return
+        ahead = Ahead(lease, slots, tuple(item.header.value_len for item in frame),
+                      time.monotonic() + shm.lease_s / 2)
+        if any(slot.status != Status.OK for slot in slots) or conn.put_ahead is not None \
+                or not conn.is_open:
+            self._release(conn, ahead)  # a partial lease, or a concurrent put kept its own
+            return
+        conn.put_ahead = ahead
+
+    def _release(self, conn: Connection, ahead: Ahead) -> None:
+        """Give the slots back now, without waiting for the reply."""
+        if conn.is_open:
+            conn.send(Op.RELEASE, 1, [encode_lease_ids([ahead.lease])],
+                      epoch=self.node.epoch).add_done_callback(ignore_result)

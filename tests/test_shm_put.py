@@ -1,0 +1,220 @@
+"""Same-host puts in one round trip (COMMIT_AS, ``client/_shm_put.py``) against real node
+processes: a put of the shape of the one before writes into slots that put's COMMIT_AS
+held ahead, under its own keys and headers; slots of another shape, or held past half the
+lease, are given back and never written; the node refuses a COMMIT_AS that does not match
+its lease, or comes from a connection that may not write; tenant-scoped keys stay scoped."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import pytest
+
+from kvpool.client import Client
+from kvpool.client._node import NodeClient
+from kvpool.client._shm_put import LeasedPuts
+from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
+from kvpool.protocol.errors import BadFrameError, Status
+from kvpool.protocol.frames import (
+    COMMIT_AGAIN,
+    Op,
+    PutItemHeader,
+    decode_shm_reply,
+    decode_statuses,
+    encode_commit_as,
+)
+
+from .conftest import NodeProcess, http_json, start_node
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+
+KIB = 1 << 10
+PAGE = 4096
+
+
+def _stats(node: NodeProcess) -> dict[str, Any]:
+    status, stats = http_json(f"{node.admin_url}/v1/stats")
+    assert status == 200
+    return stats
+
+
+def _node(client: Client) -> NodeClient:
+    node = client.async_client._router.standalone_node
+    assert node is not None and node.shm_path.mapping is not None
+    return node
+
+
+def _puts(client: Client) -> LeasedPuts:
+    return _node(client).shm_path.puts
+
+
+def _extent(nbytes: int) -> int:
+    return -(-(nbytes + ENVELOPE_HEADER_SIZE) // PAGE) * PAGE
+
+
+def test_a_put_of_the_same_shape_takes_one_round_trip() -> None:
+    node = start_node("--dram-capacity", "64MiB", "--no-ssd")
+    try:
+        sizes = [512 * KIB, 512 * KIB, 512 * KIB + 7]  # 1.5 MiB a put: through the arena
+        puts = [([os.urandom(16) for _ in sizes], [os.urandom(n) for n in sizes])
+                for _ in range(5)]
+        parent = os.urandom(16)
+        with Client(node.url, shm=True, pool_size=1) as fast, \
+                Client(node.url, shm=False) as tcp:
+            for i, (keys, values) in enumerate(puts):
+                # headers that differ from put to put: the COMMIT_AS carries each put's own
+                fast.put_many(keys, values, chunk_indexes=[i, i + 1, i + 2], num_tokens=64 * i,
+                              pin=i == 3, ttl=600 if i == 2 else None,
+                              parents=[parent, None, None] if i == 4 else None)
+            stats = _stats(node)
+            # slots held ahead for the next put, one lease, until the client closes
+            assert stats["shm"]["open_leases"] == 1
+            assert stats["tiers"]["dram"]["allocated_bytes"] == 6 * sum(map(_extent, sizes))
+            assert (_puts(fast).two_trips, _puts(fast).one_trip) == (1, 4)
+            for keys, values in puts:
+                assert tcp.get_many(keys) == values
+                assert fast.get_many(keys) == values
+        stats = _stats(node)
+        requests = stats["requests"]
+        assert (requests["put_shm"], requests["commit_as"], requests["commit"]) == (1, 5, 0)
+        shm = stats["shm"]
+        assert (shm["put_leases"], shm["committed"], shm["open_leases"]) == (6, 15, 0)
+        assert shm["bytes_in"] == 5 * sum(n + ENVELOPE_HEADER_SIZE for n in sizes)
+        # the slots still held ahead went back when the connection closed
+        assert stats["tiers"]["dram"]["allocated_bytes"] == 5 * sum(map(_extent, sizes))
+        assert stats["num_objects"] == 15
+        for i, (keys, _) in enumerate(puts):
+            for j, key in enumerate(keys):
+                chunk = http_json(f"{node.admin_url}/v1/chunks/{key.hex()}")[1]
+                assert (chunk["depth"], chunk["num_tokens"]) == (i + j, 64 * i)
+                assert chunk["pinned"] == (i == 3)
+                assert (chunk["ttl_s"] is not None) == (i == 2)
+                assert chunk["parent"] == (parent.hex() if (i, j) == (4, 0) else None)
+    finally:
+        assert node.stop() == 0
+
+
+def test_slots_of_another_shape_are_given_back_unwritten() -> None:
+    node = start_node("--dram-capacity", "64MiB", "--no-ssd")
+    try:
+        one, two = [os.urandom(1 << 20)], [os.urandom(1 << 20), os.urandom(1 << 20)]
+        keys = [os.urandom(16) for _ in range(5)]
+        with Client(node.url, shm=True, pool_size=1) as fast:
+            fast.put_many(keys[:1], one)
+            fast.put_many(keys[1:3], two)  # another shape: the held slot is released
+            fast.put_many(keys[3:5], two)  # this shape again: one round trip
+            assert (_puts(fast).two_trips, _puts(fast).one_trip) == (2, 1)
+            assert fast.get_many(keys) == one + two + two
+            shm = _stats(node)["shm"]
+            assert (shm["released"], shm["open_leases"], shm["expired"]) == (1, 1, 0)
+        stats = _stats(node)
+        assert stats["requests"]["put_shm"] == 2 and stats["num_objects"] == 5
+        assert stats["tiers"]["dram"]["allocated_bytes"] == 5 * _extent(1 << 20)
+    finally:
+        assert node.stop() == 0
+
+
+def test_slots_held_past_half_the_lease_are_not_written() -> None:
+    node = start_node("--dram-capacity", "64MiB", "--no-ssd", "--shm-lease", "0.6")
+    try:
+        keys = [os.urandom(16) for _ in range(3)]
+        values = [os.urandom(1 << 20) for _ in keys]
+        with Client(node.url, shm=True, pool_size=1) as fast:
+            fast.put(keys[0], values[0])
+            time.sleep(0.4)  # past half the lease, not yet past the lease
+            fast.put(keys[1], values[1])
+            time.sleep(1.0)  # past the whole lease: the node may have taken the slot back
+            fast.put(keys[2], values[2])
+            assert (_puts(fast).two_trips, _puts(fast).one_trip) == (3, 0)
+            assert fast.get_many(keys) == values
+            assert fast.put_bytes_by_path == {"shm": 3 << 20, "tcp": 0}
+        stats = _stats(node)
+        assert stats["requests"]["put_shm"] == 3 and stats["shm"]["committed"] == 3
+        assert stats["num_objects"] == 3
+        assert stats["tiers"]["dram"]["allocated_bytes"] == 3 * _extent(1 << 20)
+    finally:
+        assert node.stop() == 0
+
+
+def _raw_call(client: Client, op: Op, count: int, body: list[bytes]) -> Any:
+    node = _node(client)
+
+    async def call() -> Any:
+        conn = await node._connection()
+        return node.check(await conn.send(op, count, body))
+
+    return client.run(call())
+
+
+def test_the_node_refuses_a_commit_as_that_does_not_match_its_lease() -> None:
+    node = start_node("--dram-capacity", "64MiB", "--no-ssd")
+    try:
+        key, other = os.urandom(16), os.urandom(16)
+        head = PutItemHeader(key, ENVELOPE_HEADER_SIZE + 8192)
+        with Client(node.url, shm=True, pool_size=1) as fast:
+            reply = _raw_call(fast, Op.PUT_SHM, 1, [head.pack()])
+            lease, slots = decode_shm_reply(reply.body, 1)
+            assert lease and slots[0].length == head.value_len
+            # another size than the slot's: refused, and the slot given back
+            bigger = PutItemHeader(other, head.value_len + PAGE)
+            with pytest.raises(BadFrameError, match="do not match the sizes"):
+                _raw_call(fast, Op.COMMIT_AS, 1, [encode_commit_as(lease, 0), bigger.pack()])
+        shm = _stats(node)["shm"]
+        assert (shm["put_leases"], shm["open_leases"], shm["committed"]) == (1, 0, 0)
+        assert _stats(node)["tiers"]["dram"]["allocated_bytes"] == 0
+        with Client(node.url, shm=True, pool_size=1) as fast:
+            # a lease this connection does not hold: NOT_FOUND, and no slots ahead either
+            # when the frame asks for none; with COMMIT_AGAIN, new slots all the same
+            reply = _raw_call(fast, Op.COMMIT_AS, 1, [encode_commit_as(12345, 0), head.pack()])
+            assert decode_statuses(reply.body, 1) == [Status.NOT_FOUND]
+            reply = _raw_call(fast, Op.COMMIT_AS, 1,
+                              [encode_commit_as(12345, COMMIT_AGAIN), head.pack()])
+            assert decode_statuses(reply.body[:1], 1) == [Status.NOT_FOUND]
+            lease, slots = decode_shm_reply(reply.body[1:], 1)
+            assert lease and slots[0].length == head.value_len
+            assert fast.exists_many([key, other]) == [False, False]
+            with pytest.raises(BadFrameError, match="unknown flags"):
+                _raw_call(fast, Op.COMMIT_AS, 1, [encode_commit_as(lease, 2), head.pack()])
+    finally:
+        assert node.stop() == 0
+
+
+def test_a_read_only_grant_may_not_commit_as() -> None:
+    node = start_node("--dram-capacity", "16MiB", "--no-ssd", "--no-shm-write")
+    try:
+        head = PutItemHeader(os.urandom(16), ENVELOPE_HEADER_SIZE + 8192)
+        with Client(node.url, shm=True, pool_size=1) as fast, \
+                pytest.raises(BadFrameError, match="granted the arena for writing"):
+            _raw_call(fast, Op.COMMIT_AS, 1, [encode_commit_as(1, COMMIT_AGAIN), head.pack()])
+        shm = _stats(node)["shm"]
+        assert (shm["put_leases"], shm["open_leases"]) == (0, 0)
+    finally:
+        assert node.stop() == 0
+
+
+def test_an_admin_of_a_tenant_puts_under_its_scoped_keys(tmp_path: Any) -> None:
+    path = os.path.join(str(tmp_path), "tokens.toml")
+    with open(path, "w") as f:
+        f.write('[[token]]\ntoken = "ops-admin-000123456789"\ntenant = "ops"\nrole = "admin"\n'
+                '\n[[token]]\ntoken = "acme-reader-0123456789"\ntenant = "acme"\n'
+                'role = "read"\n')
+    node = start_node("--dram-capacity", "64MiB", "--no-ssd", "--auth-tokens", path)
+    try:
+        keys = [os.urandom(16) for _ in range(3)]
+        values = [os.urandom(1 << 20) for _ in keys]
+        with Client(node.url, token="ops-admin-000123456789", shm=True, pool_size=1) as ops:
+            for key, value in zip(keys, values, strict=True):
+                ops.put(key, value)
+            assert (_puts(ops).two_trips, _puts(ops).one_trip) == (1, 2)
+            assert ops.get_many(keys) == values
+        with Client(node.url, token="ops-admin-000123456789", shm=False) as ops_tcp:
+            assert ops_tcp.get_many(keys) == values
+        with Client(node.url, token="acme-reader-0123456789") as acme:
+            assert acme.exists_many(keys) == [False] * 3  # ops's keys, not acme's
+        with Client(node.url, token="ops-admin-000123456789", scope="raw") as raw:
+            assert raw.exists_many(keys) == [False] * 3  # stored under scoped keys
+    finally:
+        assert node.stop() == 0
