@@ -139,6 +139,23 @@ def test_slots_held_past_half_the_lease_are_not_written() -> None:
         assert node.stop() == 0
 
 
+def test_a_node_without_commit_as_gets_put_shm_and_commit() -> None:
+    node = start_node("--dram-capacity", "64MiB", "--no-ssd")
+    try:
+        keys = [os.urandom(16) for _ in range(3)]
+        values = [os.urandom(1 << 20) for _ in keys]
+        with Client(node.url, shm=True, pool_size=1) as fast:
+            _node(fast).shm_path.mapping.commit_as = False  # as an older node's offer says
+            for key, value in zip(keys, values, strict=True):
+                fast.put(key, value)
+            assert fast.get_many(keys) == values
+            assert fast.put_bytes_by_path == {"shm": 3 << 20, "tcp": 0}
+        requests = _stats(node)["requests"]
+        assert (requests["put_shm"], requests["commit"], requests["commit_as"]) == (3, 3, 0)
+    finally:
+        assert node.stop() == 0
+
+
 def _raw_call(client: Client, op: Op, count: int, body: list[bytes]) -> Any:
     node = _node(client)
 
