@@ -6,16 +6,17 @@ its slot, and COMMIT publishes them. A node that takes COMMIT_AS (its HELLO offe
 says ``commit_as``) is sent that instead of COMMIT: the same publish, under the
 item headers the frame carries, and with COMMIT_AGAIN it reserves as many slots of
 the same sizes under a new lease in the same reply. The connection keeps those
-(:class:`Ahead`), and the next put of that shape (the usual case: an engine's chunks
-all have one size) writes into them and sends only COMMIT_AS, with its own keys: one
-round trip a put instead of two.
+(:class:`Ahead`; several, for puts in flight together), and the next put of that shape
+(the usual case: an engine's chunks all have one size) writes into them and sends only
+COMMIT_AS, with its own keys: one round trip a put instead of two.
 
 Slots held ahead are arena memory reserved for a put that may not come: the node
 gives them back when the lease ends (``lease_s``, 5 s by default, or the connection
-closes), and this client sends RELEASE for those it will not use (a put of another
-shape). It uses them only within half the lease: a lease that ran out under a
-client writing into its slots could have them reused by another value (readers then
-find that value corrupt and drop it; never wrong bytes), so the margin is kept wide.
+closes), and this client sends RELEASE for those it will not use (once a put of
+another shape comes, or past the bounds below). It uses them only within half the
+lease: a lease that ran out under a client writing into its slots could have them
+reused by another value (readers then find that value corrupt and drop it; never
+wrong bytes), so the margin is kept wide.
 """
 
 from __future__ import annotations
@@ -43,11 +44,13 @@ from kvpool.protocol.frames import (
 if TYPE_CHECKING:
     from kvpool.client._node import NodeClient
 
-__all__ = ["AHEAD_MAX_BYTES", "Ahead", "LeasedPuts", "ignore_result"]
+__all__ = ["AHEAD_MAX_BYTES", "AHEAD_MAX_LEASES", "Ahead", "LeasedPuts", "ignore_result"]
 
-#: slots are held ahead only for a put of at most this many bytes (and of at most 1/16
-#: of the arena): they are memory taken from the cache until the next put
+#: a connection holds slots ahead for at most this many bytes (and 1/16 of the arena) in
+#: all, in at most AHEAD_MAX_LEASES leases (puts in flight together each take one): they
+#: are memory taken from the cache until the next put
 AHEAD_MAX_BYTES = 64 << 20
+AHEAD_MAX_LEASES = 8
 
 
 @dataclass(slots=True)
@@ -60,6 +63,11 @@ class Ahead:
     lengths: tuple[int, ...]
     #: time.monotonic() after which the slots are not written (half the node's lease)
     usable_until: float
+
+
+def _max_held(shm: ShmMapping) -> int:
+    """The most bytes of slots one connection holds ahead."""
+    return min(AHEAD_MAX_BYTES, shm.capacity // 16)
 
 
 def ignore_result(future: asyncio.Future[Any]) -> None:
@@ -140,35 +148,46 @@ class LeasedPuts:
         frame, small against the arena."""
         if not shm.commit_as or len(frames) != 1:
             return False
-        nbytes = sum(item.header.value_len for item in frames[0])
-        return nbytes <= min(AHEAD_MAX_BYTES, shm.capacity // 16)
+        return sum(item.header.value_len for item in frames[0]) <= _max_held(shm)
 
     def _take_ahead(self, conn: Connection, frames: list[list[plans.PutItem]]) -> Ahead | None:
-        """``conn``'s slots held ahead if they fit this put (one frame of the same sizes,
-        in time); they are this put's now. Slots that do not fit are released."""
-        ahead = conn.put_ahead
-        if ahead is None:
+        """Slots ``conn`` holds ahead that fit this put (one frame of the same sizes, in
+        time); they are this put's now. Those of another shape (the puts changed), or
+        past half their lease, are released."""
+        held = conn.put_ahead
+        if not held:
             return None
-        conn.put_ahead = None
-        if len(frames) == 1 and time.monotonic() < ahead.usable_until and \
-                ahead.lengths == tuple(item.header.value_len for item in frames[0]):
-            return ahead
-        self._release(conn, ahead)
-        return None
+        shape = tuple(item.header.value_len for item in frames[0]) if len(frames) == 1 \
+            else None
+        now = time.monotonic()
+        found = None
+        keep: list[Ahead] = []
+        for ahead in held:
+            if ahead.lengths != shape or now >= ahead.usable_until:
+                self._release(conn, ahead)
+            elif found is None:
+                found = ahead
+            else:
+                keep.append(ahead)
+        conn.put_ahead = keep
+        return found
 
     def _keep_ahead(self, conn: Connection, shm: ShmMapping, tail: memoryview,
                     frame: list[plans.PutItem]) -> None:
-        """Keep the slots a COMMIT_AGAIN reply reserved (all of them, or none)."""
+        """Keep the slots a COMMIT_AGAIN reply reserved (all of them, or none), within
+        the connection's bounds."""
         lease, slots = decode_shm_reply(tail, len(frame))
         if not lease:
             return
         ahead = Ahead(lease, slots, tuple(item.header.value_len for item in frame),
                       time.monotonic() + shm.lease_s / 2)
-        if any(slot.status != Status.OK for slot in slots) or conn.put_ahead is not None \
-                or not conn.is_open:
-            self._release(conn, ahead)  # a partial lease, or a concurrent put kept its own
+        held = conn.put_ahead
+        nbytes = sum(ahead.lengths) + sum(sum(a.lengths) for a in held)
+        if any(slot.status != Status.OK for slot in slots) or not conn.is_open \
+                or len(held) >= AHEAD_MAX_LEASES or nbytes > _max_held(shm):
+            self._release(conn, ahead)
             return
-        conn.put_ahead = ahead
+        held.append(ahead)
 
     def _release(self, conn: Connection, ahead: Ahead) -> None:
         """Give the slots back now, without waiting for the reply."""

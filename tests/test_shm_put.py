@@ -6,6 +6,7 @@ its lease, or comes from a connection that may not write; tenant-scoped keys sta
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import time
@@ -13,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from kvpool.client import Client
+from kvpool.client import AsyncClient, Client
 from kvpool.client._node import NodeClient
-from kvpool.client._shm_put import LeasedPuts
+from kvpool.client._shm_put import AHEAD_MAX_LEASES, LeasedPuts
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
 from kvpool.protocol.errors import BadFrameError, Status
 from kvpool.protocol.frames import (
@@ -93,6 +94,36 @@ def test_a_put_of_the_same_shape_takes_one_round_trip() -> None:
                 assert chunk["pinned"] == (i == 3)
                 assert (chunk["ttl_s"] is not None) == (i == 2)
                 assert chunk["parent"] == (parent.hex() if (i, j) == (4, 0) else None)
+    finally:
+        assert node.stop() == 0
+
+
+async def test_puts_in_flight_together_each_take_slots_held_ahead() -> None:
+    node = start_node("--dram-capacity", "64MiB", "--no-ssd")
+    try:
+        rounds = [([os.urandom(16) for _ in range(12)], [os.urandom(256 * KIB) for _ in range(12)])
+                  for _ in range(4)]
+        async with AsyncClient(node.url, shm=True, pool_size=1,
+                               shm_put_min_bytes=64 * KIB) as fast:
+            node_client = fast._router.standalone_node
+            assert node_client is not None
+            puts = node_client.shm_path.puts
+            for keys, values in rounds:
+                await asyncio.gather(*(fast.put(k, v) for k, v in zip(keys, values,
+                                                                     strict=True)))
+                # at most AHEAD_MAX_LEASES held ahead; the rest of the replies' slots released
+                assert 1 <= _stats(node)["shm"]["open_leases"] <= AHEAD_MAX_LEASES
+            # after the first round, 8 of each 12 puts in flight found slots held ahead
+            assert (puts.one_trip, puts.two_trips) == (3 * AHEAD_MAX_LEASES,
+                                                       12 + 3 * (12 - AHEAD_MAX_LEASES))
+            for keys, values in rounds:
+                assert await fast.get_many(keys) == values
+        deadline = time.monotonic() + 10  # the node sees the connection close soon after
+        while _stats(node)["shm"]["open_leases"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        stats = _stats(node)
+        assert stats["shm"]["open_leases"] == 0 and stats["num_objects"] == 48
+        assert stats["tiers"]["dram"]["allocated_bytes"] == 48 * _extent(256 * KIB)
     finally:
         assert node.stop() == 0
 
