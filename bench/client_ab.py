@@ -3,6 +3,7 @@
     python -m bench.client_ab --before ../old-checkout            # one node
     python -m bench.client_ab --before ../old --cluster 3 --pin   # 3 nodes, 1 CPU
     python -m bench.client_ab --before ../old --vary nodes        # the node's code
+    python -m bench.client_ab --before ../old --puts              # 1 MiB puts, same host
 
 ``--before`` is another kvpool checkout (``git worktree add ../old <commit>``). The
 node processes run this checkout's code; each round runs the client once with the
@@ -13,7 +14,9 @@ turn (what a change to the node does to the same calls). Series, over TCP (``shm
 ``get`` of 4 KiB (the blocking socket), a sync ``exists``, an async ``get`` of 4 KiB
 and an async ``lookup`` of 512 keys, half of them held. Per series it prints p50 and
 p99 (median [min-max] over rounds), the client's CPU a call (user and system,
-``getrusage``), and the median of the per-round ratios after/before. ``--pin`` puts
+``getrusage``), and the median of the per-round ratios after/before. ``--puts`` times
+1 MiB puts instead, through the same-host arena (nodes with the fast path; sync, async,
+async with 4 in flight) and over TCP as the control. ``--pin`` puts
 the nodes and the client on CPU 0 (what the client's own work costs shows most
 there). Writes ``bench/results/client_ab.json``.
 """
@@ -81,17 +84,60 @@ print(json.dumps(out))
 """
 
 
+#: ``--puts``: 1 MiB puts to the same host (the arena, ``shm=True``) and, as the control,
+#: over TCP; 64 values put in turn; "4 in flight" times a gather of 4 puts
+_PUT_CLIENT = r"""
+import asyncio, json, os, resource, sys, time
+from kvpool.client import AsyncClient, Client
+url, n = sys.argv[1], int(sys.argv[2])
+out = {}
+keys = [os.urandom(16) for _ in range(64)]
+values = [os.urandom(1 << 20) for _ in range(64)]
+turn = [0]
+def pair():
+    turn[0] = (turn[0] + 1) % 64
+    return keys[turn[0]], values[turn[0]]
+def record(name, ts, r0, r1):
+    ts.sort()
+    out[name] = {"p50": ts[n // 2], "p99": ts[int(n * 0.99)],
+                 "user": (r1.ru_utime - r0.ru_utime) / n, "sys": (r1.ru_stime - r0.ru_stime) / n}
+for name, shm in (("sync shm put 1 MiB", True), ("sync put 1 MiB, TCP", False)):
+    with Client(url, shm=shm) as c:
+        for _ in range(64):
+            c.put(*pair())
+        ts = []
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        for _ in range(n):
+            t = time.perf_counter(); c.put(*pair()); ts.append(time.perf_counter() - t)
+        record(name, ts, r0, resource.getrusage(resource.RUSAGE_SELF))
+async def run_async():
+    async with AsyncClient(url, shm=True) as c:
+        for name, depth in (("async shm put 1 MiB", 1), ("async shm put 1 MiB, 4 in flight", 4)):
+            for _ in range(16):
+                await asyncio.gather(*(c.put(*pair()) for _ in range(depth)))
+            ts = []
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
+            for _ in range(n):
+                t = time.perf_counter()
+                await asyncio.gather(*(c.put(*pair()) for _ in range(depth)))
+                ts.append(time.perf_counter() - t)
+            record(name, ts, r0, resource.getrusage(resource.RUSAGE_SELF))
+asyncio.run(run_async())
+print(json.dumps(out))
+"""
+
+
 def _start(stack: contextlib.ExitStack, nodes: int, data_dir: Path, pin: bool,
-           shim: Path | None) -> str:
+           shim: Path | None, *, shm: bool = False) -> str:
     """Start ``nodes`` DRAM-only nodes (running ``shim``'s checkout, else this one's) for
-    the rest of ``stack``; their URL."""
+    the rest of ``stack``, with the same-host fast path if ``shm``; their URL."""
     saved = os.environ.get("PYTHONPATH")
     if shim is not None:  # the node processes inherit it
         os.environ["PYTHONPATH"] = str(shim)
     try:
         cluster = stack.enter_context(LocalCluster(
             nodes, replication=min(2, nodes), data_dir=data_dir,
-            serve_args=["--no-ssd", "--no-shm"], standalone=nodes == 1))
+            serve_args=["--no-ssd", *([] if shm else ["--no-shm"])], standalone=nodes == 1))
     finally:
         if saved is None:
             os.environ.pop("PYTHONPATH", None)
@@ -110,8 +156,9 @@ def _shim(checkout: Path, into: Path) -> Path:
     return into
 
 
-def _client(shim: Path, url: str, calls: int, pin: bool) -> dict[str, dict[str, float]]:
-    cmd = [sys.executable, "-c", _CLIENT, url, str(calls)]
+def _client(shim: Path, url: str, calls: int, pin: bool, script: str = _CLIENT
+            ) -> dict[str, dict[str, float]]:
+    cmd = [sys.executable, "-c", script, url, str(calls)]
     if pin:
         cmd = ["taskset", "-c", "0", *cmd]
     env = {**os.environ, "PYTHONPATH": str(shim)}
@@ -141,7 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pin", action="store_true", help="everything on CPU 0")
     parser.add_argument("--vary", choices=("client", "nodes"), default="client",
                         help="which side runs the other checkout's code (default: client)")
+    parser.add_argument("--puts", action="store_true",
+                        help="1 MiB puts instead: through the same-host arena (sync, async, "
+                             "4 in flight) and, as the control, over TCP")
     args = parser.parse_args(argv)
+    script = _PUT_CLIENT if args.puts else _CLIENT
     if not (args.before / "client" / "_async.py").exists():
         parser.error(f"--before {args.before} is not a kvpool checkout")
     runs: dict[str, list[dict[str, dict[str, float]]]] = {"before": [], "after": []}
@@ -150,13 +201,15 @@ def main(argv: list[str] | None = None) -> int:
                  "after": _shim(CHECKOUT, Path(tmp, "after"))}
         sides = ("before", "after") if args.vary == "nodes" else ("this",)
         urls = {side: _start(stack, args.cluster, Path(tmp, f"nodes-{side}"), args.pin,
-                             shims.get(side)) for side in sides}
+                             shims.get(side), shm=args.puts) for side in sides}
         for r in range(args.rounds):
             for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
                 if args.vary == "nodes":
-                    runs[side].append(_client(shims["after"], urls[side], args.calls, args.pin))
+                    runs[side].append(_client(shims["after"], urls[side], args.calls, args.pin,
+                                              script))
                 else:
-                    runs[side].append(_client(shims[side], urls["this"], args.calls, args.pin))
+                    runs[side].append(_client(shims[side], urls["this"], args.calls, args.pin,
+                                              script))
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     table: dict[str, Any] = {}
     print(f"\n{args.cluster} node(s), {'all on CPU 0' if args.pin else 'as scheduled'}, "
@@ -181,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt(row['p99 before'], scale=1e3)} | {fmt(row['p99 after'], scale=1e3)} | "
               f"{fmt(row['cpu before'], scale=1e3)} | {fmt(row['cpu after'], scale=1e3)} |")
     out = save("client_ab", {"before": str(args.before.resolve()), "nodes": args.cluster,
-                             "vary": args.vary,
+                             "vary": args.vary, "puts": args.puts,
                              "pin": args.pin, "rounds": args.rounds, "calls": args.calls,
                              "series": table, "runs": runs})
     print(f"\nwrote {out}")
