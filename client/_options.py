@@ -11,10 +11,14 @@ from kvpool.protocol.frames import SCOPE_FLAGS
 
 __all__ = ["SHM_PUT_MIN_BYTES", "ClientOptions"]
 
-#: a put call whose values total fewer bytes goes over TCP: through shared memory it
-#: takes two round trips (PUT_SHM, COMMIT), which small calls do not earn back.
-#: Measured on the 2-core VM (bench.throughput, shm / TCP): one 256 KiB value
-#: 0.77x, one 1 MiB 1.01x, one 4 MiB 2.15x; 8 x 256 KiB 1.26x, 8 x 1 MiB 1.90x
+#: a put call whose values total fewer bytes goes over TCP: through shared memory the
+#: first put of a shape takes two round trips (PUT_SHM, COMMIT_AS; one for each put of
+#: that shape after it, client/_shm_put.py), and the copy into the arena, which small
+#: calls do not earn back. Measured on a 2-core VM (bench.throughput, shm / TCP): one
+#: 256 KiB value 0.77x, one 1 MiB 1.01x, one 4 MiB 2.15x; 8 x 256 KiB 1.26x, 8 x 1 MiB
+#: 1.90x (AMD, two round trips); with one round trip on an Intel VM (session 38, two
+#: runs): one 256 KiB value 0.95-1.03x, one 1 MiB 0.90-0.93x, one 4 MiB 1.18-1.40x;
+#: 8 x 256 KiB 0.87-0.89x, 8 x 1 MiB 1.57-1.60x
 SHM_PUT_MIN_BYTES = 1 << 20
 
 
