@@ -173,13 +173,14 @@ def _fmt(s: dict[str, float] | None, unit: str = "s", scale: float = 1.0) -> str
 
 def load_path_rate(url: str, runs: int = 7) -> dict[str, Any]:
     """GB/s of PagedKVConnector.load into vLLM CPU blocks, canonical chunks (the vec or
-    AMX packing this host's vLLM uses) and the engine's own format, vs get_many_into of
-    the same chunks into flat buffers; runs interleaved."""
+    AMX packing this host's vLLM uses; scattered from the node's memory, and through
+    staging slots as before) and the engine's own format, vs get_many_into of the same
+    chunks into flat buffers; runs interleaved."""
     import torch
 
     from kvpool.client import Client
     from kvpool.gpu import KVLayout, PagedKVConnector
-    from kvpool.gpu.layout import LayoutKind
+    from kvpool.gpu.layout import ChunkFormat, LayoutKind
     from kvpool.gpu.paged import Scatter, scatter
     from kvpool.gpu.vllm import AmxCacheWrite  # so this runs in vLLM's environment
     from kvpool.placement.keys import DEFAULT_CHUNK_TOKENS
@@ -188,11 +189,16 @@ def load_path_rate(url: str, runs: int = 7) -> dict[str, Any]:
     kind: LayoutKind = "cpu_attn_amx" if amx else "cpu_attn"
     chunk = DEFAULT_CHUNK_TOKENS  # what the connector loads unless told otherwise
     tokens = [random.Random(1).randrange(VOCAB) for _ in range(4096)]
-    rates: dict[str, list[float]] = {"canonical": [], "engine": [], "get_many_into": []}
+    # canonical: scattered from where the chunks lie in the node's memory (the default);
+    # canonical_staged: received into staging slots first (what loads did before)
+    series: dict[str, tuple[ChunkFormat, bool]] = {
+        "canonical": ("canonical", True), "canonical_staged": ("canonical", False),
+        "engine": ("engine", True)}
+    rates: dict[str, list[float]] = {name: [] for name in (*series, "get_many_into")}
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(Client(url))
         paged: dict[str, PagedKVConnector] = {}
-        for fmt in ("canonical", "engine"):  # SmolLM2 in vLLM
+        for name, (fmt, in_place) in series.items():  # SmolLM2 in vLLM
             layout = KVLayout(30, 3, 64, torch.bfloat16, 128, kind=kind, chunk_format=fmt)
             ns = layout.namespace(f"bench-load-{os.urandom(4).hex()}", chunk_tokens=chunk)
             num_blocks = len(tokens) // layout.block_size
@@ -200,26 +206,28 @@ def load_path_rate(url: str, runs: int = 7) -> dict[str, Any]:
                       for _ in range(30)]
             # what the vLLM connector writes canonical chunks with (gpu/vllm.py's _open)
             write: Scatter = AmxCacheWrite(caches) if amx and fmt == "canonical" else scatter
-            paged[fmt] = stack.enter_context(PagedKVConnector(client, layout, caches, ns,
-                                                              scatter=write))
-            paged[fmt].store(tokens, list(range(num_blocks)))
+            paged[name] = stack.enter_context(PagedKVConnector(
+                client, layout, caches, ns, scatter=write, in_place=in_place))
+            paged[name].store(tokens, list(range(num_blocks)))
         keys = paged["canonical"]._async.hasher.keys(tokens)
         size = paged["canonical"]._async.chunk_nbytes
         nbytes = len(keys) * size
         buffers = [bytearray(size) for _ in keys]
         blocks = list(range(len(tokens) // 128))
         for _ in range(runs):
-            for fmt, conn in paged.items():
+            for name, conn in paged.items():
                 t0 = time.perf_counter()
                 assert conn.load(tokens, blocks) == len(tokens)
-                rates[fmt].append(nbytes / (time.perf_counter() - t0) / 1e9)
+                rates[name].append(nbytes / (time.perf_counter() - t0) / 1e9)
             t0 = time.perf_counter()
             client.get_many_into(keys, buffers)
             rates["get_many_into"].append(nbytes / (time.perf_counter() - t0) / 1e9)
     base = rates["get_many_into"]
     return {"bytes": nbytes, "kind": kind, "gb_s": {k: summary(v) for k, v in rates.items()},
-            "ratio": {fmt: summary([a / b for a, b in zip(rates[fmt], base, strict=True)])
-                      for fmt in ("canonical", "engine")}}
+            "ratio": {name: summary([a / b for a, b in zip(rates[name], base, strict=True)])
+                      for name in series},
+            "chunks_in_place": {name: conn.stats.chunks_in_place
+                                for name, conn in paged.items()}}
 
 
 def _load_path_in(python: str, url: str) -> dict[str, Any]:
@@ -362,7 +370,9 @@ def main() -> int:
     _print_decode(decode)
     print(f"\nload path, {load['bytes'] / 1e6:.0f} MB of chunks into {load['kind']} blocks: "
           f"canonical {_fmt(load['gb_s']['canonical'], ' GB/s')} "
-          f"({_fmt(load['ratio']['canonical'], 'x')}), engine format "
+          f"({_fmt(load['ratio']['canonical'], 'x')}; through staging "
+          f"{_fmt(load['gb_s']['canonical_staged'], ' GB/s')}, "
+          f"{_fmt(load['ratio']['canonical_staged'], 'x')}), engine format "
           f"{_fmt(load['gb_s']['engine'], ' GB/s')} ({_fmt(load['ratio']['engine'], 'x')}), "
           f"get_many_into {_fmt(load['gb_s']['get_many_into'], ' GB/s')}")
     RESULTS.mkdir(exist_ok=True)

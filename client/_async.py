@@ -335,6 +335,30 @@ class AsyncClient:
         node = self._router.standalone_node
         return node if node is not None and _tracer(self) is None else None
 
+    def read_in_place(self, key: Key, consume: Callable[[memoryview], None]) -> bool:
+        """Hand ``consume`` the payload of ``key`` where it lies in a same-host node's
+        memory, with no request and no copy (the GPU client scatters a chunk into CPU
+        KV blocks from there); True once the payload hashed to its checksum before
+        ``consume`` ran and its memory was not reused until it returned.
+
+        False where it cannot: not a standalone same-host node read through its arena
+        index, the key not in DRAM, client spans to record, or not x86-64. False also
+        when the value was freed or replaced while ``consume`` ran: ``consume`` then
+        read bytes of no value, and the caller must redo what it did with them from a
+        copy it asks for (``get_into``). Runs ``consume`` in the calling thread; the
+        read is reported to the node like other reads through the index."""
+        node = self.direct_node
+        if node is None or not node.shm_path.can_read_local:
+            return False
+        return node.shm_path.consume_local(key_bytes(key), consume)
+
+    @property
+    def can_read_in_place(self) -> bool:
+        """Whether :meth:`read_in_place` may answer True now (a standalone same-host node
+        whose arena index this client reads; no client spans to record)."""
+        node = self.direct_node
+        return node is not None and node.shm_path.can_read_local
+
     async def send_touches(self) -> None:
         """Report the reads made through the arena index now (one TOUCH a node)."""
         for node in self._node_clients():

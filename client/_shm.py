@@ -314,6 +314,29 @@ class ShmMapping:
             return (Status.CORRUPT if checksum < 0 else TORN), None
         return Status.OK, out
 
+    def consume(self, item: ShmItem, checksum: int, fn: Callable[[memoryview], None]) -> int:
+        """Hand ``fn`` one value's payload where it lies (no copy), once it hashes to
+        ``checksum`` (the arena index's). OK only if its memory was not reused before
+        ``fn`` returned: then every byte ``fn`` read is a byte that was hashed, by the
+        argument of HASH_SOURCE (the node bumps the generation before it reuses memory;
+        x86-64 keeps loads in order), so only where HASH_SOURCE holds. TORN: stale, or
+        reused while ``fn`` ran, which then read bytes of no value (the caller redoes
+        what ``fn`` did with bytes it fetched another way); CORRUPT: no such slot."""
+        offset, length = item.offset, item.length
+        if length < ENVELOPE_HEADER_SIZE or offset + length > self.capacity or offset % _PAGE:
+            return Status.CORRUPT
+        src = self.view[offset + ENVELOPE_HEADER_SIZE : offset + length]
+        if xxhash.xxh3_64_intdigest(src) != checksum:
+            return TORN  # the index was stale
+        if self.after_hash is not None:
+            self.after_hash(item)
+        fn(src)
+        if self.after_copy is not None:
+            self.after_copy(item)
+        if self.gens[offset // _PAGE] != item.generation:
+            return TORN
+        return Status.OK
+
     def _envelope_checksum(self, offset: int, rest: int) -> int | None:
         """The checksum the envelope at ``offset`` gives its ``rest`` payload bytes; None
         where there is no valid raw envelope for them."""

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal, overload
 
 from kvpool.client import _plans as plans
 from kvpool.client._connection import Connection
 from kvpool.client._plans import routed_by
-from kvpool.client._shm import TORN, ShmMapping
+from kvpool.client._shm import HASH_SOURCE, TORN, ShmMapping
 from kvpool.client._shm_put import LeasedPuts, ignore_result
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
 from kvpool.protocol.errors import KvpoolError, Status
@@ -219,16 +219,44 @@ class ShmPath:
         if all_or_none and len(hits) < count:
             return None
         if hits:
-            self.index_hits += len(hits)
-            self.node.bytes_by_path["shm"] += nbytes
-            if not self._touched:
-                self._touched_since = time.monotonic()
-            self._touched.append(plans.rows_blob(blob, hits))
-            self._touched_count += len(hits)
+            self._note_hits(plans.rows_blob(blob, hits), len(hits), nbytes)
         if len(hits) == count:
             return out, []
         hit = set(hits)
         return out, [i for i in range(count) if i not in hit]
+
+    def _note_hits(self, keys: bytes, count: int, nbytes: int) -> None:
+        """Values read through the index, for the next TOUCH and the counters."""
+        self.index_hits += count
+        self.node.bytes_by_path["shm"] += nbytes
+        if not self._touched:
+            self._touched_since = time.monotonic()
+        self._touched.append(keys)
+        self._touched_count += count
+
+    def consume_local(self, key: bytes, fn: Callable[[memoryview], None]) -> bool:
+        """Hand ``fn`` the value of ``key`` where it lies in the arena, found through the
+        index (:meth:`ShmMapping.consume`); False (``fn`` not called, or called on bytes
+        of no value) where that is not so. Only where :attr:`can_read_local`, and on
+        x86-64 (HASH_SOURCE)."""
+        shm = self.mapping
+        assert shm is not None and shm.index is not None
+        if not HASH_SOURCE or shm.index.epoch != (routed_by.get() or self.node.epoch):
+            return False
+        slot = shm.index.find(key)
+        if slot is None:
+            return False
+        item = ShmItem(Status.OK, slot.offset, slot.length, slot.generation)
+        if shm.consume(item, slot.checksum, fn) != Status.OK:
+            self.index_stale += 1
+            return False
+        self._note_hits(key, 1, slot.length - ENVELOPE_HEADER_SIZE)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # the sync client's: its next call on the loop reports it
+            return True
+        self.touch_later()
+        return True
 
     @property
     def touch_due(self) -> bool:

@@ -45,7 +45,7 @@ from kvpool.client._blocking import BlockingNode
 from kvpool.client._connection import BufferOrSegments
 from kvpool.client._node import Key, NodeClient, join_keys, key_bytes
 from kvpool.client._options import SHM_PUT_MIN_BYTES
-from kvpool.client._shm_path import TOUCH_DELAY_S
+from kvpool.client._shm_path import TOUCH_DELAY_S, ShmPath
 from kvpool.client.transport import Transport
 from kvpool.placement.cluster_map import ClusterMap
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
@@ -237,6 +237,25 @@ class Client:
             return self._run(self._async.get_many_into((key,), (buffer,)))[0]
         return len(done[0]) if done[0] is not None else None
 
+    def read_in_place(self, key: Key, consume: Callable[[memoryview], None]) -> bool:
+        """:meth:`AsyncClient.read_in_place`: ``consume`` runs in this thread."""
+        with self._lock:
+            if self._loop.is_closed():
+                raise RuntimeError("this kvpool Client is closed")
+            node = self._async.direct_node
+            if node is None or not node.shm_path.can_read_local:
+                return False
+            self._before_index_read(node.shm_path)
+            return self._async.read_in_place(key, consume)
+
+    def _before_index_read(self, shm: ShmPath) -> None:
+        """Run the loop if it has not run for a while, or reads wait to be reported: it
+        sends them, and hears of connections that ended meanwhile (a node that went
+        away), after which the index is not read."""
+        if shm.touch_due or time.monotonic() >= self._loop_until:
+            self._loop.run_until_complete(self._async.send_touches())
+            self._loop_until = time.monotonic() + TOUCH_DELAY_S
+
     def get_many(self, keys: Sequence[Key]) -> list[bytearray | None]:
         done = self._get(keys, None)
         return _bytearrays(done) if done is not None else self._run(self._async.get_many(keys))
@@ -265,10 +284,7 @@ class Client:
             shm = node.shm_path
             if shm.mapping is not None:  # a same-host node granted its arena
                 if shm.can_read_local:
-                    if shm.touch_due or time.monotonic() >= self._loop_until:
-                        # report what is due; hear of connections that ended meanwhile
-                        self._loop.run_until_complete(self._async.send_touches())
-                        self._loop_until = time.monotonic() + TOUCH_DELAY_S
+                    self._before_index_read(shm)
                     if shm.can_read_local:
                         found = shm.read_local(blob, sinks)
                         if found is not None:

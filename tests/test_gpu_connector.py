@@ -83,10 +83,12 @@ def client(node: NodeProcess) -> Iterator[Client]:
         yield c
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "received"])
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
 @pytest.mark.parametrize("kind", list(LAYOUTS))
 def test_store_then_load_into_other_blocks_is_bit_exact(kind: str, direct: bool,
-                                                        client: Client) -> None:
+                                                        in_place: bool, client: Client
+                                                        ) -> None:
     layout = LAYOUTS[kind]
     if layout.converts and direct:
         with pytest.raises(LayoutError, match="staging"):
@@ -106,9 +108,12 @@ def test_store_then_load_into_other_blocks_is_bit_exact(kind: str, direct: bool,
     untouched = [c.clone() for c in dst]
     dst_blocks = list(range(39, 25, -1))
     with PagedKVConnector(client, layout, dst, ns, staging_slots=2,
-                          direct=not direct and not layout.converts) as b:
+                          direct=not direct and not layout.converts, in_place=in_place) as b:
         assert b.load(tokens, dst_blocks) == 3 * CHUNK
         assert b.stats.bytes_loaded == 3 * layout.chunk_nbytes(CHUNK)
+        # a staged load on CPU scatters each chunk from the node's memory (same host)
+        staged = direct or layout.converts
+        assert b.stats.chunks_in_place == (3 if staged and in_place else 0)
     want = token_rows(layout, src, src_blocks, 3 * CHUNK)
     got = token_rows(layout, dst, dst_blocks, 3 * CHUNK)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
