@@ -42,7 +42,6 @@ slot.
 from __future__ import annotations
 
 import asyncio
-import warnings
 from collections.abc import Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -51,9 +50,9 @@ from typing import Any
 import torch
 
 from kvpool.client import AsyncClient, Client
+from kvpool.gpu.in_place import load_in_place
 from kvpool.gpu.layout import CPU_ATTN_KINDS, KVLayout
-from kvpool.gpu.paged import CpuAttnScatter, Scatter, gather, scatter
-from kvpool.gpu.paged import scatter as default_scatter
+from kvpool.gpu.paged import Scatter, gather, scatter, scatter_for
 from kvpool.placement.keys import ChunkHasher, Namespace
 from kvpool.protocol.errors import BufferTooSmallError, LayoutError
 
@@ -89,17 +88,6 @@ class _Slot:
     host_view: memoryview  #: what get_into receives into and put sends from
     event: Any = None  #: torch.cuda.Event on CUDA
     busy: Awaitable[Any] | None = field(default=None, repr=False)
-
-
-class _ForeignChunk(Exception):
-    """A value of another size than this layout's chunks (read in place: a miss)."""
-
-
-def _as_chunk(view: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A payload's bytes as the chunk array, without a copy."""
-    with warnings.catch_warnings():  # a read-only mapping of the arena: only read here
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(view, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def tokens_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
@@ -155,10 +143,8 @@ class AsyncPagedKVConnector:
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None  # type: ignore[no-untyped-call]
         self.stats = ConnectorStats()
-        if scatter is default_scatter and not self.cuda and layout.kind in CPU_ATTN_KINDS \
-                and not layout.engine_format:
-            scatter = CpuAttnScatter(layout, self.caches)  # the blocks' views made once
-        self._scatter = scatter
+        #: what writes a chunk into the blocks (staged loads)
+        self.scatter = scatter_for(layout, self.caches, scatter)
         #: staged loads into CPU blocks scatter chunks from a same-host node's memory
         self.in_place = in_place and not self.cuda
         if direct is None:
@@ -264,12 +250,12 @@ class AsyncPagedKVConnector:
         if self.stream is not None:
             with torch.cuda.stream(self.stream):
                 slot.device.copy_(slot.host, non_blocking=True)
-                self._scatter(self.layout, self.caches, ids, slot.chunk,
+                self.scatter(self.layout, self.caches, ids, slot.chunk,
                               first_block=first_block)
                 slot.event.record(self.stream)
             slot.event.synchronize()  # the host slot may be received into again
         else:
-            self._scatter(self.layout, self.caches, ids, slot.chunk, first_block=first_block)
+            self.scatter(self.layout, self.caches, ids, slot.chunk, first_block=first_block)
 
     def _to_host(self, slot: _Slot, ids: torch.Tensor) -> None:
         """Copy thread: the engine's blocks -> staging slot."""
@@ -361,56 +347,13 @@ class AsyncPagedKVConnector:
                 break
         return loaded
 
-    async def _load_in_place(self, keys: list[bytes], id_list: list[int], first: int,
-                             found: int, skip_blocks: int) -> int:
-        """CPU blocks: chunks ``first..found-1``, each scattered from where it lies in a
-        same-host node's memory (:meth:`AsyncClient.read_in_place`: no request, no
-        staging copy, the checksum verified); one it cannot be read so (not in DRAM,
-        freed meanwhile) is received into a staging slot and scattered from there. The
-        index past the last chunk loaded.
-
-        One thread, in order: on CPU the staging ring's overlap is of a receive (a
-        copy) with a scatter, and here there is no copy. Measured (1 CPU, SmolLM2's
-        geometry, 94 MB): see docs/performance.md."""
-        ids = self._block_ids(id_list)
-        layout, slot = self.layout, self.slots[0]
-        shape = layout.chunk_shape(self.chunk_tokens)
-        loaded = first
-        for i in range(first, found):
-            fb = skip_blocks if i == first else 0
-            chunk_ids = self._chunk_ids(ids, i)[fb:]
-
-            def scatter_from(view: memoryview, chunk_ids: torch.Tensor = chunk_ids,
-                             fb: int = fb) -> None:
-                if view.nbytes != self.chunk_nbytes:
-                    raise _ForeignChunk
-                self._scatter(layout, self.caches, chunk_ids, _as_chunk(view, layout.dtype,
-                                                                        shape), first_block=fb)
-
-            try:
-                in_place = self.client.read_in_place(keys[i], scatter_from)
-            except _ForeignChunk:
-                in_place = False  # received below, where a foreign size is a miss
-            if in_place:
-                self.stats.chunks_in_place += 1
-            else:
-                try:
-                    got = await self.client.get_into(keys[i], slot.host_view)
-                except BufferTooSmallError:
-                    got = None  # not a chunk of this layout: a miss like any other
-                if got != self.chunk_nbytes:
-                    self.stats.load_misses += 1
-                    break
-                self._scatter(layout, self.caches, chunk_ids, slot.chunk, first_block=fb)
-            loaded += 1
-        return loaded
-
     async def _load_staged(self, keys: list[bytes], id_list: list[int], first: int,
                            found: int, skip_blocks: int) -> int:
         """Chunks ``first..found-1`` through the staging ring (see the module doc); the
         index past the last chunk loaded."""
         if self.in_place and self.client.can_read_in_place:
-            return await self._load_in_place(keys, id_list, first, found, skip_blocks)
+            return await load_in_place(self, keys, self._block_ids(id_list), first=first,
+                                       found=found, skip_blocks=skip_blocks)
         ids = self._block_ids(id_list)
         k = self.depth
         receives: dict[int, asyncio.Task[int | None]] = {}

@@ -29,7 +29,7 @@ import torch
 
 from kvpool.gpu.layout import CPU_ATTN_KINDS, KVLayout
 
-__all__ = ["CpuAttnScatter", "Scatter", "gather", "scatter"]
+__all__ = ["CpuAttnScatter", "Scatter", "gather", "scatter", "scatter_for"]
 
 
 class Scatter(Protocol):
@@ -247,3 +247,11 @@ class CpuAttnScatter:
                 dst += (k[block], v[block])
                 src += (layer_k[n], layer_v[n])
         torch._foreach_copy_(dst, src)
+
+
+def scatter_for(layout: KVLayout, caches: Sequence[torch.Tensor], chosen: Scatter) -> Scatter:
+    """``chosen``; for :func:`scatter` of canonical chunks into ``cpu_attn`` kinds'
+    blocks, a :class:`CpuAttnScatter` of ``caches`` (the same bytes, sooner)."""
+    if chosen is scatter and layout.kind in CPU_ATTN_KINDS and not layout.engine_format:
+        return CpuAttnScatter(layout, caches)
+    return chosen

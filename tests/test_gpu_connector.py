@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from kvpool.client import Client  # noqa: E402
 from kvpool.gpu import KVLayout, PagedKVConnector  # noqa: E402
-from kvpool.gpu.paged import gather, scatter  # noqa: E402
+from kvpool.gpu.paged import CpuAttnScatter, gather, scatter  # noqa: E402
 from kvpool.protocol.errors import LayoutError  # noqa: E402
 
 from .conftest import NodeProcess, put_corrupt  # noqa: E402
@@ -347,3 +347,26 @@ def test_canonical_chunks_move_between_vec_and_amx_blocks(client: Client) -> Non
         KVLayout(2, 2, 32, torch.bfloat16, 8, kind="cpu_attn_amx")
     with pytest.raises(LayoutError, match="2-byte elements"):
         KVLayout(2, 2, 32, torch.float32, block, kind="cpu_attn_amx")
+
+
+@pytest.mark.parametrize("kind", ["cpu_attn", "cpu_attn_amx"])
+def test_the_scatter_with_views_made_once_writes_what_scatter_writes(kind: str) -> None:
+    layout = KVLayout(3, 2, 32, torch.bfloat16, 16, kind=kind)
+    g = torch.Generator().manual_seed(9)
+    chunk = torch.randn(layout.chunk_shape(32), generator=g).to(layout.dtype)  # 2 blocks
+    want = make_caches(layout, 8, seed=3)
+    got = [c.clone() for c in want]
+    ids = torch.tensor([5, 2])
+    scatter(layout, want, ids, chunk)
+    scatter(layout, want, ids[1:], chunk, first_block=1)
+    fast = CpuAttnScatter(layout, got)
+    fast(layout, got, ids, chunk)
+    fast(layout, got, ids[1:], chunk, first_block=1)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(want, got, strict=True))
+    # other caches than its own: the plain scatter, into those
+    other = make_caches(layout, 8, seed=4)
+    expected = [c.clone() for c in other]
+    scatter(layout, expected, ids, chunk)
+    fast(layout, other, ids, chunk)
+    assert all(torch.equal(a, b) for a, b in zip(expected, other, strict=True))
