@@ -14,9 +14,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from kvpool.client import Client
+    from kvpool.client._node import NodeClient
 
 #: the repository's root (engine drivers run from here as ``python -m tests.X``)
 #: (the tests are not part of the installed package)
@@ -237,3 +241,27 @@ class NoLoop:
     def run_until_complete(self, coro: object) -> None:
         raise AssertionError(f"the event loop ran for {coro}")
 
+
+def node_stats(node: NodeProcess) -> dict[str, Any]:
+    """``GET /v1/stats`` of ``node`` (which must answer 200)."""
+    status, stats = http_json(f"{node.admin_url}/v1/stats")
+    assert status == 200
+    out: dict[str, Any] = stats
+    return out
+
+
+def shm_node(client: Client) -> NodeClient:
+    """A sync client's standalone node, which granted it the shared-memory arena."""
+    node = client.async_client._router.standalone_node
+    assert node is not None and node.shm_path.mapping is not None
+    return node
+
+
+def tokens_file(tokens: dict[str, tuple[str, str]], quotas: str = "") -> str:
+    """A tokens file (``token -> (tenant, role)``, then ``quotas`` verbatim); its path."""
+    fd, path = tempfile.mkstemp(prefix="kvpool-tokens-", suffix=".toml")
+    with os.fdopen(fd, "w") as f:
+        for token, (tenant, role) in tokens.items():
+            f.write(f'[[token]]\ntoken = "{token}"\ntenant = "{tenant}"\nrole = "{role}"\n\n')
+        f.write(quotas)
+    return path

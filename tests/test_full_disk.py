@@ -16,7 +16,7 @@ import pytest
 
 from kvpool.client import Client
 
-from .conftest import NodeProcess, http_json, start_node
+from .conftest import NodeProcess, node_stats, start_node
 
 FLAGS = ("--dram-capacity", "32MiB", "--ssd-capacity", "32MiB", "--ssd-full-retry", "0.5")
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"),
@@ -52,9 +52,7 @@ def _fill(disk: Path) -> Path:
 
 
 def _ssd(node: NodeProcess) -> dict[str, Any]:
-    status, stats = http_json(f"{node.admin_url}/v1/stats")
-    assert status == 200
-    ssd: dict[str, Any] = stats["tiers"]["ssd"]
+    ssd: dict[str, Any] = node_stats(node)["tiers"]["ssd"]
     return ssd
 
 

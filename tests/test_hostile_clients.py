@@ -10,7 +10,6 @@ import json
 import os
 import socket
 import struct
-import tempfile
 import time
 from collections.abc import Iterator
 
@@ -18,7 +17,7 @@ import pytest
 
 from kvpool.client import Client
 
-from .conftest import NodeProcess, http_json, start_node
+from .conftest import NodeProcess, http_json, start_node, tokens_file
 
 FRAME = struct.Struct("<2sBBIIIQ")  # magic, op, status, request id, count, epoch, body_len
 PUT_ITEM = struct.Struct("<16sQII")  # key, value_len, ttl_ms, flags
@@ -30,13 +29,8 @@ VICTIM, ATTACKER, ADMIN = ("victim-writer-0123456789", "small-writer-0123456789"
 
 
 def _tokens_file(quota: str) -> str:
-    fd, path = tempfile.mkstemp(prefix="kvpool-tokens-", suffix=".toml")
-    with os.fdopen(fd, "w") as f:
-        for token, tenant, role in ((VICTIM, "victim", "write"), (ATTACKER, "small", "write"),
-                                    (ADMIN, "ops", "admin")):
-            f.write(f'[[token]]\ntoken = "{token}"\ntenant = "{tenant}"\nrole = "{role}"\n\n')
-        f.write(quota)
-    return path
+    return tokens_file({VICTIM: ("victim", "write"), ATTACKER: ("small", "write"),
+                        ADMIN: ("ops", "admin")}, quota)
 
 
 def hello_frame(token: str) -> bytes:

@@ -6,7 +6,6 @@ import os
 import re
 import signal
 import socket
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ from kvpool.protocol.envelope import seal
 from kvpool.protocol.frames import FrameHeader, Op, PutItemHeader, encode_frame, encode_json
 from kvpool.server.auth import load_tokens, scope_key
 
-from .conftest import NodeProcess, http_json, start_node
+from .conftest import NodeProcess, http_json, start_node, tokens_file
 
 TOKENS = {
     "acme-writer-0123456789": ("acme", "write"),
@@ -32,15 +31,6 @@ TOKENS = {
     "ops-admin-000123456789": ("ops", "admin"),
 }
 ACME_W, ACME_R, BOLT_W, ADMIN = TOKENS
-
-
-def tokens_file(tokens: dict[str, tuple[str, str]], quotas: str = "") -> str:
-    fd, path = tempfile.mkstemp(prefix="kvpool-tokens-", suffix=".toml")
-    with os.fdopen(fd, "w") as f:
-        for token, (tenant, role) in tokens.items():
-            f.write(f'[[token]]\ntoken = "{token}"\ntenant = "{tenant}"\nrole = "{role}"\n\n')
-        f.write(quotas)
-    return path
 
 
 def key(i: int) -> bytes:

@@ -27,21 +27,19 @@ from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
 from kvpool.protocol.errors import KvpoolConnectionError
 from kvpool.protocol.frames import ShmItem
 
-from .conftest import NodeProcess, http_json, start_node
+from .conftest import NodeProcess, http_json, node_stats, shm_node, start_node
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
 
 def _mapping(client: Client) -> ShmMapping:
-    node = client.async_client._router.standalone_node
-    assert node is not None and node.shm_path.mapping is not None
-    return node.shm_path.mapping
+    mapping = shm_node(client).shm_path.mapping
+    assert mapping is not None
+    return mapping
 
 
 def _shm_stats(node: NodeProcess) -> dict[str, int]:
-    status, stats = http_json(f"{node.admin_url}/v1/stats")
-    assert status == 200
-    shm: dict[str, int] = stats["shm"]
+    shm: dict[str, int] = node_stats(node)["shm"]
     return shm
 
 
@@ -209,12 +207,12 @@ def test_reads_through_the_index_send_no_request_and_keep_values_recent() -> Non
         with Client(node.url, shm=False) as tcp:
             tcp.put_many(keys[:7], values[:7])  # 7 extents of 1 MiB + 4 KiB: the arena is full
         with Client(node.url) as fast:
-            before = _stats(node)
+            before = node_stats(node)
             assert fast.get(keys[0]) == values[0]  # the oldest, read again
-            assert _stats(node)["requests"] == before["requests"]  # not a frame was sent
+            assert node_stats(node)["requests"] == before["requests"]  # not a frame was sent
             # the client's own stats call reports its reads first: they are in its answer
             assert fast.stats()["hits"] == before["hits"] + 1
-        after = _stats(node)
+        after = node_stats(node)
         assert after["requests"].get("touch") == 1 and after["shm"]["index_items_out"] == 1
         assert after["tiers"]["dram"]["hits"] == before["tiers"]["dram"]["hits"] + 1
         with Client(node.url, shm=False) as tcp:
@@ -471,12 +469,6 @@ async def test_async_client_uses_the_fast_path() -> None:
 # -- PUT through shared memory ----------------------------------------------------------------
 
 
-def _stats(node: NodeProcess) -> dict[str, Any]:
-    status, stats = http_json(f"{node.admin_url}/v1/stats")
-    assert status == 200
-    return stats
-
-
 def test_put_through_shared_memory_stores_the_same_bytes() -> None:
     node = start_node("--dram-capacity", "64MiB", "--no-ssd")
     try:
@@ -501,7 +493,7 @@ def test_put_through_shared_memory_stores_the_same_bytes() -> None:
         for i, key in enumerate(keys[1:], 1):  # the envelope the client wrote
             chunk = http_json(f"{node.admin_url}/v1/chunks/{key.hex()}")[1]
             assert (chunk["depth"], chunk["num_tokens"]) == (i, 256)
-        stats = _stats(node)
+        stats = node_stats(node)
         shm = stats["shm"]
         # two PUT_SHM leases, and the slot the last put's COMMIT_AS held ahead (the first
         # put, 5 MiB, is over 1/16 of the arena: none ahead), given back at the close
@@ -563,7 +555,7 @@ def test_slots_not_committed_in_time_are_given_back_and_the_put_goes_over_tcp() 
             node_client = fast.async_client._router.standalone_node
             assert node_client is not None and node_client.shm_path.shm_put_expired == 1
             assert fast.get(key) == value
-        stats = _stats(node)
+        stats = node_stats(node)
         assert (stats["shm"]["expired"], stats["shm"]["committed"]) == (1, 0)
         # one copy stored; the expired slot's memory is free again
         assert stats["tiers"]["dram"]["allocated_bytes"] == (1 << 20) + 4096
@@ -581,7 +573,7 @@ def test_without_write_permission_puts_go_over_tcp() -> None:
             assert fast.get(key) == value
             assert fast.put_bytes_by_path == {"shm": 0, "tcp": 1 << 20}
             assert fast.bytes_by_path == {"shm": 1 << 20, "tcp": 0}
-        shm = _stats(node)["shm"]
+        shm = node_stats(node)["shm"]
         assert shm["grants"] >= 1 and shm["write_grants"] == 0 and shm["put_leases"] == 0
     finally:
         assert node.stop() == 0
@@ -603,9 +595,9 @@ def test_a_crashed_writer_leaves_no_reserved_slots() -> None:
                               check=False)
         assert proc.returncode == 3  # died holding a reserved slot, before COMMIT
         deadline = time.monotonic() + 10
-        while _stats(node)["shm"]["open_leases"] and time.monotonic() < deadline:
+        while node_stats(node)["shm"]["open_leases"] and time.monotonic() < deadline:
             time.sleep(0.05)
-        stats = _stats(node)
+        stats = node_stats(node)
         shm = stats["shm"]
         # ended by the closed connection, long before the 60 s deadline
         assert (shm["put_leases"], shm["committed"], shm["open_leases"], shm["expired"]) == (

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Any
 
 import pytest
 
@@ -20,21 +19,15 @@ from kvpool.client._shm import ShmMapping
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
 from kvpool.protocol.frames import ShmItem
 
-from .conftest import NodeProcess, http_json, start_node
+from .conftest import node_stats, shm_node, start_node
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
 
-def _stats(node: NodeProcess) -> dict[str, Any]:
-    status, stats = http_json(f"{node.admin_url}/v1/stats")
-    assert status == 200
-    return stats
-
-
 def _mapping(client: Client) -> ShmMapping:
-    node = client.async_client._router.standalone_node
-    assert node is not None and node.shm_path.mapping is not None
-    return node.shm_path.mapping
+    mapping = shm_node(client).shm_path.mapping
+    assert mapping is not None
+    return mapping
 
 
 def _replace_from_another_client(url: str, key: bytes, value: bytes) -> None:
@@ -62,16 +55,16 @@ def test_a_value_is_handed_over_where_it_lies_with_no_request() -> None:
                 assert view.obj is mapping.view.obj  # the arena itself, not a copy
                 seen.append(bytes(view))
 
-            requests = dict(_stats(node)["requests"])
+            requests = dict(node_stats(node)["requests"])
             assert fast.read_in_place(key, consume)
             assert seen == [value]
-            after = _stats(node)["requests"]
+            after = node_stats(node)["requests"]
             assert (after["get"], after["get_shm"]) == (requests["get"], requests["get_shm"])
             assert fast.bytes_by_path["shm"] == len(value)
             # not in the index: False, and nothing is handed over
             assert not fast.read_in_place(os.urandom(16), consume) and len(seen) == 1
             fast.stats()  # reports the reads through the index (TOUCH) first
-        shm = _stats(node)["shm"]
+        shm = node_stats(node)["shm"]
         # the node counts the value as stored, its envelope included
         assert (shm["index_items_out"], shm["index_bytes_out"]) == (
             1, len(value) + ENVELOPE_HEADER_SIZE)
@@ -142,7 +135,7 @@ async def test_the_async_client_reads_in_place_and_reports_it() -> None:
             assert fast.read_in_place(key, lambda view: seen.append(bytes(view)))
             assert seen == [value]
             await fast.stats()
-        assert _stats(node)["shm"]["index_items_out"] == 1
+        assert node_stats(node)["shm"]["index_items_out"] == 1
     finally:
         assert node.stop() == 0
 

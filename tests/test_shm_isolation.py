@@ -20,7 +20,7 @@ import pytest
 from kvpool.client import Client, KvpoolConnectionError
 from kvpool.protocol.host import host_id
 
-from .conftest import NodeProcess, start_node
+from .conftest import NodeProcess, start_node, tokens_file
 
 FRAME = struct.Struct("<2sBBIIIQ")
 NOBODY = 65534
@@ -146,14 +146,11 @@ def test_the_index_refuses_every_writable_mapping_even_its_owners(
             os.close(fd)
 
 
-def test_non_admin_tenants_are_never_offered_the_arena(tmp_path: object) -> None:
+def test_non_admin_tenants_are_never_offered_the_arena() -> None:
     """A tenant process of the node's own user owns the arena's file: a read-only
     descriptor would be one fchmod away from writing another tenant's chunks."""
-    path = os.path.join(str(tmp_path), "tokens.toml")
-    with open(path, "w") as f:
-        f.write('[[token]]\ntoken = "acme-writer-0123456789"\ntenant = "acme"\n'
-                'role = "write"\n\n[[token]]\ntoken = "ops-admin-000123456789"\n'
-                'tenant = "ops"\nrole = "admin"\n')
+    path = tokens_file({"acme-writer-0123456789": ("acme", "write"),
+                        "ops-admin-000123456789": ("ops", "admin")})
     node = start_node("--dram-capacity", "16MiB", "--no-ssd", "--auth-tokens", path)
     try:
         reply, answer, fds = take_descriptors(node, token="acme-writer-0123456789")

@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 
 from kvpool.client import AsyncClient, Client
-from kvpool.client._node import NodeClient
 from kvpool.client._shm_put import AHEAD_MAX_LEASES, LeasedPuts
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
 from kvpool.protocol.errors import BadFrameError, Status
@@ -28,7 +27,7 @@ from kvpool.protocol.frames import (
     encode_commit_as,
 )
 
-from .conftest import NodeProcess, http_json, start_node
+from .conftest import http_json, node_stats, shm_node, start_node, tokens_file
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
@@ -36,20 +35,8 @@ KIB = 1 << 10
 PAGE = 4096
 
 
-def _stats(node: NodeProcess) -> dict[str, Any]:
-    status, stats = http_json(f"{node.admin_url}/v1/stats")
-    assert status == 200
-    return stats
-
-
-def _node(client: Client) -> NodeClient:
-    node = client.async_client._router.standalone_node
-    assert node is not None and node.shm_path.mapping is not None
-    return node
-
-
 def _puts(client: Client) -> LeasedPuts:
-    return _node(client).shm_path.puts
+    return shm_node(client).shm_path.puts
 
 
 def _extent(nbytes: int) -> int:
@@ -70,7 +57,7 @@ def test_a_put_of_the_same_shape_takes_one_round_trip() -> None:
                 fast.put_many(keys, values, chunk_indexes=[i, i + 1, i + 2], num_tokens=64 * i,
                               pin=i == 3, ttl=600 if i == 2 else None,
                               parents=[parent, None, None] if i == 4 else None)
-            stats = _stats(node)
+            stats = node_stats(node)
             # slots held ahead for the next put, one lease, until the client closes
             assert stats["shm"]["open_leases"] == 1
             assert stats["tiers"]["dram"]["allocated_bytes"] == 6 * sum(map(_extent, sizes))
@@ -78,7 +65,7 @@ def test_a_put_of_the_same_shape_takes_one_round_trip() -> None:
             for keys, values in puts:
                 assert tcp.get_many(keys) == values
                 assert fast.get_many(keys) == values
-        stats = _stats(node)
+        stats = node_stats(node)
         requests = stats["requests"]
         assert (requests["put_shm"], requests["commit_as"], requests["commit"]) == (1, 5, 0)
         shm = stats["shm"]
@@ -112,17 +99,17 @@ async def test_puts_in_flight_together_each_take_slots_held_ahead() -> None:
                 await asyncio.gather(*(fast.put(k, v) for k, v in zip(keys, values,
                                                                      strict=True)))
                 # at most AHEAD_MAX_LEASES held ahead; the rest of the replies' slots released
-                assert 1 <= _stats(node)["shm"]["open_leases"] <= AHEAD_MAX_LEASES
+                assert 1 <= node_stats(node)["shm"]["open_leases"] <= AHEAD_MAX_LEASES
             # after the first round, 8 of each 12 puts in flight found slots held ahead
             assert (puts.one_trip, puts.two_trips) == (3 * AHEAD_MAX_LEASES,
                                                        12 + 3 * (12 - AHEAD_MAX_LEASES))
             for keys, values in rounds:
                 assert await fast.get_many(keys) == values
         for _ in range(500):  # the node sees the connection close soon after (10 s at most)
-            if not _stats(node)["shm"]["open_leases"]:
+            if not node_stats(node)["shm"]["open_leases"]:
                 break
             await asyncio.sleep(0.02)
-        stats = _stats(node)
+        stats = node_stats(node)
         assert stats["shm"]["open_leases"] == 0 and stats["num_objects"] == 48
         assert stats["tiers"]["dram"]["allocated_bytes"] == 48 * _extent(256 * KIB)
     finally:
@@ -140,9 +127,9 @@ def test_slots_of_another_shape_are_given_back_unwritten() -> None:
             fast.put_many(keys[3:5], two)  # this shape again: one round trip
             assert (_puts(fast).two_trips, _puts(fast).one_trip) == (2, 1)
             assert fast.get_many(keys) == one + two + two
-            shm = _stats(node)["shm"]
+            shm = node_stats(node)["shm"]
             assert (shm["released"], shm["open_leases"], shm["expired"]) == (1, 1, 0)
-        stats = _stats(node)
+        stats = node_stats(node)
         assert stats["requests"]["put_shm"] == 2 and stats["num_objects"] == 5
         assert stats["tiers"]["dram"]["allocated_bytes"] == 5 * _extent(1 << 20)
     finally:
@@ -163,7 +150,7 @@ def test_slots_held_past_half_the_lease_are_not_written() -> None:
             assert (_puts(fast).two_trips, _puts(fast).one_trip) == (3, 0)
             assert fast.get_many(keys) == values
             assert fast.put_bytes_by_path == {"shm": 3 << 20, "tcp": 0}
-        stats = _stats(node)
+        stats = node_stats(node)
         assert stats["requests"]["put_shm"] == 3 and stats["shm"]["committed"] == 3
         assert stats["num_objects"] == 3
         assert stats["tiers"]["dram"]["allocated_bytes"] == 3 * _extent(1 << 20)
@@ -177,19 +164,19 @@ def test_a_node_without_commit_as_gets_put_shm_and_commit() -> None:
         keys = [os.urandom(16) for _ in range(3)]
         values = [os.urandom(1 << 20) for _ in keys]
         with Client(node.url, shm=True, pool_size=1) as fast:
-            _node(fast).shm_path.mapping.commit_as = False  # as an older node's offer says
+            shm_node(fast).shm_path.mapping.commit_as = False  # as an older node's offer says
             for key, value in zip(keys, values, strict=True):
                 fast.put(key, value)
             assert fast.get_many(keys) == values
             assert fast.put_bytes_by_path == {"shm": 3 << 20, "tcp": 0}
-        requests = _stats(node)["requests"]
+        requests = node_stats(node)["requests"]
         assert (requests["put_shm"], requests["commit"], requests["commit_as"]) == (3, 3, 0)
     finally:
         assert node.stop() == 0
 
 
 def _raw_call(client: Client, op: Op, count: int, body: list[bytes]) -> Any:
-    node = _node(client)
+    node = shm_node(client)
 
     async def call() -> Any:
         conn = await node._connection()
@@ -211,9 +198,9 @@ def test_the_node_refuses_a_commit_as_that_does_not_match_its_lease() -> None:
             bigger = PutItemHeader(other, head.value_len + PAGE)
             with pytest.raises(BadFrameError, match="do not match the sizes"):
                 _raw_call(fast, Op.COMMIT_AS, 1, [encode_commit_as(lease, 0), bigger.pack()])
-        shm = _stats(node)["shm"]
+        shm = node_stats(node)["shm"]
         assert (shm["put_leases"], shm["open_leases"], shm["committed"]) == (1, 0, 0)
-        assert _stats(node)["tiers"]["dram"]["allocated_bytes"] == 0
+        assert node_stats(node)["tiers"]["dram"]["allocated_bytes"] == 0
         with Client(node.url, shm=True, pool_size=1) as fast:
             # a lease this connection does not hold: NOT_FOUND, and no slots ahead either
             # when the frame asks for none; with COMMIT_AGAIN, new slots all the same
@@ -238,18 +225,15 @@ def test_a_read_only_grant_may_not_commit_as() -> None:
         with Client(node.url, shm=True, pool_size=1) as fast, \
                 pytest.raises(BadFrameError, match="granted the arena for writing"):
             _raw_call(fast, Op.COMMIT_AS, 1, [encode_commit_as(1, COMMIT_AGAIN), head.pack()])
-        shm = _stats(node)["shm"]
+        shm = node_stats(node)["shm"]
         assert (shm["put_leases"], shm["open_leases"]) == (0, 0)
     finally:
         assert node.stop() == 0
 
 
-def test_an_admin_of_a_tenant_puts_under_its_scoped_keys(tmp_path: Any) -> None:
-    path = os.path.join(str(tmp_path), "tokens.toml")
-    with open(path, "w") as f:
-        f.write('[[token]]\ntoken = "ops-admin-000123456789"\ntenant = "ops"\nrole = "admin"\n'
-                '\n[[token]]\ntoken = "acme-reader-0123456789"\ntenant = "acme"\n'
-                'role = "read"\n')
+def test_an_admin_of_a_tenant_puts_under_its_scoped_keys() -> None:
+    path = tokens_file({"ops-admin-000123456789": ("ops", "admin"),
+                        "acme-reader-0123456789": ("acme", "read")})
     node = start_node("--dram-capacity", "64MiB", "--no-ssd", "--auth-tokens", path)
     try:
         keys = [os.urandom(16) for _ in range(3)]
