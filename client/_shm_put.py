@@ -94,23 +94,26 @@ class LeasedPuts:
         """Write ``items`` into arena slots and publish them; fills ``statuses`` and
         returns the items whose lease ended before their COMMIT (to go over TCP)."""
         frames = plans.frames(self.node, items)
-        ahead = self._take_ahead(conn, frames)
+        heads = [[b for it in frame for b in it.head()] for frame in frames]
+        # the sizes of a put of one frame: what slots held ahead must match
+        shape = tuple(it.header.value_len for it in frames[0]) if len(frames) == 1 else None
+        ahead = self._take_ahead(conn, shape)
         leases: list[tuple[int, list[ShmItem]]]
         if ahead is not None:
             leases = [(ahead.lease, ahead.slots)]
             self.one_trip += 1
         else:
-            replies = await self.node.gather([
-                (conn, Op.PUT_SHM, len(frame), [b for it in frame for b in it.head()], None)
-                for frame in frames])
+            replies = await self.node.gather([(conn, Op.PUT_SHM, len(frame), head, None)
+                                              for frame, head in zip(frames, heads, strict=True)])
             leases = [decode_shm_reply(reply.body, len(frame))
                       for frame, reply in zip(frames, replies, strict=True)]
             self.two_trips += 1
-        flags = COMMIT_AGAIN if self._may_hold(shm, frames) else 0
+        may_hold = shm.commit_as and shape is not None and sum(shape) <= _max_held(shm)
+        flags = COMMIT_AGAIN if may_hold else 0
         commits: list[tuple[Connection, int, int, list[Buffer], None]] = []
         committing: list[list[plans.PutItem]] = []
         writes: list[tuple[ShmItem, Sequence[memoryview], int]] = []
-        for frame, (lease, slots) in zip(frames, leases, strict=True):
+        for frame, head, (lease, slots) in zip(frames, heads, leases, strict=True):
             for item, slot in zip(frame, slots, strict=True):
                 if slot.status == Status.OK:
                     writes.append((slot, item.parts, item.chunk_index))
@@ -120,8 +123,7 @@ class LeasedPuts:
                 continue
             if shm.commit_as:
                 commits.append((conn, Op.COMMIT_AS, len(frame),
-                                [encode_commit_as(lease, flags),
-                                 *[b for it in frame for b in it.head()]], None))
+                                [encode_commit_as(lease, flags), *head], None))
             else:
                 commits.append((conn, Op.COMMIT, len(frame), [encode_lease_ids([lease])], None))
             committing.append(frame)
@@ -130,8 +132,8 @@ class LeasedPuts:
         for frame, reply in zip(committing, await self.node.gather(commits), strict=True):
             count = len(frame)
             body = memoryview(reply.body)
-            if flags:
-                self._keep_ahead(conn, shm, body[count:], frame)
+            if shape is not None and flags:
+                self._keep_ahead(conn, shm, body[count:], shape)
             for item, status in zip(frame, decode_statuses(body[:count], count), strict=True):
                 if status == Status.NOT_FOUND:  # the lease ended before COMMIT: not stored
                     expired.append(item)
@@ -142,23 +144,13 @@ class LeasedPuts:
         self.expired += len(expired)
         return expired
 
-    @staticmethod
-    def _may_hold(shm: ShmMapping, frames: list[list[plans.PutItem]]) -> bool:
-        """Whether to ask for slots ahead: a node that takes COMMIT_AS, a put of one
-        frame, small against the arena."""
-        if not shm.commit_as or len(frames) != 1:
-            return False
-        return sum(item.header.value_len for item in frames[0]) <= _max_held(shm)
-
-    def _take_ahead(self, conn: Connection, frames: list[list[plans.PutItem]]) -> Ahead | None:
-        """Slots ``conn`` holds ahead that fit this put (one frame of the same sizes, in
-        time); they are this put's now. Those of another shape (the puts changed), or
-        past half their lease, are released."""
+    def _take_ahead(self, conn: Connection, shape: tuple[int, ...] | None) -> Ahead | None:
+        """Slots ``conn`` holds ahead that fit this put (one frame of the sizes ``shape``,
+        in time; None: a put of several frames); they are this put's now. Those of another
+        shape (the puts changed), or past half their lease, are released."""
         held = conn.put_ahead
         if not held:
             return None
-        shape = tuple(item.header.value_len for item in frames[0]) if len(frames) == 1 \
-            else None
         now = time.monotonic()
         found = None
         keep: list[Ahead] = []
@@ -173,14 +165,13 @@ class LeasedPuts:
         return found
 
     def _keep_ahead(self, conn: Connection, shm: ShmMapping, tail: memoryview,
-                    frame: list[plans.PutItem]) -> None:
-        """Keep the slots a COMMIT_AGAIN reply reserved (all of them, or none), within
-        the connection's bounds."""
-        lease, slots = decode_shm_reply(tail, len(frame))
+                    shape: tuple[int, ...]) -> None:
+        """Keep the slots a COMMIT_AGAIN reply reserved for a put of the sizes ``shape``
+        (all of them, or none), within the connection's bounds."""
+        lease, slots = decode_shm_reply(tail, len(shape))
         if not lease:
             return
-        ahead = Ahead(lease, slots, tuple(item.header.value_len for item in frame),
-                      time.monotonic() + shm.lease_s / 2)
+        ahead = Ahead(lease, slots, shape, time.monotonic() + shm.lease_s / 2)
         held = conn.put_ahead
         nbytes = sum(ahead.lengths) + sum(sum(a.lengths) for a in held)
         if any(slot.status != Status.OK for slot in slots) or not conn.is_open \

@@ -8,7 +8,7 @@ the unit tests use.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -60,6 +60,7 @@ __all__ = [
     "Reservation",
     "Scoper",
     "TOO_SMALL",
+    "release_items",
 ]
 
 #: Client-side item status: the caller's buffer was smaller than the payload.
@@ -139,9 +140,14 @@ class Request:
 
     def release(self) -> None:
         """Give back what this PUT frame's values were received into (a no-op once used)."""
-        for item in self.items:
-            if item.reservation is not None:
-                item.reservation.release()
+        release_items(self.items)
+
+
+def release_items(items: Iterable[PutItem]) -> None:
+    """Give back the memory reserved for ``items`` (a no-op for slots already used)."""
+    for item in items:
+        if item.reservation is not None:
+            item.reservation.release()
 
 
 #: maps a client's key to the key it is stored under, given a frame's scope bits

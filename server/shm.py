@@ -68,7 +68,7 @@ from typing import Any
 
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.host import host_id
-from kvpool.protocol.parsers import PutItem
+from kvpool.protocol.parsers import PutItem, release_items
 from kvpool.server.session import Session
 from kvpool.tiers.arena_index import ArenaIndex
 from kvpool.tiers.dram import DramTier, Entry
@@ -333,6 +333,4 @@ class ShmService:
         lease.session.leases.discard(lease_id)
         for entry in lease.entries:
             self.dram.release(entry)
-        for item in lease.items or ():
-            if item.reservation is not None:
-                item.reservation.release()
+        release_items(lease.items or ())

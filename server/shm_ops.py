@@ -21,7 +21,7 @@ from kvpool.protocol.frames import (
     encode_lease_ids,
     encode_statuses,
 )
-from kvpool.protocol.parsers import PutItem, Request
+from kvpool.protocol.parsers import PutItem, Request, release_items
 from kvpool.server.reply import Buffers, Pending, Reply
 from kvpool.server.session import Session
 from kvpool.server.shm import ShmService
@@ -119,9 +119,7 @@ class ShmOps:
             self.stats.error(Status.NOT_FOUND, Op.COMMIT)
             return self._reply(request, [encode_statuses([Status.NOT_FOUND] * count)])
         if len(items) != count:
-            for item in items:
-                if item.reservation is not None:
-                    item.reservation.release()
+            release_items(items)
             raise BadFrameError(f"COMMIT of {count} items for a lease of {len(items)}")
         self._count_commit(items)
         return self._store(request, items, None)
@@ -139,9 +137,7 @@ class ShmOps:
         if held is not None and (len(held) != count or any(
                 h.header.value_len != i.header.value_len
                 for h, i in zip(held, request.items, strict=True))):
-            for item in held:
-                if item.reservation is not None:
-                    item.reservation.release()
+            release_items(held)
             raise BadFrameError("COMMIT_AS items do not match the sizes of the lease's slots")
         tail: Buffers | None = None
         if flags & COMMIT_AGAIN:
