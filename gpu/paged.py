@@ -180,19 +180,20 @@ def _chunk_kv(layout: KVLayout, chunk: torch.Tensor, first_block: int
     return k, v
 
 
-def _pairs(layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,
-           chunk: torch.Tensor, first_block: int
+def _pairs(layout: KVLayout, layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+           ids: torch.Tensor, chunk: torch.Tensor, first_block: int
            ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(block views, chunk views), matched: K then V of each block of each layer."""
+    """(block views, chunk views), matched: K then V of each block of each layer, whose
+    blocks ``layers`` holds as :func:`_cpu_attn_blocks` views them."""
     chunk_k, chunk_v = _chunk_kv(layout, chunk, first_block)
     blocks = ids.tolist()
     cache_views: list[torch.Tensor] = []
     chunk_views: list[torch.Tensor] = []
-    for layer, cache in enumerate(caches):
-        k, v = _cpu_attn_blocks(layout, cache)
+    for layer, (k, v) in enumerate(layers):
+        layer_k, layer_v = chunk_k[layer], chunk_v[layer]
         for n, block in enumerate(blocks):
             cache_views += (k[block], v[block])
-            chunk_views += (chunk_k[layer, n], chunk_v[layer, n])
+            chunk_views += (layer_k[n], layer_v[n])
     return cache_views, chunk_views
 
 
@@ -214,8 +215,8 @@ def _gather_cpu_attn(layout: KVLayout, caches: Sequence[torch.Tensor], ids: torc
 
 def _scatter_cpu_attn(layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,
                       chunk: torch.Tensor, first_block: int) -> None:
-    cache_views, chunk_views = _pairs(layout, caches, ids, chunk, first_block)
-    torch._foreach_copy_(cache_views, chunk_views)
+    layers = [_cpu_attn_blocks(layout, cache) for cache in caches]
+    torch._foreach_copy_(*_pairs(layout, layers, ids, chunk, first_block))
 
 
 class CpuAttnScatter:
@@ -237,16 +238,7 @@ class CpuAttnScatter:
                 or any(a is not b for a, b in zip(caches, self._caches, strict=True)):
             scatter(layout, caches, ids, chunk, first_block=first_block)
             return
-        chunk_k, chunk_v = _chunk_kv(layout, chunk, first_block)
-        blocks = ids.tolist()
-        dst: list[torch.Tensor] = []
-        src: list[torch.Tensor] = []
-        for layer, (k, v) in enumerate(self._views):
-            layer_k, layer_v = chunk_k[layer], chunk_v[layer]
-            for n, block in enumerate(blocks):
-                dst += (k[block], v[block])
-                src += (layer_k[n], layer_v[n])
-        torch._foreach_copy_(dst, src)
+        torch._foreach_copy_(*_pairs(layout, self._views, ids, chunk, first_block))
 
 
 def scatter_for(layout: KVLayout, caches: Sequence[torch.Tensor], chosen: Scatter) -> Scatter:
