@@ -144,6 +144,8 @@ class Handlers:
             keys = [i.header.key for i in request.items] if header.op in _PUT_OPS else \
                 request.client_keys if request.client_keys is not None else request.keys
             if not self.membership.accepts(keys):
+                if header.op == Op.COMMIT_AS and self.shm_ops is not None:
+                    self.shm_ops.abandon(request, session)
                 return self._wrong_owner(request)
         op = self._session_table.get(header.op)
         return op(request, session) if op is not None else self._table[header.op](request)

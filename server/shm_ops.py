@@ -157,6 +157,12 @@ class ShmOps:
         self._count_commit(items)
         return self._store(request, items, tail)
 
+    def abandon(self, request: Request, session: Session) -> None:
+        """A COMMIT_AS refused whole (WRONG_OWNER: the client puts again, routed by a newer
+        map): its lease's slots go back now, not when the lease ends."""
+        lease, _ = decode_commit_as(request.body)
+        self.service.release(session, [lease])
+
     def _count_commit(self, items: list[PutItem]) -> None:
         reserved = [i for i in items if i.reservation is not None]
         self.service.counters.committed += len(reserved)

@@ -2,7 +2,8 @@
 processes: a put of the shape of the one before writes into slots that put's COMMIT_AS
 held ahead, under its own keys and headers; slots of another shape, or held past half the
 lease, are given back and never written; the node refuses a COMMIT_AS that does not match
-its lease, or comes from a connection that may not write; tenant-scoped keys stay scoped."""
+its lease, or comes from a connection that may not write, and gives the lease's slots
+back when it refuses one as WRONG_OWNER; tenant-scoped keys stay scoped."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 from kvpool.client import AsyncClient, Client
 from kvpool.client._shm_put import AHEAD_MAX_LEASES, LeasedPuts
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
-from kvpool.protocol.errors import BadFrameError, Status
+from kvpool.protocol.errors import BadFrameError, Status, WrongOwnerError
 from kvpool.protocol.frames import (
     COMMIT_AGAIN,
     Op,
@@ -26,6 +27,7 @@ from kvpool.protocol.frames import (
     decode_statuses,
     encode_commit_as,
 )
+from kvpool.server.local_cluster import LocalCluster
 
 from .conftest import http_json, node_stats, shm_node, start_node, tokens_file
 
@@ -251,3 +253,37 @@ def test_an_admin_of_a_tenant_puts_under_its_scoped_keys() -> None:
             assert raw.exists_many(keys) == [False] * 3  # stored under scoped keys
     finally:
         assert node.stop() == 0
+
+
+def test_a_commit_as_refused_as_wrong_owner_gives_its_slots_back(tmp_path: Any) -> None:
+    """A COMMIT_AS routed by an older map, for a key the node does not own, is refused
+    whole; the slots of its lease go back then, not when the lease would end."""
+    with LocalCluster(2, replication=1, fallbacks=0, data_dir=tmp_path,
+                      serve_args=["--no-ssd", "--dram-capacity", "64MiB"]) as cluster:
+        keys = [os.urandom(16) for _ in range(64)]
+        owners = [prefs[0] for prefs in cluster.map.preference(keys)]
+        mine, other = keys[owners.index("n0")], keys[owners.index("n1")]
+        admin = f"{cluster.nodes[0].admin_url}/v1/stats"
+
+        async def refused() -> None:
+            async with AsyncClient(cluster.seeds[0], shm=True) as client:
+                await client.exists_many(keys)  # connects to every node
+                node = client._router.nodes["n0"]
+                assert node.shm_path.mapping is not None
+                conn = await node._connection()
+                head = PutItemHeader(mine, ENVELOPE_HEADER_SIZE + 8192)
+                reply = node.check(await conn.send(Op.PUT_SHM, 1, [head.pack()],
+                                                   epoch=cluster.map.epoch))
+                lease, _ = decode_shm_reply(reply.body, 1)
+                assert lease and http_json(admin)[1]["shm"]["open_leases"] == 1
+                moved = PutItemHeader(other, head.value_len)
+                with pytest.raises(WrongOwnerError):
+                    node.check(await conn.send(Op.COMMIT_AS, 1,
+                                               [encode_commit_as(lease, 0), moved.pack()],
+                                               epoch=0))
+                stats = http_json(admin)[1]
+                assert stats["shm"]["open_leases"] == 0
+                assert stats["tiers"]["dram"]["allocated_bytes"] == 0
+                assert stats["wrong_owner"] == 1
+
+        asyncio.run(refused())
