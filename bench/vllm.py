@@ -134,33 +134,46 @@ class _Loop:
                 self.proc.wait()
 
 
-def decode_interleaved(python: str, tmp: Path, url: str, prompts: list[list[int]], *,
-                       rounds: int = 2, steps: int = 65) -> dict[str, Any]:
-    """Decode tok/s of two engines alive side by side, one without a connector, one with
-    kvpool's (the prompts are in the pool: it loads them), the same prompt sent to each in
-    turn, the order swapped every round. Per-prompt ratios pair samples taken seconds
-    apart, so the machine's drift over a run cancels."""
-    plain = _Loop(python, tmp, {"max_tokens": steps, "stats": True})
+def _side_by_side(python: str, tmp: Path, first_spec: dict[str, Any],
+                  second_spec: dict[str, Any], prompts: list[list[int]], *, rounds: int
+                  ) -> list[tuple[int, int, dict[str, Any], dict[str, Any]]]:
+    """Two engines alive together (:class:`_Loop`), each prompt sent to each in turn, the
+    order swapped every round: per prompt sent, (round, prompt length, the first engine's
+    run, the second's). Paired samples are taken seconds apart, so the machine's drift
+    over a run cancels in their ratios."""
+    first = _Loop(python, tmp, first_spec)
     try:
-        pooled = _Loop(python, tmp, {"max_tokens": steps, "stats": True,
-                                     "connector": {"kvpool_url": url}})
+        second = _Loop(python, tmp, second_spec)
     except BaseException:
-        plain.close()
+        first.close()
         raise
-    samples: dict[int, dict[str, list[float]]] = {}
+    pairs: list[tuple[int, int, dict[str, Any], dict[str, Any]]] = []
     try:
         for r in range(rounds):
             for prompt in prompts:
-                order = (plain, pooled) if r % 2 == 0 else (pooled, plain)
+                order = (first, second) if r % 2 == 0 else (second, first)
                 got = {id(engine): engine.run(prompt) for engine in order}
-                row = samples.setdefault(len(prompt), {"none": [], "kvpool": [], "cached": []})
-                row["none"].append(got[id(plain)]["decode_tok_s"])
-                row["kvpool"].append(got[id(pooled)]["decode_tok_s"])
-                if r == 0:  # later rounds: vLLM's own prefix cache has the prompt
-                    row["cached"].append(got[id(pooled)]["num_cached_tokens"])
+                pairs.append((r, len(prompt), got[id(first)], got[id(second)]))
     finally:
-        plain.close()
-        pooled.close()
+        first.close()
+        second.close()
+    return pairs
+
+
+def decode_interleaved(python: str, tmp: Path, url: str, prompts: list[list[int]], *,
+                       rounds: int = 2, steps: int = 65) -> dict[str, Any]:
+    """Decode tok/s of two engines alive side by side (:func:`_side_by_side`), one without
+    a connector, one with kvpool's (the prompts are in the pool: it loads them)."""
+    samples: dict[int, dict[str, list[float]]] = {}
+    for r, n, plain, pooled in _side_by_side(
+            python, tmp, {"max_tokens": steps, "stats": True},
+            {"max_tokens": steps, "stats": True, "connector": {"kvpool_url": url}},
+            prompts, rounds=rounds):
+        row = samples.setdefault(n, {"none": [], "kvpool": [], "cached": []})
+        row["none"].append(plain["decode_tok_s"])
+        row["kvpool"].append(pooled["decode_tok_s"])
+        if r == 0:  # later rounds: vLLM's own prefix cache has the prompt
+            row["cached"].append(pooled["num_cached_tokens"])
     return {str(n): {"none": summary(row["none"]), "kvpool": summary(row["kvpool"]),
                      "ratio": summary([b / a for a, b in zip(row["none"], row["kvpool"],
                                                               strict=True)]),
@@ -170,36 +183,21 @@ def decode_interleaved(python: str, tmp: Path, url: str, prompts: list[list[int]
 
 def ttft_interleaved(python: str, tmp: Path, kvpool: dict[str, Any], example: dict[str, Any],
                      prompts: list[list[int]], *, rounds: int = 2) -> dict[str, Any]:
-    """Warm TTFT of two engines alive side by side, kvpool's connector and vLLM's
-    ExampleConnector, with the prompts already stored in both (by the engines before);
-    each prompt sent to each in turn, the order swapped every round, vLLM's own prefix
-    cache emptied before every request (so every request loads through its connector).
-    Per-prompt ratios kvpool / Example pair samples taken seconds apart: the one-engine-
-    after-another table above compares engines started minutes apart on a machine whose
-    speed drifts."""
+    """Warm TTFT of two engines alive side by side (:func:`_side_by_side`), kvpool's
+    connector and vLLM's ExampleConnector, with the prompts already stored in both (by the
+    engines before), vLLM's own prefix cache emptied before every request (so every
+    request loads through its connector). The one-engine-after-another table above
+    compares engines started minutes apart on a machine whose speed drifts."""
     spec = {"max_tokens": 2, "stats": True, "reset_prefix_cache": True}
-    pooled = _Loop(python, tmp, {**spec, "connector": kvpool})
-    try:
-        disk = _Loop(python, tmp, {**spec, "connector": example,
-                                   "connector_class": "ExampleConnector"})
-    except BaseException:
-        pooled.close()
-        raise
     samples: dict[int, dict[str, list[float]]] = {}
-    try:
-        for r in range(rounds):
-            for prompt in prompts:
-                order = (pooled, disk) if r % 2 == 0 else (disk, pooled)
-                got = {id(engine): engine.run(prompt) for engine in order}
-                row = samples.setdefault(len(prompt), {"kvpool": [], "example": [],
-                                                       "cached": []})
-                row["kvpool"].append(got[id(pooled)]["ttft_s"])
-                row["example"].append(got[id(disk)]["ttft_s"])
-                row["cached"].append(min(got[id(pooled)]["num_cached_tokens"],
-                                         got[id(disk)]["num_cached_tokens"]))
-    finally:
-        pooled.close()
-        disk.close()
+    for _, n, pooled, disk in _side_by_side(
+            python, tmp, {**spec, "connector": kvpool},
+            {**spec, "connector": example, "connector_class": "ExampleConnector"},
+            prompts, rounds=rounds):
+        row = samples.setdefault(n, {"kvpool": [], "example": [], "cached": []})
+        row["kvpool"].append(pooled["ttft_s"])
+        row["example"].append(disk["ttft_s"])
+        row["cached"].append(min(pooled["num_cached_tokens"], disk["num_cached_tokens"]))
     return {str(n): {"kvpool": summary(row["kvpool"]), "example": summary(row["example"]),
                      "ratio": summary([a / b for a, b in zip(row["kvpool"], row["example"],
                                                               strict=True)]),
