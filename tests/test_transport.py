@@ -268,6 +268,65 @@ def test_the_socket_link_ends_on_a_reply_to_another_request(status: Status) -> N
         listener.close()
 
 
+def test_the_socket_link_keeps_its_deadline_when_a_reply_stalls_midway() -> None:
+    """A long reply whose first bytes come at once and the rest never: the call fails with
+    a timeout near its deadline (0.6 s), not a whole timeout after the last bytes came.
+    The link waits in blocking receives with the kernel's timeout, cut to what is left of
+    the call once a 16th of it has passed."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    done = threading.Event()
+
+    def peer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            raw = conn.recv(FRAME_HEADER_SIZE, socket.MSG_WAITALL)
+            header = FrameHeader.unpack(raw)
+            conn.recv(header.body_len, socket.MSG_WAITALL)
+            frame = b"".join(encode_frame(header.op, header.request_id, [b" " * (1 << 20)]))
+            conn.sendall(frame[:1000])
+            time.sleep(0.35)  # past a 16th of the timeout: the next receive waits less
+            conn.sendall(frame[1000:2000])
+            done.wait(5)
+
+    thread = threading.Thread(target=peer, daemon=True)
+    thread.start()
+    link = BlockingConnection("127.0.0.1", port, timeout=0.6, connect_timeout=5)
+    try:
+        start = time.monotonic()
+        with pytest.raises(KvpoolTimeoutError, match=r"no reply within 0\.6s"):
+            link.call(Op.STATS, 0, [])
+        elapsed = time.monotonic() - start
+        # without the cut the last receive would wait a whole 0.6 s from 0.35 s
+        assert 0.55 < elapsed < 0.85, elapsed
+        assert not link.is_open
+    finally:
+        done.set()
+        link.close()
+        thread.join(5)
+        listener.close()
+
+
+def test_the_socket_link_times_out_a_request_the_peer_does_not_read() -> None:
+    """A peer that accepts and never reads: a 32 MiB request fills the socket buffers and
+    the send waits; the call fails with a timeout near its deadline (0.5 s), not a
+    connection error."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    link = BlockingConnection("127.0.0.1", port, timeout=0.5, connect_timeout=5)
+    peer, _ = listener.accept()
+    try:
+        start = time.monotonic()
+        with pytest.raises(KvpoolTimeoutError, match=r"no reply within 0\.5s"):
+            link.call(Op.PUT, 1, [bytes(32 << 20)])
+        assert time.monotonic() - start < 0.8
+        assert not link.is_open
+    finally:
+        link.close()
+        peer.close()
+        listener.close()
+
+
 @pytest.mark.parametrize("ids", [("a", "b", "c"), ("a", "b", "c", "d")])
 async def test_exists_asks_each_node_once_for_the_keys_whose_list_holds_it(
         ids: tuple[str, ...]) -> None:
