@@ -11,8 +11,9 @@ other checkout's SDK and once with this one's, in turn, so that machine noise hi
 alike (rounds alternate which goes first). ``--vary nodes`` turns it around: two sets
 of nodes, one running each checkout's code, and this checkout's client against each in
 turn (what a change to the node does to the same calls). Series, over TCP (``shm=False``): a sync
-``get`` of 4 KiB (the blocking socket), a sync ``exists``, an async ``get`` of 4 KiB
-and an async ``lookup`` of 512 keys, half of them held. Per series it prints p50 and
+``get`` of 4 KiB (the blocking socket), a sync ``exists``, a sync ``lookup`` of 512 keys
+(half of them held: what an engine's scheduler asks), an async ``get`` of 4 KiB and an
+async ``lookup`` of 512 keys. Per series it prints p50 and
 p99 (median [min-max] over rounds), the client's CPU a call (user and system,
 ``getrusage``), and the median of the per-round ratios after/before. ``--puts`` times
 1 MiB puts instead, through the same-host arena (nodes with the fast path; sync, async,
@@ -56,8 +57,11 @@ def timed(name, calls):
 with Client(url, shm=False) as c:
     key = os.urandom(16)
     c.put(key, b"x" * 4096)
+    held = [os.urandom(16) for _ in range(512)]
+    c.put_many(held[:256], [b"y" * 100] * 256)
     for name, call in (("sync get 4 KiB", lambda: c.get(key)),
-                       ("sync exists", lambda: c.exists(key))):
+                       ("sync exists", lambda: c.exists(key)),
+                       ("sync lookup 512", lambda: c.lookup(held))):
         for _ in range(200):
             call()
         timed(name, call)

@@ -335,6 +335,26 @@ class AsyncClient:
         node = self._router.standalone_node
         return node if node is not None and _tracer(self) is None else None
 
+    def whole_batch_nodes(self) -> list[NodeClient] | None:
+        """A small cluster's nodes, when a key op may ask each for the whole batch in the
+        caller's thread with no event loop (the sync client's blocking fan-out):
+        :meth:`Router.whole_batch_nodes <kvpool.client._router.Router.whole_batch_nodes>`,
+        and no client spans to record."""
+        return self._router.whole_batch_nodes() if _tracer(self) is None else None
+
+    def _newer_epoch_seen(self) -> int:
+        """A map epoch newer than the one this client routes by, named by a reply while no
+        loop ran (0: none); :meth:`_refresh_map` fetches it."""
+        router = self._router
+        if router.map is not None and router.newer_epoch > router.map.epoch:
+            return router.newer_epoch
+        return 0
+
+    async def _refresh_map(self, min_epoch: int = 0) -> None:
+        """Fetch the cluster map from a few live nodes and route by the newest."""
+        self._router.newer_epoch = 0  # asked for once, whatever the nodes give
+        await self._router.refresh(min_epoch)
+
     def read_in_place(self, key: Key, consume: Callable[[memoryview], None]) -> bool:
         """Hand ``consume`` the payload of ``key`` where it lies in a same-host node's
         memory, with no request and no copy (the GPU client scatters a chunk into CPU
@@ -394,8 +414,7 @@ class AsyncClient:
         if node is not None:  # the node's own LOOKUP stops at its first miss
             codes: Sequence[int] = await node.lookup(blob)
         else:
-            codes = await self.exists_codes(blob)
-            codes = codes[: codes.index(0)] if 0 in codes else codes
+            codes = cluster_ops.held_prefix(await self.exists_codes(blob))
         return cast(list[str], tier_names(codes))  # no zeros: the held prefix
 
     @traced("stats")

@@ -10,7 +10,10 @@ connection the client's transport opens for the sync client
 a socket of its own over TCP, :mod:`kvpool.client._socket`; the handler, in the
 calling thread, on a mock transport).
 
-One request is in flight at a time (a batch larger than the node's
+:func:`run_parallel` runs one plan on each of several nodes, their first frames all
+sent before any reply is read (a small cluster's EXISTS, as the loop's ``gather``).
+
+One request is in flight at a time on a connection (a batch larger than the node's
 ``max_batch`` goes frame by frame): the sync client serialises its calls
 anyway, and a blocking writer that pipelined big frames while the node
 paused reading could wait forever.
@@ -23,13 +26,14 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from kvpool.client import _plans as plans
 from kvpool.client._node import NodeClient
-from kvpool.client._plans import Plan, Sink
+from kvpool.client._plans import Call, Plan, Sink
 from kvpool.protocol.frames import KEY_SIZE, PROTOCOL_VERSION, Op, decode_json, encode_json
+from kvpool.protocol.parsers import Reply
 
 if TYPE_CHECKING:
     from kvpool.client.transport import BlockingLink
 
-__all__ = ["BlockingNode"]
+__all__ = ["BlockingNode", "run_parallel"]
 
 T = TypeVar("T")
 
@@ -53,12 +57,16 @@ class BlockingNode:
             self._conn = None
 
     def run(self, plan: Plan[T]) -> T:
-        node = self.node
         conn = self._connection()
         try:
             calls = next(plan)
         except StopIteration as done:
             return cast(T, done.value)
+        return self._rounds(plan, calls, conn)
+
+    def _rounds(self, plan: Plan[T], calls: list[Call], conn: BlockingLink) -> T:
+        """Run ``plan`` on from its round ``calls``, frame by frame."""
+        node = self.node
         while True:
             replies = [node.check(conn.call(op, count, body, sinks, epoch=node.epoch))
                        for op, count, body, sinks in calls]
@@ -66,6 +74,14 @@ class BlockingNode:
                 calls = plan.send(replies)
             except StopIteration as done:
                 return cast(T, done.value)
+
+    def _resume(self, plan: Plan[T], replies: list[Reply], conn: BlockingLink) -> T:
+        """Run ``plan`` on from the replies to its first round."""
+        try:
+            calls = plan.send(replies)
+        except StopIteration as done:
+            return cast(T, done.value)
+        return self._rounds(plan, calls, conn)
 
     def get(self, blob: bytes, sinks: Sequence[Sink] | None) -> list[Sink | None]:
         """GET: :func:`plans.get_tcp`'s results; a batch that fits one frame (every
@@ -100,3 +116,44 @@ class BlockingNode:
         self._idle_s = float(info.get("idle_timeout_s") or 0)
         self._conn = conn
         return conn
+
+
+def run_parallel(runs: Sequence[tuple[BlockingNode, Plan[T]]]) -> list[T | Exception]:
+    """One plan on each node, as the loop's ``gather`` runs them: the first frame of every
+    plan sent before any reply is read, so the nodes answer in one round trip together.
+    Each outcome, in order: the plan's result, or the Exception it ended with
+    (``gather``'s ``return_exceptions``). A plan whose first round is several frames (a
+    batch past the node's ``max_batch``) runs after the others, frame by frame."""
+    outcomes: list[T | Exception | None] = [None] * len(runs)
+    sent: list[tuple[int, BlockingNode, Plan[T], BlockingLink]] = []
+    later: list[tuple[int, BlockingNode, Plan[T], list[Call]]] = []
+    try:
+        for i, (driver, plan) in enumerate(runs):
+            try:
+                conn = driver._connection()
+                calls = next(plan)
+                if len(calls) != 1:
+                    later.append((i, driver, plan, calls))
+                    continue
+                op, count, body, sinks = calls[0]
+                conn.begin(op, count, body, sinks, epoch=driver.node.epoch)
+                sent.append((i, driver, plan, conn))
+            except StopIteration as done:
+                outcomes[i] = cast(T, done.value)
+            except Exception as exc:
+                outcomes[i] = exc
+        while sent:
+            i, driver, plan, conn = sent.pop(0)
+            try:
+                outcomes[i] = driver._resume(plan, [driver.node.check(conn.finish())], conn)
+            except Exception as exc:
+                outcomes[i] = exc
+        for i, driver, plan, calls in later:
+            try:
+                outcomes[i] = driver._rounds(plan, calls, driver._connection())
+            except Exception as exc:
+                outcomes[i] = exc
+    finally:
+        for _, driver, _, _ in sent:  # interrupted (Ctrl-C): replies not read are left
+            driver.close()            # on these links, which must not carry another call
+    return cast("list[T | Exception]", outcomes)

@@ -59,6 +59,9 @@ class Router:
         #: corrupt chunks counted by node clients no longer in the map
         self.num_corrupt_gone = 0
         self._refreshing: asyncio.Task[None] | None = None
+        #: the newest epoch a reply named while no loop ran (0: none): the sync client
+        #: refreshes the map on its loop when this is past the map's
+        self.newer_epoch = 0
         self._background: set[asyncio.Task[None]] = set()
 
     def close(self) -> None:
@@ -201,9 +204,27 @@ class Router:
             log.info("kvpool cluster map epoch %d: %d nodes, replication %d", cmap.epoch,
                      len(cmap.nodes), cmap.replication)
 
+    def whole_batch_nodes(self) -> list[NodeClient] | None:
+        """The nodes a key op's fan-out asks, each for the whole batch, in one round, when
+        that is all of them: a map of two or more nodes where every key's preference list
+        is every node (a small cluster), each live, none draining. None for any other
+        map: its fan-out picks nodes per key, or turns to others after a failure."""
+        cmap, ring = self.map, self.ring_nodes
+        if cmap is None or len(ring) < 2 or cmap.width != len(ring) \
+                or not all(node.live for node in ring) or self.draining():
+            return None
+        return ring
+
     def _on_newer_epoch(self, epoch: int) -> None:
-        if self.map is not None and epoch > self.map.epoch and self._refreshing is None:
-            task = asyncio.get_running_loop().create_task(self.refresh(min_epoch=epoch))
+        if self.map is None or epoch <= self.map.epoch:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a sync call with no loop (the blocking path): refreshed after
+            self.newer_epoch = max(self.newer_epoch, epoch)
+            return
+        if self._refreshing is None:
+            task = loop.create_task(self.refresh(min_epoch=epoch))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 

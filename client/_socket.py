@@ -111,6 +111,8 @@ class BlockingConnection:
         self._limited_at: dict[int, float] = {}
         #: the socket's kernel timeouts are shorter than a whole call's
         self._cut = False
+        #: the request :meth:`begin` sent: op, request id, deadline
+        self._flight = (0, 0, 0.0)
         self._poll = select.poll()
         self._poll.register(sock.fileno(), select.POLLIN)
         #: monotonic time of the last reply (the node closes connections idle for long)
@@ -141,13 +143,20 @@ class BlockingConnection:
 
         Any failure closes the connection: a reply may be half read.
         """
+        self.begin(op, count, body, sinks, epoch=epoch)
+        return self.finish()
+
+    def begin(self, op: int, count: int, body: Sequence[Buffer],
+              sinks: Sequence[Sink | None] | None = None, *, epoch: int = 0) -> None:
+        """Send one request frame; :meth:`finish` waits for its reply. Its deadline runs
+        from now. (:meth:`call` in two halves: a caller sends a frame to each of several
+        nodes, then reads each reply.)"""
         sock = self._sock
         if sock is None:
             raise KvpoolConnectionError(f"connection to {self.peer} is closed")
         self._next_id = (self._next_id + 1) & 0xFFFFFFFF
-        request_id = self._next_id
         start = time.monotonic()
-        deadline = start + self._timeout
+        self._flight = (op, self._next_id, start + self._timeout)
         self._limited_at = {socket.SO_RCVTIMEO: start, socket.SO_SNDTIMEO: start}
         if self._cut:
             self._set_kernel_timeouts(sock, self._timeout)
@@ -156,29 +165,49 @@ class BlockingConnection:
         for part in body:
             body_len += len(part) if type(part) is bytes else memoryview(part).nbytes
         try:
-            head = request_head(op, request_id, count, body_len, epoch=epoch,
+            head = request_head(op, self._next_id, count, body_len, epoch=epoch,
                                 scope_flags=self._scope_flags)
-            self._send(sock, [*head, *body], len(head[0]) + body_len, deadline)
+            self._send(sock, [*head, *body], len(head[0]) + body_len, start + self._timeout)
+        except BaseException as exc:
+            raise self._failure(op, exc)  # noqa: B904 (_failure sets its cause)
+
+    def finish(self) -> Reply:
+        """The reply to the frame :meth:`begin` sent (any status: the caller checks)."""
+        op, request_id, deadline = self._flight
+        sock = self._sock
+        if sock is None:
+            raise KvpoolConnectionError(f"connection to {self.peer} is closed")
+        try:
             reply = self._receive(sock, deadline)
-        except (TimeoutError, BlockingIOError):  # the latter: a kernel timeout (EAGAIN)
-            self.close()
-            raise KvpoolTimeoutError(
-                f"{Op(op).name} to {self.peer} got no reply within {self._timeout}s") from None
-        except KvpoolError as exc:
-            self.close()
-            raise KvpoolConnectionError(f"bad reply stream from {self.peer}: {exc}") from exc
-        except OSError as exc:
-            self.close()
-            raise KvpoolConnectionError(f"connection to {self.peer} lost: {exc}") from exc
-        except BaseException:  # KeyboardInterrupt mid-reply: the stream is not reusable
-            self.close()
-            raise
+        except BaseException as exc:
+            raise self._failure(op, exc)  # noqa: B904 (_failure sets its cause)
         finally:
             self._sinks = None
         if reply.header.request_id != request_id:
             return stray_reply(reply, request_id, self.peer, self.close)
         self.last_used = time.monotonic()
         return reply
+
+    def _failure(self, op: int, exc: BaseException) -> BaseException:
+        """What ends a call that ``exc`` interrupted: the connection closes (a reply may be
+        half read) and the caller gets a KvpoolConnectionError, or its timeout subclass;
+        anything not an I/O or stream error (KeyboardInterrupt mid-reply) as it is."""
+        self.close()
+        self._sinks = None
+        error: BaseException
+        if isinstance(exc, TimeoutError | BlockingIOError):  # the latter: a kernel timeout
+            error = KvpoolTimeoutError(
+                f"{Op(op).name} to {self.peer} got no reply within {self._timeout}s")
+            error.__suppress_context__ = True
+            return error
+        if isinstance(exc, KvpoolError):
+            error = KvpoolConnectionError(f"bad reply stream from {self.peer}: {exc}")
+        elif isinstance(exc, OSError):
+            error = KvpoolConnectionError(f"connection to {self.peer} lost: {exc}")
+        else:
+            return exc
+        error.__cause__ = exc
+        return error
 
     def _send(self, sock: socket.socket, parts: list[Buffer], total: int,
               deadline: float) -> None:
@@ -210,7 +239,7 @@ class BlockingConnection:
         # a small reply comes whole in the first receive: parsed in one pass, without the
         # streamed parser's steps (a GET payload's bytes are copied and checksummed as
         # that parser would); anything longer goes on through that parser
-        self._limit(sock, deadline, socket.SO_RCVTIMEO)
+        self._limit(sock, deadline, socket.SO_RCVTIMEO, first=True)
         n = sock.recv_into(self._scratch)
         if not n:
             raise OSError("the node closed the connection")
@@ -232,18 +261,22 @@ class BlockingConnection:
             raise OSError("the node sent replies to requests not made")
         return replies[0]
 
-    def _limit(self, sock: socket.socket, deadline: float, option: int) -> None:
+    def _limit(self, sock: socket.socket, deadline: float, option: int, *,
+               first: bool = False) -> None:
         """Before a send or a receive of the call that ends at ``deadline``: what is left
         of it as the socket's timeout. The kernel's timeout (``option``) is cut only once
         more than a 16th of the call's timeout has passed since the call began or since
         that timeout was last cut, so a long reply is not a system call more per receive;
-        a wait then ends at most that 16th past the deadline."""
+        a wait then ends at most that 16th past the deadline. Past the deadline, the
+        ``first`` receive of a reply still gets 1 ms (a reply that came while the caller
+        read another node's is taken); any other I/O is a timeout."""
         now = time.monotonic()
-        if now >= deadline:
+        left = deadline - now
+        if left <= 0 and not first:
             raise TimeoutError
         if not self._kernel_timeouts:
-            sock.settimeout(max(deadline - now, 1e-3))
-        elif now - self._limited_at[option] > self._timeout / 16:
+            sock.settimeout(max(left, 1e-3))
+        elif left < 1e-3 or now - self._limited_at[option] > self._timeout / 16:
             sock.setsockopt(socket.SOL_SOCKET, option, _timeval(deadline - now))
             self._limited_at[option] = now
             self._cut = True

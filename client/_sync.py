@@ -13,7 +13,11 @@ Two exceptions skip the loop (a loop run costs ~40 us here, as much as copying
   same op plans as the async core (:mod:`kvpool.client._plans`) on a blocking
   socket of this client's own (:mod:`kvpool.client._blocking`), unless client
   spans are recorded; so a sync client holds one connection more than its
-  pool. A cluster's calls still run on the loop (its routing is async).
+  pool. On a small cluster (every key's preference list is every node) the key
+  ops an engine's scheduler asks, ``exists*`` and ``lookup*``, do the same on
+  each node's blocking socket, every frame sent before any reply is read
+  (:func:`~kvpool.client._blocking.run_parallel`). A cluster's other calls run
+  on the loop (its routing is async).
 - a GET that a same-host node's arena index can answer whole is copied with
   no request at all (``ShmPath.read_local``). The loop still runs before such a read
 when the reads before it are due to be reported, or when it has not run for
@@ -41,7 +45,8 @@ from kvpool.client._async import (
     put_args,
     raise_put_errors,
 )
-from kvpool.client._blocking import BlockingNode
+from kvpool.client._blocking import BlockingNode, run_parallel
+from kvpool.client._cluster_ops import fastest_of, held_prefix
 from kvpool.client._connection import BufferOrSegments
 from kvpool.client._node import Key, NodeClient, join_keys, key_bytes
 from kvpool.client._options import SHM_PUT_MIN_BYTES
@@ -49,7 +54,7 @@ from kvpool.client._shm_path import TOUCH_DELAY_S, ShmPath
 from kvpool.client.transport import Transport
 from kvpool.placement.cluster_map import ClusterMap
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
-from kvpool.protocol.errors import Status
+from kvpool.protocol.errors import KvpoolConnectionError, Status, WrongOwnerError
 from kvpool.protocol.frames import Op, tier_names
 from kvpool.protocol.parsers import Segments
 
@@ -96,8 +101,8 @@ class Client:
         self._lock = threading.Lock()
         #: until when (monotonic) reads through the index may skip the loop
         self._loop_until = 0.0
-        #: the blocking TCP path to a standalone node (made on first use)
-        self._blocking: BlockingNode | None = None
+        #: the blocking TCP path to each node, by node id (made on first use)
+        self._blocking: dict[str, BlockingNode] = {}
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         with self._lock:
@@ -150,8 +155,9 @@ class Client:
         self._run(self._async.connect())
 
     def close(self) -> None:
-        if self._blocking is not None:
-            self._blocking.close()
+        for driver in self._blocking.values():
+            driver.close()
+        self._blocking.clear()
         if not self._loop.is_closed():
             self._run(self._async.close())
             self._loop.run_until_complete(asyncio.sleep(0))
@@ -184,14 +190,51 @@ class Client:
             return (self._blocking_node(node).run(plan),)
 
     def _blocking_node(self, node: NodeClient) -> BlockingNode:
-        """The blocking driver for ``node`` (a new one after a reconnect made a new
-        NodeClient)."""
-        blocking = self._blocking
-        if blocking is None or blocking.node is not node:
-            if blocking is not None:
-                blocking.close()
-            blocking = self._blocking = BlockingNode(node)
-        return blocking
+        """The blocking driver for ``node`` (a new one after a reconnect or a new map made
+        a new NodeClient; drivers of nodes that left the map are closed then)."""
+        driver = self._blocking.get(node.node_id)
+        if driver is None or driver.node is not node:
+            current = {id(n) for n in self._async._node_clients()}
+            for node_id, old in list(self._blocking.items()):
+                if node_id == node.node_id or id(old.node) not in current:
+                    old.close()
+                    del self._blocking[node_id]
+            driver = self._blocking[node.node_id] = BlockingNode(node)
+        return driver
+
+    def _cluster_codes(self, blob: bytes) -> bytes | None:
+        """``exists_codes`` against a small cluster in this thread, with no event loop: an
+        EXISTS frame sent to every node, then every reply read (``run_parallel``). Only
+        where one round asks every node for the whole batch (``Router.whole_batch_nodes``),
+        with no client spans to record. As the loop's fan-out does then, a node that fails
+        is marked down and the nodes that answered are the answer (the fastest tier each
+        gave). None, where the call runs on the loop instead: any other map, no node
+        answered (the loop raises the error), or one answered WRONG_OWNER (the loop
+        refreshes the map and asks again). A reply from a newer map epoch refreshes the
+        map on the loop after the call."""
+        with self._lock:
+            if self._loop.is_closed():
+                raise RuntimeError("this kvpool Client is closed")
+            nodes = self._async.whole_batch_nodes() if self._blocking_allowed else None
+            if nodes is None:
+                return None
+            outcomes = run_parallel([(self._blocking_node(node), plans.exists(node, blob))
+                                     for node in nodes])
+            answers: list[bytes] = []
+            refused = False
+            for node, outcome in zip(nodes, outcomes, strict=True):
+                if isinstance(outcome, bytes):
+                    answers.append(outcome)
+                elif isinstance(outcome, WrongOwnerError):
+                    refused = True
+                elif isinstance(outcome, KvpoolConnectionError):
+                    node.mark_down()
+                else:
+                    raise outcome
+            newer = self._async._newer_epoch_seen()
+        if newer:
+            self._run(self._async._refresh_map(newer))
+        return fastest_of(answers) if answers and not refused else None
 
     def put(self, key: Key, value: BufferOrSegments, *, ttl: float | None = None, pin: bool = False,
             chunk_index: int = 0, num_tokens: int = 0,
@@ -306,21 +349,24 @@ class Client:
         return self.exists_many([key])[0]
 
     def exists_many(self, keys: Sequence[Key]) -> list[bool]:
-        blob = join_keys(keys)
-        return self._either(lambda node: plans.exists(node, blob),
-                            lambda codes: list(map(bool, codes)),
+        return self._exists(join_keys(keys), lambda codes: list(map(bool, codes)),
                             lambda: self._async.exists_many(keys))
 
     def exists_tiers(self, keys: Sequence[Key]) -> list[str | None]:
-        blob = join_keys(keys)
-        return self._either(lambda node: plans.exists(node, blob),
-                            tier_names,
-                            lambda: self._async.exists_tiers(keys))
+        return self._exists(join_keys(keys), tier_names, lambda: self._async.exists_tiers(keys))
 
     def exists_codes(self, keys: bytes | Sequence[Key]) -> bytes:
         blob = keys if isinstance(keys, bytes) else join_keys(keys)
-        return self._either(lambda node: plans.exists(node, blob), lambda codes: codes,
-                            lambda: self._async.exists_codes(blob))
+        return self._exists(blob, lambda codes: codes, lambda: self._async.exists_codes(blob))
+
+    def _exists(self, blob: bytes, post: Callable[[bytes], R],
+                coro: Callable[[], Coroutine[Any, Any, R]]) -> R:
+        """``post`` of the keys' EXISTS codes: from a small cluster or a standalone node
+        with no event loop where it can, else ``coro()`` on the loop."""
+        codes = self._cluster_codes(blob)
+        if codes is not None:
+            return post(codes)
+        return self._either(lambda node: plans.exists(node, blob), post, coro)
 
     def delete(self, key: Key) -> bool:
         return self.delete_many([key])[0]
@@ -335,6 +381,9 @@ class Client:
 
     def lookup_tiers(self, keys: Sequence[Key]) -> list[str]:
         blob = join_keys(keys)
+        codes = self._cluster_codes(blob)
+        if codes is not None:
+            return cast(list[str], tier_names(held_prefix(codes)))
         return self._either(lambda node: plans.lookup(node, blob),
                             lambda codes: cast(list[str], tier_names(codes)),
                             lambda: self._async.lookup_tiers(keys))

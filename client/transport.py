@@ -46,6 +46,15 @@ class BlockingLink(Protocol):
         KvpoolConnectionError (or its timeout subclass), after which the link is closed."""
         ...
 
+    def begin(self, op: int, count: int, body: Sequence[Buffer],
+              sinks: Sequence[Sink | None] | None = None, *, epoch: int = 0) -> None:
+        """:meth:`call`'s first half: send the frame (errors as :meth:`call`'s)."""
+        ...
+
+    def finish(self) -> Reply:
+        """:meth:`call`'s second half: the reply to the frame :meth:`begin` sent."""
+        ...
+
     def stale(self, idle_s: float) -> bool:
         """Whether it should not carry another request (closed, ended by the node, or
         idle for most of the node's idle timeout ``idle_s``)."""
@@ -158,6 +167,21 @@ class _MockLink:
                                     if self._sinks is not None else None)
         self._open = True
         self._next_id = 0
+        #: the frame :meth:`begin` holds for :meth:`finish`
+        self._begun: tuple[int, int, Sequence[Buffer], Sequence[Sink | None] | None, int] = \
+            (0, 0, (), None, 0)
+
+    def begin(self, op: int, count: int, body: Sequence[Buffer],
+              sinks: Sequence[Sink | None] | None = None, *, epoch: int = 0) -> None:
+        """Holds the frame: :meth:`finish` hands it to the handler (the mock's node answers
+        at once, so sending and answering need not be apart)."""
+        if not self._open:
+            raise KvpoolConnectionError(f"connection to {self.peer} is closed")
+        self._begun = (op, count, body, sinks, epoch)
+
+    def finish(self) -> Reply:
+        op, count, body, sinks, epoch = self._begun
+        return self.call(op, count, body, sinks, epoch=epoch)
 
     def call(self, op: int, count: int, body: Sequence[Buffer],
              sinks: Sequence[Sink | None] | None = None, *, epoch: int = 0) -> Reply:

@@ -520,3 +520,52 @@ def test_a_long_outage_raises_only_kvpool_errors(tmp_path: Path) -> None:
         client.close()
     assert max(failures) > 1100, failures  # the loop went past where 2.0 ** n overflows
     assert sum(raised.values()) >= 2500, raised
+
+
+def test_the_sync_clients_key_ops_on_a_small_cluster_run_with_no_event_loop(
+        cluster3: LocalCluster) -> None:
+    """3 nodes, replication 2 (every key's list is every node): the sync client's
+    ``exists_*`` and ``lookup*`` send an EXISTS frame to each node and read the three
+    replies in the calling thread, the loop not run, with the answers the loop's fan-out
+    gives (``blocking=False``)."""
+    from .conftest import NoLoop
+
+    keys = [os.urandom(16) for _ in range(64)]
+    with Client(cluster3.seeds) as c, Client(cluster3.seeds, blocking=False) as looped:
+        c.put_many(keys[:40], [value_for(k, 64) for k in keys[:40]])
+        c.delete(keys[30])
+        expected = (looped.exists_many(keys), looped.exists_tiers(keys),
+                    looped.exists_codes(keys), looped.lookup(keys), looped.lookup_tiers(keys))
+        assert expected[0] == [True] * 30 + [False] + [True] * 9 + [False] * 24
+        assert expected[3] == 30
+        loop = c._loop
+        c._loop = NoLoop(loop)  # type: ignore[assignment]
+        try:
+            got = (c.exists_many(keys), c.exists_tiers(keys), c.exists_codes(keys),
+                   c.lookup(keys), c.lookup_tiers(keys))
+        finally:
+            c._loop = loop
+        assert got == expected
+
+
+def test_a_hung_node_costs_the_sync_lookup_one_timeout_and_only_that_node(
+        cluster3: LocalCluster) -> None:
+    """One node stopped (SIGSTOP): the sync client's blocking fan-out reads the other two
+    replies after the stopped node's timeout, answers from them, and marks only that node
+    down (the two replies that waited are still taken, though their own deadline passed
+    meanwhile)."""
+    keys = [os.urandom(16) for _ in range(32)]
+    with Client(cluster3.seeds, timeout=0.5) as c:
+        c.put_many(keys[:20], [value_for(k, 64) for k in keys[:20]])
+        assert c.lookup(keys) == 20
+        nodes = c.async_client._router.ring_nodes
+        proc = next(n.proc for n in cluster3.nodes if n.data_port == nodes[0].port)
+        assert proc is not None
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            assert c.lookup(keys) == 20
+            assert time.monotonic() - start < 0.9  # one timeout, not two
+            assert [n.live for n in nodes] == [False, True, True]
+        finally:
+            proc.send_signal(signal.SIGCONT)

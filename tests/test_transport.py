@@ -327,6 +327,54 @@ def test_the_socket_link_times_out_a_request_the_peer_does_not_read() -> None:
         listener.close()
 
 
+def test_the_sync_client_asks_a_small_cluster_on_blocking_links_in_parallel() -> None:
+    """Every key's list is every node (3 nodes, replication 2 + 1 fallback): the sync
+    client's key ops send one EXISTS frame to each node and read the replies with no
+    event loop. A node that fails is marked down and the others' answers are the answer,
+    as on the loop; while it is down, the calls run on the loop."""
+    mock = cluster()
+    keys = [rkey() for _ in range(50)]
+    with Client("10.0.0.1:7700", transport=mock.transport) as c:
+        c.put_many(keys[:20], [b"v"] * 20)
+        for node in mock.nodes.values():
+            node.seen.clear()
+        loop = c._loop
+        c._loop = NoLoop(loop)  # type: ignore[assignment]
+        try:
+            assert c.exists_many(keys) == [True] * 20 + [False] * 30
+            assert c.lookup(keys) == 20
+            assert c.lookup_tiers(keys[:3]) == ["dram"] * 3
+        finally:
+            c._loop = loop
+        assert all([seen for seen in node.seen if seen[0] != Op.HELLO]
+                   == [(Op.EXISTS, 50)] * 2 + [(Op.EXISTS, 3)] for node in mock.nodes.values())
+        mock.transport.down.add("10.0.0.1:7700")
+        mock.transport.drop("10.0.0.1:7700")
+        c._loop = NoLoop(loop)  # type: ignore[assignment]
+        try:  # b and c answer; a, refused, is marked down
+            assert c.exists_many(keys) == [True] * 20 + [False] * 30
+        finally:
+            c._loop = loop
+        assert not c.async_client._router.nodes["a"].live
+        assert c.lookup(keys) == 20  # on the loop while a is down
+
+
+def test_the_sync_clients_blocking_fan_out_refreshes_the_map_a_reply_names() -> None:
+    """A node answers under a newer map epoch while no loop runs (the blocking fan-out):
+    the client fetches that map after the call, and calls go by it."""
+    mock = cluster(epoch=1)
+    keys = [rkey() for _ in range(30)]
+    with Client("10.0.0.1:7700", transport=mock.transport) as c:
+        c.put_many(keys, [b"v"] * 30)
+        assert c.epoch == 1
+        infos = tuple(NodeInfo(id=i, data=f"10.0.0.{n}:7700")
+                      for n, i in enumerate(("a", "b", "c"), 1))
+        mock.map = ClusterMap(epoch=2, nodes=infos, replication=2, fallbacks=1)
+        assert c.exists_many(keys) == [True] * 30
+        assert c.epoch == 2
+        assert c.lookup(keys) == 30
+
+
 @pytest.mark.parametrize("ids", [("a", "b", "c"), ("a", "b", "c", "d")])
 async def test_exists_asks_each_node_once_for_the_keys_whose_list_holds_it(
         ids: tuple[str, ...]) -> None:
