@@ -66,7 +66,7 @@ from kvpool.client._node import (
 )
 from kvpool.client._options import SHM_PUT_MIN_BYTES, ClientOptions
 from kvpool.client._plans import as_segments, flat_view
-from kvpool.client._router import Router
+from kvpool.client._router import Router, Rows
 from kvpool.client._tracing import _tracer, explicit_tracer, traced
 from kvpool.client.transport import Transport
 from kvpool.placement.cluster_map import ClusterMap
@@ -335,12 +335,12 @@ class AsyncClient:
         node = self._router.standalone_node
         return node if node is not None and _tracer(self) is None else None
 
-    def whole_batch_nodes(self) -> list[NodeClient] | None:
-        """A small cluster's nodes, when a key op may ask each for the whole batch in the
-        caller's thread with no event loop (the sync client's blocking fan-out):
-        :meth:`Router.whole_batch_nodes <kvpool.client._router.Router.whole_batch_nodes>`,
-        and no client spans to record."""
-        return self._router.whole_batch_nodes() if _tracer(self) is None else None
+    def one_round(self, blob: bytes) -> list[tuple[NodeClient, Rows]] | None:
+        """A cluster's EXISTS of the keys ``blob`` as one round of frames the caller may
+        send in its own thread with no event loop (the sync client's blocking fan-out):
+        :meth:`Router.one_round <kvpool.client._router.Router.one_round>`, and no client
+        spans to record."""
+        return self._router.one_round(blob) if _tracer(self) is None else None
 
     def _newer_epoch_seen(self) -> int:
         """A map epoch newer than the one this client routes by, named by a reply while no

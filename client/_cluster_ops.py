@@ -28,7 +28,8 @@ from kvpool.protocol.errors import KvpoolConnectionError, Status
 from kvpool.protocol.frames import KEY_SIZE, Op
 from kvpool.protocol.parsers import Segments
 
-__all__ = ["exists_codes", "fastest_of", "get", "held_prefix", "put", "statuses"]
+__all__ = ["ABSENT", "codes_of", "exists_codes", "fastest", "get", "held_prefix", "put",
+           "statuses"]
 
 
 async def put(router: Router, bkeys: list[bytes], values: Sequence[BufferOrSegments], *,
@@ -110,14 +111,14 @@ async def exists_codes(router: Router, blob: bytes) -> bytes:
     def send(node: NodeClient, rows: npt.NDArray[np.intp]) -> Awaitable[bytes]:
         return node.exists(rows_blob(blob, rows))
 
-    best = np.full(len(blob) // KEY_SIZE, _ABSENT, dtype=np.uint8)
+    best = np.full(len(blob) // KEY_SIZE, ABSENT, dtype=np.uint8)
 
     def absorb(rows: npt.NDArray[np.intp], codes: bytes) -> None:
         fastest(best, rows, codes)
 
     await router.fan_out(blob, send, absorb, per_row="all")
     for node in router.draining():
-        missing = np.flatnonzero(best == _ABSENT)
+        missing = np.flatnonzero(best == ABSENT)
         if not len(missing):
             break
         try:
@@ -128,34 +129,25 @@ async def exists_codes(router: Router, blob: bytes) -> bytes:
 
 
 #: a key no node has answered for yet (a tier code is 1-3, 0 where a node lacks the key)
-_ABSENT = 255
+ABSENT = 255
 
 
-def fastest(best: npt.NDArray[np.uint8], rows: npt.NDArray[np.intp] | slice, codes: bytes
-            ) -> None:
-    """Keep in ``best`` (``_ABSENT`` to begin with) the fastest tier any node gave for the
+def fastest(best: npt.NDArray[np.uint8], rows: npt.NDArray[np.intp], codes: bytes) -> None:
+    """Keep in ``best`` (``ABSENT`` to begin with) the fastest tier any node gave for the
     keys at ``rows``, given one node's EXISTS ``codes`` for them."""
     arr = np.frombuffer(codes, dtype=np.uint8)
-    best[rows] = np.minimum(best[rows], np.where(arr == 0, _ABSENT, arr))
+    best[rows] = np.minimum(best[rows], np.where(arr == 0, ABSENT, arr))
 
 
 def codes_of(best: npt.NDArray[np.uint8]) -> bytes:
     """``best`` as ``exists_codes`` returns it: 0 where no node has the key."""
-    best[best == _ABSENT] = 0
+    best[best == ABSENT] = 0
     return best.tobytes()
 
 
 def held_prefix(codes: bytes) -> bytes:
     """A cluster's LOOKUP: the EXISTS ``codes`` of a prefix's keys up to the first miss."""
     return codes[: codes.index(0)] if 0 in codes else codes
-
-
-def fastest_of(answers: Sequence[bytes]) -> bytes:
-    """The fastest tier of each key over whole-batch EXISTS ``answers``, one a node."""
-    best = np.full(len(answers[0]), _ABSENT, dtype=np.uint8)
-    for codes in answers:
-        fastest(best, slice(None), codes)
-    return codes_of(best)
 
 
 async def statuses(router: Router, op: Op, blob: bytes) -> list[bool]:

@@ -204,16 +204,29 @@ class Router:
             log.info("kvpool cluster map epoch %d: %d nodes, replication %d", cmap.epoch,
                      len(cmap.nodes), cmap.replication)
 
-    def whole_batch_nodes(self) -> list[NodeClient] | None:
-        """The nodes a key op's fan-out asks, each for the whole batch, in one round, when
-        that is all of them: a map of two or more nodes where every key's preference list
-        is every node (a small cluster), each live, none draining. None for any other
-        map: its fan-out picks nodes per key, or turns to others after a failure."""
+    def one_round(self, blob: bytes) -> list[tuple[NodeClient, Rows]] | None:
+        """What :meth:`fan_out` with ``per_row="all"`` sends (every node of each key's
+        list, at once: EXISTS), for a caller that sends it itself (the sync client's
+        blocking fan-out): each node with the batch positions of the keys it is asked
+        about. Where every key's list is every node, that is every node and the whole
+        batch; else the picks of the fan-out's first round. None unless that round is all
+        there is to it: a map of two or more nodes, every node asked live, none
+        draining (a failed node's keys are then asked of no one else: each was asked
+        of every node of its list)."""
         cmap, ring = self.map, self.ring_nodes
-        if cmap is None or len(ring) < 2 or cmap.width != len(ring) \
-                or not all(node.live for node in ring) or self.draining():
+        if cmap is None or len(ring) < 2 or self.draining():
             return None
-        return ring
+        n = len(blob) // KEY_SIZE
+        if cmap.width == len(ring):  # every key's list is every node: no ring lookup
+            everything = np.arange(n, dtype=np.intp)
+            asked = [(node, everything) for node in ring]
+        else:
+            table = cmap.ring.owner_indexes(key_positions(blob), cmap.width)
+            picks = pick(table, np.zeros(table.shape, dtype=bool),
+                         np.ones(len(ring), dtype=bool), np.arange(n, dtype=np.intp),
+                         per_row=cmap.width)
+            asked = [(ring[p.node], p.rows) for p in picks]
+        return asked if all(node.live for node, _ in asked) else None
 
     def _on_newer_epoch(self, epoch: int) -> None:
         if self.map is None or epoch <= self.map.epoch:

@@ -35,6 +35,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
+import numpy as np
 from opentelemetry.trace import TracerProvider
 
 from kvpool.client import _plans as plans
@@ -46,16 +47,17 @@ from kvpool.client._async import (
     raise_put_errors,
 )
 from kvpool.client._blocking import BlockingNode, run_parallel
-from kvpool.client._cluster_ops import fastest_of, held_prefix
+from kvpool.client._cluster_ops import ABSENT, codes_of, fastest, held_prefix
 from kvpool.client._connection import BufferOrSegments
 from kvpool.client._node import Key, NodeClient, join_keys, key_bytes
 from kvpool.client._options import SHM_PUT_MIN_BYTES
+from kvpool.client._plans import rows_blob
 from kvpool.client._shm_path import TOUCH_DELAY_S, ShmPath
 from kvpool.client.transport import Transport
 from kvpool.placement.cluster_map import ClusterMap
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
 from kvpool.protocol.errors import KvpoolConnectionError, Status, WrongOwnerError
-from kvpool.protocol.frames import Op, tier_names
+from kvpool.protocol.frames import KEY_SIZE, Op, tier_names
 from kvpool.protocol.parsers import Segments
 
 __all__ = ["Client"]
@@ -203,28 +205,32 @@ class Client:
         return driver
 
     def _cluster_codes(self, blob: bytes) -> bytes | None:
-        """``exists_codes`` against a small cluster in this thread, with no event loop: an
-        EXISTS frame sent to every node, then every reply read (``run_parallel``). Only
-        where one round asks every node for the whole batch (``Router.whole_batch_nodes``),
-        with no client spans to record. As the loop's fan-out does then, a node that fails
-        is marked down and the nodes that answered are the answer (the fastest tier each
-        gave). None, where the call runs on the loop instead: any other map, no node
-        answered (the loop raises the error), or one answered WRONG_OWNER (the loop
-        refreshes the map and asks again). A reply from a newer map epoch refreshes the
-        map on the loop after the call."""
+        """``exists_codes`` against a cluster in this thread, with no event loop: the one
+        round of EXISTS frames the loop's fan-out would send (``Router.one_round``; on a
+        small cluster, the whole batch to every node), each sent before any reply is
+        read (``run_parallel``), with no client spans to record. As on the loop, a node
+        that fails is marked down, and each key's answer is the fastest tier the nodes
+        that answered for it gave. None, where the call runs on the loop instead: a map
+        that round does not cover (one node, a node down or draining), a key no node
+        answered for (the loop raises the error), or WRONG_OWNER (the loop refreshes
+        the map and asks again). A reply from a newer map epoch refreshes the map on the
+        loop after the call."""
         with self._lock:
             if self._loop.is_closed():
                 raise RuntimeError("this kvpool Client is closed")
-            nodes = self._async.whole_batch_nodes() if self._blocking_allowed else None
-            if nodes is None:
+            asked = self._async.one_round(blob) if self._blocking_allowed else None
+            if asked is None:
                 return None
-            outcomes = run_parallel([(self._blocking_node(node), plans.exists(node, blob))
-                                     for node in nodes])
-            answers: list[bytes] = []
+            outcomes = run_parallel([(self._blocking_node(node),
+                                      plans.exists(node, rows_blob(blob, rows)))
+                                     for node, rows in asked])
+            best = np.full(len(blob) // KEY_SIZE, ABSENT, dtype=np.uint8)
+            answered = np.zeros(len(best), dtype=bool)
             refused = False
-            for node, outcome in zip(nodes, outcomes, strict=True):
+            for (node, rows), outcome in zip(asked, outcomes, strict=True):
                 if isinstance(outcome, bytes):
-                    answers.append(outcome)
+                    fastest(best, rows, outcome)
+                    answered[rows] = True
                 elif isinstance(outcome, WrongOwnerError):
                     refused = True
                 elif isinstance(outcome, KvpoolConnectionError):
@@ -234,7 +240,7 @@ class Client:
             newer = self._async._newer_epoch_seen()
         if newer:
             self._run(self._async._refresh_map(newer))
-        return fastest_of(answers) if answers and not refused else None
+        return codes_of(best) if answered.all() and not refused else None
 
     def put(self, key: Key, value: BufferOrSegments, *, ttl: float | None = None, pin: bool = False,
             chunk_index: int = 0, num_tokens: int = 0,

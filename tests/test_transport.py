@@ -359,6 +359,31 @@ def test_the_sync_client_asks_a_small_cluster_on_blocking_links_in_parallel() ->
         assert c.lookup(keys) == 20  # on the loop while a is down
 
 
+def test_the_sync_clients_blocking_fan_out_on_a_larger_map_asks_each_node_for_its_keys(
+        ) -> None:
+    """4 nodes, lists of 3: the sync client's EXISTS round, with no event loop, sends each
+    node only the keys whose list holds it, one frame a node, as the loop's fan-out
+    does (the async twin below)."""
+    mock = cluster(ids=("a", "b", "c", "d"))
+    assert mock.map is not None
+    keys = [rkey() for _ in range(50)]
+    with Client("10.0.0.1:7700", transport=mock.transport) as c:
+        c.put_many(keys[:20], [b"v"] * 20)
+        for node in mock.nodes.values():
+            node.seen.clear()
+        loop = c._loop
+        c._loop = NoLoop(loop)  # type: ignore[assignment]
+        try:
+            assert c.exists_many(keys) == [True] * 20 + [False] * 30
+            assert c.lookup(keys) == 20
+        finally:
+            c._loop = loop
+        lists = mock.map.preference(keys)
+        for node in mock.nodes.values():
+            asked = [n for op, n in node.seen if op == Op.EXISTS]
+            assert asked == [sum(node.node_id in pref for pref in lists)] * 2
+
+
 def test_the_sync_clients_blocking_fan_out_refreshes_the_map_a_reply_names() -> None:
     """A node answers under a newer map epoch while no loop runs (the blocking fan-out):
     the client fetches that map after the call, and calls go by it."""
