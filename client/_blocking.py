@@ -11,7 +11,7 @@ a socket of its own over TCP, :mod:`kvpool.client._socket`; the handler, in the
 calling thread, on a mock transport).
 
 :func:`run_parallel` runs one plan on each of several nodes, their first frames all
-sent before any reply is read (a small cluster's EXISTS, as the loop's ``gather``).
+sent before any reply is read (a cluster's round of EXISTS, as the loop's ``gather``).
 
 One request is in flight at a time on a connection (a batch larger than the node's
 ``max_batch`` goes frame by frame): the sync client serialises its calls

@@ -13,9 +13,9 @@ Two exceptions skip the loop (a loop run costs ~40 us here, as much as copying
   same op plans as the async core (:mod:`kvpool.client._plans`) on a blocking
   socket of this client's own (:mod:`kvpool.client._blocking`), unless client
   spans are recorded; so a sync client holds one connection more than its
-  pool. On a small cluster (every key's preference list is every node) the key
-  ops an engine's scheduler asks, ``exists*`` and ``lookup*``, do the same on
-  each node's blocking socket, every frame sent before any reply is read
+  pool. On a cluster, the key ops an engine's scheduler asks, ``exists*`` and
+  ``lookup*``, do the same on the blocking sockets of the nodes asked, every
+  frame sent before any reply is read
   (:func:`~kvpool.client._blocking.run_parallel`). A cluster's other calls run
   on the loop (its routing is async).
 - a GET that a same-host node's arena index can answer whole is copied with
@@ -367,8 +367,8 @@ class Client:
 
     def _exists(self, blob: bytes, post: Callable[[bytes], R],
                 coro: Callable[[], Coroutine[Any, Any, R]]) -> R:
-        """``post`` of the keys' EXISTS codes: from a small cluster or a standalone node
-        with no event loop where it can, else ``coro()`` on the loop."""
+        """``post`` of the keys' EXISTS codes: from a cluster or a standalone node with no
+        event loop where it can, else ``coro()`` on the loop."""
         codes = self._cluster_codes(blob)
         if codes is not None:
             return post(codes)
