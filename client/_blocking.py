@@ -114,6 +114,8 @@ class BlockingNode:
             conn.close()
             raise
         self._idle_s = float(info.get("idle_timeout_s") or 0)
+        if not node.server_info:  # a cluster's node this client has not yet said HELLO to
+            node.server_info = info  # on its loop: the plans read its limits
         self._conn = conn
         return conn
 

@@ -546,6 +546,10 @@ def test_the_sync_clients_key_ops_on_a_small_cluster_run_with_no_event_loop(
         finally:
             c._loop = loop
         assert got == expected
+    with Client(cluster3.seeds) as fresh:  # a first call: nodes not yet met on the loop
+        fresh._loop = NoLoop(fresh._loop)  # type: ignore[assignment]
+        assert fresh.lookup(keys) == 30
+        fresh._loop = fresh._loop.loop  # type: ignore[attr-defined]
 
 
 def test_a_hung_node_costs_the_sync_lookup_one_timeout_and_only_that_node(
