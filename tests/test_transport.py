@@ -384,6 +384,27 @@ def test_the_sync_clients_blocking_fan_out_on_a_larger_map_asks_each_node_for_it
             assert asked == [sum(node.node_id in pref for pref in lists)] * 2
 
 
+def test_the_sync_clients_blocking_fan_out_splits_a_batch_past_max_batch() -> None:
+    """Nodes that take 16 keys a frame: each node's 50 keys go as 4 frames, one after
+    another on its blocking socket (after the other nodes' first frames), no loop run."""
+    mock = cluster()
+    for node in mock.nodes.values():
+        node.max_batch = 16
+    keys = [rkey() for _ in range(50)]
+    with Client("10.0.0.1:7700", transport=mock.transport) as c:
+        c.put_many(keys[:20], [b"v"] * 20)
+        for node in mock.nodes.values():
+            node.seen.clear()
+        loop = c._loop
+        c._loop = NoLoop(loop)  # type: ignore[assignment]
+        try:
+            assert c.exists_many(keys) == [True] * 20 + [False] * 30
+        finally:
+            c._loop = loop
+        assert all([n for op, n in node.seen if op == Op.EXISTS] == [16, 16, 16, 2]
+                   for node in mock.nodes.values())
+
+
 def test_the_sync_clients_blocking_fan_out_refreshes_the_map_a_reply_names() -> None:
     """A node answers under a newer map epoch while no loop runs (the blocking fan-out):
     the client fetches that map after the call, and calls go by it."""
