@@ -6,7 +6,8 @@
 - get: nodes of the list one after another until one has the key, then the nodes
   that are draining (a chunk may still sit on the node moving out);
 - exists: every live node of the list at once (draining nodes for what they did not
-  find), the fastest tier wins;
+  find), the fastest tier wins (``codes_of_round``: the same merge of a round the sync
+  client sent itself, on blocking sockets);
 - DELETE, PIN, UNPIN: every live node of the list; done where any node did it.
 
 A one-node map (a standalone node, or a cluster of one) needs none of this: each op
@@ -23,13 +24,12 @@ import numpy.typing as npt
 from kvpool.client._connection import BufferOrSegments
 from kvpool.client._node import NodeClient
 from kvpool.client._plans import rows_blob
-from kvpool.client._router import Router
-from kvpool.protocol.errors import KvpoolConnectionError, Status
+from kvpool.client._router import Router, Rows
+from kvpool.protocol.errors import KvpoolConnectionError, Status, WrongOwnerError
 from kvpool.protocol.frames import KEY_SIZE, Op
 from kvpool.protocol.parsers import Segments
 
-__all__ = ["ABSENT", "codes_of", "exists_codes", "fastest", "get", "held_prefix", "put",
-           "statuses"]
+__all__ = ["codes_of_round", "exists_codes", "get", "held_prefix", "put", "statuses"]
 
 
 async def put(router: Router, bkeys: list[bytes], values: Sequence[BufferOrSegments], *,
@@ -143,6 +143,31 @@ def codes_of(best: npt.NDArray[np.uint8]) -> bytes:
     """``best`` as ``exists_codes`` returns it: 0 where no node has the key."""
     best[best == ABSENT] = 0
     return best.tobytes()
+
+
+def codes_of_round(n: int, asked: Sequence[tuple[NodeClient, Rows]],
+                   outcomes: Sequence[bytes | Exception]) -> bytes | None:
+    """:func:`exists_codes` of ``n`` keys from one round of EXISTS the caller ran itself
+    (:meth:`Router.one_round <kvpool.client._router.Router.one_round>`: each node and
+    the rows it was asked about; an answer or the exception of each), merged as the
+    fan-out merges: a node that failed is marked down, and each key's code is the
+    fastest tier the nodes that answered for it gave. None where the round is not the
+    answer: a key no node answered for, or WRONG_OWNER (the fan-out then asks again).
+    Any other error is raised."""
+    best = np.full(n, ABSENT, dtype=np.uint8)
+    answered = np.zeros(n, dtype=bool)
+    refused = False
+    for (node, rows), outcome in zip(asked, outcomes, strict=True):
+        if isinstance(outcome, bytes):
+            fastest(best, rows, outcome)
+            answered[rows] = True
+        elif isinstance(outcome, WrongOwnerError):
+            refused = True
+        elif isinstance(outcome, KvpoolConnectionError):
+            node.mark_down()
+        else:
+            raise outcome
+    return codes_of(best) if answered.all() and not refused else None
 
 
 def held_prefix(codes: bytes) -> bytes:

@@ -35,9 +35,9 @@ from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
-import numpy as np
 from opentelemetry.trace import TracerProvider
 
+from kvpool.client import _cluster_ops as cluster_ops
 from kvpool.client import _plans as plans
 from kvpool.client._async import (
     AsyncClient,
@@ -47,7 +47,6 @@ from kvpool.client._async import (
     raise_put_errors,
 )
 from kvpool.client._blocking import BlockingNode, run_parallel
-from kvpool.client._cluster_ops import ABSENT, codes_of, fastest, held_prefix
 from kvpool.client._connection import BufferOrSegments
 from kvpool.client._node import Key, NodeClient, join_keys, key_bytes
 from kvpool.client._options import SHM_PUT_MIN_BYTES
@@ -56,7 +55,7 @@ from kvpool.client._shm_path import TOUCH_DELAY_S, ShmPath
 from kvpool.client.transport import Transport
 from kvpool.placement.cluster_map import ClusterMap
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
-from kvpool.protocol.errors import KvpoolConnectionError, Status, WrongOwnerError
+from kvpool.protocol.errors import Status
 from kvpool.protocol.frames import KEY_SIZE, Op, tier_names
 from kvpool.protocol.parsers import Segments
 
@@ -210,11 +209,11 @@ class Client:
         small cluster, the whole batch to every node), each sent before any reply is
         read (``run_parallel``), with no client spans to record. As on the loop, a node
         that fails is marked down, and each key's answer is the fastest tier the nodes
-        that answered for it gave. None, where the call runs on the loop instead: a map
-        that round does not cover (one node, a node down or draining), a key no node
-        answered for (the loop raises the error), or WRONG_OWNER (the loop refreshes
-        the map and asks again). A reply from a newer map epoch refreshes the map on the
-        loop after the call."""
+        that answered for it gave (``codes_of_round``). None, where the call runs on the
+        loop instead: a map that round does not cover (one node, a node down or
+        draining), a key no node answered for (the loop raises the error), or
+        WRONG_OWNER (the loop refreshes the map and asks again). A reply from a newer map
+        epoch refreshes the map on the loop after the call."""
         with self._lock:
             if self._loop.is_closed():
                 raise RuntimeError("this kvpool Client is closed")
@@ -224,23 +223,11 @@ class Client:
             outcomes = run_parallel([(self._blocking_node(node),
                                       plans.exists(node, rows_blob(blob, rows)))
                                      for node, rows in asked])
-            best = np.full(len(blob) // KEY_SIZE, ABSENT, dtype=np.uint8)
-            answered = np.zeros(len(best), dtype=bool)
-            refused = False
-            for (node, rows), outcome in zip(asked, outcomes, strict=True):
-                if isinstance(outcome, bytes):
-                    fastest(best, rows, outcome)
-                    answered[rows] = True
-                elif isinstance(outcome, WrongOwnerError):
-                    refused = True
-                elif isinstance(outcome, KvpoolConnectionError):
-                    node.mark_down()
-                else:
-                    raise outcome
+            codes = cluster_ops.codes_of_round(len(blob) // KEY_SIZE, asked, outcomes)
             newer = self._async._newer_epoch_seen()
         if newer:
             self._run(self._async._refresh_map(newer))
-        return codes_of(best) if answered.all() and not refused else None
+        return codes
 
     def put(self, key: Key, value: BufferOrSegments, *, ttl: float | None = None, pin: bool = False,
             chunk_index: int = 0, num_tokens: int = 0,
@@ -389,7 +376,7 @@ class Client:
         blob = join_keys(keys)
         codes = self._cluster_codes(blob)
         if codes is not None:
-            return cast(list[str], tier_names(held_prefix(codes)))
+            return cast(list[str], tier_names(cluster_ops.held_prefix(codes)))
         return self._either(lambda node: plans.lookup(node, blob),
                             lambda codes: cast(list[str], tier_names(codes)),
                             lambda: self._async.lookup_tiers(keys))
