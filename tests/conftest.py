@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -240,6 +241,17 @@ class NoLoop:
 
     def run_until_complete(self, coro: object) -> None:
         raise AssertionError(f"the event loop ran for {coro}")
+
+
+@contextlib.contextmanager
+def no_loop(client: Any) -> Iterator[None]:
+    """Within it, the sync ``client`` fails the test if it runs its event loop."""
+    loop = client._loop
+    client._loop = NoLoop(loop)
+    try:
+        yield
+    finally:
+        client._loop = loop
 
 
 def node_stats(node: NodeProcess) -> dict[str, Any]:

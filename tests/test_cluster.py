@@ -528,7 +528,7 @@ def test_the_sync_clients_key_ops_on_a_small_cluster_run_with_no_event_loop(
     ``exists_*`` and ``lookup*`` send an EXISTS frame to each node and read the three
     replies in the calling thread, the loop not run, with the answers the loop's fan-out
     gives (``blocking=False``)."""
-    from .conftest import NoLoop
+    from .conftest import no_loop
 
     keys = [os.urandom(16) for _ in range(64)]
     with Client(cluster3.seeds) as c, Client(cluster3.seeds, blocking=False) as looped:
@@ -538,18 +538,12 @@ def test_the_sync_clients_key_ops_on_a_small_cluster_run_with_no_event_loop(
                     looped.exists_codes(keys), looped.lookup(keys), looped.lookup_tiers(keys))
         assert expected[0] == [True] * 30 + [False] + [True] * 9 + [False] * 24
         assert expected[3] == 30
-        loop = c._loop
-        c._loop = NoLoop(loop)  # type: ignore[assignment]
-        try:
+        with no_loop(c):
             got = (c.exists_many(keys), c.exists_tiers(keys), c.exists_codes(keys),
                    c.lookup(keys), c.lookup_tiers(keys))
-        finally:
-            c._loop = loop
         assert got == expected
-    with Client(cluster3.seeds) as fresh:  # a first call: nodes not yet met on the loop
-        fresh._loop = NoLoop(fresh._loop)  # type: ignore[assignment]
+    with Client(cluster3.seeds) as fresh, no_loop(fresh):  # nodes not yet met on the loop
         assert fresh.lookup(keys) == 30
-        fresh._loop = fresh._loop.loop  # type: ignore[attr-defined]
 
 
 def test_a_hung_node_costs_the_sync_lookup_one_timeout_and_only_that_node(

@@ -26,7 +26,7 @@ from kvpool.protocol.errors import Status
 from kvpool.protocol.frames import FRAME_HEADER_SIZE, FrameHeader, Op, encode_frame
 from kvpool.protocol.parsers import Request
 
-from .conftest import NoLoop
+from .conftest import NoLoop, no_loop
 from .mock_nodes import MockNode, MockNodes
 
 
@@ -232,6 +232,15 @@ def test_the_sync_clients_blocking_link_refuses_a_reply_to_another_request() -> 
             c._loop = loop
 
 
+def one_request(listener: socket.socket) -> tuple[socket.socket, FrameHeader]:
+    """A peer's half: accept one connection on ``listener`` and read its first request
+    frame; the connection and that frame's header (its body read and dropped)."""
+    conn, _ = listener.accept()
+    header = FrameHeader.unpack(conn.recv(FRAME_HEADER_SIZE, socket.MSG_WAITALL))
+    conn.recv(header.body_len, socket.MSG_WAITALL)
+    return conn, header
+
+
 @pytest.mark.parametrize("status", [Status.OK, Status.BAD_FRAME])
 def test_the_socket_link_ends_on_a_reply_to_another_request(status: Status) -> None:
     """The same over a real socket: a peer on 127.0.0.1 answers one EXISTS under the next
@@ -241,11 +250,8 @@ def test_the_socket_link_ends_on_a_reply_to_another_request(status: Status) -> N
     port = listener.getsockname()[1]
 
     def peer() -> None:
-        conn, _ = listener.accept()
+        conn, header = one_request(listener)
         with conn:
-            raw = conn.recv(FRAME_HEADER_SIZE, socket.MSG_WAITALL)
-            header = FrameHeader.unpack(raw)
-            conn.recv(header.body_len, socket.MSG_WAITALL)
             body = b"\x00" * header.count if status == Status.OK else b"refused"
             conn.sendall(b"".join(encode_frame(header.op, header.request_id + 1, [body],
                                                count=header.count, status=status)))
@@ -278,11 +284,8 @@ def test_the_socket_link_keeps_its_deadline_when_a_reply_stalls_midway() -> None
     done = threading.Event()
 
     def peer() -> None:
-        conn, _ = listener.accept()
+        conn, header = one_request(listener)
         with conn:
-            raw = conn.recv(FRAME_HEADER_SIZE, socket.MSG_WAITALL)
-            header = FrameHeader.unpack(raw)
-            conn.recv(header.body_len, socket.MSG_WAITALL)
             frame = b"".join(encode_frame(header.op, header.request_id, [b" " * (1 << 20)]))
             conn.sendall(frame[:1000])
             time.sleep(0.35)  # past a 16th of the timeout: the next receive waits less
@@ -327,34 +330,33 @@ def test_the_socket_link_times_out_a_request_the_peer_does_not_read() -> None:
         listener.close()
 
 
+def held_20_of_50(c: Client, mock: MockNodes) -> list[bytes]:
+    """50 keys, the first 20 put through ``c``; the nodes' request logs cleared."""
+    keys = [rkey() for _ in range(50)]
+    c.put_many(keys[:20], [b"v"] * 20)
+    for node in mock.nodes.values():
+        node.seen.clear()
+    return keys
+
+
 def test_the_sync_client_asks_a_small_cluster_on_blocking_links_in_parallel() -> None:
     """Every key's list is every node (3 nodes, replication 2 + 1 fallback): the sync
     client's key ops send one EXISTS frame to each node and read the replies with no
     event loop. A node that fails is marked down and the others' answers are the answer,
     as on the loop; while it is down, the calls run on the loop."""
     mock = cluster()
-    keys = [rkey() for _ in range(50)]
     with Client("10.0.0.1:7700", transport=mock.transport) as c:
-        c.put_many(keys[:20], [b"v"] * 20)
-        for node in mock.nodes.values():
-            node.seen.clear()
-        loop = c._loop
-        c._loop = NoLoop(loop)  # type: ignore[assignment]
-        try:
+        keys = held_20_of_50(c, mock)
+        with no_loop(c):
             assert c.exists_many(keys) == [True] * 20 + [False] * 30
             assert c.lookup(keys) == 20
             assert c.lookup_tiers(keys[:3]) == ["dram"] * 3
-        finally:
-            c._loop = loop
         assert all([seen for seen in node.seen if seen[0] != Op.HELLO]
                    == [(Op.EXISTS, 50)] * 2 + [(Op.EXISTS, 3)] for node in mock.nodes.values())
         mock.transport.down.add("10.0.0.1:7700")
         mock.transport.drop("10.0.0.1:7700")
-        c._loop = NoLoop(loop)  # type: ignore[assignment]
-        try:  # b and c answer; a, refused, is marked down
+        with no_loop(c):  # b and c answer; a, refused, is marked down
             assert c.exists_many(keys) == [True] * 20 + [False] * 30
-        finally:
-            c._loop = loop
         assert not c.async_client._router.nodes["a"].live
         assert c.lookup(keys) == 20  # on the loop while a is down
 
@@ -366,18 +368,11 @@ def test_the_sync_clients_blocking_fan_out_on_a_larger_map_asks_each_node_for_it
     does (the async twin below)."""
     mock = cluster(ids=("a", "b", "c", "d"))
     assert mock.map is not None
-    keys = [rkey() for _ in range(50)]
     with Client("10.0.0.1:7700", transport=mock.transport) as c:
-        c.put_many(keys[:20], [b"v"] * 20)
-        for node in mock.nodes.values():
-            node.seen.clear()
-        loop = c._loop
-        c._loop = NoLoop(loop)  # type: ignore[assignment]
-        try:
+        keys = held_20_of_50(c, mock)
+        with no_loop(c):
             assert c.exists_many(keys) == [True] * 20 + [False] * 30
             assert c.lookup(keys) == 20
-        finally:
-            c._loop = loop
         lists = mock.map.preference(keys)
         for node in mock.nodes.values():
             asked = [n for op, n in node.seen if op == Op.EXISTS]
@@ -390,17 +385,10 @@ def test_the_sync_clients_blocking_fan_out_splits_a_batch_past_max_batch() -> No
     mock = cluster()
     for node in mock.nodes.values():
         node.max_batch = 16
-    keys = [rkey() for _ in range(50)]
     with Client("10.0.0.1:7700", transport=mock.transport) as c:
-        c.put_many(keys[:20], [b"v"] * 20)
-        for node in mock.nodes.values():
-            node.seen.clear()
-        loop = c._loop
-        c._loop = NoLoop(loop)  # type: ignore[assignment]
-        try:
+        keys = held_20_of_50(c, mock)
+        with no_loop(c):
             assert c.exists_many(keys) == [True] * 20 + [False] * 30
-        finally:
-            c._loop = loop
         assert all([n for op, n in node.seen if op == Op.EXISTS] == [16, 16, 16, 2]
                    for node in mock.nodes.values())
 
