@@ -261,34 +261,61 @@ def test_engine_format_chunks_load_straight_into_a_fresh_vllm(pool: NodeProcess,
     assert loaded["runs"][0]["tokens"] == baseline[0]
 
 
-def test_vllm_serve_answers_a_restarted_servers_request_from_the_pool(
-        pool: NodeProcess, tokenizer: Any, tmp_path: Path) -> None:
+def test_vllm_serve_answers_from_a_cluster_after_a_restart_and_a_node_crash(
+        tokenizer: Any, tmp_path: Path) -> None:
+    """``vllm serve`` as users run it, its connector given a 3-node cluster's seed list
+    (replication 2): a completion request; then the server restarted and the node holding
+    most of the prompt's chunks killed (SIGKILL, as in a crash; it is also the first seed
+    the new server tries). The same request is served from the surviving copies: the same
+    text, the prompt's full chunks counted as cached, and no load failed."""
     from kvpool.examples.models import smollm2_folder
-    from kvpool.server.local_cluster import free_ports
+    from kvpool.server.local_cluster import LocalCluster, free_ports
 
+    prompt = text_prompt(tokenizer, 1000, "serve")
+    keys = chunk_keys(prompt)[:FULL]
     (port,) = free_ports(1)
-    transfer = json.dumps({"kv_connector": "KvpoolConnector",
-                           "kv_connector_module_path": "kvpool.gpu.vllm",
-                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                           "kv_connector_extra_config": {"kvpool_url": pool.url}})
-    cmd = [VLLM_PYTHON, "-m", "kvpool.gpu.vllm_serve", str(smollm2_folder()),
-           "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype",
-           "bfloat16", "--max-model-len", "4096", "--enable-prompt-tokens-details",
-           "--kv-transfer-config", transfer]
-    body = json.dumps({"model": str(smollm2_folder()),
-                       "prompt": text_prompt(tokenizer, 1000, "serve"),
+    body = json.dumps({"model": str(smollm2_folder()), "prompt": prompt,
                        "max_tokens": STEPS, "temperature": 0}).encode()
-    answers = []
-    for _ in range(2):
-        log = (tmp_path / f"serve-{len(answers)}.log").open("w")
+    with LocalCluster(3, replication=2, data_dir=tmp_path / "cluster",
+                      serve_args=["--no-ssd", "--dram-capacity", "256MiB"]) as cluster:
+        owners = [row[:cluster.map.num_owners] for row in cluster.map.preference(keys)]
+        held = [sum(n.node_id in row for row in owners) for n in cluster.nodes]
+        victim = held.index(max(held))  # two owners of three nodes: >= 2/3 of the chunks
+        seeds = [cluster.seeds[victim], *(s for i, s in enumerate(cluster.seeds)
+                                          if i != victim)]
+        transfer = json.dumps({"kv_connector": "KvpoolConnector",
+                               "kv_connector_module_path": "kvpool.gpu.vllm",
+                               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                               "kv_connector_extra_config": {"kvpool_url": ",".join(seeds)}})
+        cmd = [VLLM_PYTHON, "-m", "kvpool.gpu.vllm_serve", str(smollm2_folder()),
+               "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype",
+               "bfloat16", "--max-model-len", "4096", "--enable-prompt-tokens-details",
+               "--kv-transfer-config", transfer]
+        first, first_log = _serve_one(cmd, port, body, tmp_path / "serve-0.log")
+        with Client(seeds, shm=False) as c:
+            assert c.exists_many(keys) == [True] * FULL  # stored in the cluster
+        cluster.kill(victim)
+        second, second_log = _serve_one(cmd, port, body, tmp_path / "serve-1.log")
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    details = [a["usage"].get("prompt_tokens_details") or {} for a in (first, second)]
+    assert details[0].get("cached_tokens", 0) == 0
+    assert details[1].get("cached_tokens") == FULL * CHUNK  # served from the pool
+    assert "Recovered from KV load failure" not in first_log + second_log
+
+
+def _serve_one(cmd: list[str], port: int, body: bytes, log_path: Path
+               ) -> tuple[dict[str, Any], str]:
+    """Start ``vllm serve`` (``cmd``), send one completion request (``body``), stop it:
+    the answer and the server's log."""
+    with log_path.open("w") as log:
         server = subprocess.Popen(cmd, env=vllm_env(), stdout=log, stderr=subprocess.STDOUT)
         try:
-            _wait_healthy(port, server, tmp_path / f"serve-{len(answers)}.log")
+            _wait_healthy(port, server, log_path)
             request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
                                              data=body,
                                              headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=120) as reply:
-                answers.append(json.load(reply))
+                answer: dict[str, Any] = json.load(reply)
         finally:
             server.send_signal(signal.SIGTERM)
             try:
@@ -296,12 +323,7 @@ def test_vllm_serve_answers_a_restarted_servers_request_from_the_pool(
             except subprocess.TimeoutExpired:
                 server.kill()
                 server.wait()
-            log.close()
-    first, second = answers
-    assert second["choices"][0]["text"] == first["choices"][0]["text"]
-    details = [a["usage"].get("prompt_tokens_details") or {} for a in answers]
-    assert details[0].get("cached_tokens", 0) == 0
-    assert details[1].get("cached_tokens") == FULL * CHUNK  # served from the pool
+    return answer, log_path.read_text()
 
 
 def _wait_healthy(port: int, server: subprocess.Popen[bytes], log: Path,
