@@ -94,8 +94,8 @@ async def get(router: Router, blob: bytes, sinks: Sequence[memoryview | Segments
             break
         try:
             views = await send(node, missing)
-        except KvpoolConnectionError:
-            node.mark_down()
+        except KvpoolConnectionError as exc:
+            node.mark_down(exc)
             continue
         hit = absorb(missing, views)
         missing = missing[~hit]
@@ -116,15 +116,17 @@ async def exists_codes(router: Router, blob: bytes) -> bytes:
     def absorb(rows: npt.NDArray[np.intp], codes: bytes) -> None:
         fastest(best, rows, codes)
 
-    await router.fan_out(blob, send, absorb, per_row="all")
+    # the live nodes only: a node marked down (hung, say) is asked again once its
+    # back-off ends, not on every call (a scheduler asks for every request)
+    await router.fan_out(blob, send, absorb, per_row="live")
     for node in router.draining():
         missing = np.flatnonzero(best == ABSENT)
         if not len(missing):
             break
         try:
             absorb(missing, await send(node, missing))
-        except KvpoolConnectionError:
-            node.mark_down()
+        except KvpoolConnectionError as exc:
+            node.mark_down(exc)
     return codes_of(best)
 
 
@@ -164,7 +166,7 @@ def codes_of_round(n: int, asked: Sequence[tuple[NodeClient, Rows]],
         elif isinstance(outcome, WrongOwnerError):
             refused = True
         elif isinstance(outcome, KvpoolConnectionError):
-            node.mark_down()
+            node.mark_down(outcome)
         else:
             raise outcome
     return codes_of(best) if answered.all() and not refused else None

@@ -29,6 +29,7 @@ from kvpool.protocol.errors import (
     InvalidArgumentError,
     InvalidKeyError,
     KvpoolConnectionError,
+    KvpoolTimeoutError,
     Status,
     WrongOwnerError,
     error_for_status,
@@ -139,11 +140,17 @@ class NodeClient:
     A node that fails a connect, a call or a deadline is *down* for a back-off
     period (0.25 s, doubling up to 5 s); :attr:`live` turns true again after
     it, and the next call probes the node. (5 s: a restarted node is back in
-    use within seconds, and a dead one costs a failed connect every 5 s.)
+    use within seconds, and a dead one costs a failed connect every 5 s.) A node
+    that let a deadline pass (hung, or a host that drops packets) is down for at
+    least ten timeouts, up to a minute: each probe of it costs a caller a whole
+    timeout, so a caller that keeps calling spends at most a tenth of its time so.
     """
 
     BACKOFF_START_S = 0.25
     BACKOFF_MAX_S = 5.0
+    #: after a timeout: down for this many timeouts at least, at most HUNG_BACKOFF_MAX_S
+    HUNG_BACKOFF_TIMEOUTS = 10
+    HUNG_BACKOFF_MAX_S = 60.0
 
     def __init__(self, host: str, port: int, options: ClientOptions | None = None, *,
                  node_id: str = "") -> None:
@@ -174,12 +181,17 @@ class NodeClient:
     def live(self) -> bool:
         return self.failures == 0 or time.monotonic() >= self.down_until
 
-    def mark_down(self) -> None:
+    def mark_down(self, cause: BaseException | None = None) -> None:
+        """Down for a back-off; longer where ``cause`` (the failure) is a timeout."""
         self.failures += 1
         # the exponent stops growing once past the ceiling: 2.0 ** 1024 overflows a float,
         # which a node down for long enough (or a whole cluster) would otherwise reach
         doublings = min(self.failures - 1, _MAX_DOUBLINGS)
         backoff = min(self.BACKOFF_MAX_S, self.BACKOFF_START_S * 2.0 ** doublings)
+        if isinstance(cause, KvpoolTimeoutError):
+            waited = max(self.options.timeout, self.options.connect_timeout)
+            backoff = max(backoff, min(self.HUNG_BACKOFF_MAX_S,
+                                       self.HUNG_BACKOFF_TIMEOUTS * waited))
         self.down_until = time.monotonic() + backoff
         log.info("kvpool node %s marked down for %.2fs (%d failures in a row)", self.node_id,
                  backoff, self.failures)

@@ -79,7 +79,10 @@ class Router:
         ``rows``; ``absorb(rows, answer)`` takes its answer and may return a
         mask of keys that need no more answers (a GET hit). ``per_row``: how
         many nodes answer for a key ("owners": the replication factor; "all":
-        the whole list, at once). ``sequential`` asks one node per key per
+        the whole list, at once; "live": the list's live nodes at once, a node
+        marked down only where none of it is live (a probe), and a key is done
+        once a node answered: a question that must not wait on a hung node
+        each time, EXISTS). ``sequential`` asks one node per key per
         round (reads stop at the first hit); otherwise all the nodes still
         needed are asked at once. Nodes that fail are marked down and the key
         moves on down its list; WRONG_OWNER refreshes the map and starts over
@@ -98,13 +101,14 @@ class Router:
             if len(ring_nodes) == 1:  # every key's list is that node: nothing to look up
                 stale = await state.deliver(cmap.epoch, ring_nodes,
                                             [np.flatnonzero(~state.done)], count=1)
-            elif per_row == "all" and not sequential and cmap.width == len(ring_nodes):
+            elif per_row != "owners" and not sequential and cmap.width == len(ring_nodes):
                 # every key's list is every node (a small cluster) and all of it is asked at
                 # once: what ``rounds`` would send, with no ring lookup or picks (~0.15 ms
                 # of a 512-key lookup on 3 nodes here)
                 rows = np.flatnonzero(~state.done)
-                stale = await state.deliver(cmap.epoch, ring_nodes, [rows] * len(ring_nodes),
-                                            count=len(ring_nodes))
+                asked = live_or_all(ring_nodes) if per_row == "live" else ring_nodes
+                stale = await state.deliver(cmap.epoch, asked, [rows] * len(asked),
+                                            count=1 if per_row == "live" else len(asked))
             else:
                 if positions is None:
                     positions = key_positions(blob)
@@ -205,28 +209,28 @@ class Router:
                      len(cmap.nodes), cmap.replication)
 
     def one_round(self, blob: bytes) -> list[tuple[NodeClient, Rows]] | None:
-        """What :meth:`fan_out` with ``per_row="all"`` sends (every node of each key's
+        """What :meth:`fan_out` with ``per_row="live"`` sends (the live nodes of each key's
         list, at once: EXISTS), for a caller that sends it itself (the sync client's
         blocking fan-out): each node with the batch positions of the keys it is asked
-        about. Where every key's list is every node, that is every node and the whole
+        about. Where every key's list is every node, that is every live node and the whole
         batch; else the picks of the fan-out's first round. None unless that round is all
-        there is to it: a map of two or more nodes, every node asked live, none
-        draining (a failed node's keys are then asked of no one else: each was asked
-        of every node of its list)."""
+        there is to it: a map of two or more nodes, none draining, a live node in every
+        key's list (else the fan-out probes a node marked down)."""
         cmap, ring = self.map, self.ring_nodes
         if cmap is None or len(ring) < 2 or self.draining():
             return None
         n = len(blob) // KEY_SIZE
         if cmap.width == len(ring):  # every key's list is every node: no ring lookup
             everything = np.arange(n, dtype=np.intp)
-            asked = [(node, everything) for node in ring]
-        else:
-            table = cmap.ring.owner_indexes(key_positions(blob), cmap.width)
-            picks = pick(table, np.zeros(table.shape, dtype=bool),
-                         np.ones(len(ring), dtype=bool), np.arange(n, dtype=np.intp),
-                         per_row=cmap.width)
-            asked = [(ring[p.node], p.rows) for p in picks]
-        return asked if all(node.live for node, _ in asked) else None
+            return [(node, everything) for node in ring if node.live] or None
+        table = cmap.ring.owner_indexes(key_positions(blob), cmap.width)
+        live = np.array([node.live for node in ring], dtype=bool)
+        counts = live[table].sum(axis=1)
+        if not counts.all():
+            return None
+        picks = pick(table, np.zeros(table.shape, dtype=bool), live,
+                     np.arange(n, dtype=np.intp), per_row=counts)
+        return [(ring[p.node], p.rows) for p in picks]
 
     def _on_newer_epoch(self, epoch: int) -> None:
         if self.map is None or epoch <= self.map.epoch:
@@ -271,6 +275,11 @@ class Router:
 
 
 Rows = npt.NDArray[np.intp]
+def live_or_all(nodes: list[NodeClient]) -> list[NodeClient]:
+    """The live ones of ``nodes``; all of them where none is (probes)."""
+    return [node for node in nodes if node.live] or nodes
+
+
 Send = Callable[[NodeClient, Rows], Awaitable[T]]
 Absorb = Callable[[Rows, T], "npt.NDArray[np.bool_] | None"]
 
@@ -293,7 +302,7 @@ class _FanOut(Generic[T]):
         table = cmap.ring.owner_indexes(positions, cmap.width)
         tried = np.zeros(table.shape, dtype=bool)
         width = table.shape[1]
-        count = width if per_row == "all" else cmap.num_owners
+        count = {"all": width, "live": 1}.get(per_row, cmap.num_owners)
         for _ in range(width):
             rows = np.flatnonzero(~self.done & ~tried.all(axis=1))
             if not len(rows):
@@ -301,6 +310,10 @@ class _FanOut(Generic[T]):
             live = np.array([node.live for node in ring_nodes], dtype=bool)
             if sequential:
                 picks = pick(table, tried, live, rows)
+            elif per_row == "live":  # each row's live untried nodes, or one probe
+                untried_live = live[table[rows]] & ~tried[rows]
+                picks = pick(table, tried, live, rows,
+                             per_row=np.maximum(untried_live.sum(axis=1), 1))
             else:
                 # ask as many more nodes as are still needed, one frame a node
                 picks = pick(table, tried, live, rows, per_row=count - self.answered[rows])
@@ -337,7 +350,7 @@ class _FanOut(Generic[T]):
                 stale = max(stale or 0, outcome.epoch)
                 continue
             if isinstance(outcome, KvpoolConnectionError):
-                node.mark_down()
+                node.mark_down(outcome)
                 self.failed[node.node_id] = outcome
                 continue
             if isinstance(outcome, BaseException):

@@ -551,7 +551,7 @@ def test_a_hung_node_costs_the_sync_lookup_one_timeout_and_only_that_node(
     """One node stopped (SIGSTOP): the sync client's blocking fan-out reads the other two
     replies after the stopped node's timeout, answers from them, and marks only that node
     down (the two replies that waited are still taken, though their own deadline passed
-    meanwhile)."""
+    meanwhile). The next lookup asks the other two only: no second timeout."""
     keys = [os.urandom(16) for _ in range(32)]
     with Client(cluster3.seeds, timeout=0.5) as c:
         c.put_many(keys[:20], [value_for(k, 64) for k in keys[:20]])
@@ -565,5 +565,7 @@ def test_a_hung_node_costs_the_sync_lookup_one_timeout_and_only_that_node(
             assert c.lookup(keys) == 20
             assert time.monotonic() - start < 0.9  # one timeout, not two
             assert [n.live for n in nodes] == [False, True, True]
+            assert c.lookup(keys) == 20  # the others answer; the stopped node is left
+            assert [n.failures for n in nodes] == [1, 0, 0]  # alone while marked down
         finally:
             proc.send_signal(signal.SIGCONT)

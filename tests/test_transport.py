@@ -19,6 +19,8 @@ import pytest
 
 from kvpool.client import AsyncClient, Client, KvpoolConnectionError, KvpoolTimeoutError
 from kvpool.client._connection import Buffer
+from kvpool.client._node import NodeClient
+from kvpool.client._options import ClientOptions
 from kvpool.client._socket import BlockingConnection
 from kvpool.placement.cluster_map import ClusterMap, NodeInfo, NodeState
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
@@ -343,7 +345,8 @@ def test_the_sync_client_asks_a_small_cluster_on_blocking_links_in_parallel() ->
     """Every key's list is every node (3 nodes, replication 2 + 1 fallback): the sync
     client's key ops send one EXISTS frame to each node and read the replies with no
     event loop. A node that fails is marked down and the others' answers are the answer,
-    as on the loop; while it is down, the calls run on the loop."""
+    as on the loop; while it is down, the others are asked, with no loop either, and
+    once its back-off ends it is asked again."""
     mock = cluster()
     with Client("10.0.0.1:7700", transport=mock.transport) as c:
         keys = held_20_of_50(c, mock)
@@ -357,8 +360,15 @@ def test_the_sync_client_asks_a_small_cluster_on_blocking_links_in_parallel() ->
         mock.transport.drop("10.0.0.1:7700")
         with no_loop(c):  # b and c answer; a, refused, is marked down
             assert c.exists_many(keys) == [True] * 20 + [False] * 30
-        assert not c.async_client._router.nodes["a"].live
-        assert c.lookup(keys) == 20  # on the loop while a is down
+        a = c.async_client._router.nodes["a"]
+        assert not a.live and a.failures == 1
+        with no_loop(c):  # b and c, and no attempt at a while it is down
+            assert c.lookup(keys) == 20
+        assert a.failures == 1
+        a.down_until = 0.0  # its back-off over: asked again (refused again)
+        with no_loop(c):
+            assert c.lookup(keys) == 20
+        assert a.failures == 2
 
 
 def test_the_sync_clients_blocking_fan_out_on_a_larger_map_asks_each_node_for_its_keys(
@@ -407,6 +417,46 @@ def test_the_sync_clients_blocking_fan_out_refreshes_the_map_a_reply_names() -> 
         assert c.exists_many(keys) == [True] * 30
         assert c.epoch == 2
         assert c.lookup(keys) == 30
+
+
+def test_a_node_that_timed_out_is_left_alone_for_ten_timeouts() -> None:
+    """A refused or broken node is down for 0.25 s, doubling up to 5 s; one that let a
+    deadline pass for ten of the longer of its timeouts, up to a minute (each probe of a
+    hung node costs a caller a whole timeout)."""
+    node = NodeClient("10.0.0.9", 7700, ClientOptions(timeout=2.0, connect_timeout=1.0))
+    node.mark_down(KvpoolConnectionError("refused"))
+    assert node.down_until - time.monotonic() == pytest.approx(0.25, abs=0.05)
+    node.mark_down(KvpoolTimeoutError("no reply within 2.0s"))
+    assert node.down_until - time.monotonic() == pytest.approx(20.0, abs=0.1)
+    node.failures = 0
+    slow = NodeClient("10.0.0.9", 7700, ClientOptions(timeout=30.0))
+    slow.mark_down(KvpoolTimeoutError("no reply within 30.0s"))
+    assert slow.down_until - time.monotonic() == pytest.approx(60.0, abs=0.1)
+
+
+@pytest.mark.parametrize("ids", [("a", "b", "c"), ("a", "b", "c", "d")])
+async def test_exists_skips_a_node_marked_down_until_its_back_off_ends(
+        ids: tuple[str, ...]) -> None:
+    """A node that failed is not asked by EXISTS again while it is marked down: the live
+    nodes of each key's list answer (a hung node would cost every call a timeout, and a
+    scheduler asks for every request). Once its back-off ends it is asked again; keys
+    none of whose nodes is live are asked of them anyway (probes)."""
+    mock = cluster(ids=ids)
+    keys = [rkey() for _ in range(50)]
+    async with AsyncClient("10.0.0.1:7700", transport=mock.transport) as c:
+        await c.put_many(keys[:20], [b"v"] * 20)
+        mock.transport.down.add("10.0.0.2:7700")  # b refuses from now on
+        mock.transport.drop("10.0.0.2:7700")
+        b = c._router.nodes["b"]
+        for _ in range(2):  # b fails once, then is left alone
+            assert await c.exists_many(keys) == [True] * 20 + [False] * 30
+            assert not b.live and b.failures == 1
+        b.down_until = 0.0
+        assert await c.exists_many(keys) == [True] * 20 + [False] * 30
+        assert b.failures == 2  # asked again once its back-off ended
+        for node in c._router.nodes.values():  # every node marked down: each key's
+            node.failures, node.down_until = 1, time.monotonic() + 60  # list is probed
+        assert await c.exists_many(keys) == [True] * 20 + [False] * 30
 
 
 @pytest.mark.parametrize("ids", [("a", "b", "c"), ("a", "b", "c", "d")])
