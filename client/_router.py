@@ -29,7 +29,7 @@ import numpy.typing as npt
 from kvpool.client._node import NodeClient
 from kvpool.client._options import ClientOptions
 from kvpool.client._plans import routed_by, rows_blob
-from kvpool.client._routing import pick
+from kvpool.client._routing import pick, pick_live
 from kvpool.placement.cluster_map import ClusterMap, NodeState
 from kvpool.placement.ring import key_positions
 from kvpool.protocol.errors import KvpoolConnectionError, WrongOwnerError
@@ -224,13 +224,11 @@ class Router:
             everything = np.arange(n, dtype=np.intp)
             return [(node, everything) for node in ring if node.live] or None
         table = cmap.ring.owner_indexes(key_positions(blob), cmap.width)
-        live = np.array([node.live for node in ring], dtype=bool)
-        counts = live[table].sum(axis=1)
-        if not counts.all():
-            return None
-        picks = pick(table, np.zeros(table.shape, dtype=bool), live,
-                     np.arange(n, dtype=np.intp), per_row=counts)
-        return [(ring[p.node], p.rows) for p in picks]
+        picks = pick_live(table, np.zeros(table.shape, dtype=bool),
+                          np.array([node.live for node in ring], dtype=bool),
+                          np.arange(n, dtype=np.intp))
+        asked = [(ring[p.node], p.rows) for p in picks]
+        return asked if all(node.live for node, _ in asked) else None
 
     def _on_newer_epoch(self, epoch: int) -> None:
         if self.map is None or epoch <= self.map.epoch:
@@ -275,13 +273,13 @@ class Router:
 
 
 Rows = npt.NDArray[np.intp]
+Send = Callable[[NodeClient, Rows], Awaitable[T]]
+Absorb = Callable[[Rows, T], "npt.NDArray[np.bool_] | None"]
+
+
 def live_or_all(nodes: list[NodeClient]) -> list[NodeClient]:
     """The live ones of ``nodes``; all of them where none is (probes)."""
     return [node for node in nodes if node.live] or nodes
-
-
-Send = Callable[[NodeClient, Rows], Awaitable[T]]
-Absorb = Callable[[Rows, T], "npt.NDArray[np.bool_] | None"]
 
 
 @dataclass
@@ -310,10 +308,8 @@ class _FanOut(Generic[T]):
             live = np.array([node.live for node in ring_nodes], dtype=bool)
             if sequential:
                 picks = pick(table, tried, live, rows)
-            elif per_row == "live":  # each row's live untried nodes, or one probe
-                untried_live = live[table[rows]] & ~tried[rows]
-                picks = pick(table, tried, live, rows,
-                             per_row=np.maximum(untried_live.sum(axis=1), 1))
+            elif per_row == "live":
+                picks = pick_live(table, tried, live, rows)
             else:
                 # ask as many more nodes as are still needed, one frame a node
                 picks = pick(table, tried, live, rows, per_row=count - self.answered[rows])

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Pick", "pick"]
+__all__ = ["Pick", "pick", "pick_live"]
 
 IntArray = npt.NDArray[np.intp]
 
@@ -72,3 +72,12 @@ def pick(table: npt.NDArray[np.int32], tried: npt.NDArray[np.bool_], live: npt.N
     ends = np.cumsum(counts[present]).tolist()
     return [Pick(node, picked[a:b], cols[a:b])
             for node, a, b in zip(present.tolist(), [0, *ends[:-1]], ends, strict=True)]
+
+
+def pick_live(table: npt.NDArray[np.int32], tried: npt.NDArray[np.bool_],
+              live: npt.NDArray[np.bool_], rows: IntArray) -> list[Pick]:
+    """Every live untried node of each of ``rows`` at once; for a row none of whose untried
+    nodes is live, its first untried one (a probe). EXISTS asks this way: a node marked
+    down (hung, say) is not waited for on every call while others of the list answer."""
+    untried_live = live[table[rows]] & ~tried[rows]
+    return pick(table, tried, live, rows, per_row=np.maximum(untried_live.sum(axis=1), 1))

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.client._routing import pick
+from kvpool.client._routing import pick, pick_live
 
 
 def table() -> np.ndarray:
@@ -50,6 +50,18 @@ def test_several_nodes_a_row_come_as_one_group_per_node() -> None:
     assert tried.sum(axis=1).tolist() == [2, 1, 3]
     again = pick(table(), np.zeros((3, 3), dtype=bool), live, np.arange(3), per_row=2)
     assert sorted(p.node for p in again) == [0, 1, 2]  # each node once
+
+
+def test_pick_live_takes_every_live_node_of_a_row_or_one_probe() -> None:
+    """EXISTS's pick: each row's live untried nodes at once; a row with none live probes
+    its first untried node; node 1 (down) is asked only for the row it is alone in."""
+    t = np.array([[0, 1, 2], [1, 2, 0], [1, 2, 0]], dtype=np.int32)
+    tried = np.zeros((3, 3), dtype=bool)
+    tried[2] = [False, True, True]  # row 2: only node 1 (down) untried
+    live = np.array([True, False, True])
+    picks = pick_live(t, tried, live, np.arange(3))
+    assert {p.node: p.rows.tolist() for p in picks} == {0: [0, 1], 1: [2], 2: [0, 1]}
+    assert tried.tolist() == [[True, False, True], [False, True, True], [True, True, True]]
 
 
 def reference_pick(table: np.ndarray, tried: np.ndarray, live: np.ndarray, rows: np.ndarray,
