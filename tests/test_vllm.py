@@ -261,6 +261,14 @@ def test_engine_format_chunks_load_straight_into_a_fresh_vllm(pool: NodeProcess,
     assert loaded["runs"][0]["tokens"] == baseline[0]
 
 
+def holder_of_most(cluster: Any, keys: list[bytes]) -> int:
+    """The index of the node of ``cluster`` (a LocalCluster) that owns the most of
+    ``keys`` (with two owners of three nodes, at least 2/3 of them)."""
+    owners = [row[:cluster.map.num_owners] for row in cluster.map.preference(keys)]
+    held = [sum(node.node_id in row for row in owners) for node in cluster.nodes]
+    return held.index(max(held))
+
+
 def test_vllm_serve_answers_from_a_cluster_after_a_restart_and_a_node_crash(
         tokenizer: Any, tmp_path: Path) -> None:
     """``vllm serve`` as users run it, its connector given a 3-node cluster's seed list
@@ -278,9 +286,7 @@ def test_vllm_serve_answers_from_a_cluster_after_a_restart_and_a_node_crash(
                        "max_tokens": STEPS, "temperature": 0}).encode()
     with LocalCluster(3, replication=2, data_dir=tmp_path / "cluster",
                       serve_args=["--no-ssd", "--dram-capacity", "256MiB"]) as cluster:
-        owners = [row[:cluster.map.num_owners] for row in cluster.map.preference(keys)]
-        held = [sum(n.node_id in row for row in owners) for n in cluster.nodes]
-        victim = held.index(max(held))  # two owners of three nodes: >= 2/3 of the chunks
+        victim = holder_of_most(cluster, keys)
         seeds = [cluster.seeds[victim], *(s for i, s in enumerate(cluster.seeds)
                                           if i != victim)]
         transfer = json.dumps({"kv_connector": "KvpoolConnector",
@@ -324,9 +330,7 @@ def test_a_hung_cluster_node_costs_the_first_request_and_the_replicas_serve(
         stored = driver(tmp_path, "generate", spec)
         assert [run["tokens"] for run in stored["runs"]] == baseline
         keys = [k for p in prompts for k in chunk_keys(p)[:FULL]]
-        owners = [row[:cluster.map.num_owners] for row in cluster.map.preference(keys)]
-        held = [sum(n.node_id in row for row in owners) for n in cluster.nodes]
-        victim = cluster.nodes[held.index(max(held))]  # >= 2/3 of the chunks
+        victim = cluster.nodes[holder_of_most(cluster, keys)]
         assert victim.proc is not None
         os.kill(victim.proc.pid, signal.SIGSTOP)
         try:
