@@ -108,7 +108,7 @@ class Router:
                 rows = np.flatnonzero(~state.done)
                 asked = live_or_all(ring_nodes) if per_row == "live" else ring_nodes
                 stale = await state.deliver(cmap.epoch, asked, [rows] * len(asked),
-                                            count=1 if per_row == "live" else len(asked))
+                                            count=answers_needed(per_row, cmap))
             else:
                 if positions is None:
                     positions = key_positions(blob)
@@ -277,6 +277,13 @@ Send = Callable[[NodeClient, Rows], Awaitable[T]]
 Absorb = Callable[[Rows, T], "npt.NDArray[np.bool_] | None"]
 
 
+def answers_needed(per_row: str, cmap: ClusterMap) -> int:
+    """How many nodes must answer for a key before a fan-out of ``per_row`` is done with
+    it: every node of its list ("all"), one ("live": all the live ones were asked at
+    once), or its owners ("owners")."""
+    return {"all": cmap.width, "live": 1}.get(per_row, cmap.num_owners)
+
+
 def live_or_all(nodes: list[NodeClient]) -> list[NodeClient]:
     """The live ones of ``nodes``; all of them where none is (probes)."""
     return [node for node in nodes if node.live] or nodes
@@ -300,7 +307,7 @@ class _FanOut(Generic[T]):
         table = cmap.ring.owner_indexes(positions, cmap.width)
         tried = np.zeros(table.shape, dtype=bool)
         width = table.shape[1]
-        count = {"all": width, "live": 1}.get(per_row, cmap.num_owners)
+        count = answers_needed(per_row, cmap)
         for _ in range(width):
             rows = np.flatnonzero(~self.done & ~tried.all(axis=1))
             if not len(rows):
