@@ -11,7 +11,9 @@ a socket of its own over TCP, :mod:`kvpool.client._socket`; the handler, in the
 calling thread, on a mock transport).
 
 :func:`run_parallel` runs one plan on each of several nodes, their first frames all
-sent before any reply is read (a cluster's round of EXISTS, as the loop's ``gather``).
+sent before any reply is read (a cluster's round of EXISTS, as the loop's ``gather``);
+with ``settle``, replies are read as they come and stragglers are left behind, as the
+loop's fan-out leaves them (``kvpool.client._routing``).
 
 One request is in flight at a time on a connection (a batch larger than the node's
 ``max_batch`` goes frame by frame): the sync client serialises its calls
@@ -21,12 +23,16 @@ paused reading could wait forever.
 
 from __future__ import annotations
 
+import select
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from kvpool.client import _plans as plans
 from kvpool.client._node import NodeClient
 from kvpool.client._plans import Call, Plan, Sink
+from kvpool.client._routing import Coverage, LeftBehind, grace
+from kvpool.client._routing import IntArray as Rows
 from kvpool.protocol.frames import KEY_SIZE, PROTOCOL_VERSION, Op, decode_json, encode_json
 from kvpool.protocol.parsers import Reply
 
@@ -120,15 +126,21 @@ class BlockingNode:
         return conn
 
 
-def run_parallel(runs: Sequence[tuple[BlockingNode, Plan[T]]]) -> list[T | Exception]:
+def run_parallel(runs: Sequence[tuple[BlockingNode, Plan[T]]], *,
+                 settle: list[Rows] | None = None) -> list[T | Exception]:
     """One plan on each node, as the loop's ``gather`` runs them: the first frame of every
     plan sent before any reply is read, so the nodes answer in one round trip together.
     Each outcome, in order: the plan's result, or the Exception it ended with
     (``gather``'s ``return_exceptions``). A plan whose first round is several frames (a
-    batch past the node's ``max_batch``) runs after the others, frame by frame."""
+    batch past the node's ``max_batch``) runs after the others, frame by frame.
+
+    ``settle``: the rows each node was asked about; once every row has an answer, the
+    nodes still silent get :func:`~kvpool.client._routing.grace` more, then are left
+    behind (their link closed, the node marked slow, their outcome a ``LeftBehind``)."""
     outcomes: list[T | Exception | None] = [None] * len(runs)
     sent: list[tuple[int, BlockingNode, Plan[T], BlockingLink]] = []
     later: list[tuple[int, BlockingNode, Plan[T], list[Call]]] = []
+    start = time.monotonic()
     try:
         for i, (driver, plan) in enumerate(runs):
             try:
@@ -144,8 +156,9 @@ def run_parallel(runs: Sequence[tuple[BlockingNode, Plan[T]]]) -> list[T | Excep
                 outcomes[i] = cast(T, done.value)
             except Exception as exc:
                 outcomes[i] = exc
-        while sent:
-            i, driver, plan, conn = sent.pop(0)
+        order = _as_they_come(sent, outcomes, settle, start) if settle is not None else sent
+        while order:
+            i, driver, plan, conn = order.pop(0)
             try:
                 outcomes[i] = driver._resume(plan, [driver.node.check(conn.finish())], conn)
             except Exception as exc:
@@ -159,3 +172,52 @@ def run_parallel(runs: Sequence[tuple[BlockingNode, Plan[T]]]) -> list[T | Excep
         for _, driver, _, _ in sent:  # interrupted (Ctrl-C): replies not read are left
             driver.close()            # on these links, which must not carry another call
     return cast("list[T | Exception]", outcomes)
+
+
+def _as_they_come(sent: list[tuple[int, BlockingNode, Plan[T], BlockingLink]],
+                  outcomes: list[T | Exception | None], settle: list[Rows], start: float
+                  ) -> list[tuple[int, BlockingNode, Plan[T], BlockingLink]]:
+    """:func:`run_parallel`'s replies read in the order they arrive (each taken off
+    ``sent``), until every row of ``settle`` has an answer and the grace after it ends;
+    what is left is returned to be read in turn (each waits its deadline) if no reply
+    came within the timeout, else left behind."""
+    if not sent:
+        return sent
+    coverage = Coverage(settle)
+    poller = select.poll()
+    by_fd: dict[int, tuple[int, BlockingNode, Plan[T], BlockingLink]] = {}
+    for entry in sent:
+        fd = entry[3].fileno()
+        if fd < 0:  # no socket to wait on: the reply is there at once
+            return sent
+        by_fd[fd] = entry
+        poller.register(fd, select.POLLIN)
+    timeout = sent[0][1].node.options.timeout
+    until: float | None = None
+    while sent:
+        now = time.monotonic()
+        left = (start + timeout if until is None else until) - now
+        ready = poller.poll(max(0.0, left) * 1000) if left > 0 else poller.poll(0)
+        if not ready:
+            break
+        for fd, _ in ready:
+            entry = by_fd.pop(fd)
+            poller.unregister(fd)
+            sent.remove(entry)
+            i, driver, plan, conn = entry
+            try:
+                outcomes[i] = driver._resume(plan, [driver.node.check(conn.finish())], conn)
+                coverage.add(i)
+            except Exception as exc:
+                outcomes[i] = exc
+        if until is None and coverage.full:
+            now = time.monotonic()
+            until = now + grace(now - start, timeout)
+    if until is None:  # no reply within the timeout: each is read (and fails) in turn
+        return sent
+    for i, driver, _, _ in sent:
+        outcomes[i] = LeftBehind()
+        driver.close()  # its reply, if it comes, is not read on that link
+        driver.node.mark_slow()
+    sent.clear()
+    return sent

@@ -25,6 +25,7 @@ from kvpool.client._connection import BufferOrSegments
 from kvpool.client._node import NodeClient
 from kvpool.client._plans import rows_blob
 from kvpool.client._router import Router, Rows
+from kvpool.client._routing import LeftBehind
 from kvpool.protocol.errors import KvpoolConnectionError, Status, WrongOwnerError
 from kvpool.protocol.frames import KEY_SIZE, Op
 from kvpool.protocol.parsers import Segments
@@ -165,6 +166,8 @@ def codes_of_round(n: int, asked: Sequence[tuple[NodeClient, Rows]],
             answered[rows] = True
         elif isinstance(outcome, WrongOwnerError):
             refused = True
+        elif isinstance(outcome, LeftBehind):  # a straggler, already marked slow
+            continue
         elif isinstance(outcome, KvpoolConnectionError):
             node.mark_down(outcome)
         else:

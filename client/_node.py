@@ -142,8 +142,17 @@ class NodeClient:
     it, and the next call probes the node. (5 s: a restarted node is back in
     use within seconds, and a dead one costs a failed connect every 5 s.) A node
     that let a deadline pass (hung, or a host that drops packets) is down for at
-    least ten timeouts, up to a minute: each probe of it costs a caller a whole
-    timeout, so a caller that keeps calling spends at most a tenth of its time so.
+    least ten timeouts, up to a minute.
+
+    A node that answers so far behind the others of a fan-out that the caller stops
+    waiting for it (a straggler, see ``kvpool.client._routing``) is down for a second
+    at least (:meth:`mark_slow`), its connections left as they are: a late answer
+    still lands, and brings it back.
+
+    Either way the node is *suspect* until it answers again: reads (which wait for
+    their node's answer) keep away from it while another node of a key's list is
+    live (:attr:`live_for_reads`), so once its back-off ends only questions that do
+    not wait on it (EXISTS and lookups, which settle without stragglers) probe it.
     """
 
     BACKOFF_START_S = 0.25
@@ -151,6 +160,8 @@ class NodeClient:
     #: after a timeout: down for this many timeouts at least, at most HUNG_BACKOFF_MAX_S
     HUNG_BACKOFF_TIMEOUTS = 10
     HUNG_BACKOFF_MAX_S = 60.0
+    #: down for at least this long after a fan-out stopped waiting for it (a straggler)
+    SLOW_BACKOFF_S = 1.0
 
     def __init__(self, host: str, port: int, options: ClientOptions | None = None, *,
                  node_id: str = "") -> None:
@@ -174,28 +185,56 @@ class NodeClient:
         self.num_corrupt = 0
         self.failures = 0
         self.down_until = 0.0
+        #: it let a deadline pass or fell behind a fan-out, and has not answered since
+        self.suspect = False
 
     # -- health ---------------------------------------------------------------------------
 
     @property
     def live(self) -> bool:
+        """Not down: no failure since its last answer, or its back-off has ended."""
         return self.failures == 0 or time.monotonic() >= self.down_until
+
+    @property
+    def live_for_reads(self) -> bool:
+        """:attr:`live`, and not :attr:`suspect`: a read waits for its node's answer, so
+        it goes to a node that let a deadline pass or fell behind only where no other node
+        of a key's list is live."""
+        return self.failures == 0 or (not self.suspect and time.monotonic() >= self.down_until)
 
     def mark_down(self, cause: BaseException | None = None) -> None:
         """Down for a back-off; longer where ``cause`` (the failure) is a timeout."""
+        backoff = self._backoff()
+        if isinstance(cause, KvpoolTimeoutError):
+            self.suspect = True
+            waited = max(self.options.timeout, self.options.connect_timeout)
+            backoff = max(backoff, min(self.HUNG_BACKOFF_MAX_S,
+                                       self.HUNG_BACKOFF_TIMEOUTS * waited))
+        self._down_for(backoff)
+        self.close()
+
+    def mark_slow(self) -> None:
+        """Down for a back-off of at least :attr:`SLOW_BACKOFF_S`: a fan-out stopped
+        waiting for this node's answer. Its connections stay open (the answer may still
+        come, and other calls may be using them); suspect until it answers."""
+        self.suspect = True
+        self._down_for(max(self._backoff(), self.SLOW_BACKOFF_S))
+
+    def _backoff(self) -> float:
+        """One more failure counted; the back-off it earns (0.25 s doubling to 5 s)."""
         self.failures += 1
         # the exponent stops growing once past the ceiling: 2.0 ** 1024 overflows a float,
         # which a node down for long enough (or a whole cluster) would otherwise reach
         doublings = min(self.failures - 1, _MAX_DOUBLINGS)
-        backoff = min(self.BACKOFF_MAX_S, self.BACKOFF_START_S * 2.0 ** doublings)
-        if isinstance(cause, KvpoolTimeoutError):
-            waited = max(self.options.timeout, self.options.connect_timeout)
-            backoff = max(backoff, min(self.HUNG_BACKOFF_MAX_S,
-                                       self.HUNG_BACKOFF_TIMEOUTS * waited))
-        self.down_until = time.monotonic() + backoff
+        return min(self.BACKOFF_MAX_S, self.BACKOFF_START_S * 2.0 ** doublings)
+
+    def _down_for(self, backoff: float) -> None:
+        """Down ``backoff`` from now, or until a longer back-off already running ends (a
+        lesser failure meanwhile, such as a connection the long one's close ended, does
+        not cut it short)."""
+        self.down_until = max(self.down_until, time.monotonic() + backoff)
         log.info("kvpool node %s marked down for %.2fs (%d failures in a row)", self.node_id,
                  backoff, self.failures)
-        self.close()
 
     def close(self) -> None:
         """Close the connections (reads through the index still to report are sent first,
@@ -294,7 +333,10 @@ class NodeClient:
             if isinstance(error, WrongOwnerError):
                 error.epoch = header.epoch
             raise error
-        self.failures = 0
+        if self.failures:  # back: the back-off (and its length) start over
+            self.failures = 0
+            self.suspect = False
+            self.down_until = 0.0
         return reply
 
     async def _connection(self) -> Connection:

@@ -7,6 +7,11 @@ and groups the picks by node so each node gets one sub-batch. If none of a
 row's untried nodes is live, the pick probes the first untried one anyway:
 back-off is a hint, and a request to a node thought down is how it comes
 back.
+
+A question several nodes are asked at once for the same keys (EXISTS: every live
+node of each list) *settles* once every key has an answer and the nodes still
+silent have had :func:`grace` more: those are stragglers, left behind, so a hung
+node costs such a question the grace, not the client's timeout.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Pick", "pick", "pick_live"]
+__all__ = ["Coverage", "IntArray", "LeftBehind", "Pick", "grace", "pick", "pick_live"]
 
 IntArray = npt.NDArray[np.intp]
 
@@ -81,3 +86,51 @@ def pick_live(table: npt.NDArray[np.int32], tried: npt.NDArray[np.bool_],
     down (hung, say) is not waited for on every call while others of the list answer."""
     untried_live = live[table[rows]] & ~tried[rows]
     return pick(table, tried, live, rows, per_row=np.maximum(untried_live.sum(axis=1), 1))
+
+
+#: a settling question waits for stragglers at least this long once every key has an
+#: answer, and at least this many times what the answers took
+GRACE_MIN_S = 0.05
+GRACE_FACTOR = 4.0
+
+
+def grace(elapsed: float, timeout: float) -> float:
+    """How much longer a settling question waits for its silent nodes once every key has an
+    answer, ``elapsed`` seconds after it was sent: ``GRACE_FACTOR`` times that, at least
+    ``GRACE_MIN_S`` (a loaded host's scheduling noise), at most the client's ``timeout``."""
+    return min(timeout, max(GRACE_MIN_S, GRACE_FACTOR * elapsed))
+
+
+class LeftBehind(Exception):
+    """The outcome of a node's part of a settling question that was not waited for."""
+
+
+class Coverage:
+    """Which rows of a settling question have an answer: ``rows[i]`` are those node ``i``
+    was asked about; :meth:`add` a node that answered; :attr:`full` once every row has one.
+    Where every node was asked about the same rows (a small cluster: the whole batch to
+    every node), the first answer covers them all, with no per-row count."""
+
+    def __init__(self, rows: list[IntArray]) -> None:
+        self._rows = rows
+        self._same = all(r is rows[0] for r in rows)
+        self._left = len(rows[0]) if self._same and rows else 0
+        if not self._same:
+            size = max((int(r.max()) + 1 for r in rows if len(r)), default=0)
+            self._answered = np.ones(size, dtype=bool)  # rows no node was asked about: moot
+            for r in rows:
+                self._answered[r] = False
+            self._left = int(np.count_nonzero(~self._answered))
+
+    def add(self, i: int) -> None:
+        if self._same:
+            self._left = 0
+            return
+        rows = self._rows[i]
+        new = rows[~self._answered[rows]]
+        self._answered[new] = True
+        self._left -= len(new)
+
+    @property
+    def full(self) -> bool:
+        return self._left == 0

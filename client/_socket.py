@@ -132,6 +132,9 @@ class BlockingConnection:
             return True
         return bool(idle_s) and time.monotonic() - self.last_used >= idle_s * 0.75
 
+    def fileno(self) -> int:
+        return self._sock.fileno() if self._sock is not None else -1
+
     def close(self) -> None:
         sock, self._sock = self._sock, None
         if sock is not None:

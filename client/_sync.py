@@ -222,7 +222,8 @@ class Client:
                 return None
             outcomes = run_parallel([(self._blocking_node(node),
                                       plans.exists(node, rows_blob(blob, rows)))
-                                     for node, rows in asked])
+                                     for node, rows in asked],
+                                    settle=[rows for _, rows in asked])
             codes = cluster_ops.codes_of_round(len(blob) // KEY_SIZE, asked, outcomes)
             newer = self._async._newer_epoch_seen()
         if newer:

@@ -60,6 +60,11 @@ class BlockingLink(Protocol):
         idle for most of the node's idle timeout ``idle_s``)."""
         ...
 
+    def fileno(self) -> int:
+        """The socket's descriptor, to wait on it with others (readable: a reply is
+        arriving); -1 where there is none to wait on (the reply is there at once)."""
+        ...
+
     def close(self) -> None:
         ...
 
@@ -222,6 +227,9 @@ class _MockLink:
 
     def stale(self, idle_s: float) -> bool:
         return not self._open
+
+    def fileno(self) -> int:
+        return -1
 
     def close(self) -> None:
         self._open = False

@@ -1,4 +1,5 @@
-"""``pick``: which node gets which keys of a batch (pure; no nodes needed)."""
+"""``pick``: which node gets which keys of a batch; when a question several nodes are
+asked settles (pure; no nodes needed)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.client._routing import pick, pick_live
+from kvpool.client._routing import GRACE_MIN_S, Coverage, grace, pick, pick_live
 
 
 def table() -> np.ndarray:
@@ -105,3 +106,33 @@ def test_pick_gives_what_picking_one_column_at_a_time_gives(data: st.DataObject)
         == expect
     assert [p.node for p in picks] == sorted(expect)  # one group a node, by node
     assert (tried == expect_tried).all()
+
+
+def test_coverage_is_full_once_every_row_asked_about_has_an_answer() -> None:
+    """Node 0 was asked rows 0-2, node 1 rows 2-4, node 2 rows 0 and 4; row 5 of the
+    batch was asked of nobody (done before this round): moot."""
+    rows = [np.array([0, 1, 2]), np.array([2, 3, 4]), np.array([0, 4])]
+    coverage = Coverage(rows)
+    coverage.add(0)
+    assert not coverage.full  # rows 3 and 4 have no answer
+    coverage.add(2)
+    assert not coverage.full  # row 3
+    coverage.add(2)  # the same answer twice counts once
+    assert not coverage.full
+    coverage.add(1)
+    assert coverage.full
+    other = Coverage([np.array([0, 1]), np.array([1, 2])])
+    other.add(1)
+    assert not other.full  # row 0: only node 0 was asked
+    assert Coverage([np.array([], dtype=np.intp)]).full
+    batch = np.arange(4)  # a small cluster: every node asked about the whole batch
+    whole = Coverage([batch, batch, batch])
+    assert not whole.full
+    whole.add(2)
+    assert whole.full
+
+
+def test_grace_is_a_multiple_of_the_answers_time_within_bounds() -> None:
+    assert grace(0.0001, 5.0) == GRACE_MIN_S  # fast answers: the floor (scheduling noise)
+    assert grace(0.1, 5.0) == 0.4  # four times what the answers took
+    assert grace(3.0, 5.0) == 5.0  # never past the client's timeout

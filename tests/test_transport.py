@@ -433,6 +433,30 @@ def test_a_node_that_timed_out_is_left_alone_for_ten_timeouts() -> None:
     assert slow.down_until - time.monotonic() == pytest.approx(60.0, abs=0.1)
 
 
+def test_a_node_that_fell_silent_is_suspect_until_it_answers() -> None:
+    """Left behind by a fan-out (``mark_slow``): down for a second at least, its
+    connections kept; a timeout: down for ten timeouts. Either way *suspect*: reads keep
+    away from it after its back-off, until it answers. A lesser failure meanwhile (the
+    close of a timed-out node's connections fails its other requests) does not cut a
+    longer back-off short; an answer ends it and starts the back-offs over."""
+    from kvpool.protocol.frames import FrameHeader, Op
+    from kvpool.protocol.parsers import Reply
+
+    node = NodeClient("10.0.0.9", 7700, ClientOptions(timeout=2.0, connect_timeout=1.0))
+    node.mark_slow()
+    assert node.suspect and not node.live and not node.live_for_reads
+    assert node.down_until - time.monotonic() == pytest.approx(1.0, abs=0.05)
+    node.down_until = time.monotonic()  # its back-off is over
+    assert node.live and not node.live_for_reads  # EXISTS probes it, reads keep away
+    node.mark_down(KvpoolTimeoutError("no reply within 2.0s"))
+    node.mark_down(KvpoolConnectionError("connection closed by the client"))
+    assert node.down_until - time.monotonic() == pytest.approx(20.0, abs=0.1)
+    node.check(Reply(FrameHeader(Op.EXISTS, 1, 0, 0)))  # an answer, any
+    assert (node.failures, node.suspect, node.live_for_reads) == (0, False, True)
+    node.mark_down(KvpoolConnectionError("refused"))  # a new failure: back to 0.25 s
+    assert node.down_until - time.monotonic() == pytest.approx(0.25, abs=0.05)
+
+
 @pytest.mark.parametrize("ids", [("a", "b", "c"), ("a", "b", "c", "d")])
 async def test_exists_skips_a_node_marked_down_until_its_back_off_ends(
         ids: tuple[str, ...]) -> None:

@@ -309,16 +309,17 @@ def test_vllm_serve_answers_from_a_cluster_after_a_restart_and_a_node_crash(
     assert "Recovered from KV load failure" not in first_log + second_log
 
 
-def test_a_hung_cluster_node_costs_the_first_request_and_the_replicas_serve(
+def test_a_hung_cluster_node_costs_no_request_a_timeout_and_the_replicas_serve(
         prompts: list[list[int]], baseline: list[list[int]], tmp_path: Path) -> None:
     """A 3-node cluster (replication 2): one engine stores the prompts; then the node
     holding most of their chunks stops answering (SIGSTOP: its connections stay open, no
     reply comes), and a fresh engine loads every prompt's full chunks from the surviving
     copies: the no-connector output, no load failed, and the connector never left the
-    pool alone. The first request waits out the hung node's timeout (measured: twice,
-    its scheduler's client and its worker's each meeting it once); the clients then
-    leave that node alone for ten timeouts, so the requests after it wait on it no more:
-    each takes less than one ``timeout_s`` (before, every request waited ~3 timeouts)."""
+    pool alone. No request waits out the hung node's timeout: lookups and EXISTS settle
+    on the other nodes' answers and leave it behind, and reads keep away from it until it
+    answers again (measured: 0.36 / 0.18 / 0.29 s; before, the first request waited two
+    timeouts, and one request a client waited one each time the node's back-off ended;
+    before that, every request waited ~3)."""
     from kvpool.server.local_cluster import LocalCluster
 
     timeout_s = 5.0
@@ -342,9 +343,9 @@ def test_a_hung_cluster_node_costs_the_first_request_and_the_replicas_serve(
     assert [run["num_cached_tokens"] for run in runs] == [FULL * CHUNK] * 3
     assert "Recovered from KV load failure" not in loaded["log"]
     assert "no pool calls for" not in loaded["log"]
-    # measured: ~0.2 s here (a warm 1000-token request, 1.2 s on a slower VM), against
-    # 3 timeouts a request before the clients left a node marked down alone
-    assert all(run["ttft_s"] < timeout_s for run in runs[1:]), [r["ttft_s"] for r in runs]
+    # measured: 0.18-0.36 s here (a warm 1000-token request, 1.2 s on a slower VM), each
+    # request: a functional bound (waiting out the hung node costs one timeout_s at least)
+    assert all(run["ttft_s"] < timeout_s for run in runs), [r["ttft_s"] for r in runs]
 
 
 def _serve_one(cmd: list[str], port: int, body: bytes, log_path: Path
