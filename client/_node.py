@@ -149,10 +149,10 @@ class NodeClient:
     at least (:meth:`mark_slow`), its connections left as they are: a late answer
     still lands, and brings it back.
 
-    Either way the node is *suspect* until it answers again: reads (which wait for
-    their node's answer) keep away from it while another node of a key's list is
-    live (:attr:`live_for_reads`), so once its back-off ends only questions that do
-    not wait on it (EXISTS and lookups, which settle without stragglers) probe it.
+    Either way the node is *suspect* until it answers again: reads and writes (which
+    wait for their node's answer) keep away from it while another node of a key's list
+    is live (:attr:`trusted`), so once its back-off ends only questions that do not
+    wait on it (EXISTS and lookups, which settle without stragglers) probe it.
     """
 
     BACKOFF_START_S = 0.25
@@ -196,10 +196,10 @@ class NodeClient:
         return self.failures == 0 or time.monotonic() >= self.down_until
 
     @property
-    def live_for_reads(self) -> bool:
-        """:attr:`live`, and not :attr:`suspect`: a read waits for its node's answer, so
-        it goes to a node that let a deadline pass or fell behind only where no other node
-        of a key's list is live."""
+    def trusted(self) -> bool:
+        """:attr:`live`, and not :attr:`suspect`: a read or a write waits for its node's
+        answer, so it goes to a node that let a deadline pass or fell behind only where no
+        other node of a key's list is live."""
         return self.failures == 0 or (not self.suspect and time.monotonic() >= self.down_until)
 
     def mark_down(self, cause: BaseException | None = None) -> None:

@@ -404,9 +404,9 @@ class _FanOut(Generic[T]):
             rows = np.flatnonzero(~self.done & ~tried.all(axis=1))
             if not len(rows):
                 break
-            # a read waits for its node: one that let a deadline pass is left to the
-            # questions that do not (EXISTS settles without it)
-            live = np.array([node.live_for_reads if sequential else node.live
+            # a read or a write waits for its nodes: one that let a deadline pass or fell
+            # behind is left to the questions that do not (EXISTS settles without it)
+            live = np.array([node.live if per_row == "live" else node.trusted
                              for node in ring_nodes], dtype=bool)
             if sequential:
                 picks = pick(table, tried, live, rows)

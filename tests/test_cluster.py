@@ -553,7 +553,7 @@ def test_a_hung_node_costs_a_lookup_no_timeout_and_is_left_alone(
     other two replied and the grace after them ended, well before the timeout; the
     stopped node is marked slow, and the next lookup does not ask it. The async
     client's request to it goes on, times out in the background and marks it down for
-    ten timeouts. Reads keep away from it after that, until it answers again."""
+    ten timeouts. Reads and writes keep away from it after that, until it answers."""
     keys = [os.urandom(16) for _ in range(32)]
     timeout = 5.0
     with Client(cluster3.seeds, timeout=timeout) as c, \
@@ -574,20 +574,23 @@ def test_a_hung_node_costs_a_lookup_no_timeout_and_is_left_alone(
                 assert took < timeout / 5, took  # two grace periods at most, no timeout
                 assert [n.live for n in nodes] == [False, True, True]
                 assert [n.failures for n in nodes] == [1, 0, 0]  # asked once, then left
-                assert nodes[0].suspect and not nodes[0].live_for_reads
+                assert nodes[0].suspect and not nodes[0].trusted
             late = looped.async_client._router.ring_nodes[0]
             deadline = time.monotonic() + 3 * timeout
             while late.down_until - time.monotonic() < timeout and time.monotonic() < deadline:
                 looped.exists_many(keys[:1])  # runs the loop the late request waits on
                 time.sleep(0.1)
             assert late.down_until - time.monotonic() > timeout  # timed out: down for long
-            for client in (c, looped):  # its back-off over, reads still keep away from it,
-                # and a lookup probes it without waiting for it (the sync client's on the
-                # loop: a blocking reconnect would wait for the HELLO's timeout)
+            for client in (c, looped):  # its back-off over, reads and writes still keep
+                # away from it, and a lookup probes it without waiting for it (the sync
+                # client's on the loop: a blocking reconnect would wait out the HELLO)
                 client.async_client._router.ring_nodes[0].down_until = time.monotonic()
                 start = time.monotonic()
                 assert client.get_many(keys[:20]) == [value_for(k, 64) for k in keys[:20]]
+                more = [os.urandom(16) for _ in range(16)]
+                client.put_many(more, [value_for(k, 64) for k in more])
                 assert client.lookup(keys) == 20
                 assert time.monotonic() - start < timeout / 5
+                assert client.get_many(more) == [value_for(k, 64) for k in more]
         finally:
             proc.send_signal(signal.SIGCONT)

@@ -444,15 +444,15 @@ def test_a_node_that_fell_silent_is_suspect_until_it_answers() -> None:
 
     node = NodeClient("10.0.0.9", 7700, ClientOptions(timeout=2.0, connect_timeout=1.0))
     node.mark_slow()
-    assert node.suspect and not node.live and not node.live_for_reads
+    assert node.suspect and not node.live and not node.trusted
     assert node.down_until - time.monotonic() == pytest.approx(1.0, abs=0.05)
     node.down_until = time.monotonic()  # its back-off is over
-    assert node.live and not node.live_for_reads  # EXISTS probes it, reads keep away
+    assert node.live and not node.trusted  # EXISTS probes it, reads keep away
     node.mark_down(KvpoolTimeoutError("no reply within 2.0s"))
     node.mark_down(KvpoolConnectionError("connection closed by the client"))
     assert node.down_until - time.monotonic() == pytest.approx(20.0, abs=0.1)
     node.check(Reply(FrameHeader(Op.EXISTS, 1, 0, 0)))  # an answer, any
-    assert (node.failures, node.suspect, node.live_for_reads) == (0, False, True)
+    assert (node.failures, node.suspect, node.trusted) == (0, False, True)
     node.mark_down(KvpoolConnectionError("refused"))  # a new failure: back to 0.25 s
     assert node.down_until - time.monotonic() == pytest.approx(0.25, abs=0.05)
 
