@@ -226,6 +226,7 @@ def latency_ms(fn: Callable[[], object], samples: int) -> dict[str, float]:
 LEASED = "(GET_SHM)"
 #: the suffix of the series whose sync calls run on the client's event loop
 LOOP = "(loop)"
+NO_POLL = "(busy_poll_us=0)"
 
 
 def summary(samples: list[float]) -> dict[str, float]:
@@ -250,6 +251,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # blocking TCP path): the before/after of that path, in one run
         looped = Client(node.url, pool_size=1, shm=False, blocking=False)
         looped.connect()
+        # the blocking path with no busy polling (every reply slept for, as before it)
+        sleeping = Client(node.url, pool_size=1, shm=False, busy_poll_us=0)
+        sleeping.connect()
         fast = Client(node.url, pool_size=1, shm=True)
         fast.connect()
         # the fast path with a request per call (GET_SHM under a lease), not the arena index
@@ -265,15 +269,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                           looped=looped)
             print(f"  measured {_label(size)}", flush=True)
         pids = [node.proc.pid, *([redis_proc.proc.pid] if redis_proc else [])]
-        results["latency_4kib_get_ms"] = small_latency(client, looped, rds, node.port,
-                                                       args.latency_samples)
+        results["latency_4kib_get_ms"] = small_latency((client, sleeping, looped), rds,
+                                                       node.port, args.latency_samples)
         with on_one_cpu([os.getpid(), *pids]):
             results["latency_4kib_get_one_cpu_ms"] = small_latency(
-                client, looped, rds, node.port, args.latency_samples)
+                (client, sleeping, looped), rds, node.port, args.latency_samples)
         results["latency_1mib_get_ms"] = latency(client, rds, args.latency_samples)
         results["key_ops_512_ms"] = key_ops(client, args.latency_samples)
         client.close()
         looped.close()
+        sleeping.close()
         fast.close()
         leased.close()
         results["node_stats"] = {k: v for k, v in Client(node.url).stats().items()
@@ -483,15 +488,19 @@ def on_one_cpu(pids: list[int]) -> Iterator[None]:
                 os.sched_setaffinity(tid, cpus)
 
 
-def small_latency(client: Client, looped: Client, rds: Any, port: int, samples: int, *,
-                  rounds: int = 5) -> dict[str, Any]:
-    """p50/p99 of one 4 KiB GET a call: the sync client (blocking socket, and on its loop),
-    Redis (redis-py + hiredis), and a raw Python socket asking the node the same GET (the
-    floor: a request, a reply, no parsing). The series take turns in ``rounds`` blocks."""
+def small_latency(clients: tuple[Client, Client, Client], rds: Any, port: int,
+                  samples: int, *, rounds: int = 5) -> dict[str, Any]:
+    """p50/p99 of one 4 KiB GET a call: the sync client (blocking socket, the same with
+    no busy polling, and on its loop), Redis (redis-py + hiredis), and a raw Python socket
+    asking the node the same GET (the floor: a request, a reply, no parsing; it sleeps for
+    the reply, as redis-py does). The series take turns in ``rounds`` blocks.
+    ``clients``: the sync client, the same with ``busy_poll_us=0``, and on its loop."""
+    client, sleeping, looped = clients
     key, value = os.urandom(16), os.urandom(4096)
     client.put(key, value)
     series: dict[str, Callable[[], object]] = {
         "kvpool get (4 KiB)": lambda: client.get(key),
+        f"kvpool get {NO_POLL} (4 KiB)": lambda: sleeping.get(key),
         f"kvpool get {LOOP} (4 KiB)": lambda: looped.get(key),
         "raw socket get (4 KiB)": _raw_get(port, key)}
     if rds is not None:

@@ -64,7 +64,7 @@ from kvpool.client._node import (
     parse_seeds,
     parse_url,
 )
-from kvpool.client._options import SHM_PUT_MIN_BYTES, ClientOptions
+from kvpool.client._options import BUSY_POLL_US, SHM_PUT_MIN_BYTES, ClientOptions
 from kvpool.client._plans import as_segments, flat_view
 from kvpool.client._router import Router, Rows
 from kvpool.client._tracing import _tracer, explicit_tracer, traced
@@ -128,7 +128,9 @@ class AsyncClient:
     is enough (it hands out the map). Default: ``$KVPOOL_URL``, else kvpool://127.0.0.1:7700.
     ``token`` defaults to ``$KVPOOL_TOKEN``. ``transport``: how connections reach the
     nodes (default TCP; :class:`~kvpool.client.transport.MockTransport` answers them in
-    this process, for tests).
+    this process, for tests). ``busy_poll_us``: how long the sync :class:`Client`'s
+    blocking sockets poll for a reply before the thread sleeps (this client's own calls,
+    on its event loop, never do).
     """
 
     def __init__(self, url: str | Sequence[str] | None = None, *,
@@ -138,7 +140,8 @@ class AsyncClient:
                  shm: bool | None = None, token: str | None = None, scope: str = "tenant",
                  ssl: ssl_module.SSLContext | None = None,
                  shm_put_min_bytes: int = SHM_PUT_MIN_BYTES, shm_index: bool = True,
-                 transport: Transport | None = None) -> None:
+                 transport: Transport | None = None,
+                 busy_poll_us: float = BUSY_POLL_US) -> None:
         if url is None:
             url = os.environ.get("KVPOOL_URL") or f"kvpool://127.0.0.1:{DEFAULT_PORT}"
         self.seeds = parse_seeds(url)  # ConfigError when it names no node
@@ -150,7 +153,7 @@ class AsyncClient:
                                      connect_timeout=connect_timeout, client_name=client_name,
                                      shm=shm, token=token, scope=scope, ssl=ssl,
                                      shm_put_min_bytes=shm_put_min_bytes, shm_index=shm_index,
-                                     transport=transport)
+                                     transport=transport, busy_poll_us=busy_poll_us)
         self.timeout = timeout
         #: where client spans go; None: the application's global provider (no spans, and no
         #: trace context on the wire, unless it installed an SDK provider)

@@ -33,6 +33,7 @@ from kvpool.client._node import NodeClient
 from kvpool.client._plans import Call, Plan, Sink
 from kvpool.client._routing import Coverage, LeftBehind, grace
 from kvpool.client._routing import IntArray as Rows
+from kvpool.client._socket import busy_poll
 from kvpool.protocol.frames import KEY_SIZE, PROTOCOL_VERSION, Op, decode_json, encode_json
 from kvpool.protocol.parsers import Reply
 
@@ -192,12 +193,15 @@ def _as_they_come(sent: list[tuple[int, BlockingNode, Plan[T], BlockingLink]],
             return sent
         by_fd[fd] = entry
         poller.register(fd, select.POLLIN)
-    timeout = sent[0][1].node.options.timeout
+    options = sent[0][1].node.options
+    timeout, spin_ns = options.timeout, int(options.busy_poll_us * 1000)
     until: float | None = None
     while sent:
         now = time.monotonic()
         left = (start + timeout if until is None else until) - now
-        ready = poller.poll(max(0.0, left) * 1000) if left > 0 else poller.poll(0)
+        ready = busy_poll(poller, min(spin_ns, int(left * 1e9))) if left > 0 else []
+        if not ready:
+            ready = poller.poll(max(0.0, left) * 1000) if left > 0 else poller.poll(0)
         if not ready:
             break
         for fd, _ in ready:

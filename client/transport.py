@@ -90,7 +90,8 @@ class TcpTransport:
     def open_blocking(self, host: str, port: int, options: ClientOptions) -> BlockingLink:
         return BlockingConnection(host, port, timeout=options.timeout,
                                   connect_timeout=options.connect_timeout, ssl=options.ssl,
-                                  scope_flags=options.scope_flags)
+                                  scope_flags=options.scope_flags,
+                                  busy_poll_us=options.busy_poll_us)
 
     async def open(self, host: str, port: int, options: ClientOptions,
                    make: Callable[[], Connection]) -> Connection:

@@ -24,7 +24,7 @@ from kvpool.client._options import ClientOptions
 from kvpool.client._socket import BlockingConnection
 from kvpool.placement.cluster_map import ClusterMap, NodeInfo, NodeState
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
-from kvpool.protocol.errors import Status
+from kvpool.protocol.errors import ConfigError, Status
 from kvpool.protocol.frames import FRAME_HEADER_SIZE, FrameHeader, Op, encode_frame
 from kvpool.protocol.parsers import Request
 
@@ -330,6 +330,48 @@ def test_the_socket_link_times_out_a_request_the_peer_does_not_read() -> None:
         link.close()
         peer.close()
         listener.close()
+
+
+def test_the_socket_link_polls_for_a_small_calls_reply_then_sleeps() -> None:
+    """``busy_poll_us``: a small call polls its socket for the reply that long before the
+    thread sleeps (its CPU time shows it), and still gets a reply that comes later; a call
+    whose reply may fill megabytes sleeps at once. The peer answers each request 30 ms
+    late."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def peer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            while True:
+                head = conn.recv(FRAME_HEADER_SIZE, socket.MSG_WAITALL)
+                if len(head) < FRAME_HEADER_SIZE:
+                    return
+                header = FrameHeader.unpack(head)
+                conn.recv(header.body_len, socket.MSG_WAITALL)
+                time.sleep(0.03)
+                conn.sendall(b"".join(encode_frame(header.op, header.request_id, [b"{}"])))
+
+    thread = threading.Thread(target=peer, daemon=True)
+    thread.start()
+    link = BlockingConnection("127.0.0.1", port, timeout=5, connect_timeout=5,
+                              busy_poll_us=10_000)
+    try:
+        def cpu_of(sinks: list[memoryview] | None) -> float:
+            start = time.thread_time()
+            assert bytes(link.call(Op.STATS, 0, [], sinks).body) == b"{}"
+            return time.thread_time() - start
+
+        assert cpu_of(None) > 0.004  # ~10 ms polled (less where the thread was preempted)
+        assert cpu_of([memoryview(bytearray(4096))]) > 0.004  # small buffers: polled too
+        assert cpu_of([memoryview(bytearray(1 << 20))]) < 0.003  # asleep for 30 ms
+    finally:
+        link.close()
+        listener.close()
+        thread.join(5)
+    for bad in (-1.0, float("nan"), 20_000.0):
+        with pytest.raises(ConfigError, match="busy_poll_us"):
+            Client("127.0.0.1:1", busy_poll_us=bad)
 
 
 def held_20_of_50(c: Client, mock: MockNodes) -> list[bytes]:
