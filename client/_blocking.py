@@ -63,6 +63,12 @@ class BlockingNode:
             self._conn.close()
             self._conn = None
 
+    @property
+    def linked(self) -> bool:
+        """Whether it holds a connection (which said HELLO): a call on it need not open
+        one first, whose HELLO, in this thread, would wait out a hung node's timeout."""
+        return self._conn is not None
+
     def run(self, plan: Plan[T]) -> T:
         conn = self._connection()
         try:

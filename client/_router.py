@@ -282,7 +282,6 @@ class Router:
                      newest.epoch)
 
 
-
 async def gather_settled(nodes: list[NodeClient], rows: list[Rows],
                          send: Callable[[NodeClient, Rows], Awaitable[T]],
                          background: set[asyncio.Future[Any]]) -> list[T | BaseException]:

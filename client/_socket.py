@@ -41,7 +41,6 @@ _IOV_MAX = 1024
 #: then arrives in one receive: a few KiB of a cache's small values, hashes, codes)
 _FIRST_RECEIVE = 64 << 10
 
-
 #: a call polls for its reply only where its request body and the buffers its reply may
 #: fill are this small: the node answers it within microseconds. A reply that takes time
 #: to make (a put's megabyte received and stored) outlasts the poll, which only burns CPU
@@ -75,6 +74,8 @@ def busy_poll(poll: select.poll, ns: int) -> list[tuple[int, int]]:
         ready = poll.poll(0)
         if ready or time.perf_counter_ns() >= end:
             return ready
+
+
 #: a ``struct timeval`` (Linux: two longs), for SO_RCVTIMEO and SO_SNDTIMEO
 _TIMEVAL = struct.Struct("@ll")
 

@@ -215,16 +215,19 @@ class Client:
         read (``run_parallel``), with no client spans to record. As on the loop, a node
         that fails is marked down, and each key's answer is the fastest tier the nodes
         that answered for it gave (``codes_of_round``). None, where the call runs on the
-        loop instead: a map that round does not cover (one node, a node down or
-        draining), a key no node answered for (the loop raises the error), or
-        WRONG_OWNER (the loop refreshes the map and asks again). A reply from a newer map
+        loop instead: a map that round does not cover (one node, a node down, suspect or
+        draining), a node this client has no connection to yet (opening a blocking one
+        here would wait for its HELLO; the loop's settles without a hung node), a key no
+        node answered for (the loop raises the error), or WRONG_OWNER (the loop
+        refreshes the map and asks again). A reply from a newer map
         epoch refreshes the map on the loop after the call."""
         with self._lock:
             if self._loop.is_closed():
                 raise RuntimeError("this kvpool Client is closed")
             asked = self._async.one_round(blob) if self._blocking_allowed else None
-            if asked is None:
-                return None
+            if asked is None or not all(self._blocking_node(node).linked or node.connections()
+                                        for node, _ in asked):
+                return None  # a node met on no connection yet: the loop connects to it
             outcomes = run_parallel([(self._blocking_node(node),
                                       plans.exists(node, rows_blob(blob, rows)))
                                      for node, rows in asked],

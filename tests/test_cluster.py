@@ -542,16 +542,20 @@ def test_the_sync_clients_key_ops_on_a_small_cluster_run_with_no_event_loop(
             got = (c.exists_many(keys), c.exists_tiers(keys), c.exists_codes(keys),
                    c.lookup(keys), c.lookup_tiers(keys))
         assert got == expected
-    with Client(cluster3.seeds) as fresh, no_loop(fresh):  # nodes not yet met on the loop
-        assert fresh.lookup(keys) == 30
+    with Client(cluster3.seeds) as fresh:  # its first call meets the nodes on the loop
+        assert fresh.lookup(keys) == 30  # (a blocking HELLO would wait for a hung one)
+        with no_loop(fresh):
+            assert fresh.lookup(keys) == 30
 
 
 def test_a_hung_node_costs_a_lookup_no_timeout_and_is_left_alone(
         cluster3: LocalCluster) -> None:
     """One node stopped (SIGSTOP; its connections stay open, its kernel still accepts new
     ones): the sync client's blocking fan-out and the async client's settle once the
-    other two replied and the grace after them ended, well before the timeout; the
-    stopped node is marked slow, and the next lookup does not ask it. The async
+    other two replied and the grace after them ended, well before the timeout (a sync
+    client that never met the node too: it opens no blocking socket to a node first met
+    in that call); the stopped node is marked slow, and the next lookup does not ask
+    it. The async
     client's request to it goes on, times out in the background and marks it down for
     ten timeouts. Reads and writes keep away from it after that, until it answers."""
     keys = [os.urandom(16) for _ in range(32)]
@@ -565,7 +569,10 @@ def test_a_hung_node_costs_a_lookup_no_timeout_and_is_left_alone(
         assert proc is not None
         proc.send_signal(signal.SIGSTOP)
         try:
-            for client in (c, looped):
+            others = [s for s in cluster3.seeds if not s.endswith(f":{victim}")]
+            fresh = Client(others, timeout=timeout)  # meets the stopped node in its lookup
+            fresh.connect()
+            for client in (c, looped, fresh):
                 nodes = client.async_client._router.ring_nodes
                 start = time.monotonic()
                 assert client.lookup(keys) == 20
@@ -575,6 +582,7 @@ def test_a_hung_node_costs_a_lookup_no_timeout_and_is_left_alone(
                 assert [n.live for n in nodes] == [False, True, True]
                 assert [n.failures for n in nodes] == [1, 0, 0]  # asked once, then left
                 assert nodes[0].suspect and not nodes[0].trusted
+            fresh.close()
             late = looped.async_client._router.ring_nodes[0]
             deadline = time.monotonic() + 3 * timeout
             while late.down_until - time.monotonic() < timeout and time.monotonic() < deadline:

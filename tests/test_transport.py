@@ -407,10 +407,11 @@ def test_the_sync_client_asks_a_small_cluster_on_blocking_links_in_parallel() ->
         with no_loop(c):  # b and c, and no attempt at a while it is down
             assert c.lookup(keys) == 20
         assert a.failures == 1
-        a.down_until = 0.0  # its back-off over: asked again (refused again)
-        with no_loop(c):
-            assert c.lookup(keys) == 20
+        a.down_until = 0.0  # its back-off over: asked again (refused again), on the loop:
+        assert c.lookup(keys) == 20  # the client has no connection to it any more
         assert a.failures == 2
+        with no_loop(c):  # down again: b and c, loop-free
+            assert c.lookup(keys) == 20
 
 
 def test_the_sync_clients_blocking_fan_out_on_a_larger_map_asks_each_node_for_its_keys(
