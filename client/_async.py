@@ -115,6 +115,59 @@ def _bytearrays(results: Sequence[memoryview | Segments | None]) -> list[bytearr
             for r in results]
 
 
+#: a seed that has not answered within this long gets company: the next one is tried
+#: alongside it (a hung seed costs a connect this much, not the client's timeout)
+SEED_STAGGER_S = 0.25
+
+
+async def _reach(seeds: Sequence[tuple[str, int]], options: ClientOptions, router: Router
+                 ) -> tuple[NodeClient, ClusterMap]:
+    """The first seed to say HELLO and hand over its map, and that map. Seeds are tried in
+    order, each next one once those before it failed or ``SEED_STAGGER_S`` passed with no
+    answer (the earlier ones still running); the attempts left are then cancelled and
+    their connections closed. The last connection error where no seed answers; any other
+    error (a refused token, say) as soon as a seed gives it."""
+    async def attempt(host: str, port: int) -> tuple[NodeClient, ClusterMap]:
+        node = NodeClient(host, port, options)
+        try:
+            await node.connect()
+            return node, await router.map_from(node)
+        except BaseException:
+            node.close()
+            raise
+
+    waiting = list(seeds)
+    running: set[asyncio.Future[tuple[NodeClient, ClusterMap]]] = set()
+    answers: list[tuple[NodeClient, ClusterMap]] = []
+    error: BaseException | None = None
+    try:
+        while (waiting or running) and not answers:
+            if waiting:
+                running.add(asyncio.ensure_future(attempt(*waiting.pop(0))))
+            done, running = await asyncio.wait(
+                running, timeout=SEED_STAGGER_S if waiting else None,
+                return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                exc = task.exception()
+                if exc is None:
+                    answers.append(task.result())
+                elif isinstance(exc, KvpoolConnectionError):
+                    error = exc
+                else:
+                    raise exc
+    finally:
+        for task in running:
+            task.cancel()
+        if running:  # their connections closed before this returns
+            await asyncio.wait(running)
+    for node, _ in answers[1:]:  # seeds that answered together: the first one is used
+        node.close()
+    if answers:
+        return answers[0]
+    assert error is not None
+    raise error
+
+
 class AsyncClient:
     """Async client of one kvpool node or a cluster (see the module docstring).
 
@@ -190,26 +243,15 @@ class AsyncClient:
         return self.map is not None
 
     async def connect(self) -> None:
-        """Reach the first seed that answers (otherwise the first call does)."""
+        """Reach the first seed that answers (otherwise the first call does): see
+        :func:`_reach`."""
         if self._connected():
             return
         async with self._connect_lock:
             if self._connected():  # another task connected while this one waited
                 return
-            error: KvpoolError | None = None
-            for host, port in self.seeds:
-                node = NodeClient(host, port, self.options)
-                try:
-                    await node.connect()
-                    cmap = await self._router.map_from(node)
-                except KvpoolConnectionError as exc:
-                    node.close()
-                    error = exc
-                    continue
-                self._router.install(cmap, seed=node)
-                return
-            assert error is not None
-            raise error
+            node, cmap = await _reach(self.seeds, self.options, self._router)
+            self._router.install(cmap, seed=node)
 
     async def close(self) -> None:
         self._router.close()

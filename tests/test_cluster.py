@@ -555,7 +555,8 @@ def test_a_hung_node_costs_a_lookup_no_timeout_and_is_left_alone(
     other two replied and the grace after them ended, well before the timeout (a sync
     client that never met the node too: it opens no blocking socket to a node first met
     in that call); the stopped node is marked slow, and the next lookup does not ask
-    it. The async
+    it; a client whose first seed is the stopped node connects through the next one.
+    The async
     client's request to it goes on, times out in the background and marks it down for
     ten timeouts. Reads and writes keep away from it after that, until it answers."""
     keys = [os.urandom(16) for _ in range(32)]
@@ -572,6 +573,9 @@ def test_a_hung_node_costs_a_lookup_no_timeout_and_is_left_alone(
             others = [s for s in cluster3.seeds if not s.endswith(f":{victim}")]
             fresh = Client(others, timeout=timeout)  # meets the stopped node in its lookup
             fresh.connect()
+            start = time.monotonic()  # the stopped seed first: the next one is tried
+            with Client([f"127.0.0.1:{victim}", *others], timeout=timeout):  # alongside it
+                assert time.monotonic() - start < timeout / 5                # after 0.25 s
             for client in (c, looped, fresh):
                 nodes = client.async_client._router.ring_nodes
                 start = time.monotonic()
