@@ -266,10 +266,16 @@ class Router:
             self._refreshing = None
 
     async def _do_refresh(self, min_epoch: int) -> None:
-        nodes = [n for n in self.nodes.values() if n.live]
+        # trusted nodes first; and the answers settle, as EXISTS's do: a hung node among
+        # those asked is left behind, not waited for until the timeout
+        nodes = [n for n in self.nodes.values() if n.trusted] or \
+            [n for n in self.nodes.values() if n.live]
         random.shuffle(nodes)
-        maps = await asyncio.gather(*(self.fetch_map(n) for n in nodes[:3]),
-                                    return_exceptions=True)
+        asked = nodes[:3]
+        one = np.zeros(1, dtype=np.intp)  # each node is asked the same one question
+        maps = await gather_settled(asked, [one] * len(asked),
+                                    lambda node, _: self.fetch_map(node),
+                                    self._background) if asked else []
         good = [m for m in maps if isinstance(m, ClusterMap)]
         if not good:
             log.warning("kvpool: no node answered a cluster map refresh")

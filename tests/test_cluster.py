@@ -548,6 +548,28 @@ def test_the_sync_clients_key_ops_on_a_small_cluster_run_with_no_event_loop(
             assert fresh.lookup(keys) == 30
 
 
+def test_a_map_refresh_does_not_wait_for_a_hung_node(cluster3: LocalCluster) -> None:
+    """A map refresh asks up to three nodes for the map: with one of them stopped
+    (SIGSTOP) and not yet known to be, it takes the others' maps and leaves it behind
+    (marked slow), as a lookup does, instead of waiting for its timeout."""
+    timeout = 5.0
+    with Client(cluster3.seeds, timeout=timeout) as c:
+        router = c.async_client._router
+        victim = router.ring_nodes[0]
+        proc = next(n.proc for n in cluster3.nodes if n.data_port == victim.port)
+        assert proc is not None and router.map is not None
+        epoch = router.map.epoch
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            c._run(c.async_client._refresh_map(epoch))
+            assert time.monotonic() - start < timeout / 5
+            assert router.map is not None and router.map.epoch == epoch
+            assert victim.suspect and not victim.trusted
+        finally:
+            proc.send_signal(signal.SIGCONT)
+
+
 def test_a_hung_node_costs_a_lookup_no_timeout_and_is_left_alone(
         cluster3: LocalCluster) -> None:
     """One node stopped (SIGSTOP; its connections stay open, its kernel still accepts new
