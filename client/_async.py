@@ -154,6 +154,8 @@ async def _reach(seeds: Sequence[tuple[str, int]], options: ClientOptions, route
                 elif isinstance(exc, KvpoolConnectionError):
                     error = exc
                 else:
+                    for node, _ in answers:  # answered alongside: not used
+                        node.close()
                     raise exc
     finally:
         for task in running:

@@ -199,8 +199,8 @@ class NodeClient:
     def trusted(self) -> bool:
         """:attr:`live`, and not :attr:`suspect`: a read or a write waits for its node's
         answer, so it goes to a node that let a deadline pass or fell behind only where no
-        other node of a key's list is live."""
-        return self.failures == 0 or (not self.suspect and time.monotonic() >= self.down_until)
+        other node of a key's list is live. (A node with no failure is never suspect.)"""
+        return self.live and not self.suspect
 
     def mark_down(self, cause: BaseException | None = None) -> None:
         """Down for a back-off; longer where ``cause`` (the failure) is a timeout."""
@@ -232,9 +232,10 @@ class NodeClient:
         """Down ``backoff`` from now, or until a longer back-off already running ends (a
         lesser failure meanwhile, such as a connection the long one's close ended, does
         not cut it short)."""
-        self.down_until = max(self.down_until, time.monotonic() + backoff)
+        now = time.monotonic()
+        self.down_until = max(self.down_until, now + backoff)
         log.info("kvpool node %s marked down for %.2fs (%d failures in a row)", self.node_id,
-                 backoff, self.failures)
+                 self.down_until - now, self.failures)
 
     def close(self) -> None:
         """Close the connections (reads through the index still to report are sent first,

@@ -225,12 +225,13 @@ class Client:
             if self._loop.is_closed():
                 raise RuntimeError("this kvpool Client is closed")
             asked = self._async.one_round(blob) if self._blocking_allowed else None
-            if asked is None or not all(self._blocking_node(node).linked or node.connections()
-                                        for node, _ in asked):
+            if asked is None:
+                return None
+            drivers = [self._blocking_node(node) for node, _ in asked]
+            if not all(d.linked or d.node.connections() for d in drivers):
                 return None  # a node met on no connection yet: the loop connects to it
-            outcomes = run_parallel([(self._blocking_node(node),
-                                      plans.exists(node, rows_blob(blob, rows)))
-                                     for node, rows in asked],
+            outcomes = run_parallel([(driver, plans.exists(node, rows_blob(blob, rows)))
+                                     for driver, (node, rows) in zip(drivers, asked, strict=True)],
                                     settle=[rows for _, rows in asked])
             codes = cluster_ops.codes_of_round(len(blob) // KEY_SIZE, asked, outcomes)
             newer = self._async._newer_epoch_seen()
