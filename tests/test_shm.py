@@ -23,9 +23,10 @@ from kvpool.client._options import SHM_PUT_MIN_BYTES
 from kvpool.client._shm import ShmMapping
 from kvpool.client._shm_path import TOUCH_DELAY_S
 from kvpool.protocol import pages
-from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
+from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, open_envelope
 from kvpool.protocol.errors import KvpoolConnectionError
 from kvpool.protocol.frames import ShmItem
+from kvpool.tiers.arena import Arena
 
 from .conftest import NodeProcess, http_json, node_stats, shm_node, start_node
 
@@ -524,15 +525,22 @@ def test_slots_are_mapped_in_one_call_before_they_are_written(
         keys = [os.urandom(16) for _ in range(3)]
         values = [os.urandom(SHM_PUT_MIN_BYTES + 5), os.urandom(3 << 20), os.urandom(100)]
         with Client(node.url) as fast, Client(node.url, shm=False) as tcp:
+            populator = _mapping(fast)._populator
+            assert populator is not None
+            base = populator._address
             fast.put(keys[0], values[0])
             fast.put_many(keys[1:], values[1:])
             assert fast.put_bytes_by_path == {"shm": sum(map(len, values)), "tcp": 0}
             assert tcp.get_many(keys) == values
-        # one call a slot, of the whole slot (envelope header included); none for a slot
-        # too small to be worth it; after a refusal, none at all
-        lengths = [len(v) + ENVELOPE_HEADER_SIZE for v in values[:2]]
-        assert [(n, a) for _, n, a in calls] == [(n, pages.MADV_POPULATE_WRITE)
-                                                  for n in lengths[: 1 if refused else 2]]
+        # one call a slot, of the whole slot (envelope header included) rounded out to whole
+        # granules; none for a slot too small to be worth it; after a refusal, none at all
+        granule = shm_module.POPULATE_GRANULE
+        assert len(calls) == (1 if refused else 2)
+        for (address, length, advice), value in zip(calls, values, strict=False):
+            start = address - base
+            assert advice == pages.MADV_POPULATE_WRITE
+            assert start % granule == 0 and length % granule == 0
+            assert length < len(value) + ENVELOPE_HEADER_SIZE + 2 * granule
     finally:
         assert node.stop() == 0
 
@@ -605,3 +613,48 @@ def test_a_crashed_writer_leaves_no_reserved_slots() -> None:
         assert stats["tiers"]["dram"]["allocated_bytes"] == 0 and stats["num_objects"] == 0
     finally:
         assert node.stop() == 0
+
+
+def test_a_writable_mapping_populates_each_granule_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = pages._madvise()
+    if real is None:
+        pytest.skip("no madvise here")
+    calls: list[tuple[int, int]] = []
+
+    def madvise(address: int, length: int, advice: int) -> int:
+        calls.append((address, length))
+        return real(address, length, advice)
+
+    monkeypatch.setattr(pages, "_madvise", lambda: madvise)
+    granule = shm_module.POPULATE_GRANULE
+    capacity = 16 * granule
+    fd = os.memfd_create("kvpool-test-arena")
+    os.ftruncate(fd, Arena.file_size(capacity))
+    mapping = ShmMapping(os.dup(fd), {"socket": "", "capacity": capacity,
+                                      "file_size": Arena.file_size(capacity)}, writable=True)
+    try:
+        assert mapping._populator is not None
+        base = mapping._populator._address
+
+        def write(offset: int, nbytes: int) -> bytes:
+            payload = os.urandom(nbytes)
+            mapping.write(ShmItem(0, offset, nbytes + ENVELOPE_HEADER_SIZE, 0),
+                          [memoryview(payload)], chunk_index=0, num_tokens=0,
+                          fingerprint=bytes(16))
+            end = offset + ENVELOPE_HEADER_SIZE + nbytes
+            assert bytes(open_envelope(mapping.view[offset:end])) == payload
+            return payload
+
+        write(granule + 4096, granule)  # spans granules 1 and 2
+        assert calls == [(base + granule, 2 * granule)]
+        write(granule + 4096, granule)  # the same slot again: mapped already
+        write(2 * granule, granule - ENVELOPE_HEADER_SIZE)  # inside granule 2
+        assert len(calls) == 1
+        write(2 * granule, 2 * granule)  # granules 2-4: 4 is new, all three asked for
+        assert calls[1:] == [(base + 2 * granule, 3 * granule)]
+        last = write(capacity - granule, granule - ENVELOPE_HEADER_SIZE)  # the arena's end
+        assert calls[2:] == [(base + capacity - granule, granule)]
+        assert len(last) == granule - ENVELOPE_HEADER_SIZE
+    finally:
+        mapping.close()
+        os.close(fd)
