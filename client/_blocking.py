@@ -23,6 +23,8 @@ paused reading could wait forever.
 
 from __future__ import annotations
 
+import logging
+import os
 import select
 import time
 from collections.abc import Sequence
@@ -33,8 +35,12 @@ from kvpool.client._node import NodeClient
 from kvpool.client._plans import Call, Plan, Sink
 from kvpool.client._routing import Coverage, LeftBehind, grace
 from kvpool.client._routing import IntArray as Rows
+from kvpool.client._shm import redeem
+from kvpool.client._shm_put import Ahead
 from kvpool.client._socket import busy_poll
+from kvpool.protocol.errors import KvpoolConnectionError
 from kvpool.protocol.frames import KEY_SIZE, PROTOCOL_VERSION, Op, decode_json, encode_json
+from kvpool.protocol.host import host_id
 from kvpool.protocol.parsers import Reply
 
 if TYPE_CHECKING:
@@ -43,6 +49,7 @@ if TYPE_CHECKING:
 __all__ = ["BlockingNode", "run_parallel"]
 
 T = TypeVar("T")
+log = logging.getLogger("kvpool.client")
 
 
 class BlockingNode:
@@ -57,11 +64,25 @@ class BlockingNode:
         self.node = node
         self._conn: BlockingLink | None = None
         self._idle_s = 0.0
+        #: the node granted the link its arena for writing (PUT_SHM, COMMIT): a same-host
+        #: client of the node's user, whose loop connection mapped the arena writable
+        self.shm_write = False
+        #: arena slots the node reserved for the link's next puts of the same sizes, and
+        #: those given up, released with the next put (``client/_shm_put.py``)
+        self.put_ahead: list[Ahead] = []
+        self.put_unwanted: list[Ahead] = []
 
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        # the node ends the link's leases with it
+        self.shm_write = False
+        self.put_ahead, self.put_unwanted = [], []
+
+    @property
+    def is_open(self) -> bool:
+        return self._conn is not None
 
     @property
     def linked(self) -> bool:
@@ -121,8 +142,14 @@ class BlockingNode:
         request: dict[str, Any] = {"protocol": PROTOCOL_VERSION, "client": options.client_name}
         if options.token:
             request["token"] = options.token
+        mapping = node.shm_path.mapping
+        writes = mapping is not None and mapping.writable and options.shm is not False \
+            and options.over_tcp
+        if writes:  # the loop's connection mapped the arena: this link may write it too
+            request.update(shm=True, host=host_id())
         try:
             info = decode_json(node.check(conn.call(Op.HELLO, 0, [encode_json(request)])).body)
+            self.shm_write = writes and self._granted(info.get("shm"))
         except BaseException:
             conn.close()
             raise
@@ -131,6 +158,23 @@ class BlockingNode:
             node.server_info = info  # on its loop: the plans read its limits
         self._conn = conn
         return conn
+
+    def _granted(self, offer: Any) -> bool:
+        """Redeem a HELLO's arena offer for this link's session (the descriptors it passes
+        are closed: the loop's connection mapped the arena); whether it may write it."""
+        mapping = self.node.shm_path.mapping
+        if not isinstance(offer, dict) or "refused" in offer or mapping is None \
+                or offer.get("socket") != mapping.socket:
+            return False  # no arena, or a new one (a restarted node): the loop maps it
+        try:
+            fd, index_fd, writable = redeem(offer, self.node.options.connect_timeout)
+        except KvpoolConnectionError as exc:
+            log.info("%s: blocking puts go over TCP: %s", self.node.node_id, exc)
+            return False
+        for descriptor in (fd, index_fd):
+            if descriptor >= 0:
+                os.close(descriptor)
+        return writable
 
 
 def run_parallel(runs: Sequence[tuple[BlockingNode, Plan[T]]], *,

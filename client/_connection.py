@@ -75,6 +75,8 @@ class Connection(asyncio.BufferedProtocol):
         self.shm_write = False
         #: arena slots the node reserved for this connection's next puts of the same sizes
         self.put_ahead: list[Ahead] = []
+        #: ... and those it gave up, to release
+        self.put_unwanted: list[Ahead] = []
         #: OP_FLAG_SHARED or OP_FLAG_RAW on every key op and PUT (0: the tenant's scope)
         self.scope_flags = 0
         #: loop time of the last request sent or reply received (idle connections are

@@ -27,7 +27,7 @@ from kvpool.client import _plans as plans
 from kvpool.client._connection import Connection
 from kvpool.client._plans import routed_by
 from kvpool.client._shm import HASH_SOURCE, TORN, ShmMapping
-from kvpool.client._shm_put import LeasedPuts, ignore_result
+from kvpool.client._shm_put import AheadHolder, LeasedPuts, ignore_result
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
 from kvpool.protocol.errors import KvpoolError, Status
 from kvpool.protocol.frames import (
@@ -107,19 +107,29 @@ class ShmPath:
 
     async def put(self, conn: Connection, items: list[plans.PutItem], *, num_tokens: int,
                   fingerprint: bytes) -> list[int]:
-        """One Status per item: through the arena where it carries the put (PUT_SHM, the
-        values into their slots, COMMIT; see ``client/_shm_put.py``), else over TCP; an item
-        whose lease ended before its COMMIT goes again over TCP."""
+        """One Status per item: through the arena where it carries the put and ``conn`` may
+        write it, else over TCP (:meth:`put_plan` on ``conn``)."""
+        try:
+            return await self.node.run(self.put_plan(conn, items, num_tokens=num_tokens,
+                                                     fingerprint=fingerprint), conn)
+        finally:
+            self.puts.release_unwanted(conn)
+
+    def put_plan(self, holder: AheadHolder | None, items: list[plans.PutItem], *,
+                 num_tokens: int, fingerprint: bytes) -> plans.Plan[list[int]]:
+        """One Status per item: through the arena where it carries the put and ``holder``,
+        the connection the plan runs on, was granted writes (PUT_SHM, the values into their
+        slots, COMMIT; see ``client/_shm_put.py``), else over TCP; an item whose lease
+        ended before its COMMIT goes again over TCP."""
         statuses = [0] * len(items)
         by_tcp = items
-        if conn.shm_write and self.carries_put(items):
+        if holder is not None and holder.shm_write and self.carries_put(items):
             assert self.mapping is not None
-            by_tcp = await self.puts.put(conn, self.mapping, items, statuses,
-                                         num_tokens=num_tokens, fingerprint=fingerprint)
+            by_tcp = yield from self.puts.plan(holder, self.mapping, items, statuses,
+                                               num_tokens=num_tokens, fingerprint=fingerprint)
         if by_tcp:
-            await self.node.run(plans.put_tcp(self.node, by_tcp, statuses,
-                                              num_tokens=num_tokens, fingerprint=fingerprint),
-                                conn)
+            yield from plans.put_tcp(self.node, by_tcp, statuses, num_tokens=num_tokens,
+                                     fingerprint=fingerprint)
         return statuses
 
     async def get(self, conn: Connection, blob: bytes,

@@ -258,10 +258,9 @@ class Client:
         def plan_for(node: NodeClient) -> plans.Plan[list[int]] | None:
             items = plans.put_items(node, bkeys, values, ttl_ms=ttl_ms, flags=flags,
                                     chunk_indexes=chunk_indexes, parents=bparents)
-            if node.shm_path.carries_put(items):
-                return None
-            return plans.put_tcp(node, items, [0] * len(items), num_tokens=num_tokens,
-                                 fingerprint=fingerprint)
+            # through the arena where the blocking link was granted it, else over TCP
+            return node.shm_path.put_plan(self._blocking_node(node), items,
+                                          num_tokens=num_tokens, fingerprint=fingerprint)
 
         done = self._direct(plan_for)
         if done is None:

@@ -29,7 +29,7 @@ from kvpool.protocol.frames import (
 )
 from kvpool.server.local_cluster import LocalCluster
 
-from .conftest import http_json, node_stats, shm_node, start_node, tokens_file
+from .conftest import http_json, no_loop, node_stats, shm_node, start_node, tokens_file
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
@@ -114,6 +114,39 @@ async def test_puts_in_flight_together_each_take_slots_held_ahead() -> None:
         stats = node_stats(node)
         assert stats["shm"]["open_leases"] == 0 and stats["num_objects"] == 48
         assert stats["tiers"]["dram"]["allocated_bytes"] == 48 * _extent(256 * KIB)
+    finally:
+        assert node.stop() == 0
+
+
+def test_sync_puts_through_the_arena_run_with_no_event_loop() -> None:
+    node = start_node("--dram-capacity", "64MiB", "--no-ssd")
+    try:
+        keys = [os.urandom(16) for _ in range(6)]
+        values = [os.urandom(1 << 20) for _ in keys]
+        with Client(node.url, shm=True, pool_size=1) as fast, \
+                Client(node.url, shm=False) as tcp:
+            with no_loop(fast):
+                for key, value in zip(keys[:3], values[:3], strict=True):
+                    fast.put(key, value)
+                fast.put_many(keys[3:], values[3:])  # another shape: the held slot goes back
+            assert fast.put_bytes_by_path == {"shm": 6 << 20, "tcp": 0}
+            assert (_puts(fast).two_trips, _puts(fast).one_trip) == (2, 2)
+            assert tcp.get_many(keys) == values
+            shm = node_stats(node)["shm"]
+            assert (shm["committed"], shm["released"], shm["open_leases"]) == (6, 1, 1)
+            # the blocking link's own session holds the slots ahead; a new link, none
+            driver = fast._blocking_node(shm_node(fast))
+            assert driver.shm_write and len(driver.put_ahead) == 1
+            driver.close()
+            assert not driver.shm_write and not driver.put_ahead
+            with no_loop(fast):
+                fast.put(keys[0], values[1])
+            assert tcp.get(keys[0]) == values[1]
+        stats = node_stats(node)
+        requests = stats["requests"]
+        assert (requests["put_shm"], requests["commit_as"], requests["put"]) == (3, 5, 0)
+        assert stats["shm"]["open_leases"] == 0 and stats["num_objects"] == 6
+        assert stats["tiers"]["dram"]["allocated_bytes"] == 6 * _extent(1 << 20)
     finally:
         assert node.stop() == 0
 
