@@ -16,8 +16,8 @@ turn (what a change to the node does to the same calls). Series, over TCP (``shm
 async ``lookup`` of 512 keys. Per series it prints p50 and
 p99 (median [min-max] over rounds), the client's CPU a call (user and system,
 ``getrusage``), and the median of the per-round ratios after/before. ``--puts`` times
-1 MiB puts instead, through the same-host arena (nodes with the fast path; sync, async,
-async with 4 in flight) and over TCP as the control. ``--pin`` puts
+1 MiB puts instead, through the same-host arena (nodes with the fast path; sync, sync
+8 a call, async, async with 4 in flight) and over TCP as the control. ``--pin`` puts
 the nodes and the client on CPU 0 (what the client's own work costs shows most
 there). Writes ``bench/results/client_ab.json``.
 """
@@ -103,16 +103,23 @@ def pair():
     return keys[turn[0]], values[turn[0]]
 def record(name, ts, r0, r1):
     ts.sort()
-    out[name] = {"p50": ts[n // 2], "p99": ts[int(n * 0.99)],
-                 "user": (r1.ru_utime - r0.ru_utime) / n, "sys": (r1.ru_stime - r0.ru_stime) / n}
-for name, shm in (("sync shm put 1 MiB", True), ("sync put 1 MiB, TCP", False)):
+    k = len(ts)
+    out[name] = {"p50": ts[k // 2], "p99": ts[int(k * 0.99)],
+                 "user": (r1.ru_utime - r0.ru_utime) / k, "sys": (r1.ru_stime - r0.ru_stime) / k}
+def eight():
+    got = [pair() for _ in range(8)]
+    return [k for k, _ in got], [v for _, v in got]
+for name, shm, batch in (("sync shm put 1 MiB", True, False), ("sync put 1 MiB, TCP", False, False),
+                         ("sync shm put_many 8 x 1 MiB", True, True)):
     with Client(url, shm=shm) as c:
         for _ in range(64):
             c.put(*pair())
         ts = []
         r0 = resource.getrusage(resource.RUSAGE_SELF)
-        for _ in range(n):
-            t = time.perf_counter(); c.put(*pair()); ts.append(time.perf_counter() - t)
+        for _ in range(max(50, n // 8) if batch else n):
+            t = time.perf_counter()
+            c.put_many(*eight()) if batch else c.put(*pair())
+            ts.append(time.perf_counter() - t)
         record(name, ts, r0, resource.getrusage(resource.RUSAGE_SELF))
 async def run_async():
     async with AsyncClient(url, shm=True) as c:
@@ -193,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vary", choices=("client", "nodes"), default="client",
                         help="which side runs the other checkout's code (default: client)")
     parser.add_argument("--puts", action="store_true",
-                        help="1 MiB puts instead: through the same-host arena (sync, async, "
-                             "4 in flight) and, as the control, over TCP")
+                        help="1 MiB puts instead: through the same-host arena (sync, sync 8 a "
+                             "call, async, 4 in flight) and, as the control, over TCP")
     args = parser.parse_args(argv)
     script = _PUT_CLIENT if args.puts else _CLIENT
     if not (args.before / "client" / "_async.py").exists():
