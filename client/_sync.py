@@ -9,7 +9,8 @@ Two exceptions skip the loop (a loop run costs ~40 us here, as much as copying
 1 MiB, and more than a small request's round trip):
 
 - a call to a standalone node that goes over TCP (every key op, GETs where the
-  node grants no shared memory, puts below ``shm_put_min_bytes``) runs the
+  node grants no shared memory, puts below ``shm_put_min_bytes``), and a put
+  through its arena (``client/_shm_put.py``), runs the
   same op plans as the async core (:mod:`kvpool.client._plans`) on a blocking
   socket of this client's own (:mod:`kvpool.client._blocking`), unless client
   spans are recorded; so a sync client holds one connection more than its
