@@ -45,6 +45,8 @@ BENCH_HELP = {
     "concurrency": "small GETs with 1/8/32 in flight: AsyncClient vs Redis's asyncio client",
     "client_ab": "the SDK's small calls (latency, client CPU), this checkout vs --before "
                  "another, alternating rounds",
+    "settle": "a busy 3-node cluster: lookups that leave a healthy node behind, and the "
+              "replicas of the saves after them",
     "placement_sim": "consistent-hash balance and movement on join/leave, 10-1000 nodes",
     "metrics_overhead": "throughput with metrics on vs off, and with tracing on",
     "gpu_kv": "GPU client: TTFT cold vs warm, load/store bandwidth (needs torch)",

@@ -231,6 +231,13 @@ class AsyncClient:
         return self._router.num_corrupt_gone + sum(n.num_corrupt for n in self._node_clients())
 
     @property
+    def num_left_behind(self) -> int:
+        """How many times a lookup or EXISTS on a cluster stopped waiting for a node that was
+        still silent once every key had its answer (the node is then kept from reads and
+        writes until it answers: docs/cluster.md)."""
+        return self._router.left_behind_gone + sum(n.left_behind for n in self._node_clients())
+
+    @property
     def epoch(self) -> int:
         """The cluster-map epoch this client routes by (0 = standalone node)."""
         return self.map.epoch if self.map is not None else 0

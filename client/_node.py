@@ -187,6 +187,8 @@ class NodeClient:
         self.down_until = 0.0
         #: it let a deadline pass or fell behind a fan-out, and has not answered since
         self.suspect = False
+        #: settling questions (EXISTS, lookups) that stopped waiting for it (mark_slow)
+        self.left_behind = 0
 
     # -- health ---------------------------------------------------------------------------
 
@@ -218,6 +220,7 @@ class NodeClient:
         waiting for this node's answer. Its connections stay open (the answer may still
         come, and other calls may be using them); suspect until it answers."""
         self.suspect = True
+        self.left_behind += 1
         self._down_for(max(self._backoff(), self.SLOW_BACKOFF_S))
 
     def _backoff(self) -> float:

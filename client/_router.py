@@ -57,8 +57,10 @@ class Router:
         self.ring_nodes: list[NodeClient] = []
         #: the node, when this client routes by a standalone node's map (epoch 0)
         self.standalone_node: NodeClient | None = None
-        #: corrupt chunks counted by node clients no longer in the map
+        #: corrupt chunks, and stragglers left behind, counted by node clients no longer
+        #: in the map
         self.num_corrupt_gone = 0
+        self.left_behind_gone = 0
         self._refreshing: asyncio.Task[None] | None = None
         #: the newest epoch a reply named while no loop ran (0: none): the sync client
         #: refreshes the map on its loop when this is past the map's
@@ -200,6 +202,7 @@ class Router:
         for node_id, node in old.items():
             if nodes.get(node_id) is not node:
                 self.num_corrupt_gone += node.num_corrupt
+                self.left_behind_gone += node.left_behind
                 node.close()
         if seed is not None:
             seed.close()

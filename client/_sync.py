@@ -139,6 +139,11 @@ class Client:
         return self._async.num_corrupt
 
     @property
+    def num_left_behind(self) -> int:
+        """:attr:`AsyncClient.num_left_behind`."""
+        return self._async.num_left_behind
+
+    @property
     def bytes_by_path(self) -> dict[str, int]:
         """Payload bytes GETs received through shared memory ("shm") and over TCP ("tcp")."""
         return self._async.bytes_by_path

@@ -608,6 +608,7 @@ def test_a_hung_node_costs_a_lookup_no_timeout_and_is_left_alone(
                 assert [n.live for n in nodes] == [False, True, True]
                 assert [n.failures for n in nodes] == [1, 0, 0]  # asked once, then left
                 assert nodes[0].suspect and not nodes[0].trusted
+                assert client.num_left_behind == 1  # counted where an operator sees it
             fresh.close()
             late = looped.async_client._router.ring_nodes[0]
             deadline = time.monotonic() + 3 * timeout
