@@ -24,7 +24,6 @@ paused reading could wait forever.
 from __future__ import annotations
 
 import logging
-import os
 import select
 import time
 from collections.abc import Sequence
@@ -35,7 +34,7 @@ from kvpool.client._node import NodeClient
 from kvpool.client._plans import Call, Plan, Sink
 from kvpool.client._routing import Coverage, LeftBehind, grace
 from kvpool.client._routing import IntArray as Rows
-from kvpool.client._shm import redeem
+from kvpool.client._shm import ShmMapping, redeem
 from kvpool.client._shm_put import Ahead
 from kvpool.client._socket import busy_poll
 from kvpool.protocol.errors import KvpoolConnectionError
@@ -71,6 +70,8 @@ class BlockingNode:
         #: those given up, released with the next put (``client/_shm_put.py``)
         self.put_ahead: list[Ahead] = []
         self.put_unwanted: list[Ahead] = []
+        #: the node's arena as mapped when the link said HELLO (None: none was)
+        self._arena: ShmMapping | None = None
 
     def close(self) -> None:
         if self._conn is not None:
@@ -133,10 +134,13 @@ class BlockingNode:
 
     def _connection(self) -> BlockingLink:
         conn = self._conn
-        if conn is not None and not conn.stale(self._idle_s):
-            return conn
-        self.close()
         node = self.node
+        if conn is not None and not conn.stale(self._idle_s) \
+                and self._arena is node.shm_path.mapping:
+            return conn
+        # (a new arena mapped since its HELLO, as after a node's restart: a new link, whose
+        # HELLO asks for a grant of it, so that puts go through it again)
+        self.close()
         options = node.options
         conn = options.connector.open_blocking(node.host, node.port, options)
         request: dict[str, Any] = {"protocol": PROTOCOL_VERSION, "client": options.client_name}
@@ -153,6 +157,7 @@ class BlockingNode:
         except BaseException:
             conn.close()
             raise
+        self._arena = node.shm_path.mapping
         self._idle_s = float(info.get("idle_timeout_s") or 0)
         if not node.server_info:  # a cluster's node this client has not yet said HELLO to
             node.server_info = info  # on its loop: the plans read its limits
@@ -160,20 +165,16 @@ class BlockingNode:
         return conn
 
     def _granted(self, offer: Any) -> bool:
-        """Redeem a HELLO's arena offer for this link's session (the descriptors it passes
-        are closed: the loop's connection mapped the arena); whether it may write it."""
-        mapping = self.node.shm_path.mapping
-        if not isinstance(offer, dict) or "refused" in offer or mapping is None \
-                or offer.get("socket") != mapping.socket:
-            return False  # no arena, or a new one (a restarted node): the loop maps it
+        """Redeem a HELLO's arena offer for this link's session (the node's arena is mapped
+        anew if it is not the one mapped: a restarted node's); whether it may write it."""
+        if not isinstance(offer, dict) or "refused" in offer:
+            return False
         try:
             fd, index_fd, writable = redeem(offer, self.node.options.connect_timeout)
         except KvpoolConnectionError as exc:
             log.info("%s: blocking puts go over TCP: %s", self.node.node_id, exc)
             return False
-        for descriptor in (fd, index_fd):
-            if descriptor >= 0:
-                os.close(descriptor)
+        self.node.adopt_arena(offer, fd, index_fd, writable)
         return writable
 
 

@@ -252,6 +252,19 @@ class NodeClient:
     def close_mapping(self) -> None:
         self.shm_path.close_mapping()
 
+    def adopt_arena(self, offer: dict[str, Any], fd: int, index_fd: int, writable: bool) -> None:
+        """The arena a HELLO's offer named, redeemed (``fd``, ``index_fd``): mapped, unless
+        it is the one mapped already (the descriptors are then closed). A restarted node
+        has a new arena; a changed grant, another mapping."""
+        mapping = self.shm_path.mapping
+        if mapping is None or mapping.socket != offer["socket"] or mapping.writable != writable:
+            self.close_mapping()
+            self.shm_path.mapping = ShmMapping(fd, offer, writable=writable, index_fd=index_fd)
+            return
+        os.close(fd)
+        if index_fd >= 0:
+            os.close(index_fd)
+
     def connections(self) -> list[Connection]:
         """The pool's open connections (as far as this thread has seen)."""
         return [conn for conn in self._slots if conn is not None and conn.is_open]
@@ -394,16 +407,7 @@ class NodeClient:
                     raise
                 log.info("%s: using TCP: %s", self.node_id, exc)
             else:
-                mapping = self.shm_path.mapping
-                if mapping is None or mapping.socket != offer["socket"] \
-                        or mapping.writable != writable:
-                    self.close_mapping()  # a restarted node has a new arena
-                    self.shm_path.mapping = ShmMapping(fd, offer, writable=writable,
-                                                       index_fd=index_fd)
-                else:
-                    os.close(fd)
-                    if index_fd >= 0:
-                        os.close(index_fd)
+                self.adopt_arena(offer, fd, index_fd, writable)
                 conn.shm = True
                 conn.shm_write = writable
         elif options.shm:

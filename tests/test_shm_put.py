@@ -151,6 +151,32 @@ def test_sync_puts_through_the_arena_run_with_no_event_loop() -> None:
         assert node.stop() == 0
 
 
+def test_sync_puts_go_through_a_restarted_nodes_new_arena() -> None:
+    """The node restarts on its port (a new arena): the sync client's next put, on a new
+    blocking link, maps the new arena and writes through it, with no event loop."""
+    node = start_node("--dram-capacity", "64MiB", "--no-ssd")
+    port = node.port
+    keys = [os.urandom(16) for _ in range(2)]
+    values = [os.urandom(1 << 20) for _ in keys]
+    try:
+        with Client(node.url, shm=True, pool_size=1) as fast:
+            fast.put(keys[0], values[0])
+            before = shm_node(fast).shm_path.mapping
+            assert node.stop() == 0
+            node = start_node("--dram-capacity", "64MiB", "--no-ssd", "--data-port", str(port))
+            with no_loop(fast):
+                fast.put(keys[1], values[1])
+            assert fast.put_bytes_by_path == {"shm": 2 << 20, "tcp": 0}
+            mapping = shm_node(fast).shm_path.mapping
+            assert mapping is not None and mapping is not before and mapping.writable
+            with Client(node.url, shm=False) as tcp:
+                assert tcp.get_many(keys) == [None, values[1]]
+            assert fast.get(keys[1]) == values[1]
+        assert node_stats(node)["shm"]["committed"] == 1
+    finally:
+        node.stop()
+
+
 def test_slots_of_another_shape_are_given_back_unwritten() -> None:
     node = start_node("--dram-capacity", "64MiB", "--no-ssd")
     try:
