@@ -147,9 +147,11 @@ class BlockingNode:
         if options.token:
             request["token"] = options.token
         mapping = node.shm_path.mapping
+        # a standalone node (epoch 0) whose arena the loop's connection mapped writable: this
+        # link puts through it too (a cluster's puts run on the loop: its links ask no grant)
         writes = mapping is not None and mapping.writable and options.shm is not False \
-            and options.over_tcp
-        if writes:  # the loop's connection mapped the arena: this link may write it too
+            and options.over_tcp and node.epoch == 0
+        if writes:
             request.update(shm=True, host=host_id())
         try:
             info = decode_json(node.check(conn.call(Op.HELLO, 0, [encode_json(request)])).body)

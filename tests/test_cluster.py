@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import xxhash
@@ -542,10 +543,18 @@ def test_the_sync_clients_key_ops_on_a_small_cluster_run_with_no_event_loop(
             got = (c.exists_many(keys), c.exists_tiers(keys), c.exists_codes(keys),
                    c.lookup(keys), c.lookup_tiers(keys))
         assert got == expected
-    with Client(cluster3.seeds) as fresh:  # its first call meets the nodes on the loop
-        assert fresh.lookup(keys) == 30  # (a blocking HELLO would wait for a hung one)
+    def grants() -> list[int]:
+        return [cast(dict[str, int], admin_json(f"{n.admin_url}/v1/stats")["shm"])["grants"]
+                for n in cluster3.nodes]
+
+    before = grants()
+    with Client(cluster3.seeds, pool_size=1) as fresh:  # its first call meets the nodes on
+        assert fresh.lookup(keys) == 30  # the loop (a blocking HELLO would wait for a hung one)
         with no_loop(fresh):
             assert fresh.lookup(keys) == 30
+        # the arena granted to each node's loop connection, not to the blocking links (a
+        # cluster's puts run on the loop)
+        assert [a - b for a, b in zip(grants(), before, strict=True)] == [1, 1, 1]
 
 
 def test_a_map_refresh_does_not_wait_for_a_hung_node(cluster3: LocalCluster) -> None:
