@@ -115,7 +115,7 @@ class ShmPath:
         finally:
             self.puts.release_unwanted(conn)
 
-    def put_plan(self, holder: AheadHolder | None, items: list[plans.PutItem], *,
+    def put_plan(self, holder: AheadHolder, items: list[plans.PutItem], *,
                  num_tokens: int, fingerprint: bytes) -> plans.Plan[list[int]]:
         """One Status per item: through the arena where it carries the put and ``holder``,
         the connection the plan runs on, was granted writes (PUT_SHM, the values into their
@@ -123,7 +123,7 @@ class ShmPath:
         ended before its COMMIT goes again over TCP."""
         statuses = [0] * len(items)
         by_tcp = items
-        if holder is not None and holder.shm_write and self.carries_put(items):
+        if holder.shm_write and self.carries_put(items):
             assert self.mapping is not None
             by_tcp = yield from self.puts.plan(holder, self.mapping, items, statuses,
                                                num_tokens=num_tokens, fingerprint=fingerprint)
