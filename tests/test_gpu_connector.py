@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 from kvpool.client import Client  # noqa: E402
 from kvpool.gpu import KVLayout, PagedKVConnector  # noqa: E402
+from kvpool.gpu.layout import ChunkFormat, LayoutKind  # noqa: E402
 from kvpool.gpu.paged import CpuAttnScatter, gather, scatter  # noqa: E402
 from kvpool.protocol.errors import LayoutError  # noqa: E402
 
@@ -349,9 +350,12 @@ def test_canonical_chunks_move_between_vec_and_amx_blocks(client: Client) -> Non
         KVLayout(2, 2, 32, torch.float32, block, kind="cpu_attn_amx")
 
 
-@pytest.mark.parametrize("kind", ["cpu_attn", "cpu_attn_amx"])
-def test_the_scatter_with_views_made_once_writes_what_scatter_writes(kind: str) -> None:
-    layout = KVLayout(3, 2, 32, torch.bfloat16, 16, kind=kind)
+@pytest.mark.parametrize(("kind", "chunk_format"), [
+    ("cpu_attn", "canonical"), ("cpu_attn_amx", "canonical"), ("cpu_attn", "engine"),
+    ("cpu_attn_amx", "engine")])
+def test_the_scatter_with_views_made_once_writes_what_scatter_writes(
+        kind: LayoutKind, chunk_format: ChunkFormat) -> None:
+    layout = KVLayout(3, 2, 32, torch.bfloat16, 16, kind=kind, chunk_format=chunk_format)
     g = torch.Generator().manual_seed(9)
     chunk = torch.randn(layout.chunk_shape(32), generator=g).to(layout.dtype)  # 2 blocks
     want = make_caches(layout, 8, seed=3)
@@ -370,3 +374,12 @@ def test_the_scatter_with_views_made_once_writes_what_scatter_writes(kind: str) 
     scatter(layout, expected, ids, chunk)
     fast(layout, other, ids, chunk)
     assert all(torch.equal(a, b) for a, b in zip(expected, other, strict=True))
+    # another layout (the other chunk format) into its own caches: the plain scatter too
+    twin = KVLayout(3, 2, 32, torch.bfloat16, 16, kind=kind,
+                    chunk_format="engine" if chunk_format == "canonical" else "canonical")
+    twin_chunk = torch.randn(twin.chunk_shape(32), generator=g).to(twin.dtype)
+    expected = [c.clone() for c in got]
+    scatter(twin, expected, ids, twin_chunk)
+    fast(twin, got, ids, twin_chunk)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(expected, got, strict=True))
