@@ -112,17 +112,32 @@ _SMALL = 64 << 10
 HASH_SOURCE = platform.machine().lower() in ("x86_64", "amd64")
 
 
+def one_cpu() -> bool:
+    """Whether the calling thread may run on one CPU only (vLLM binds its CPU worker so;
+    ``taskset -c N``): no other thread of the process can run while it copies, so helper
+    threads only add switches (:func:`_spread`), and a copy may hold the GIL
+    (:func:`_copy`)."""
+    try:
+        return len(os.sched_getaffinity(0)) == 1
+    except (AttributeError, OSError):  # no affinity on this platform
+        return os.cpu_count() == 1
+
+
 def _copy(dst: memoryview, src: memoryview, hasher: Any, *, hash_source: bool = False,
-          between: Callable[[], None] | None = None) -> None:
+          between: Callable[[], None] | None = None, hold_gil: bool = False) -> None:
     """``dst[:] = src`` and ``hasher.update`` of it, block by block while each block is in
     cache: of ``src`` before each block is copied (``hash_source``), else of the copy.
     ``between`` (a test hook) runs once, before the first block is copied (after its
     hash, with ``hash_source``).
 
     numpy's copy and xxhash both release the GIL, so helper threads copy in parallel.
+    With ``hold_gil`` (:func:`one_cpu`: nothing could run in parallel) a copy of up to a
+    block is a memoryview assignment instead: numpy's few microseconds a call showed
+    where a load copies many blocks of a few hundred KiB each (a vLLM engine-format load
+    into 30 layers' blocks, docs/performance.md).
     """
     n = src.nbytes
-    if n <= _SMALL:
+    if n <= _SMALL or (hold_gil and n <= _BLOCK):
         if hash_source:
             hasher.update(src)
         if between is not None:
@@ -156,13 +171,15 @@ def _copy_pool() -> ThreadPoolExecutor:
 
 def _spread(lengths: Sequence[int], one: Callable[[int], None]) -> None:
     """``one(i)`` for each job; a batch of at least PARALLEL_MIN_BYTES is shared between
-    this thread and helper threads (numpy's copy and xxhash release the GIL).
+    this thread and helper threads (numpy's copy and xxhash release the GIL), unless
+    this thread may run on one CPU only (:func:`one_cpu`).
 
     Each thread takes the next job, biggest first, until none is left, so the calling
     thread (which starts at once, while a helper is still waking up) takes more of them
     and waits at most for the jobs the helpers are still copying.
     """
-    if not COPY_HELPERS or len(lengths) < 2 or sum(lengths) < PARALLEL_MIN_BYTES:
+    if not COPY_HELPERS or len(lengths) < 2 or sum(lengths) < PARALLEL_MIN_BYTES \
+            or one_cpu():
         for i in range(len(lengths)):
             one(i)
         return
@@ -283,6 +300,7 @@ class ShmMapping:
             return self._settled(item, Status.CORRUPT)
         src = self.view[offset + ENVELOPE_HEADER_SIZE : offset + length]
         hasher = xxhash.xxh3_64()
+        hold_gil = rest > _SMALL and one_cpu()
         hook = self.after_hash
         between = functools.partial(hook, item) if hook is not None else None
         out: memoryview | Segments
@@ -294,7 +312,8 @@ class ShmMapping:
                 n = min(view.nbytes, rest - pos)
                 if n <= 0:
                     break
-                _copy(view[:n], src[pos : pos + n], hasher, between=between)  # hash copies
+                _copy(view[:n], src[pos : pos + n], hasher, between=between,
+                      hold_gil=hold_gil)  # hash copies
                 between = None
                 pos += n
             sink.filled = rest
@@ -311,7 +330,8 @@ class ShmMapping:
             if sink.nbytes < rest:
                 return TOO_SMALL, None
             out = sink[:rest]
-            _copy(out, src, hasher, hash_source=hash_source, between=between)
+            _copy(out, src, hasher, hash_source=hash_source, between=between,
+                  hold_gil=hold_gil)
         if self.after_copy is not None:
             self.after_copy(item)
         if self.gens[offset // _PAGE] != item.generation:
@@ -370,9 +390,10 @@ class ShmMapping:
                 f"PUT_SHM slot ({offset}, {length}) does not fit a {nbytes}-byte value")
         self._populate(offset, length)
         hasher = xxhash.xxh3_64()
+        hold_gil = nbytes > _SMALL and one_cpu()
         pos = offset + ENVELOPE_HEADER_SIZE
         for part in parts:
-            _copy(self.view[pos : pos + part.nbytes], part, hasher)
+            _copy(self.view[pos : pos + part.nbytes], part, hasher, hold_gil=hold_gil)
             pos += part.nbytes
         self.view[offset : offset + ENVELOPE_HEADER_SIZE] = EnvelopeHeader(
             raw_len=nbytes, stored_len=nbytes, checksum=hasher.intdigest(),

@@ -59,6 +59,7 @@ CPU attention kernels other than ``vec``/``vec16``/``amx``.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -429,6 +430,9 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _open(self, layout: KVLayout, caches: Sequence[torch.Tensor]) -> PagedKVConnector:
         """On the I/O thread: the client and the connector it drives."""
+        if hasattr(os, "sched_getaffinity"):  # one CPU: the client copies on this thread only
+            log.info("kvpool connector: I/O thread on CPUs %s",
+                     ",".join(map(str, sorted(os.sched_getaffinity(0)))))
         # canonical cpu_attn chunks go through staging (K is transposed on the way, into
         # AMX tiles by vLLM's own op); the engine's own format goes straight between the
         # pool and the blocks

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -44,8 +45,37 @@ def _shm_stats(node: NodeProcess) -> dict[str, int]:
     return shm
 
 
+@pytest.fixture(params=["all", "one"], ids=["all-cpus", "one-cpu"])
+def cpus(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The test's thread may run on every CPU, or on one only (as vLLM binds its CPU
+    worker): then no helper thread copies, and copies of up to a block hold the GIL."""
+    if request.param == "all":
+        yield "all"
+        return
+    before = os.sched_getaffinity(0)
+
+    def no_helpers() -> Any:
+        raise AssertionError("a helper thread was asked to copy on one CPU")
+
+    monkeypatch.setattr(shm_module, "_copy_pool", no_helpers)
+    os.sched_setaffinity(0, {min(before)})  # this thread only
+    try:
+        yield "one"
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 @pytest.mark.parametrize("index", [True, False], ids=["index", "leased"])
-def test_fast_path_returns_the_same_bytes_as_tcp(index: bool) -> None:
+def test_fast_path_returns_the_same_bytes_as_tcp(index: bool, cpus: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    copied: list[int] = []
+    numpy_copy = shm_module.np.copyto
+
+    def count(dst: Any, src: Any) -> None:
+        copied.append(src.nbytes)
+        numpy_copy(dst, src)
+
+    monkeypatch.setattr(shm_module.np, "copyto", count)
     node = start_node("--dram-capacity", "128MiB", "--no-ssd")
     try:
         sizes = [1, 100, 4095, 4096, 4097, 65536, 1 << 20, (4 << 20) + 3]
@@ -64,18 +94,25 @@ def test_fast_path_returns_the_same_bytes_as_tcp(index: bool) -> None:
             parts = [bytearray(3 << 20), bytearray(2 << 20)]
             assert fast.get_into(keys[-1], parts) == sizes[-1]
             assert bytes(parts[0] + parts[1])[: sizes[-1]] == values[-1]
+            # a MiB into segments of a few hundred KiB (a vLLM engine-format load's shape):
+            # on one CPU copied with no numpy call
+            del copied[:]
+            parts = [bytearray(300 << 10), bytearray(724 << 10)]
+            assert fast.get_into(keys[-2], parts) == 1 << 20
+            assert bytes(parts[0] + parts[1]) == values[-2]
+            assert copied == ([] if cpus == "one" else [300 << 10, 724 << 10])
             assert fast.bytes_by_path["tcp"] == 0
-            assert fast.bytes_by_path["shm"] == 2 * sum(sizes) + sizes[-1]
+            assert fast.bytes_by_path["shm"] == 2 * sum(sizes) + sizes[-1] + sizes[-2]
             assert tcp.bytes_by_path == {"shm": 0, "tcp": sum(sizes)}
-            assert fast.async_client.shm_index_hits == (2 * len(sizes) + 1 if index else 0)
+            assert fast.async_client.shm_index_hits == (2 * len(sizes) + 2 if index else 0)
         shm = _shm_stats(node)  # the client's close reported its reads through the index
         assert shm["grants"] >= 1 and shm["released"] == shm["leases"] and shm["expired"] == 0
         assert shm["open_leases"] == 0
         stored = sum(ENVELOPE_HEADER_SIZE + n for n in sizes)
         # read twice, the last one three times; the missing key was asked with GET_SHM
-        assert shm["index_bytes_out"] == (2 * stored + ENVELOPE_HEADER_SIZE + sizes[-1]
-                                          if index else 0)
-        assert shm["leases"] == (0 if index else 3)
+        assert shm["index_bytes_out"] == (2 * stored + 2 * ENVELOPE_HEADER_SIZE + sizes[-1]
+                                          + sizes[-2] if index else 0)
+        assert shm["leases"] == (0 if index else 4)
         assert shm["index"]["entries"] == len(sizes)
     finally:
         assert node.stop() == 0
