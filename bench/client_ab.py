@@ -17,7 +17,7 @@ async ``lookup`` of 512 keys. Per series it prints p50 and
 p99 (median [min-max] over rounds), the client's CPU a call (user and system,
 ``getrusage``), and the median of the per-round ratios after/before. ``--puts`` times
 1 MiB puts instead, through the same-host arena (nodes with the fast path; sync, sync
-8 a call, async, async with 4 in flight) and over TCP as the control. ``--pin`` puts
+8 a call, async, async with 4 in flight) and over TCP (one a call, 8 a call). ``--pin`` puts
 the nodes and the client on CPU 0 (what the client's own work costs shows most
 there). Writes ``bench/results/client_ab.json``.
 """
@@ -88,8 +88,8 @@ print(json.dumps(out))
 """
 
 
-#: ``--puts``: 1 MiB puts to the same host (the arena, ``shm=True``) and, as the control,
-#: over TCP; 64 values put in turn; "4 in flight" times a gather of 4 puts
+#: ``--puts``: 1 MiB puts to the same host (the arena, ``shm=True``) and over TCP; 64
+#: values put in turn; "4 in flight" times a gather of 4 puts
 _PUT_CLIENT = r"""
 import asyncio, json, os, resource, sys, time
 from kvpool.client import AsyncClient, Client
@@ -110,7 +110,8 @@ def eight():
     got = [pair() for _ in range(8)]
     return [k for k, _ in got], [v for _, v in got]
 for name, shm, batch in (("sync shm put 1 MiB", True, False), ("sync put 1 MiB, TCP", False, False),
-                         ("sync shm put_many 8 x 1 MiB", True, True)):
+                         ("sync shm put_many 8 x 1 MiB", True, True),
+                         ("sync put_many 8 x 1 MiB, TCP", False, True)):
     with Client(url, shm=shm) as c:
         for _ in range(64):
             c.put(*pair())
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="which side runs the other checkout's code (default: client)")
     parser.add_argument("--puts", action="store_true",
                         help="1 MiB puts instead: through the same-host arena (sync, sync 8 a "
-                             "call, async, 4 in flight) and, as the control, over TCP")
+                             "call, async, 4 in flight) and over TCP (sync, 8 a call)")
     args = parser.parse_args(argv)
     script = _PUT_CLIENT if args.puts else _CLIENT
     if not (args.before / "client" / "_async.py").exists():
