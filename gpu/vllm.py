@@ -430,7 +430,7 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _open(self, layout: KVLayout, caches: Sequence[torch.Tensor]) -> PagedKVConnector:
         """On the I/O thread: the client and the connector it drives."""
-        if hasattr(os, "sched_getaffinity"):  # one CPU: the client copies on this thread only
+        if hasattr(os, "sched_getaffinity"):  # (on one CPU the client copies on it alone)
             log.info("kvpool connector: I/O thread on CPUs %s",
                      ",".join(map(str, sorted(os.sched_getaffinity(0)))))
         # canonical cpu_attn chunks go through staging (K is transposed on the way, into
