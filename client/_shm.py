@@ -112,15 +112,19 @@ _SMALL = 64 << 10
 HASH_SOURCE = platform.machine().lower() in ("x86_64", "amd64")
 
 
-def one_cpu() -> bool:
-    """Whether the calling thread may run on one CPU only (vLLM binds its CPU worker so;
-    ``taskset -c N``): no other thread of the process can run while it copies, so helper
-    threads only add switches (:func:`_spread`), and a copy may hold the GIL
-    (:func:`_copy`)."""
+def usable_cpus() -> int:
+    """How many CPUs the calling thread may run on (vLLM binds its CPU worker to one;
+    ``taskset``): helper threads beyond them only add switches (:func:`_spread`)."""
     try:
-        return len(os.sched_getaffinity(0)) == 1
+        return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # no affinity on this platform
-        return os.cpu_count() == 1
+        return os.cpu_count() or 1
+
+
+def one_cpu() -> bool:
+    """Whether the calling thread may run on one CPU only: no other thread of the process
+    can run while it copies, so a copy may hold the GIL (:func:`_copy`)."""
+    return usable_cpus() == 1
 
 
 def _copy(dst: memoryview, src: memoryview, hasher: Any, *, hash_source: bool = False,
@@ -160,7 +164,8 @@ def _copy(dst: memoryview, src: memoryview, hasher: Any, *, hash_source: bool = 
             hasher.update(dst[pos:end])
 
 
-#: threads that help copy a big batch: one fewer than the CPUs, at most 3
+#: threads that help copy a big batch: one fewer than the CPUs, at most 3 (a batch takes
+#: no more than one fewer than the CPUs its thread may run on)
 COPY_HELPERS = max(0, min(3, (os.cpu_count() or 1) - 1))
 
 
@@ -171,15 +176,16 @@ def _copy_pool() -> ThreadPoolExecutor:
 
 def _spread(lengths: Sequence[int], one: Callable[[int], None]) -> None:
     """``one(i)`` for each job; a batch of at least PARALLEL_MIN_BYTES is shared between
-    this thread and helper threads (numpy's copy and xxhash release the GIL), unless
-    this thread may run on one CPU only (:func:`one_cpu`).
+    this thread and helper threads (numpy's copy and xxhash release the GIL), as many as
+    the CPUs this thread may run on allow (:func:`usable_cpus`; none on one CPU).
 
     Each thread takes the next job, biggest first, until none is left, so the calling
     thread (which starts at once, while a helper is still waking up) takes more of them
     and waits at most for the jobs the helpers are still copying.
     """
-    if not COPY_HELPERS or len(lengths) < 2 or sum(lengths) < PARALLEL_MIN_BYTES \
-            or one_cpu():
+    count = 0 if not COPY_HELPERS or len(lengths) < 2 or sum(lengths) < PARALLEL_MIN_BYTES \
+        else min(COPY_HELPERS, len(lengths) - 1, usable_cpus() - 1)
+    if count < 1:
         for i in range(len(lengths)):
             one(i)
         return
@@ -190,7 +196,7 @@ def _spread(lengths: Sequence[int], one: Callable[[int], None]) -> None:
         for i in todo:
             one(i)
 
-    helpers = [_copy_pool().submit(run) for _ in range(min(COPY_HELPERS, len(order) - 1))]
+    helpers = [_copy_pool().submit(run) for _ in range(count)]
     try:
         run()
     finally:
