@@ -234,14 +234,17 @@ def load_path_rate(url: str, runs: int = 7) -> dict[str, Any]:
     """GB/s of PagedKVConnector.load into vLLM CPU blocks, canonical chunks (the vec or
     AMX packing this host's vLLM uses; scattered from the node's memory, and through
     staging slots as before) and the engine's own format, vs get_many_into of the same
-    chunks into flat buffers; runs interleaved."""
+    chunks into flat buffers; runs interleaved. One reference series, ``vllm_op``: the
+    same canonical chunks, already in memory (nothing fetched), written into the blocks
+    by vLLM's own cache-write op (``cpu_attn_reshape_and_cache``), what the engine's
+    native code makes of the conversion alone."""
     import torch
 
     from kvpool.client import Client
     from kvpool.gpu import KVLayout, PagedKVConnector
     from kvpool.gpu.layout import ChunkFormat, LayoutKind
     from kvpool.gpu.paged import Scatter, scatter
-    from kvpool.gpu.vllm import AmxCacheWrite  # so this runs in vLLM's environment
+    from kvpool.gpu.vllm import VllmCacheWrite  # so this runs in vLLM's environment
     from kvpool.placement.keys import DEFAULT_CHUNK_TOKENS
 
     amx = torch.cpu._is_amx_tile_supported()  # vLLM's bf16 kernels here: amx, else vec
@@ -253,7 +256,8 @@ def load_path_rate(url: str, runs: int = 7) -> dict[str, Any]:
     series: dict[str, tuple[ChunkFormat, bool]] = {
         "canonical": ("canonical", True), "canonical_staged": ("canonical", False),
         "engine": ("engine", True)}
-    rates: dict[str, list[float]] = {name: [] for name in (*series, "get_many_into")}
+    rates: dict[str, list[float]] = {name: [] for name in (*series, "vllm_op",
+                                                           "get_many_into")}
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(Client(url))
         paged: dict[str, PagedKVConnector] = {}
@@ -264,7 +268,7 @@ def load_path_rate(url: str, runs: int = 7) -> dict[str, Any]:
             caches = [torch.randn(layout.layer_shape(num_blocks)).to(layout.dtype)
                       for _ in range(30)]
             # what the vLLM connector writes canonical chunks with (gpu/vllm.py's _open)
-            write: Scatter = AmxCacheWrite(caches) if amx and fmt == "canonical" else scatter
+            write: Scatter = VllmCacheWrite(caches) if amx and fmt == "canonical" else scatter
             paged[name] = stack.enter_context(PagedKVConnector(
                 client, layout, caches, ns, scatter=write, in_place=in_place))
             paged[name].store(tokens, list(range(num_blocks)))
@@ -273,18 +277,31 @@ def load_path_rate(url: str, runs: int = 7) -> dict[str, Any]:
         nbytes = len(keys) * size
         buffers = [bytearray(size) for _ in keys]
         blocks = list(range(len(tokens) // 128))
+        client.get_many_into(keys, buffers)  # the reference's chunks: fetched once
+        op_layout = KVLayout(30, 3, 64, torch.bfloat16, 128, kind=kind)
+        op_caches = [torch.empty(op_layout.layer_shape(len(blocks)), dtype=torch.bfloat16)
+                     for _ in range(30)]
+        op_write = VllmCacheWrite(op_caches, "amx" if amx else "vec")
+        chunks = [torch.frombuffer(b, dtype=torch.bfloat16).view(op_layout.chunk_shape(chunk))
+                  for b in buffers]
+        per_chunk = chunk // op_layout.block_size
+        op_ids = [torch.arange(j * per_chunk, (j + 1) * per_chunk) for j in range(len(keys))]
         for _ in range(runs):
             for name, conn in paged.items():
                 t0 = time.perf_counter()
                 assert conn.load(tokens, blocks) == len(tokens)
                 rates[name].append(nbytes / (time.perf_counter() - t0) / 1e9)
             t0 = time.perf_counter()
+            for ids, data in zip(op_ids, chunks, strict=True):
+                op_write(op_layout, op_caches, ids, data)
+            rates["vllm_op"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+            t0 = time.perf_counter()
             client.get_many_into(keys, buffers)
             rates["get_many_into"].append(nbytes / (time.perf_counter() - t0) / 1e9)
     base = rates["get_many_into"]
     return {"bytes": nbytes, "kind": kind, "gb_s": {k: summary(v) for k, v in rates.items()},
             "ratio": {name: summary([a / b for a, b in zip(rates[name], base, strict=True)])
-                      for name in series},
+                      for name in (*series, "vllm_op")},
             "chunks_in_place": {name: conn.stats.chunks_in_place
                                 for name, conn in paged.items()}}
 
@@ -496,7 +513,9 @@ def main() -> int:
           f"{_fmt(load['gb_s']['canonical_staged'], ' GB/s')}, "
           f"{_fmt(load['ratio']['canonical_staged'], 'x')}), engine format "
           f"{_fmt(load['gb_s']['engine'], ' GB/s')} ({_fmt(load['ratio']['engine'], 'x')}), "
-          f"get_many_into {_fmt(load['gb_s']['get_many_into'], ' GB/s')}")
+          f"get_many_into {_fmt(load['gb_s']['get_many_into'], ' GB/s')}; reference, vLLM's "
+          f"own op writing the chunks from memory (nothing fetched) "
+          f"{_fmt(load['gb_s']['vllm_op'], ' GB/s')} ({_fmt(load['ratio']['vllm_op'], 'x')})")
     RESULTS.mkdir(exist_ok=True)
     out.write_text(json.dumps({"sizes": sizes, "reps": args.reps, "table": table,
                                "load_path": load, "decode_interleaved": decode,

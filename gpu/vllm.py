@@ -84,7 +84,7 @@ from kvpool.gpu.settings import settings_from
 from kvpool.placement.keys import DEFAULT_CHUNK_TOKENS, ChunkHasher, Namespace
 from kvpool.protocol.errors import ConfigError
 
-__all__ = ["AmxCacheWrite", "Backoff", "KvpoolConnector", "KvpoolConnectorMetadata",
+__all__ = ["VllmCacheWrite", "Backoff", "KvpoolConnector", "KvpoolConnectorMetadata",
            "KvpoolConnectorStats", "KvpoolSettings", "default_model_id"]
 
 log = logging.getLogger("kvpool.vllm")
@@ -436,7 +436,7 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # canonical cpu_attn chunks go through staging (K is transposed on the way, into
         # AMX tiles by vLLM's own op); the engine's own format goes straight between the
         # pool and the blocks
-        write: Scatter = AmxCacheWrite(caches) if layout.kind == "cpu_attn_amx" \
+        write: Scatter = VllmCacheWrite(caches) if layout.kind == "cpu_attn_amx" \
             and not layout.engine_format else scatter
         return PagedKVConnector(self.settings.client(), layout, list(caches), self.namespace,
                                 staging_slots=self.settings.staging_slots, scatter=write)
@@ -608,21 +608,25 @@ def _namespace(vllm_config: Any, model_id: str, chunk_tokens: int,
                      kv_format=kv_format)
 
 
-class AmxCacheWrite:
-    """Canonical chunks into ``cpu_attn_amx`` blocks through vLLM's own cache-write op
-    (``cpu_attn_reshape_and_cache``, the op the engine writes its KV with), a
-    :class:`~kvpool.gpu.paged.Scatter` for ``caches`` (the layers' tensors, in order).
+class VllmCacheWrite:
+    """Canonical chunks into ``cpu_attn_amx`` blocks (``isa="amx"``) or ``cpu_attn`` ones
+    (``"vec"``) through vLLM's own cache-write op (``cpu_attn_reshape_and_cache``, the op
+    the engine writes its KV with), a :class:`~kvpool.gpu.paged.Scatter` for ``caches``
+    (the layers' tensors, in order).
 
     Equal to :func:`kvpool.gpu.paged.scatter` bit for bit (tests/vllm_driver.py checks
     both against the op), and faster into AMX tiles: 3.5-3.65 GB/s against 1.4-1.6 on
-    one thread (16 chunks of 256 tokens, SmolLM2's geometry, 2-core VM; into ``vec``
-    blocks the op was the slower, 2.65 against 2.8, so those keep kvpool's copy).
+    one thread (16 chunks of 256 tokens, SmolLM2's geometry, 2-core VM), so the connector
+    writes AMX blocks with it. Into ``vec`` blocks the op is no faster than kvpool's copy
+    (2.65 against 2.8 GB/s then; ``python -m bench.vllm --load-path`` measures both), so
+    those keep kvpool's copy and the benchmark runs the op as the engine's own floor.
     """
 
-    def __init__(self, caches: Sequence[torch.Tensor]) -> None:
+    def __init__(self, caches: Sequence[torch.Tensor], isa: str = "amx") -> None:
         from vllm import _custom_ops as ops
 
         self._op = ops.cpu_attn_reshape_and_cache
+        self._isa = isa
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         for cache in caches:  # [N, H, B, 2D] as the backend views it: K rows, then V rows
             n, h, b, d2 = cache.shape
@@ -636,7 +640,7 @@ class AmxCacheWrite:
         slots = (ids.to(torch.int64).view(-1, 1) * b + offsets).view(-1)
         start = first_block * b
         for layer, (k, v) in enumerate(self._kv):
-            self._op(chunk[layer, 0, start:], chunk[layer, 1, start:], k, v, slots, "amx")
+            self._op(chunk[layer, 0, start:], chunk[layer, 1, start:], k, v, slots, self._isa)
 
 
 def _layout_kind(vllm_config: Any, on_cpu: bool) -> LayoutKind:

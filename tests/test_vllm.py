@@ -133,10 +133,10 @@ def test_cpu_attn_layout_is_bit_exact_against_vllms_own_cache_write(tmp_path: Pa
     assert set(result) == {"vec-bfloat16", "vec-float32", "vec16-bfloat16", "vec16-float32",
                            *amx}
     for case, checks in result.items():
-        want = {"gather_equal": True, "scatter_equal": True}
-        if case.startswith("amx"):  # vLLM's own op, as the connector uses it there
-            want["op_scatter_equal"] = True
-        assert checks == want, case
+        # op_scatter_equal: vLLM's own op through VllmCacheWrite (the connector's scatter
+        # on AMX hosts, the load benchmark's reference elsewhere)
+        assert checks == {"gather_equal": True, "scatter_equal": True,
+                          "op_scatter_equal": True}, case
 
 
 def test_gpu_backend_views_are_read_and_written_bit_exact_in_every_vllm_layout(

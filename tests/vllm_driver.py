@@ -64,17 +64,18 @@ def layout_check() -> dict[str, Any]:
                                              want.view(torch.uint8))),
             "scatter_equal": _same(caches, back),
         }
-        if isa == "amx":  # the connector's scatter on AMX hosts: vLLM's own op
-            from kvpool.gpu.vllm import AmxCacheWrite
+        # vLLM's own op through kvpool's wrapper: the connector's scatter on AMX hosts,
+        # the benchmark's reference on the others
+        from kvpool.gpu.vllm import VllmCacheWrite
 
-            ours = [torch.zeros_like(c) for c in caches]
-            AmxCacheWrite(ours)(layout, ours, ids, chunk)
-            part = [torch.zeros_like(c) for c in caches]
-            tail = [torch.zeros_like(c) for c in caches]
-            AmxCacheWrite(part)(layout, part, ids[1:], chunk, first_block=1)
-            scatter(layout, tail, ids[1:], chunk, first_block=1)
-            results[name]["op_scatter_equal"] = _same(caches, ours) and _same(tail, part) \
-                and not _same(caches, part)
+        ours = [torch.zeros_like(c) for c in caches]
+        VllmCacheWrite(ours, isa)(layout, ours, ids, chunk)
+        part = [torch.zeros_like(c) for c in caches]
+        tail = [torch.zeros_like(c) for c in caches]
+        VllmCacheWrite(part, isa)(layout, part, ids[1:], chunk, first_block=1)
+        scatter(layout, tail, ids[1:], chunk, first_block=1)
+        results[name]["op_scatter_equal"] = _same(caches, ours) and _same(tail, part) \
+            and not _same(caches, part)
     return results
 
 
