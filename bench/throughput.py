@@ -23,7 +23,11 @@ client's event loop (``blocking=False``, as every sync call did before): the
 before/after of the blocking path, in one run. The 4 KiB latency rows put
 them beside Redis (redis-py + hiredis) and a raw Python socket asking the node
 the same GET (the floor: no parsing, no checks), once as the scheduler places
-the processes and once with all of them on one CPU (``on_one_cpu``). The ``kvpool shm ...`` series
+the processes, once with all of them on one CPU (``on_one_cpu``), and once with
+the client on one CPU and the node and Redis on another (``split CPUs``, where
+the machine has two: every reply crosses CPUs, as between an engine and a node on
+cores of their own; as scheduled, which of the servers shares the client's CPU
+varies from run to run and decides these rows). The ``kvpool shm ...`` series
 take the same-host fast path (values copied from the node's shared-memory arena),
 and ``memcpy`` is its ceiling: numpy ``copyto`` of the same sizes into a
 preallocated buffer, from as many distinct sources as the node holds values (so
@@ -274,6 +278,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with on_one_cpu([os.getpid(), *pids]):
             results["latency_4kib_get_one_cpu_ms"] = small_latency(
                 (client, sleeping, looped), rds, node.port, args.latency_samples)
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) > 1:
+            with on_cpus({os.getpid(): cpus[0], **dict.fromkeys(pids, cpus[1])}):
+                results["latency_4kib_get_split_cpus_ms"] = small_latency(
+                    (client, sleeping, looped), rds, node.port, args.latency_samples)
         results["latency_1mib_get_ms"] = latency(client, rds, args.latency_samples)
         results["key_ops_512_ms"] = key_ops(client, args.latency_samples)
         client.close()
@@ -474,8 +483,15 @@ def on_one_cpu(pids: list[int]) -> Iterator[None]:
     on the client's CPU and the kvpool node on the other, which alone made Redis
     4x faster at 4 KiB. Pinned alike, the systems compare on their own work."""
     cpu = min(os.sched_getaffinity(0))
+    with on_cpus(dict.fromkeys(pids, cpu)):
+        yield
+
+
+@contextlib.contextmanager
+def on_cpus(placement: dict[int, int]) -> Iterator[None]:
+    """Every thread of each process of ``placement`` (pid: CPU) on its CPU, then back."""
     saved: dict[int, set[int]] = {}
-    for pid in pids:
+    for pid, cpu in placement.items():
         for tid in map(int, os.listdir(f"/proc/{pid}/task")):
             with contextlib.suppress(OSError):  # a thread that ended meanwhile
                 saved[tid] = os.sched_getaffinity(tid)
@@ -673,15 +689,23 @@ def report(results: dict[str, Any]) -> None:
         i = results["iperf3_gbps"]
         console.print(f"iperf3 loopback (1 stream, -l 1M): {i['median']:.2f} GB/s "
                       f"[{i['min']:.2f}-{i['max']:.2f}]")
-    pinned = {f"{k}, one CPU": v for k, v in results.get("latency_4kib_get_one_cpu_ms",
-                                                          {}).items()}
-    for name, v in {**results.get("latency_4kib_get_ms", {}), **pinned,
-                    **results["latency_1mib_get_ms"], **results["key_ops_512_ms"]}.items():
+    for name, v in _latency_rows(results).items():
         console.print(f"{name:>22}: p50 {v['p50']:.3f} ms  p99 {v['p99']:.3f} ms")
     rss = results["rss"]
     console.print(f"RSS at a full {rss['capacity_bytes'] >> 20} MiB DRAM tier: "
                   f"{rss['rss_bytes'] / MiB:.0f} MiB (limit {rss['limit_bytes'] / MiB:.0f} MiB, "
                   f"{'ok' if rss['ok'] else 'OVER'})")
+
+
+def _latency_rows(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """The latency rows of a results JSON by name: 4 KiB GETs as scheduled, on one CPU
+    and on split CPUs (where measured), 1 MiB GETs, key ops."""
+    placed = {f"{k}, {where}": v
+              for key, where in (("latency_4kib_get_one_cpu_ms", "one CPU"),
+                                 ("latency_4kib_get_split_cpus_ms", "split CPUs"))
+              for k, v in results.get(key, {}).items()}
+    return {**results.get("latency_4kib_get_ms", {}), **placed,
+            **results["latency_1mib_get_ms"], **results["key_ops_512_ms"]}
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -701,10 +725,7 @@ def markdown(results: dict[str, Any]) -> str:
         out += (f"iperf3 loopback, one stream, `-l 1M`: **{i['median']:.2f} GB/s** "
                 f"[{i['min']:.2f}-{i['max']:.2f}].\n\n")
     out += "| latency | p50 ms | p99 ms |\n|---|---|---|\n"
-    pinned = {f"{k}, one CPU": v for k, v in results.get("latency_4kib_get_one_cpu_ms",
-                                                          {}).items()}
-    for name, v in {**results.get("latency_4kib_get_ms", {}), **pinned,
-                    **results["latency_1mib_get_ms"], **results["key_ops_512_ms"]}.items():
+    for name, v in _latency_rows(results).items():
         label = name if "(" in name else f"{name} (1 MiB)"
         out += f"| {label} | {v['p50']:.3f} | {v['p99']:.3f} |\n"
     rss = results["rss"]
