@@ -26,8 +26,14 @@ SHM_PUT_MIN_BYTES = 1 << 20
 #: larger part of a small call: 4 KiB GETs over loopback on the 2-core VM, a raw socket
 #: 0.101 ms p50 sleeping against 0.038 polling; the sync client 0.102 against 0.074-0.080
 #: (20-200 us). A reply later than this is slept for as before, so a call spends at most
-#: this much CPU more; all on one CPU it cost nothing (0.065-0.066 ms either way).
-BUSY_POLL_US = 50.0
+#: this much CPU more. 100 rather than 50 (session 45, ``python -m bench.client_ab``, one
+#: node, as scheduled, 8 rounds): with the node on another CPU a reply often comes after
+#: 50 us (the node's own wake-up), and the client then paid its wake-up too. Sync 4 KiB
+#: get p50 0.73x, p99 0.157 against 0.192 ms, client CPU 0.071 against 0.086 ms a call;
+#: lookup of 512 keys p50 0.725x (+13 us CPU). On 3 nodes sharing the 2 CPUs: p50 the
+#: same, +20-40 us CPU a key op. All on one CPU longer polling only delays the node: p50
+#: the same, p99 0.200 against 0.135 ms, +9 us CPU a get.
+BUSY_POLL_US = 100.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,7 +93,7 @@ class Client:
         """:class:`AsyncClient`'s arguments, plus ``blocking``: calls to a standalone node
         that go over TCP run in the calling thread on a socket of this client's own (the
         default; ~30 us a call less here); False runs them on the loop like every other
-        call. ``busy_poll_us`` (default 50): how long such a call polls its socket for the
+        call. ``busy_poll_us`` (default 100): how long such a call polls its socket for the
         reply before the thread sleeps; a reply that comes meanwhile needs no wake-up
         (~25 us less a small call on the 2-core VM; at most that much CPU more a call;
         0: sleep at once)."""
