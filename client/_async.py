@@ -396,6 +396,12 @@ class AsyncClient:
         spans to record."""
         return self._router.one_round(blob) if _tracer(self) is None else None
 
+    def read_round(self, blob: bytes) -> list[tuple[NodeClient, Rows]] | None:
+        """A cluster's GET of the keys ``blob``, its first round (each key's first trusted
+        owner), for the sync client's blocking links: :meth:`Router.read_round
+        <kvpool.client._router.Router.read_round>`, and no client spans to record."""
+        return self._router.read_round(blob) if _tracer(self) is None else None
+
     def _newer_epoch_seen(self) -> int:
         """A map epoch newer than the one this client routes by, named by a reply while no
         loop ran (0: none); :meth:`_refresh_map` fetches it."""

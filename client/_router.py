@@ -216,6 +216,25 @@ class Router:
             log.info("kvpool cluster map epoch %d: %d nodes, replication %d", cmap.epoch,
                      len(cmap.nodes), cmap.replication)
 
+    def read_round(self, blob: bytes) -> list[tuple[NodeClient, Rows]] | None:
+        """What :meth:`fan_out`'s first round of a read sends (``sequential``: each key to
+        the first trusted node of its list), for a caller that sends it itself (the sync
+        client's blocking GET): each node with the batch positions of its keys. None unless
+        that round is plain: a map of two or more nodes, none draining, and a trusted node
+        in every key's list (else the fan-out probes a node, on the loop)."""
+        cmap, ring = self.map, self.ring_nodes
+        if cmap is None or len(ring) < 2 or self.draining():
+            return None
+        n = len(blob) // KEY_SIZE
+        table = cmap.ring.owner_indexes(key_positions(blob), cmap.width)
+        trusted = np.array([node.trusted for node in ring], dtype=bool)
+        picks = pick(table, np.zeros(table.shape, dtype=bool), trusted,
+                     np.arange(n, dtype=np.intp))
+        asked = [(ring[p.node], p.rows) for p in picks]
+        if not asked or not all(trusted[p.node] for p in picks):
+            return None
+        return asked
+
     def one_round(self, blob: bytes) -> list[tuple[NodeClient, Rows]] | None:
         """What :meth:`fan_out` with ``per_row="live"`` sends (the live nodes of each key's
         list, at once: EXISTS), for a caller that sends it itself (the sync client's

@@ -17,8 +17,11 @@ Two exceptions skip the loop (a loop run costs ~40 us here, as much as copying
   pool. On a cluster, the key ops an engine's scheduler asks, ``exists*`` and
   ``lookup*``, do the same on the blocking sockets of the nodes asked, every
   frame sent before any reply is read
-  (:func:`~kvpool.client._blocking.run_parallel`). A cluster's other calls run
-  on the loop (its routing is async).
+  (:func:`~kvpool.client._blocking.run_parallel`). A cluster's GETs send their first
+  round so (each key to the first trusted node of its list; nodes on another host: a
+  same-host node's GETs go through its arena), and read the keys not found there on
+  down their lists on the loop. A cluster's other calls run on the loop (its routing
+  is async).
 - a GET that a same-host node's arena index can answer whole is copied with
   no request at all (``ShmPath.read_local``). The loop still runs before such a read
 when the reads before it are due to be reported, or when it has not run for
@@ -56,7 +59,7 @@ from kvpool.client._shm_path import TOUCH_DELAY_S, ShmPath
 from kvpool.client.transport import Transport
 from kvpool.placement.cluster_map import ClusterMap
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
-from kvpool.protocol.errors import Status
+from kvpool.protocol.errors import KvpoolConnectionError, Status, WrongOwnerError
 from kvpool.protocol.frames import KEY_SIZE, Op, tier_names
 from kvpool.protocol.parsers import Segments
 
@@ -322,29 +325,82 @@ class Client:
              ) -> list[memoryview | Segments | None] | None:
         """A GET with no event loop, the path decided here once: the standalone node's arena
         index if it holds every key; else, where the node's GETs go over TCP, its blocking
-        socket. None, having sent nothing: run the call on the loop (a cluster, spans to
-        record, GET_SHM for keys the index lacks, or not yet connected)."""
+        socket; on a cluster, :meth:`_cluster_get`. None, having sent nothing: run the call
+        on the loop (spans to record, GET_SHM for keys the index lacks, or not yet
+        connected)."""
+        blob = join_keys(keys)
+        sinks = _sinks(keys, buffers) if buffers is not None else None
         with self._lock:
             if self._loop.is_closed():
                 raise RuntimeError("this kvpool Client is closed")
             node = self._async.direct_node
             if node is None:
-                return None
-            blob = join_keys(keys)
-            sinks = _sinks(keys, buffers) if buffers is not None else None
-            shm = node.shm_path
-            if shm.mapping is not None:  # a same-host node granted its arena
+                first = self._cluster_read(blob, sinks)
+            else:
+                return self._direct_get(node, blob, sinks)
+        if first is None:
+            return None
+        results, missing, newer = first
+        if newer:
+            self._run(self._async._refresh_map(newer))
+        if missing:  # misses, corrupt chunks, nodes that failed: the loop's read goes on
+            rest = [sinks[i] for i in missing] if sinks is not None else None
+            views = self._run(self._async._get(rows_blob(blob, missing), rest))
+            for row, view in zip(missing, views, strict=True):
+                results[row] = view
+        return results
+
+    def _cluster_read(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None
+                      ) -> tuple[list[memoryview | Segments | None], list[int], int] | None:
+        """A cluster's GET, its first round in this thread with no event loop: each key to
+        the first trusted node of its list (``Router.read_round``), every frame sent before
+        any reply is read (``run_parallel``). The payloads (None where not found there), the
+        rows still to look for further down their lists (on the loop: misses, corrupt
+        chunks, and the keys of a node that failed, which is marked down, or answered
+        WRONG_OWNER), and a newer map epoch a reply named (0: none). None, having sent
+        nothing, where the read runs on the loop from the start: a map that round does not
+        cover (one node, a node draining, a key with no trusted node), client spans to
+        record, a node met on no connection yet, or same-host nodes (GETs through their
+        arenas)."""
+        asked = self._async.read_round(blob) if self._blocking_allowed else None
+        if asked is None or any(node.shm_path.mapping is not None for node, _ in asked):
+            return None
+        drivers = [self._blocking_node(node) for node, _ in asked]
+        if not all(d.linked or d.node.connections() for d in drivers):
+            return None
+        outcomes = run_parallel([
+            (driver, plans.get_tcp(node, rows_blob(blob, rows),
+                                   [sinks[i] for i in rows] if sinks is not None else None))
+            for driver, (node, rows) in zip(drivers, asked, strict=True)])
+        results: list[memoryview | Segments | None] = [None] * (len(blob) // KEY_SIZE)
+        for (node, rows), outcome in zip(asked, outcomes, strict=True):
+            if isinstance(outcome, KvpoolConnectionError):
+                node.mark_down(outcome)
+            elif isinstance(outcome, Exception) and not isinstance(outcome, WrongOwnerError):
+                raise outcome  # what the loop would raise too (a buffer too small, say)
+            elif not isinstance(outcome, Exception):
+                for row, view in zip(rows.tolist(), outcome, strict=True):
+                    results[row] = view
+        missing = [row for row, view in enumerate(results) if view is None]
+        return results, missing, self._async._newer_epoch_seen()
+
+    def _direct_get(self, node: NodeClient, blob: bytes,
+                    sinks: Sequence[memoryview | Segments] | None
+                    ) -> list[memoryview | Segments | None] | None:
+        """:meth:`_get` from the standalone ``node`` (the caller holds the lock)."""
+        shm = node.shm_path
+        if shm.mapping is not None:  # a same-host node granted its arena
+            if shm.can_read_local:
+                self._before_index_read(shm)
                 if shm.can_read_local:
-                    self._before_index_read(shm)
-                    if shm.can_read_local:
-                        found = shm.read_local(blob, sinks)
-                        if found is not None:
-                            return found
-                if shm.carries_gets:
-                    return None
-            if not self._blocking_allowed:
+                    found = shm.read_local(blob, sinks)
+                    if found is not None:
+                        return found
+            if shm.carries_gets:
                 return None
-            return self._blocking_node(node).get(blob, sinks)
+        if not self._blocking_allowed:
+            return None
+        return self._blocking_node(node).get(blob, sinks)
 
     def _either(self, plan_for: Callable[[NodeClient], plans.Plan[T] | None],
                 post: Callable[[T], R], coro: Callable[[], Coroutine[Any, Any, R]]) -> R:

@@ -240,6 +240,9 @@ class NoLoop:
         return bool(self.loop.is_closed())
 
     def run_until_complete(self, coro: object) -> None:
+        close = getattr(coro, "close", None)
+        if close is not None:
+            close()  # (never to run: no "never awaited" warning)
         raise AssertionError(f"the event loop ran for {coro}")
 
 
