@@ -18,10 +18,10 @@ Two exceptions skip the loop (a loop run costs ~40 us here, as much as copying
   ``lookup*``, do the same on the blocking sockets of the nodes asked, every
   frame sent before any reply is read
   (:func:`~kvpool.client._blocking.run_parallel`). A cluster's GETs send their first
-  round so (each key to the first trusted node of its list; nodes on another host: a
-  same-host node's GETs go through its arena), and read the keys not found there on
-  down their lists on the loop. A cluster's other calls run on the loop (its routing
-  is async).
+  round so (each key to the first trusted node of its list; nodes whose arenas the
+  client has not mapped: a same-host node's GETs go through its arena), and read the
+  keys not found there on down their lists on the loop. A cluster's other calls run on
+  the loop (its routing is async).
 - a GET that a same-host node's arena index can answer whole is copied with
   no request at all (``ShmPath.read_local``). The loop still runs before such a read
 when the reads before it are due to be reported, or when it has not run for
@@ -360,8 +360,8 @@ class Client:
         WRONG_OWNER), and a newer map epoch a reply named (0: none). None, having sent
         nothing, where the read runs on the loop from the start: a map that round does not
         cover (one node, a node draining, a key with no trusted node), client spans to
-        record, a node met on no connection yet, or same-host nodes (GETs through their
-        arenas)."""
+        record, a node met on no connection yet, or a node whose arena this client mapped
+        (its GETs go through it)."""
         asked = self._async.read_round(blob) if self._blocking_allowed else None
         if asked is None or any(node.shm_path.mapping is not None for node, _ in asked):
             return None
