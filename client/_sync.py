@@ -325,14 +325,14 @@ class Client:
              ) -> list[memoryview | Segments | None] | None:
         """A GET with no event loop, the path decided here once: the standalone node's arena
         index if it holds every key; else, where the node's GETs go over TCP, its blocking
-        socket; on a cluster, :meth:`_cluster_get`. None, having sent nothing: run the call
+        socket; on a cluster, :meth:`_cluster_read` first. None, having sent nothing: run the call
         on the loop (spans to record, GET_SHM for keys the index lacks, or not yet
         connected)."""
-        blob = join_keys(keys)
-        sinks = _sinks(keys, buffers) if buffers is not None else None
         with self._lock:
             if self._loop.is_closed():
                 raise RuntimeError("this kvpool Client is closed")
+            blob = join_keys(keys)
+            sinks = _sinks(keys, buffers) if buffers is not None else None
             node = self._async.direct_node
             if node is None:
                 first = self._cluster_read(blob, sinks)
