@@ -17,6 +17,7 @@ sends the batch to that node whole (:meth:`Router.ask_sole`).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Sequence
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -30,7 +31,10 @@ from kvpool.protocol.errors import KvpoolConnectionError, Status, WrongOwnerErro
 from kvpool.protocol.frames import KEY_SIZE, Op
 from kvpool.protocol.parsers import Segments
 
-__all__ = ["codes_of_round", "exists_codes", "get", "held_prefix", "put", "statuses"]
+T = TypeVar("T")
+
+__all__ = ["codes_of_round", "exists_codes", "get", "held_prefix", "put", "round_answers",
+           "statuses"]
 
 
 async def put(router: Router, bkeys: list[bytes], values: Sequence[BufferOrSegments], *,
@@ -153,26 +157,40 @@ def codes_of_round(n: int, asked: Sequence[tuple[NodeClient, Rows]],
     """:func:`exists_codes` of ``n`` keys from one round of EXISTS the caller ran itself
     (:meth:`Router.one_round <kvpool.client._router.Router.one_round>`: each node and
     the rows it was asked about; an answer or the exception of each), merged as the
-    fan-out merges: a node that failed is marked down, and each key's code is the
-    fastest tier the nodes that answered for it gave. None where the round is not the
-    answer: a key no node answered for, or WRONG_OWNER (the fan-out then asks again).
-    Any other error is raised."""
+    fan-out merges: each key's code is the fastest tier the nodes that answered for it
+    gave (:func:`round_answers` for the nodes that did not). None where the round is not
+    the answer: a key no node answered for, or WRONG_OWNER (the fan-out then asks
+    again)."""
     best = np.full(n, ABSENT, dtype=np.uint8)
     answered = np.zeros(n, dtype=bool)
+    answers, refused = round_answers(asked, outcomes)
+    for rows, codes in answers:
+        fastest(best, rows, codes)
+        answered[rows] = True
+    return codes_of(best) if answered.all() and not refused else None
+
+
+def round_answers(asked: Sequence[tuple[NodeClient, Rows]], outcomes: Sequence[T | Exception]
+                  ) -> tuple[list[tuple[Rows, T]], bool]:
+    """The answers of one round the sync client sent itself (each node and the rows it was
+    asked about; the answer or the exception of each), each with its rows, taken as the
+    fan-out takes them: a node that failed is marked down, a straggler left behind (marked
+    slow already) is passed over, and whether a node answered WRONG_OWNER is said; any
+    other error is raised (the loop would raise it too: a buffer too small, say)."""
+    answers: list[tuple[Rows, T]] = []
     refused = False
     for (node, rows), outcome in zip(asked, outcomes, strict=True):
-        if isinstance(outcome, bytes):
-            fastest(best, rows, outcome)
-            answered[rows] = True
-        elif isinstance(outcome, WrongOwnerError):
+        if isinstance(outcome, WrongOwnerError):
             refused = True
-        elif isinstance(outcome, LeftBehind):  # a straggler, already marked slow
+        elif isinstance(outcome, LeftBehind):
             continue
         elif isinstance(outcome, KvpoolConnectionError):
             node.mark_down(outcome)
-        else:
+        elif isinstance(outcome, Exception):
             raise outcome
-    return codes_of(best) if answered.all() and not refused else None
+        else:
+            answers.append((rows, outcome))
+    return answers, refused
 
 
 def held_prefix(codes: bytes) -> bytes:

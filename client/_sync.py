@@ -59,7 +59,7 @@ from kvpool.client._shm_path import TOUCH_DELAY_S, ShmPath
 from kvpool.client.transport import Transport
 from kvpool.placement.cluster_map import ClusterMap
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
-from kvpool.protocol.errors import KvpoolConnectionError, Status, WrongOwnerError
+from kvpool.protocol.errors import Status
 from kvpool.protocol.frames import KEY_SIZE, Op, tier_names
 from kvpool.protocol.parsers import Segments
 
@@ -373,14 +373,10 @@ class Client:
                                    [sinks[i] for i in rows] if sinks is not None else None))
             for driver, (node, rows) in zip(drivers, asked, strict=True)])
         results: list[memoryview | Segments | None] = [None] * (len(blob) // KEY_SIZE)
-        for (node, rows), outcome in zip(asked, outcomes, strict=True):
-            if isinstance(outcome, KvpoolConnectionError):
-                node.mark_down(outcome)
-            elif isinstance(outcome, Exception) and not isinstance(outcome, WrongOwnerError):
-                raise outcome  # what the loop would raise too (a buffer too small, say)
-            elif not isinstance(outcome, Exception):
-                for row, view in zip(rows.tolist(), outcome, strict=True):
-                    results[row] = view
+        answers, _ = cluster_ops.round_answers(asked, outcomes)  # (refused: rows stay None)
+        for rows, views in answers:
+            for row, view in zip(rows.tolist(), views, strict=True):
+                results[row] = view
         missing = [row for row, view in enumerate(results) if view is None]
         return results, missing, self._async._newer_epoch_seen()
 
