@@ -9,6 +9,7 @@ from kvpool.client._sync import Client
 from kvpool.client.transport import MockTransport, TcpTransport, Transport
 from kvpool.protocol.errors import (
     AuthenticationError,
+    BadReplyError,
     BufferTooSmallError,
     CapacityError,
     CorruptChunkError,
@@ -25,6 +26,7 @@ from kvpool.protocol.errors import (
 __all__ = [
     "AsyncClient",
     "AuthenticationError",
+    "BadReplyError",
     "BufferTooSmallError",
     "CapacityError",
     "Client",

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from kvpool.client import _plans as plans
+from kvpool.client._checks import checked_hello, reply_json
 from kvpool.client._node import NodeClient
 from kvpool.client._plans import Call, Plan, Sink
 from kvpool.client._routing import Coverage, LeftBehind, grace
@@ -38,7 +39,7 @@ from kvpool.client._shm import ShmMapping, redeem
 from kvpool.client._shm_put import Ahead
 from kvpool.client._socket import busy_poll
 from kvpool.protocol.errors import KvpoolConnectionError
-from kvpool.protocol.frames import KEY_SIZE, PROTOCOL_VERSION, Op, decode_json, encode_json
+from kvpool.protocol.frames import KEY_SIZE, PROTOCOL_VERSION, Op, encode_json
 from kvpool.protocol.host import host_id
 from kvpool.protocol.parsers import Reply
 
@@ -154,7 +155,9 @@ class BlockingNode:
         if writes:
             request.update(shm=True, host=host_id())
         try:
-            info = decode_json(node.check(conn.call(Op.HELLO, 0, [encode_json(request)])).body)
+            info = checked_hello(node.node_id, reply_json(
+                node.node_id, node.check(conn.call(Op.HELLO, 0, [encode_json(request)])).body))
+            conn.limit_values(info["max_value_bytes"])
             self.shm_write = writes and self._granted(info.get("shm"))
         except BaseException:
             conn.close()

@@ -12,9 +12,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
 from kvpool.client._tracing import wire_context
-from kvpool.protocol.errors import KvpoolConnectionError, KvpoolError, KvpoolTimeoutError
+from kvpool.protocol.errors import (
+    BadFrameError,
+    BadReplyError,
+    KvpoolConnectionError,
+    KvpoolError,
+    KvpoolTimeoutError,
+)
 from kvpool.protocol.frames import OP_FLAG_TRACE, SCOPED_OPS, Op, pack_frame_header
-from kvpool.protocol.parsers import Reply, ReplyParser, Segments
+from kvpool.protocol.parsers import Reply, ReplyParser, Segments, reply_mismatch
 
 if TYPE_CHECKING:
     from kvpool.client._shm_put import Ahead
@@ -39,14 +45,15 @@ def request_head(op: int, request_id: int, count: int, body_len: int, *, epoch: 
 
 
 class _Pending:
-    __slots__ = ("deadline", "future", "op", "sinks")
+    __slots__ = ("count", "deadline", "future", "op", "sinks")
 
     def __init__(self, future: asyncio.Future[Reply],
                  sinks: Sequence[memoryview | Segments | None] | None,
-                 op: int, deadline: float) -> None:
+                 op: int, count: int, deadline: float) -> None:
         self.future = future
         self.sinks = sinks
         self.op = op
+        self.count = count
         self.deadline = deadline
 
 
@@ -87,6 +94,11 @@ class Connection(asyncio.BufferedProtocol):
     def is_open(self) -> bool:
         return self._transport is not None and self._lost is None
 
+    def limit_values(self, max_value_bytes: int) -> None:
+        """GET values received into buffers of the connection's own are at most this
+        large (the node's ``max_value_bytes``, from its checked HELLO)."""
+        self._parser.max_value_bytes = max_value_bytes
+
     @property
     def num_pending(self) -> int:
         return len(self._pending)
@@ -103,7 +115,8 @@ class Connection(asyncio.BufferedProtocol):
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Reply] = loop.create_future()
         self.last_used = loop.time()
-        self._pending[request_id] = _Pending(future, sinks, op, loop.time() + self._timeout)
+        self._pending[request_id] = _Pending(future, sinks, op, count,
+                                             loop.time() + self._timeout)
         self._transport.writelines(
             [*request_head(op, request_id, count, body_len, epoch=epoch,
                            scope_flags=self.scope_flags), *body])
@@ -156,8 +169,14 @@ class Connection(asyncio.BufferedProtocol):
             return
         for reply in replies:
             pending = self._pending.pop(reply.header.request_id, None)
-            if pending is not None and not pending.future.done():
-                pending.future.set_result(reply)
+            if pending is None or pending.future.done():
+                continue
+            problem = reply_mismatch(reply, pending.op, pending.count)
+            if problem is not None:  # a node that answers another question is not trusted
+                pending.future.set_exception(BadReplyError(self._peer, problem))
+                self.abort(f"{self._peer} sent a bad reply: {problem}")
+                return
+            pending.future.set_result(reply)
 
     def connection_lost(self, exc: Exception | None) -> None:
         reason = f"connection to {self._peer} lost: {exc}" if exc else \
@@ -179,6 +198,9 @@ class Connection(asyncio.BufferedProtocol):
     def _sink_for(self, request_id: int, index: int, nbytes: int
                   ) -> memoryview | Segments | None:
         pending = self._pending.get(request_id)
-        if pending is None or pending.sinks is None:
+        if pending is None:
             return None
-        return pending.sinks[index]
+        if index >= pending.count:
+            raise BadFrameError(f"item {index + 1} in the reply to a request of "
+                                f"{pending.count}")
+        return pending.sinks[index] if pending.sinks is not None else None

@@ -18,6 +18,7 @@ from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
 from kvpool.client import _plans as plans
+from kvpool.client._checks import checked_hello, reply_json
 from kvpool.client._connection import Buffer, BufferOrSegments, Connection
 from kvpool.client._options import SHM_PUT_MIN_BYTES, ClientOptions
 from kvpool.client._plans import routed_by
@@ -38,7 +39,6 @@ from kvpool.protocol.frames import (
     KEY_SIZE,
     PROTOCOL_VERSION,
     Op,
-    decode_json,
     encode_json,
 )
 from kvpool.protocol.host import host_id
@@ -306,7 +306,7 @@ class NodeClient:
 
     async def json_op(self, op: Op) -> dict[str, Any]:
         """STATS or CLUSTER: an empty request, a JSON reply."""
-        return await self.run(plans.json_op(op))
+        return await self.run(plans.json_op(self, op))
 
     async def run(self, plan: plans.Plan[T], conn: Connection | None = None) -> T:
         """Drive ``plan`` over the pooled connections (``conn``, or the next of the pool):
@@ -395,7 +395,12 @@ class NodeClient:
         except BaseException:
             conn.close()
             raise
-        self.server_info = decode_json(reply.body)
+        try:
+            self.server_info = checked_hello(self.node_id, reply_json(self.node_id, reply.body))
+        except BaseException:
+            conn.close()
+            raise
+        conn.limit_values(self.server_info["max_value_bytes"])
         offer = self.server_info.get("shm")
         if isinstance(offer, dict) and "refused" not in offer:
             try:  # in a thread: the node may share this event loop (a node's own peer client)

@@ -20,22 +20,21 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from kvpool.client._checks import reply_json, reply_statuses
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, seal
 from kvpool.protocol.errors import (
+    BadReplyError,
     BufferTooSmallError,
     InvalidArgumentError,
     Status,
     ValueTooLargeError,
-    error_for_status,
 )
 from kvpool.protocol.frames import (
     KEY_SIZE,
     PUT_FLAG_PARENT,
     Op,
     PutItemHeader,
-    decode_json,
     decode_lookup,
-    decode_statuses,
 )
 from kvpool.protocol.parsers import TOO_SMALL, Reply, Segments
 
@@ -173,7 +172,8 @@ def exists(node: Host, blob: bytes) -> Plan[bytes]:
     for part, reply in zip(parts, replies, strict=True):
         body = reply.body  # count statuses, then count tier codes
         if len(body) != 2 * len(part):
-            raise error_for_status(Status.BAD_FRAME, "EXISTS reply of the wrong size")
+            raise BadReplyError(node.node_id, f"an EXISTS reply of {len(body)} bytes for "
+                                f"{len(part)} keys")
         codes += body[len(part) :]
     return bytes(codes)
 
@@ -184,6 +184,9 @@ def lookup(node: Host, blob: bytes) -> Plan[list[int]]:
     for part in chunks(len(blob) // KEY_SIZE, _max_batch(node)):
         (reply,) = yield [(Op.LOOKUP, len(part), [blob_part(blob, part)], None)]
         found = decode_lookup(reply.body)
+        if len(found) > len(part) or 0 in found:
+            raise BadReplyError(node.node_id, f"a LOOKUP of {len(part)} keys answered "
+                                f"{len(found)} found, tier codes {bytes(found[:8]).hex()}")
         tiers += found
         if len(found) < len(part):
             break
@@ -196,14 +199,14 @@ def statuses(node: Host, op: Op, blob: bytes) -> Plan[list[int]]:
     replies = yield [(op, len(p), [blob_part(blob, p)], None) for p in parts]
     out: list[int] = []
     for part, reply in zip(parts, replies, strict=True):
-        out += decode_statuses(reply.body, len(part))
+        out += reply_statuses(node.node_id, reply.body, len(part))
     return out
 
 
-def json_op(op: Op) -> Plan[dict[str, Any]]:
+def json_op(node: Host, op: Op) -> Plan[dict[str, Any]]:
     """STATS or CLUSTER: an empty request, a JSON reply."""
     (reply,) = yield [(op, 0, [], None)]
-    return decode_json(reply.body)
+    return reply_json(node.node_id, reply.body)
 
 
 # -- PUT ----------------------------------------------------------------------------------
@@ -282,7 +285,8 @@ def put_tcp(node: Host, items: list[PutItem], out: list[int], *, num_tokens: int
         calls.append((Op.PUT, len(frame), body, None))
     replies = yield calls
     for frame, reply in zip(batches, replies, strict=True):
-        for item, status in zip(frame, decode_statuses(reply.body, len(frame)), strict=True):
+        for item, status in zip(frame, reply_statuses(node.node_id, reply.body, len(frame)),
+                                strict=True):
             out[item.index] = status
             if status == Status.OK:
                 node.put_bytes_by_path["tcp"] += item.nbytes

@@ -27,6 +27,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from kvpool.client._checks import checked_map
 from kvpool.client._node import NodeClient
 from kvpool.client._options import ClientOptions
 from kvpool.client._plans import routed_by, rows_blob
@@ -181,8 +182,7 @@ class Router:
 
     @staticmethod
     async def fetch_map(node: NodeClient) -> ClusterMap:
-        data = await node.json_op(Op.CLUSTER)
-        return ClusterMap.from_dict({k: data[k] for k in _CLUSTER_FIELDS if k in data})
+        return checked_map(node.node_id, await node.json_op(Op.CLUSTER), _CLUSTER_FIELDS)
 
     def install(self, cmap: ClusterMap, seed: NodeClient | None = None) -> None:
         old = self.nodes

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpool.client import _plans as plans
+from kvpool.client._checks import reply_statuses
 from kvpool.client._connection import Connection
 from kvpool.client._shm import ShmMapping
 from kvpool.protocol.errors import Status
@@ -45,7 +46,6 @@ from kvpool.protocol.frames import (
     Op,
     ShmItem,
     decode_shm_reply,
-    decode_statuses,
     encode_commit_as,
     encode_lease_ids,
 )
@@ -175,7 +175,8 @@ class LeasedPuts:
             body = memoryview(reply.body)
             if shape is not None and flags:
                 self._keep_ahead(holder, shm, body[count:], shape)
-            for item, status in zip(frame, decode_statuses(body[:count], count), strict=True):
+            answers = reply_statuses(self.node.node_id, body[:count], count)
+            for item, status in zip(frame, answers, strict=True):
                 if status == Status.NOT_FOUND:  # the lease ended before COMMIT: not stored
                     expired.append(item)
                     continue

@@ -22,13 +22,15 @@ from collections.abc import Callable, Sequence
 from kvpool.client._connection import Buffer, request_head
 from kvpool.client._plans import Sink
 from kvpool.protocol.errors import (
+    BadFrameError,
+    BadReplyError,
     KvpoolConnectionError,
     KvpoolError,
     KvpoolTimeoutError,
     Status,
 )
 from kvpool.protocol.frames import Op
-from kvpool.protocol.parsers import Reply, ReplyParser
+from kvpool.protocol.parsers import Reply, ReplyParser, reply_mismatch
 
 __all__ = ["BlockingConnection", "busy_poll", "stray_reply"]
 
@@ -151,8 +153,8 @@ class BlockingConnection:
         self._limited_at: dict[int, float] = {}
         #: the socket's kernel timeouts are shorter than a whole call's
         self._cut = False
-        #: the request :meth:`begin` sent: op, request id, deadline
-        self._flight = (0, 0, 0.0)
+        #: the request :meth:`begin` sent: op, request id, deadline, item count
+        self._flight = (0, 0, 0.0, 0)
         self._poll = select.poll()
         self._poll.register(sock.fileno(), select.POLLIN)
         #: monotonic time of the last reply (the node closes connections idle for long)
@@ -199,7 +201,7 @@ class BlockingConnection:
             raise KvpoolConnectionError(f"connection to {self.peer} is closed")
         self._next_id = (self._next_id + 1) & 0xFFFFFFFF
         start = time.monotonic()
-        self._flight = (op, self._next_id, start + self._timeout)
+        self._flight = (op, self._next_id, start + self._timeout, count)
         self._limited_at = {socket.SO_RCVTIMEO: start, socket.SO_SNDTIMEO: start}
         if self._cut:
             self._set_kernel_timeouts(sock, self._timeout)
@@ -217,7 +219,7 @@ class BlockingConnection:
 
     def finish(self) -> Reply:
         """The reply to the frame :meth:`begin` sent (any status: the caller checks)."""
-        op, request_id, deadline = self._flight
+        op, request_id, deadline, count = self._flight
         sock = self._sock
         if sock is None:
             raise KvpoolConnectionError(f"connection to {self.peer} is closed")
@@ -229,8 +231,17 @@ class BlockingConnection:
             self._sinks = None
         if reply.header.request_id != request_id:
             return stray_reply(reply, request_id, self.peer, self.close)
+        problem = reply_mismatch(reply, op, count)
+        if problem is not None:  # a node that answers another question is not trusted
+            self.close()
+            raise BadReplyError(self.peer, problem)
         self.last_used = time.monotonic()
         return reply
+
+    def limit_values(self, max_value_bytes: int) -> None:
+        """GET values received into buffers of the connection's own are at most this
+        large (the node's ``max_value_bytes``, from its checked HELLO)."""
+        self._parser.max_value_bytes = max_value_bytes
 
     def _failure(self, op: int, exc: BaseException) -> BaseException:
         """What ends a call that ``exc`` interrupted: the connection closes (a reply may be
@@ -333,5 +344,8 @@ class BlockingConnection:
         self._cut = False
 
     def _sink_for(self, request_id: int, index: int, nbytes: int) -> Sink | None:
+        count = self._flight[3]
+        if index >= count:
+            raise BadFrameError(f"item {index + 1} in the reply to a request of {count}")
         sinks = self._sinks
         return sinks[index] if sinks is not None else None

@@ -27,9 +27,21 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvpool.client._connection import Buffer, Connection, request_head
 from kvpool.client._plans import Sink
 from kvpool.client._socket import BlockingConnection, stray_reply
-from kvpool.protocol.errors import KvpoolConnectionError, KvpoolError, KvpoolTimeoutError
+from kvpool.protocol.errors import (
+    BadFrameError,
+    BadReplyError,
+    KvpoolConnectionError,
+    KvpoolError,
+    KvpoolTimeoutError,
+)
 from kvpool.protocol.frames import Op
-from kvpool.protocol.parsers import Reply, ReplyParser, Request, RequestParser
+from kvpool.protocol.parsers import (
+    Reply,
+    ReplyParser,
+    Request,
+    RequestParser,
+    reply_mismatch,
+)
 
 if TYPE_CHECKING:
     from kvpool.client._options import ClientOptions
@@ -66,6 +78,11 @@ class BlockingLink(Protocol):
         ...
 
     def close(self) -> None:
+        ...
+
+    def limit_values(self, max_value_bytes: int) -> None:
+        """GET values received into buffers of the link's own are at most this large (the
+        node's ``max_value_bytes``, from its checked HELLO)."""
         ...
 
 
@@ -169,8 +186,8 @@ class _MockLink:
         self._options = options
         self._requests = RequestParser()
         self._sinks: Sequence[Sink | None] | None = None
-        self._replies = ReplyParser(lambda _rid, index, _n: self._sinks[index]
-                                    if self._sinks is not None else None)
+        self._replies = ReplyParser(self._sink_for)
+        self._count = 0
         self._open = True
         self._next_id = 0
         #: the frame :meth:`begin` holds for :meth:`finish`
@@ -210,7 +227,7 @@ class _MockLink:
             self.close()
             raise KvpoolTimeoutError(f"{Op(op).name} to {self.peer} got no reply within "
                                      f"{self._options.timeout}s")
-        self._sinks = sinks
+        self._sinks, self._count = sinks, count
         try:
             replies = self._replies.feed(b"".join(reply))
         except KvpoolError as exc:  # as the socket's link: the stream is not reusable
@@ -224,7 +241,19 @@ class _MockLink:
         answer = replies[0]
         if answer.header.request_id != self._next_id:
             return stray_reply(answer, self._next_id, self.peer, self.close)
+        problem = reply_mismatch(answer, op, count)
+        if problem is not None:
+            self.close()
+            raise BadReplyError(self.peer, problem)
         return answer
+
+    def _sink_for(self, _request_id: int, index: int, _nbytes: int) -> Sink | None:
+        if index >= self._count:
+            raise BadFrameError(f"item {index + 1} in the reply to a request of {self._count}")
+        return self._sinks[index] if self._sinks is not None else None
+
+    def limit_values(self, max_value_bytes: int) -> None:
+        self._replies.max_value_bytes = max_value_bytes
 
     def stale(self, idle_s: float) -> bool:
         return not self._open

@@ -25,10 +25,20 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from kvpool.placement.ring import Ring, key_positions
+from kvpool.placement.ring import DEFAULT_VNODES_PER_WEIGHT, Ring, key_positions
 from kvpool.protocol.errors import ConfigError
 
-__all__ = ["STANDALONE_EPOCH", "ClusterMap", "NodeInfo", "NodeState", "parse_address"]
+__all__ = ["MAX_COPIES", "MAX_RING_POINTS", "MAX_WEIGHT", "STANDALONE_EPOCH", "ClusterMap",
+           "NodeInfo", "NodeState", "parse_address"]
+
+#: the largest node weight (weights are relative capacities: 100 is a node a hundred
+#: times the size of a node of weight 1)
+MAX_WEIGHT = 100.0
+#: the most ring points a map may make (2048 a unit of weight): 2,048 nodes of weight 1,
+#: ~80 MB of ring at width 3. What bounds the memory a map read from a peer can take.
+MAX_RING_POINTS = 1 << 22
+#: the most copies (replication) and fallbacks a map may ask for
+MAX_COPIES = 16
 
 
 class NodeState(enum.StrEnum):
@@ -59,8 +69,10 @@ class NodeInfo:
         parse_address(self.data, f"node {self.id!r} data address")
         if self.admin:
             parse_address(self.admin, f"node {self.id!r} admin address")
-        if not isinstance(self.weight, int | float) or not self.weight > 0:
-            raise ConfigError(f"node {self.id!r}: weight must be > 0, got {self.weight!r}")
+        if isinstance(self.weight, bool) or not isinstance(self.weight, int | float) \
+                or not 0 < self.weight <= MAX_WEIGHT:
+            raise ConfigError(f"node {self.id!r}: weight must be in (0, {MAX_WEIGHT:g}], got "
+                              f"{self.weight!r}")
         try:
             object.__setattr__(self, "state", NodeState(self.state))
         except ValueError:
@@ -98,10 +110,12 @@ class ClusterMap:
             raise ConfigError("cluster epoch must be an integer >= 1, got 0 (epoch 0 is a "
                               "standalone node's own map: one node, replication 1, no "
                               "fallbacks)")
-        if not isinstance(self.replication, int) or self.replication < 1:
-            raise ConfigError(f"replication must be an integer >= 1, got {self.replication!r}")
-        if not isinstance(self.fallbacks, int) or self.fallbacks < 0:
-            raise ConfigError(f"fallbacks must be an integer >= 0, got {self.fallbacks!r}")
+        if not isinstance(self.replication, int) or not 1 <= self.replication <= MAX_COPIES:
+            raise ConfigError(f"replication must be an integer in [1, {MAX_COPIES}], got "
+                              f"{self.replication!r}")
+        if not isinstance(self.fallbacks, int) or not 0 <= self.fallbacks <= MAX_COPIES:
+            raise ConfigError(f"fallbacks must be an integer in [0, {MAX_COPIES}], got "
+                              f"{self.fallbacks!r}")
         if not self.nodes:
             raise ConfigError("a cluster map needs at least one node")
         ids = [n.id for n in self.nodes]
@@ -112,6 +126,11 @@ class ClusterMap:
             raise ConfigError(f"node data addresses must be unique, got {datas}")
         if not any(n.state == NodeState.UP for n in self.nodes):
             raise ConfigError("a cluster map needs at least one node in state 'up'")
+        points = sum(max(1, round(n.weight * DEFAULT_VNODES_PER_WEIGHT)) for n in self.nodes
+                     if n.state == NodeState.UP)
+        if points > MAX_RING_POINTS:
+            raise ConfigError(f"the ring of this map would have {points} points, over "
+                              f"{MAX_RING_POINTS} (lower the weights: only their ratios count)")
         object.__setattr__(self, "by_id", {n.id: n for n in self.nodes})
 
     @classmethod

@@ -25,7 +25,9 @@ wire travel as a :class:`Status` code and are rebuilt on the other side by
     ├── CorruptChunkError        envelope invalid or checksum mismatch
     ├── BufferTooSmallError      get_into buffer smaller than the stored payload
     ├── KvpoolConnectionError    cannot reach the node / connection lost
-    │   └── KvpoolTimeoutError   a call ran past its deadline
+    │   ├── KvpoolTimeoutError   a call ran past its deadline
+    │   └── BadReplyError        a node's reply does not fit the request (also a
+    │                            ProtocolError): the node counts as failed for the call
     └── ServerError              the node failed while handling a valid request
 """
 
@@ -37,6 +39,7 @@ __all__ = [
     "AuthenticationError",
     "PermissionDeniedError",
     "BadFrameError",
+    "BadReplyError",
     "BufferTooSmallError",
     "CapacityError",
     "ConfigError",
@@ -181,6 +184,22 @@ class KvpoolConnectionError(KvpoolError, ConnectionError):
 
 class KvpoolTimeoutError(KvpoolConnectionError, TimeoutError):
     """A call did not complete before its deadline."""
+
+
+class BadReplyError(KvpoolConnectionError, ProtocolError):
+    """A node's reply does not fit the request that was sent: another item count, more
+    keys found than were asked, a body of the wrong size, limits or a cluster map out of
+    any sane range. What a buggy, mismatched-version or compromised node sends.
+
+    The message names the node. It is a connection error too, so the client treats the
+    node as failed for the call (marked down, its connections closed, the keys asked of
+    their replicas where the map has them), as it does a node that broke a connection.
+    """
+
+    def __init__(self, node: str, message: str) -> None:
+        super().__init__(f"node {node} sent a bad reply: {message}")
+        #: the node's id (or host:port)
+        self.node = node
 
 
 class ServerError(KvpoolError):

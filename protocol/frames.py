@@ -445,6 +445,8 @@ def decode_json(body: bytes | bytearray | memoryview) -> dict[str, Any]:
         obj = json.loads(bytes(body))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadFrameError(f"body is not JSON: {exc}") from exc
+    except RecursionError:  # (json's C scanner stops a deep nesting cleanly)
+        raise BadFrameError("JSON body nested too deep") from None
     if not isinstance(obj, dict):
         raise BadFrameError("JSON body must be an object")
     return obj

@@ -61,6 +61,7 @@ __all__ = [
     "Scoper",
     "TOO_SMALL",
     "release_items",
+    "reply_mismatch",
 ]
 
 #: Client-side item status: the caller's buffer was smaller than the payload.
@@ -421,6 +422,9 @@ class ReplyParser:
     ) -> None:
         self._sink_for = sink_for
         self._max_body = max_body_bytes
+        #: the largest GET value received into a buffer of the parser's own (the caller
+        #: gave none): the node's ``max_value_bytes``, once its HELLO said it
+        self.max_value_bytes = 64 << 20
         self._ready: list[Reply] = []
         self._reader = StreamReader(self._plan(), whole=(_FRAME_HEADER, self._whole_frame))
 
@@ -530,6 +534,9 @@ class ReplyParser:
         if isinstance(sink, Segments):
             return (envelope, sink) if sink.nbytes >= rest else GetResult(TOO_SMALL, envelope)
         if sink is None:
+            if rest > self.max_value_bytes:  # nothing a node says sizes an allocation
+                raise BadFrameError(f"a GET value of {rest} bytes, over the node's "
+                                    f"max_value_bytes {self.max_value_bytes}")
             return envelope, memoryview(bytearray(rest))
         if len(sink) < rest:
             return GetResult(TOO_SMALL, envelope)
@@ -603,6 +610,23 @@ class ReplyParser:
         else:
             yield Into(sink, hasher.update)
         return _verdict(hasher.intdigest(), envelope, sink, rest)
+
+
+def reply_mismatch(reply: Reply, op: int, count: int) -> str | None:
+    """What is wrong with ``reply`` as the answer to a request of ``op`` (without its flag
+    bits) with ``count`` items, or None. A node answers a request with the same op, and
+    an OK GET reply with one item per key asked. (The bodies of other replies are checked
+    where they are read: ``decode_statuses``, ``decode_lookup``, the op plans.)"""
+    header = reply.header
+    if header.op != op:
+        return f"a reply of op {header.op} to a {_op_name(op)} request"
+    if header.status == _OK and op == _GET and len(reply.items) != count:
+        return f"{len(reply.items)} items in the reply to a GET of {count} keys"
+    return None
+
+
+def _op_name(op: int) -> str:
+    return Op(op).name if op in _KNOWN_OPS else str(op)
 
 
 def _scatter(payload: memoryview, sink: Segments) -> None:
