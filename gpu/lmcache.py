@@ -174,7 +174,7 @@ class KvpoolRemoteConnector(RemoteConnector):  # type: ignore[misc]
             self._failed("lookup", exc)
             return 0
         self._failing = False
-        return found
+        return min(found, len(keys))  # never more than was asked (the client checks it too)
 
     def support_batched_contains(self) -> bool:
         return True
@@ -246,6 +246,7 @@ class KvpoolRemoteConnector(RemoteConnector):  # type: ignore[misc]
         if meta.length != length or list(meta.dtypes) != list(self.meta_dtypes) \
                 or meta.fmt != self.meta_fmt:
             return None
+        header = meta
         try:
             obj = self.reshape_partial_chunk(obj, length)
         except ValueError:
@@ -255,6 +256,10 @@ class KvpoolRemoteConnector(RemoteConnector):  # type: ignore[misc]
             # LMCache's reshape updates the shape its tensor reads, not the list its
             # get_shapes() (and a later put's header) reads: one group, one shape
             meta.shapes = [meta.shape]
+        # the same bytes laid out in another shape (another model's, another layer count)
+        # are another chunk: a miss, as the docs say
+        if _shapes(header.shapes) != _shapes(obj.get_shapes()):
+            return None
         return obj
 
     # -- put -----------------------------------------------------------------------------
@@ -290,6 +295,11 @@ class KvpoolRemoteConnector(RemoteConnector):  # type: ignore[misc]
         if self._client is not None:
             await self._client.close()
             self._client = None
+
+
+def _shapes(shapes: Any) -> list[tuple[int, ...]]:
+    """LMCache's shapes (torch.Size or lists) as plain tuples, to compare."""
+    return [tuple(int(d) for d in shape) for shape in shapes or []]
 
 
 def _bytes_of(obj: Any) -> memoryview:

@@ -259,7 +259,8 @@ class KvpoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if not keys or not self._allowed():
             return 0
         try:
-            found = self._reader.lookup([self.key(k) for k in keys])
+            # never more than was asked, whatever a node said (the client checks it too)
+            found = min(len(keys), self._reader.lookup([self.key(k) for k in keys]))
         except (KvpoolError, OSError) as exc:
             self._failed("lookup", exc)
             return 0

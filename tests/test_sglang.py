@@ -18,9 +18,12 @@ from typing import Any
 import pytest
 
 from kvpool.client import Client
+from kvpool.protocol.frames import Op
 from kvpool.server.local_cluster import LocalCluster
 
 from .conftest import ROOT, NodeProcess, put_corrupt, start_node
+from .hostile_node import LyingNode, hello_with
+from .test_hostile_nodes import claims_1000, one_more_item, only
 
 PYTHON = os.environ.get("VLLM_CPU_PYTHON", "")
 if not PYTHON or not Path(PYTHON).exists():
@@ -253,3 +256,38 @@ def test_a_node_killed_during_a_batch_costs_misses_never_wrong_bytes(tmp_path: P
     assert all(s for g, s in zip(got, same, strict=True) if g), (got, same)
     assert steps[6]["seconds"] < 30  # returned: no hang on the dead node
     assert steps[8]["result"] == [True] * 64 and steps[9]["result"] == [True] * 64
+
+
+@pytest.mark.parametrize("lie", ["hello", "lookup", "get"])
+def test_a_lying_node_costs_misses_never_an_exception(tmp_path: Path, lie: str) -> None:
+    """A node whose HELLO says max_batch 0, whose LOOKUP claims 1000 of 4 pages, or whose
+    GET reply has an item too many: SGLang gets misses (never more pages than it asked
+    about), never an exception, from the v1 and the older calls alike."""
+    liar = LyingNode()
+    args = {"layout": "page_first", "page_size": 16, "pages": 8}
+    try:
+        driver(tmp_path, [
+            {"do": "backend", "name": "a", "pool": "a", "url": liar.url, **args},
+            {"do": "fill", "pool": "a", "seed": 5},
+            {"do": "set", "name": "a", "keys": KEYS[:4], "pages": [0, 1, 2, 3]},
+        ])
+        liar.tamper = {"hello": only(Op.HELLO, lambda _op, r: hello_with(r, max_batch=0)),
+                       "lookup": only(Op.LOOKUP, claims_1000),
+                       "get": only(Op.GET, one_more_item)}[lie]
+        run = driver(tmp_path, [
+            {"do": "backend", "name": "b", "pool": "b", "url": liar.url,
+             "extra": {"timeout_s": 2.0}, **args},
+            {"do": "exists", "name": "b", "keys": KEYS[:4]},
+            {"do": "get", "name": "b", "keys": KEYS[:4], "pages": [0, 1, 2, 3]},
+            {"do": "get_flat", "name": "b", "keys": KEYS[:2], "pages": [0, 1]},
+        ])
+    finally:
+        liar.close()
+    made, found, got, flat = results(run)
+    assert made["made"]
+    assert 0 <= found <= 4
+    if lie != "get":
+        assert found == 0  # the lie itself, or no HELLO: no page promised
+    if lie != "lookup":
+        assert got == [False] * 4 and flat == [False, False]
+    assert run["counters"]["b"]["errors"] >= 1
