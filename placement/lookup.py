@@ -18,6 +18,7 @@ from typing import Any
 
 from kvpool.placement.keys import ChunkHasher, Namespace, key_from_hex
 from kvpool.protocol.errors import ConfigError
+from kvpool.protocol.json_limits import check_depth
 
 __all__ = ["MAX_LOOKUP_KEYS", "MAX_LOOKUP_TOKENS", "LookupRequest", "parse_lookup"]
 
@@ -39,6 +40,7 @@ class LookupRequest:
 
 def parse_lookup(body: bytes) -> LookupRequest:
     """The keys a lookup body names; ConfigError (or InvalidKeyError) saying what is wrong."""
+    check_depth(body)
     try:
         doc: Any = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -37,9 +37,10 @@ from kvpool.protocol.errors import (
     ServerError,
 )
 from kvpool.protocol.frames import Op, tier_names
+from kvpool.protocol.json_limits import check_depth
 from kvpool.server.auth import ANONYMOUS, Principal, Role, TokenTable, stored_keys
 from kvpool.server.events import EVENT_TYPES, EventBus
-from kvpool.server.lookup_offload import LookupParser
+from kvpool.server.lookup_offload import LookupParser, LookupTooLargeError
 from kvpool.server.membership import StaticMapError
 from kvpool.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvpool.server.openapi import openapi_document
@@ -54,12 +55,33 @@ def _error(status: int, kind: str, message: str) -> web.Response:
     return web.json_response({"error": {"type": kind, "message": message}}, status=status)
 
 
+#: the largest JSON body of a route other than lookups (a cluster change, an eviction:
+#: a few hundred bytes); larger ones are refused (413) before they are read
+MAX_JSON_BODY = 64 << 10
+
+
 async def _read_json(request: web.Request) -> Any:
-    """The request body as JSON (ConfigError if it is not)."""
+    """The request body as JSON: HTTPRequestEntityTooLarge (413) over
+    :data:`MAX_JSON_BODY`, ConfigError if it is not JSON or nests too deep (checked
+    before it is parsed)."""
+    length = request.content_length
+    if length is not None and length > MAX_JSON_BODY:
+        raise _too_large(length)
+    body = await request.content.read(MAX_JSON_BODY + 1)
+    if len(body) > MAX_JSON_BODY:
+        raise _too_large(len(body))
+    check_depth(body)
     try:
-        return await request.json()
+        return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"the body is not JSON: {exc}") from None
+
+
+def _too_large(size: int) -> web.HTTPRequestEntityTooLarge:
+    return web.HTTPRequestEntityTooLarge(
+        max_size=MAX_JSON_BODY, actual_size=size, content_type="application/json",
+        text=json.dumps({"error": {"type": "payload_too_large", "message":
+                                   f"the body is at most {MAX_JSON_BODY} bytes"}}))
 
 
 class AdminBackend(Protocol):
@@ -106,6 +128,21 @@ class AdminBackend(Protocol):
 _PUBLIC = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json"})
 
 
+def _always(_table: TokenTable) -> bool:
+    return True
+
+
+def _same_principal(digest: bytes | None, principal: Principal) -> Callable[[TokenTable], bool]:
+    """Whether, under a reloaded tokens table, a caller who came with the token of
+    ``digest`` (None: none, in open mode) is still ``principal`` (as a data connection
+    is rechecked: ``NodeConnection.recheck``)."""
+    def still(table: TokenTable) -> bool:
+        now = ANONYMOUS if table.open else \
+            table.principal_of(digest) if digest is not None else None
+        return now == principal
+    return still
+
+
 def _role_needed(request: web.Request) -> Role:
     """Node administration needs an admin token; chunk routes and lookups ask the data
     port's table (:func:`kvpool.server.auth.check`) for their op and scope instead."""
@@ -150,6 +187,8 @@ def make_admin_app(node: AdminBackend) -> web.Application:
             parsed = await lookup_parser.parse(request.content, request.content_length)
             keys, chunk_tokens, scope = parsed.keys, parsed.chunk_tokens, parsed.scope
             stored = _scoped(request, keys, Op.LOOKUP, scope if isinstance(scope, str) else "?")
+        except LookupTooLargeError as exc:
+            return _error(413, "payload_too_large", str(exc))
         except (ConfigError, InvalidKeyError) as exc:
             return _error(400, "bad_request", str(exc))
         except PermissionDeniedError as exc:
@@ -203,7 +242,9 @@ def make_admin_app(node: AdminBackend) -> web.Application:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
-        sub = events.subscribe(types)
+        transport = request.transport
+        sub = events.subscribe(types, keep=request["still_allowed"],
+                               on_close=transport.close if transport is not None else None)
         try:
             await response.write(b": kvpool events from " + node_id.encode() + b"\n\n")
             while not sub.closed:
@@ -212,15 +253,14 @@ def make_admin_app(node: AdminBackend) -> web.Application:
                 except TimeoutError:
                     await response.write(b": heartbeat\n\n")
                     continue
-                chunk = [event, *(sub.queue.get_nowait() for _ in range(sub.queue.qsize()))]
-                chunk = [e for e in chunk if e["type"] != "closed"]
+                got = [event, *(sub.queue.get_nowait() for _ in range(sub.queue.qsize()))]
+                chunk = [e for e in got if e["type"] != "closed"]
+                if len(chunk) < len(got):  # dropped (a revoked token): nothing more is sent
+                    break
                 lines = [f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in chunk]
-                if sub.lost:
-                    lines.append(f"event: lost\ndata: {json.dumps({'lost': sub.lost})}\n\n")
-                    sub.lost = 0
                 await response.write("".join(lines).encode())
         except ConnectionResetError:
-            pass  # the listener went away
+            pass  # the listener went away, or was dropped
         finally:
             events.unsubscribe(sub)
         return response
@@ -326,22 +366,27 @@ def make_admin_app(node: AdminBackend) -> web.Application:
         given = request.headers.get("Authorization", "")
         bearer = given[7:] if given.startswith("Bearer ") else ""
         table = node.auth_table
+        needed = _role_needed(request)
         principal: Principal | None = None
         if token and hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
                                          b"Bearer " + token):
             principal = ANONYMOUS  # the --admin-token: an admin over stored keys
+            request["still_allowed"] = _always  # (not reloaded: a flag, not the file)
         elif not table.open:
             principal = table.authenticate(bearer)
             if principal is None:
                 return _error(401, "unauthorized", "this node requires a token: "
                               "Authorization: Bearer <token>")
-        elif not token or (request.method not in ("POST", "DELETE")
-                           or request.path == "/v1/lookup"):
-            principal = ANONYMOUS  # open mode (reads stay open with just an --admin-token)
+            request["still_allowed"] = _same_principal(table.digest(bearer), principal)
+        elif not token or (needed < Role.ADMIN and (
+                request.method not in ("POST", "DELETE") or request.path == "/v1/lookup")):
+            # open mode; with just an --admin-token reads stay open, but not what needs
+            # an admin (the events stream)
+            principal = ANONYMOUS
+            request["still_allowed"] = _same_principal(None, principal)
         if principal is None:
             return _error(401, "unauthorized", "this route needs the admin token: "
                           "Authorization: Bearer <token>")
-        needed = _role_needed(request)
         if principal.role < needed:
             return _error(403, "forbidden", f"this route needs a {needed.name.lower()} token; "
                           f"this one is {principal}")

@@ -91,6 +91,15 @@ class ServerConfig:
     hello_timeout_s: float = knob(10.0, "close a data connection that has not completed HELLO "
                                   "within this long", flag="--hello-timeout",
                                   env="KVPOOL_HELLO_TIMEOUT")
+    admin_max_connections: int = knob(256, "most admin (HTTP) connections open at once; more "
+                                      "are closed at accept, so the admin port can never take "
+                                      "the descriptors the data port needs",
+                                      flag="--admin-max-connections",
+                                      env="KVPOOL_ADMIN_MAX_CONNECTIONS")
+    admin_idle_timeout_s: float = knob(30.0, "close an admin connection that has no request "
+                                       "for this long (a new one that never sends one too)",
+                                       flag="--admin-idle-timeout",
+                                       env="KVPOOL_ADMIN_IDLE_TIMEOUT")
 
     def __post_init__(self) -> None:
         for name in ("data_port", "admin_port"):
@@ -113,6 +122,9 @@ class ServerConfig:
             raise ConfigError("max_connections must be >= 1")
         if self.idle_timeout_s < 0 or self.hello_timeout_s <= 0:
             raise ConfigError("idle_timeout_s must be >= 0 and hello_timeout_s > 0")
+        if self.admin_max_connections < 1 or not self.admin_idle_timeout_s > 0:
+            raise ConfigError("admin_max_connections must be >= 1 and admin_idle_timeout_s "
+                              "> 0")
 
 
 @dataclass(frozen=True, slots=True)

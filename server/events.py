@@ -2,9 +2,12 @@
 
 Events are published only while someone listens (``GET /v1/events``, as
 server-sent events), so a node with no subscribers pays one attribute test
-per batch. Each subscriber has a bounded queue; a subscriber that falls
-behind loses events, and the number lost is reported to it in a ``lost``
-event and counted in the node's stats, never blocking the data path.
+per batch. Each subscriber has a bounded queue (``queue_size`` events); a
+subscriber that falls that far behind (one that stopped reading) is dropped:
+its stream is closed, the event it missed is counted in the node's stats, and
+it costs the data path nothing more. A listener that reconnects starts from
+the events after it. A subscription whose token a reload revoked is dropped
+the same way (:meth:`EventBus.recheck`).
 
 An event is ``{"type", "key", "parent", "tier", "node", "depth"}``:
 
@@ -27,20 +30,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["EVENT_TYPES", "EventBus", "Subscription"]
 
 EVENT_TYPES = ("stored", "evicted", "demoted", "removed", "expired")
+log = logging.getLogger("kvpool.server")
+
+
+def _always(_table: object) -> bool:
+    return True
 
 
 @dataclass
 class Subscription:
     queue: asyncio.Queue[dict[str, Any]]
     types: frozenset[str]
-    lost: int = 0
     closed: bool = False
+    #: given the node's tokens table after a reload: whether the subscriber may go on
+    keep: Callable[[Any], bool] = field(default=_always)
+    #: ends the subscriber's stream (its connection) when it is dropped
+    on_close: Callable[[], None] | None = None
 
 
 class EventBus:
@@ -49,12 +62,34 @@ class EventBus:
         self.queue_size = queue_size
         self.subscribers: list[Subscription] = []
         self.published = 0
+        #: events a subscriber did not get: it was dropped, that many behind
         self.lost = 0
+        #: subscribers dropped for falling ``queue_size`` events behind
+        self.dropped = 0
 
-    def subscribe(self, types: frozenset[str] = frozenset(EVENT_TYPES)) -> Subscription:
-        sub = Subscription(asyncio.Queue(self.queue_size), types)
+    def subscribe(self, types: frozenset[str] = frozenset(EVENT_TYPES), *,
+                  keep: Callable[[Any], bool] = _always,
+                  on_close: Callable[[], None] | None = None) -> Subscription:
+        sub = Subscription(asyncio.Queue(self.queue_size), types, keep=keep, on_close=on_close)
         self.subscribers.append(sub)
         return sub
+
+    def drop(self, sub: Subscription) -> None:
+        """End ``sub``: its stream finishes and its connection is closed."""
+        sub.closed = True
+        self.unsubscribe(sub)
+        with contextlib.suppress(asyncio.QueueFull):
+            sub.queue.put_nowait({"type": "closed"})
+        if sub.on_close is not None:
+            sub.on_close()
+
+    def recheck(self, table: object) -> int:
+        """After a tokens reload: drop the subscribers whose token no longer allows them
+        (``table``, the new tokens table); how many were dropped."""
+        gone = [sub for sub in self.subscribers if not sub.keep(table)]
+        for sub in gone:
+            self.drop(sub)
+        return len(gone)
 
     def close(self) -> None:
         """End every subscription (node shutdown): their streams finish."""
@@ -76,11 +111,16 @@ class EventBus:
         event = {"type": kind, "key": key.hex(), "parent": parent.hex() if parent else None,
                  "tier": tier, "node": self.node_id, "depth": depth}
         self.published += 1
+        behind: list[Subscription] = []
         for sub in self.subscribers:
             if kind not in sub.types:
                 continue
-            try:
-                sub.queue.put_nowait(event)
-            except asyncio.QueueFull:
-                sub.lost += 1
-                self.lost += 1
+            if sub.queue.full():  # stopped reading, or far behind: dropped, never waited for
+                behind.append(sub)
+                continue
+            sub.queue.put_nowait(event)
+        for sub in behind:
+            self.lost += 1
+            self.dropped += 1
+            log.info("an event subscriber fell %d events behind: dropped", self.queue_size)
+            self.drop(sub)

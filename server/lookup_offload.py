@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 from typing import Protocol
 
 from kvpool.placement.lookup import LookupRequest, parse_lookup
 from kvpool.protocol.errors import ConfigError, InvalidKeyError, ServerError
 
-__all__ = ["INLINE_BYTES", "MAX_BODY_BYTES", "MAX_CONCURRENT", "BodyStream", "LookupParser"]
+__all__ = ["INLINE_BYTES", "MAX_BODY_BYTES", "MAX_CONCURRENT", "BodyStream", "LookupParser",
+           "LookupTooLargeError"]
 
 #: bodies up to this size are parsed on the event loop (well under 1 ms of work)
 INLINE_BYTES = 64 << 10
@@ -43,10 +45,18 @@ try:
         b"".join(r.keys)
 except KvpoolError as exc:
     head, keys = {"error": type(exc).__name__, "message": str(exc)}, b""
+except Exception as exc:  # never a traceback to the caller: what the parser could not take
+    head, keys = {"error": "ConfigError",
+                  "message": f"the body is not a lookup ({type(exc).__name__})"}, b""
 sys.stdout.buffer.write(json.dumps(head).encode() + b"\\n" + keys)
 """
 _ERRORS: dict[str, type[Exception]] = {"ConfigError": ConfigError,
                                         "InvalidKeyError": InvalidKeyError}
+log = logging.getLogger("kvpool.server")
+
+
+class LookupTooLargeError(ConfigError):
+    """A lookup body over :data:`MAX_BODY_BYTES` (the admin API answers 413)."""
 
 
 class LookupParser:
@@ -62,7 +72,7 @@ class LookupParser:
         holds no copy of it, whatever its size.
         """
         if content_length is not None and content_length > MAX_BODY_BYTES:
-            raise ConfigError(f"a lookup body is at most {MAX_BODY_BYTES} bytes")
+            raise LookupTooLargeError(f"a lookup body is at most {MAX_BODY_BYTES} bytes")
         if content_length is not None and content_length <= INLINE_BYTES:
             return parse_lookup(await body.read())
         async with self._slots:
@@ -86,7 +96,8 @@ async def _in_child(body: BodyStream) -> LookupRequest:
             while chunk := await body.read(_PIECE):
                 sent += len(chunk)
                 if sent > MAX_BODY_BYTES:
-                    raise ConfigError(f"a lookup body is at most {MAX_BODY_BYTES} bytes")
+                    raise LookupTooLargeError(f"a lookup body is at most {MAX_BODY_BYTES} "
+                                              "bytes")
                 proc.stdin.write(chunk)
                 await proc.stdin.drain()
             proc.stdin.close()  # communicate() without input leaves stdin open (3.11)
@@ -102,9 +113,10 @@ async def _in_child(body: BodyStream) -> LookupRequest:
     line, _, keys = out.partition(b"\n")
     try:
         head = json.loads(line)
-    except ValueError:
-        raise ServerError(f"the lookup parser exited {proc.returncode}: "
-                          f"{err.decode(errors='replace')[-500:]}") from None
+    except ValueError:  # what it printed is for the node's log, not for the caller
+        log.error("the lookup parser exited %s: %s", proc.returncode,
+                  err.decode(errors="replace")[-2000:])
+        raise ServerError(f"the lookup parser exited {proc.returncode}") from None
     if "error" in head:
         raise _ERRORS.get(head["error"], ConfigError)(head["message"])
     n = head["num_keys"]

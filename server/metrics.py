@@ -240,6 +240,9 @@ METRICS: tuple[Metric, ...] = (
            "error", _one("protocol_errors")),
     Metric("kvpool_events_lost", "counter", "", "", "KV events dropped for slow /v1/events "
            "listeners", lambda snap: [(snap["events"]["lost"], {})]),
+    Metric("kvpool_event_subscribers_dropped", "counter", "", "", "/v1/events listeners "
+           "dropped for falling a whole queue behind",
+           lambda snap: [(snap["events"]["dropped"], {})]),
     Metric("kvpool_uptime", "gauge", "s", "", "seconds since the node started",
            _one("uptime_s")),
 )

@@ -22,6 +22,7 @@ from kvpool.placement.cluster_map import ClusterMap, NodeState
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.parsers import Limits
 from kvpool.server.admin import make_admin_app
+from kvpool.server.admin_site import CappedSite, reserve_descriptors
 from kvpool.server.auth import TokenTable, load_tokens
 from kvpool.server.config import ClusterConfig, NodeConfig, ServerConfig
 from kvpool.server.connection import NodeConnection
@@ -120,6 +121,7 @@ class Node:
         #: the flock on data_dir/LOCK, held while the node runs (an SSD tier in data_dir)
         self._dir_lock: int | None = None
         self._admin: web.AppRunner | None = None
+        self.admin_site: CappedSite | None = None
         self._expiry_task: asyncio.Task[None] | None = None
         self._metrics_task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -196,9 +198,17 @@ class Node:
             tracing=self.tracing, extra_stats=extra_stats)
         if self.metrics is not None and self.metrics.otlp:
             self._metrics_task = asyncio.create_task(self._refresh_metrics_loop())
-        self._admin = web.AppRunner(make_admin_app(self), access_log=None)
+        server = self.config.server
+        reserve_descriptors(server.max_connections, server.admin_max_connections)
+        # keepalive_timeout: aiohttp's timer runs from accept, so a connection that never
+        # sends a request is closed after it too
+        self._admin = web.AppRunner(make_admin_app(self), access_log=None,
+                                    keepalive_timeout=server.admin_idle_timeout_s)
         await self._admin.setup()
-        await web.SockSite(self._admin, admin_sock, ssl_context=self.tls).start()
+        self.admin_site = CappedSite(self._admin, admin_sock,
+                                     max_connections=server.admin_max_connections,
+                                     ssl_context=self.tls)
+        await self.admin_site.start()
         await self._server.start_serving()
         self._expiry_task = asyncio.create_task(self._expire_loop())
 
@@ -257,9 +267,10 @@ class Node:
             self._handlers.auth = table
         self._apply_quotas()
         closed = sum(conn.recheck(table) for conn in list(self.connections))
+        streams = self.events.recheck(table)
         log.info("tokens reloaded from %s: %d tokens, %d tenant quotas; %d connections "
-                 "closed (token revoked or changed)", path, len(table.entries),
-                 len(self.dram.tenants.quotas), closed)
+                 "and %d event streams closed (token revoked or changed)", path,
+                 len(table.entries), len(self.dram.tenants.quotas), closed, streams)
 
     # -- what the admin API asks of the node ----------------------------------------------
 

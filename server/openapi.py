@@ -65,6 +65,7 @@ _AUTH = {"401": _err("a token is required (tokens file or admin token) and was n
          "403": _err("the token's role may not do this (read < write < admin), or a "
                      "non-admin asked for scope=raw")}
 _BAD = {"400": _err("bad input")}
+_BIG = {"413": _err("the body is too large (64 KiB; a lookup 64 MiB)")}
 
 
 def _op(summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -97,7 +98,7 @@ def openapi_document() -> dict[str, Any]:
         "/v1/cluster/{action}": {"post": _op(
             "join, drain or remove a node (etcd clusters)",
             {"200": _json({"$ref": "#/components/schemas/ClusterMap"}, "the new map"), **_BAD,
-             **_AUTH, "404": _err("no such action"),
+             **_BIG, **_AUTH, "404": _err("no such action"),
              "409": _err("the map is static (a file or --peers)"),
              "503": _err("etcd unreachable")},
             parameters=[_path_param("action", {"enum": ["join", "drain", "remove"]})],
@@ -114,7 +115,7 @@ def openapi_document() -> dict[str, Any]:
                                           "chunk_tokens": {"type": "integer"},
                                           "tiers": {"type": "array", "items": _TIER},
                                           "keys": {"type": "array", "items": _KEY}}}),
-             **_BAD, "503": _err("peers unreachable")},
+             **_BAD, **_BIG, **_AUTH, "503": _err("peers unreachable")},
             requestBody={"required": True, "content": {"application/json": {"schema": {"oneOf": [
                 {"type": "object", "required": ["keys"], "additionalProperties": False,
                  "properties": {"keys": {"type": "array", "items": _KEY,
@@ -128,7 +129,7 @@ def openapi_document() -> dict[str, Any]:
         "/v1/events": {"get": _op(
             "KV events (stored, evicted, demoted, removed, expired) as server-sent events",
             {"200": {"description": "an endless text/event-stream", "content": {
-                "text/event-stream": {"schema": {"type": "string"}}}}, **_BAD},
+                "text/event-stream": {"schema": {"type": "string"}}}}, **_BAD, **_AUTH},
             parameters=[{"name": "types", "in": "query", "required": False,
                          "schema": {"type": "string"},
                          "description": "comma-separated subset of stored,evicted,demoted,"
@@ -154,7 +155,7 @@ def openapi_document() -> dict[str, Any]:
             {"200": _json({"type": "object", "required": ["evicted"], "properties": {
                 "evicted": {"type": "object", "properties": {
                     "dram": {"type": "integer"}, "ssd": {"type": "integer"}}}}}),
-             **_BAD, **_AUTH},
+             **_BAD, **_BIG, **_AUTH},
             requestBody={"required": True, "content": {"application/json": {"schema": {
                 "type": "object", "additionalProperties": False, "properties": {
                     "tier": {"enum": ["dram", "ssd"]},
