@@ -242,6 +242,12 @@ class ClusterConfig:
                             flag="--etcd-prefix", env="KVPOOL_ETCD_PREFIX")
     lease_ttl_s: float = knob(5.0, "seconds without keep-alive before etcd marks a node down",
                               flag="--etcd-lease-ttl", env="KVPOOL_ETCD_LEASE_TTL")
+    etcd_user: str = knob("", "etcd user the node authenticates as ('' = etcd without auth: "
+                          "anyone who reaches etcd can rewrite the cluster map)",
+                          flag="--etcd-user", env="KVPOOL_ETCD_USER")
+    etcd_password: str = knob("", "--etcd-user's password (give it as a file: "
+                              "KVPOOL_ETCD_PASSWORD_FILE)",
+                              flag="--etcd-password", env="KVPOOL_ETCD_PASSWORD")
     auto_join: bool = knob(True, "with etcd: a node not yet in the map adds itself (up) when it "
                            "first registers", flag="--auto-join", env="KVPOOL_AUTO_JOIN",
                            kind="bool")
@@ -255,6 +261,9 @@ class ClusterConfig:
             raise ConfigError("drain_rate_bytes must be at least 1 MiB/s")
         if sum(map(bool, (self.file, self.peers, self.etcd))) > 1:
             raise ConfigError("set one of --cluster-file, --peers or --etcd, not both")
+        if bool(self.etcd_user) != bool(self.etcd_password):
+            raise ConfigError("give both --etcd-user and its password "
+                              "(KVPOOL_ETCD_PASSWORD_FILE), or neither")
         if self.lease_ttl_s < 1:
             raise ConfigError("etcd lease_ttl_s must be >= 1 second")
         if self.replication < 1:

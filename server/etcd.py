@@ -21,6 +21,12 @@ that node as ``down`` (it owns nothing; its keys move to the next nodes of
 the ring). The epoch of a map is the etcd revision it was read at. Nodes
 watch the prefix and re-read the map on every change; clients follow
 through the nodes (every reply carries the node's epoch).
+
+With ``user`` and ``password`` the node authenticates (``/v3/auth/authenticate``)
+and sends etcd's token with every call; a token etcd no longer takes (simple
+tokens expire after 5 minutes idle, or etcd restarted) is renewed once per
+call. Without them, anyone who reaches etcd can rewrite the map: the node says
+so at start when it has a tokens file.
 """
 
 from __future__ import annotations
@@ -57,12 +63,27 @@ def _prefix_end(prefix: str) -> str:
     return base64.b64encode(raw[:-1] + bytes([raw[-1] + 1])).decode()
 
 
+class _AuthTokenError(Exception):
+    """etcd refused a call for its credentials (none given, a stale token, a wrong
+    password)."""
+
+
+#: what etcd's gateway says when a call's credentials are missing or no longer valid
+_AUTH_ERRORS = ("invalid auth token", "user name is empty", "authentication failed",
+                "permission denied", "invalid user id")
+
+
+def _auth_refused(data: dict[str, Any]) -> bool:
+    message = str(data.get("error") or data.get("message") or "").lower()
+    return any(text in message for text in _AUTH_ERRORS)
+
+
 class EtcdSource:
     """The cluster map kept in etcd (see the module docstring)."""
 
     def __init__(self, endpoints: str, *, prefix: str = "/kvpool/default",
                  lease_ttl_s: float = 5.0, auto_join: bool = True, replication: int = 1,
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = 5.0, user: str = "", password: str = "") -> None:
         self.endpoints = [e.strip().rstrip("/") for e in endpoints.split(",") if e.strip()]
         if not self.endpoints:
             raise ConfigError("--etcd needs at least one endpoint URL (http://host:2379)")
@@ -76,6 +97,10 @@ class EtcdSource:
         self.auto_join = auto_join
         self.replication = replication
         self.timeout_s = timeout_s
+        self.user = user
+        self._password = password
+        #: etcd's auth token for ``user`` (sent as the Authorization header)
+        self._token = ""
         self._session: aiohttp.ClientSession | None = None
         self._lease = 0
         self._me: NodeInfo | None = None
@@ -85,20 +110,52 @@ class EtcdSource:
         self.current: ClusterMap | None = None
 
     def describe(self) -> str:
-        return f"etcd {','.join(self.endpoints)} prefix {self.prefix}"
+        who = f" as {self.user}" if self.user else " without auth"
+        return f"etcd {','.join(self.endpoints)} prefix {self.prefix}{who}"
 
     # -- the gateway ----------------------------------------------------------------------
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """One JSON call, trying each endpoint once; KvpoolConnectionError if none answers."""
+        """One JSON call, trying each endpoint once; KvpoolConnectionError if none answers.
+        With a user, a call refused for its auth token authenticates again, once."""
+        if self.user and not self._token:
+            await self._authenticate()
+        try:
+            return await self._post_once(path, body)
+        except _AuthTokenError as exc:
+            if not self.user:
+                raise ConfigError(f"etcd {path} refused: {exc} (etcd has auth on: give "
+                                  "--etcd-user and KVPOOL_ETCD_PASSWORD_FILE)") from None
+            await self._authenticate()
+        try:
+            return await self._post_once(path, body)
+        except _AuthTokenError as exc:
+            raise ConfigError(f"etcd {path} refused a fresh auth token: {exc}") from None
+
+    async def _authenticate(self) -> None:
+        self._token = ""
+        try:
+            data = await self._post_once("/v3/auth/authenticate",
+                                         {"name": self.user, "password": self._password})
+        except _AuthTokenError as exc:
+            raise ConfigError(f"etcd refused user {self.user!r}: {exc}") from None
+        self._token = str(data.get("token", ""))
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": self._token} if self._token else {}
+
+    async def _post_once(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         assert self._session is not None
         errors = []
         for _ in range(len(self.endpoints)):
             url = self.endpoints[self._endpoint] + path
             try:
-                async with self._session.post(url, json=body) as response:
+                async with self._session.post(url, json=body,
+                                              headers=self._headers()) as response:
                     data: dict[str, Any] = await response.json(content_type=None)
                     if response.status != 200 or "error" in data:
+                        if _auth_refused(data):
+                            raise _AuthTokenError(str(data.get("error") or data))
                         raise ConfigError(f"etcd {path} failed: {data}")
                     return data
             except (aiohttp.ClientError, TimeoutError) as exc:
@@ -215,11 +272,17 @@ class EtcdSource:
                                        "range_end": _prefix_end(self.prefix + "/"),
                                        "start_revision": str(revision + 1)}}
             try:
-                async with self._session.post(url, json=body,
+                if self.user and not self._token:
+                    await self._authenticate()
+                async with self._session.post(url, json=body, headers=self._headers(),
                                               timeout=aiohttp.ClientTimeout(total=None)) as resp:
                     backoff = 0.2
                     async for line in resp.content:
-                        result = json.loads(line).get("result", {})
+                        reply = json.loads(line)
+                        if _auth_refused(reply):  # a stale token: the next round renews it
+                            self._token = ""
+                            raise ConfigError(f"etcd watch refused: {reply}")
+                        result = reply.get("result", {})
                         if not result.get("events"):
                             continue
                         cmap = await self._read_valid()

@@ -112,8 +112,21 @@ def add_arguments(parser: argparse.ArgumentParser, sections: Sections) -> None:
 
 
 def known_env(sections: Sections) -> set[str]:
-    """The ``KVPOOL_*`` variable of every knob."""
-    return {f.metadata["env"] for cls in sections.values() for f in dataclasses.fields(cls)}
+    """The ``KVPOOL_*`` variable of every knob, and its ``_FILE`` form."""
+    names = {f.metadata["env"] for cls in sections.values() for f in dataclasses.fields(cls)}
+    return names | {name + FILE_SUFFIX for name in names}
+
+
+#: ``KVPOOL_X_FILE=path`` sets knob ``KVPOOL_X`` to the file's content (Docker's
+#: convention for secrets: a token or password in no environment and no command line)
+FILE_SUFFIX = "_FILE"
+
+
+def _read_secret(path: str) -> str:
+    try:
+        return Path(path).read_text().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
 
 
 def read_values(sections: Sections, path: str | None, env: Mapping[str, str],
@@ -138,9 +151,14 @@ def read_values(sections: Sections, path: str | None, env: Mapping[str, str],
                 values[section][key] = _convert(section, known[key], raw, path)
     for section, cls in sections.items():
         for f in dataclasses.fields(cls):
-            raw = env.get(f.metadata["env"])
+            name = f.metadata["env"]
+            raw, origin = env.get(name), name
+            if env.get(name + FILE_SUFFIX) is not None:
+                if raw is not None:
+                    raise ConfigError(f"set {name} or {name}{FILE_SUFFIX}, not both")
+                raw, origin = _read_secret(env[name + FILE_SUFFIX]), name + FILE_SUFFIX
             if raw is not None:
-                values[section][f.name] = _convert(section, f, raw, f.metadata["env"])
+                values[section][f.name] = _convert(section, f, raw, origin)
             flag_value = getattr(args, f"{section}.{f.name}", None) if args else None
             if flag_value is not None:
                 values[section][f.name] = _convert(section, f, flag_value, f.metadata["flag"])

@@ -63,7 +63,8 @@ def map_source(cluster: ClusterConfig) -> MapSource | None:
     if cluster.etcd:
         return EtcdSource(cluster.etcd, prefix=cluster.etcd_prefix,
                           lease_ttl_s=cluster.lease_ttl_s, auto_join=cluster.auto_join,
-                          replication=cluster.replication)
+                          replication=cluster.replication, user=cluster.etcd_user,
+                          password=cluster.etcd_password)
     if cluster.file or cluster.peers:
         return StaticSource(file=cluster.file, peers=cluster.peers,
                             replication=cluster.replication)

@@ -65,6 +65,11 @@ async def _serve(config: NodeConfig) -> None:
     else:
         print(f"kvpool node {node.node_id}: auth on, {len(auth.entries)} tokens "
               f"from {auth.source} (SIGHUP reloads)", flush=True)
+        if config.cluster.etcd and not config.cluster.etcd_user:
+            log.warning("etcd without auth: whoever reaches %s can rewrite the cluster map "
+                        "(and so where clients send their data). Give --etcd-user and "
+                        "--etcd-password-file, and enable auth in etcd "
+                        "(docs/security.md).", config.cluster.etcd)
     scheme = "https" if node.tls else "http"
     print(f"kvpool: ready data={data_host}:{data_port} admin={scheme}://{admin_host}:{admin_port}",
           flush=True)

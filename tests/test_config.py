@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.protocol.errors import ConfigError
-from kvpool.server.config import add_arguments, load_config, parse_size
+from kvpool.server.config import add_arguments, load_config, parse_size, unknown_env_vars
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -62,6 +62,24 @@ def test_sizes(text: str, expected: int) -> None:
 def test_bad_values(argv: list[str], env: dict[str, str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         load_config(parse(*argv), env=env)
+
+
+def test_a_knob_from_a_file_with_the_FILE_form(tmp_path: Path) -> None:
+    """Docker's secrets convention: KVPOOL_X_FILE names a file holding KVPOOL_X."""
+    secret = tmp_path / "peer-token"
+    secret.write_text("peer-token-from-a-file\n")
+    env = {"KVPOOL_PEER_TOKEN_FILE": str(secret), "KVPOOL_DATA_PORT_FILE": str(secret)}
+    with pytest.raises(ConfigError, match="KVPOOL_DATA_PORT_FILE"):  # converted as the knob
+        load_config(parse(), env=env)
+    del env["KVPOOL_DATA_PORT_FILE"]
+    assert load_config(parse(), env=env).security.peer_token == "peer-token-from-a-file"
+    assert unknown_env_vars(env) == []
+    with pytest.raises(ConfigError, match="not both"):
+        load_config(parse(), env={**env, "KVPOOL_PEER_TOKEN": "another"})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(parse(), env={"KVPOOL_PEER_TOKEN_FILE": str(tmp_path / "missing")})
+    with pytest.raises(ConfigError, match="etcd-user"):
+        load_config(parse("--etcd-user", "kvpool"), env={})
 
 
 def test_bad_file(tmp_path: Path) -> None:

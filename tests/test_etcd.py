@@ -1,5 +1,6 @@
 """Membership in a real etcd (Debian's etcd-server 3.4) with real node processes:
-registration, join under load, drain with hand-off, lease expiry of a killed node."""
+registration, join under load, drain with hand-off, lease expiry of a killed node, and
+an etcd with auth on (nodes log in; a node without the password is refused)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ import pytest
 
 from kvpool.client import AsyncClient, Client
 from kvpool.client._node import NodeClient
-from kvpool.placement.cluster_map import ClusterMap
+from kvpool.placement.cluster_map import ClusterMap, NodeInfo
+from kvpool.server.etcd import EtcdSource
+from kvpool.server.etcd_auth import enable_auth
 from kvpool.server.local_cluster import LocalCluster, LocalEtcd
 
-from .conftest import http_json
+from .conftest import http_json, start_node
 from .test_cluster import value_for
 
 FAST = ["--no-ssd", "--dram-capacity", "64MiB"]
@@ -212,3 +215,64 @@ def test_cli_status_and_drain_follow_the_hand_off(etcd: LocalEtcd, tmp_path: Pat
         refused = subprocess.run([*kvpool, "drain", "n9", "--admin", cluster.nodes[0].admin_url],
                                  capture_output=True, text=True, timeout=60, check=False)
         assert refused.returncode == 2 and "n9" in refused.stderr
+
+
+# -- etcd with auth ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def etcd_with_auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A second etcd with auth on: a root user, and ``kvpool`` allowed /kvpool/auth/ only;
+    (its endpoint, the file holding kvpool's password)."""
+    if shutil.which("etcd") is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must have etcd (.ci/run installs etcd-server)")
+        pytest.skip("no etcd binary (apt-get install etcd-server)")
+    folder = tmp_path_factory.mktemp("etcd-auth")
+    password = folder / "etcd-password"
+    password.write_text("kvpool-etcd-password-1\n")
+    with LocalEtcd(folder / "data") as server:
+        assert enable_auth(server.endpoint, root_password="root-password-1", user="kvpool",
+                           password="kvpool-etcd-password-1", prefix="/kvpool/auth")
+        assert not enable_auth(server.endpoint, root_password="x", user="kvpool",
+                               password="y", prefix="/kvpool/auth")  # already on: no-op
+        yield server.endpoint, password
+
+
+def test_nodes_log_in_to_an_etcd_with_auth_and_others_are_refused(
+        etcd_with_auth: tuple[str, Path]) -> None:
+    endpoint, password = etcd_with_auth
+    flags = [*FAST, "--etcd", endpoint, "--etcd-prefix", "/kvpool/auth"]
+    node = start_node(*flags, "--etcd-user", "kvpool",
+                      env={"KVPOOL_ETCD_PASSWORD_FILE": str(password)})
+    try:
+        cmap = served_map(node.admin_url)
+        assert [n.state for n in cmap.nodes] == ["up"] and cmap.epoch > 1
+        with Client(node.url) as kv:
+            kv.put(b"e" * 16, b"through an etcd with auth")
+            assert kv.get(b"e" * 16) == b"through an etcd with auth"
+        for extra, env, why in [
+                ([], {}, "user name is empty"),  # no credentials: etcd refuses
+                (["--etcd-user", "kvpool"], {"KVPOOL_ETCD_PASSWORD": "wrong-password"},
+                 "refused user 'kvpool'"),
+                (["--etcd-prefix", "/kvpool/other", "--etcd-user", "kvpool"],  # not its prefix
+                 {"KVPOOL_ETCD_PASSWORD_FILE": str(password)}, "permission denied")]:
+            with pytest.raises(RuntimeError, match=why):
+                start_node(*flags, *extra, env=env, timeout=20)
+        assert [n.id for n in served_map(node.admin_url).nodes] == [cmap.nodes[0].id]
+    finally:
+        node.stop()
+
+
+async def test_a_stale_etcd_token_is_renewed(etcd_with_auth: tuple[str, Path]) -> None:
+    endpoint, password = etcd_with_auth
+    source = EtcdSource(endpoint, prefix="/kvpool/auth/renew", user="kvpool",
+                        password=password.read_text().strip())
+    me = NodeInfo(id="solo", data="127.0.0.1:1", admin="127.0.0.1:2")
+    try:
+        first = await source.start(me, lambda cmap: None)
+        source._token = "stale.token"  # what etcd says after a restart or 5 idle minutes
+        await source.change("join", "other", {"data": "127.0.0.1:3", "admin": "127.0.0.1:4"})
+        after = await source.read()
+        assert sorted(after.by_id) == ["other", "solo"] and after.epoch > first.epoch
+    finally:
+        await source.stop()
