@@ -7,6 +7,12 @@
   (break 5: one such lookup froze every GET on the node for seconds).
 - :class:`TlsNonReaders`: TLS clients that ask for one large value many times over and
   never read (break 6: their replies were copied without bound).
+- :class:`BadAdminBodies`: JSON nested 1,000 deep and bodies that announce more than a
+  route takes, to the admin routes (round 3: a 500 with a traceback; must be 400 / 413).
+- :class:`SilentSubscribers`: event streams that never read (round 3: they cut other
+  clients' PUTs to 0.16x; now each is dropped once 10,000 events behind).
+- :class:`AdminFlood`: idle connections to the admin port, as many as it holds (round 3:
+  they took every descriptor and tenants' data connections were closed).
 
 Every loop is bounded by ``stop`` (an Event) and its own pacing; all traffic goes to
 127.0.0.1.
@@ -14,6 +20,7 @@ Every loop is bounded by ``stop`` (an Event) and its own pacing; all traffic goe
 
 from __future__ import annotations
 
+import http.client
 import json
 import random
 import socket
@@ -27,7 +34,8 @@ from collections import Counter
 
 from kvpool.placement.lookup import MAX_LOOKUP_TOKENS
 
-__all__ = ["MaximalLookups", "TlsNonReaders", "UnauthenticatedPuts"]
+__all__ = ["AdminFlood", "BadAdminBodies", "MaximalLookups", "SilentSubscribers",
+           "TlsNonReaders", "UnauthenticatedPuts"]
 
 FRAME = struct.Struct("<2sBBIIIQ")  # magic, op, status, request id, count, epoch, body_len
 PUT_ITEM = struct.Struct("<16sQII")
@@ -156,3 +164,161 @@ class TlsNonReaders(threading.Thread):
 
     def summary(self) -> dict[str, int]:
         return {"connections_opened": self.opened}
+
+
+TCP_CLOSE_WAIT, TCP_CLOSE = 8, 7  # Linux's tcpi_state: the peer closed; reset
+
+
+def _tcp_state(s: socket.socket) -> int:
+    """The socket's TCP state (Linux TCP_INFO), read without reading its data."""
+    try:
+        return int(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0])
+    except OSError:
+        return TCP_CLOSE
+
+
+def _admin_address(url: str) -> tuple[str, int]:
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    return host, int(port)
+
+
+class BadAdminBodies(threading.Thread):
+    """Nested JSON and oversized bodies to the admin routes, in turn; counts the answers
+    (a 5xx, or anything but a JSON error, is a failure of the node)."""
+
+    NESTED = b"[" * 1000 + b"]" * 1000
+
+    def __init__(self, admin_urls: list[str], stop: threading.Event, *,
+                 pause_s: float = 0.2) -> None:
+        super().__init__(daemon=True, name="attack-bad-admin-bodies")
+        self.admin_urls, self.stop, self.pause_s = admin_urls, stop, pause_s
+        self.answers: Counter[str] = Counter()
+
+    def _send(self, url: str, path: str, body: bytes, length: int) -> str:
+        host, port = _admin_address(url)
+        head = (f"POST {path} HTTP/1.1\r\nHost: kvpool\r\nConnection: close\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n")
+        with socket.create_connection((host, port), timeout=10) as s:
+            s.sendall(head.encode() + body)
+            reply = http.client.HTTPResponse(s)
+            reply.begin()
+            text = reply.read()
+        try:
+            json.loads(text)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            return f"{reply.status}-not-json"
+        return str(reply.status)
+
+    def run(self) -> None:
+        cases = [("/v1/lookup", self.NESTED, len(self.NESTED)),
+                 ("/v1/admin/evict", self.NESTED, len(self.NESTED)),
+                 ("/v1/cluster/join", self.NESTED, len(self.NESTED)),
+                 ("/v1/lookup", b"{}", 70 << 20), ("/v1/admin/evict", b"{}", 100 << 10)]
+        i = 0
+        while not self.stop.is_set():
+            url = self.admin_urls[i % len(self.admin_urls)]
+            path, body, length = cases[i % len(cases)]
+            i += 1
+            try:
+                self.answers[self._send(url, path, body, length)] += 1
+            except OSError as exc:  # a node the soak killed
+                self.answers[type(exc).__name__] += 1
+            self.stop.wait(self.pause_s)
+
+    def server_errors(self) -> int:
+        return sum(n for code, n in self.answers.items()
+                   if code.startswith("5") or code.endswith("not-json"))
+
+    def summary(self) -> dict[str, object]:
+        return {"answers": dict(self.answers), "server_errors": self.server_errors()}
+
+
+class SilentSubscribers(threading.Thread):
+    """``per_node`` event streams to each node that never read (small receive buffers);
+    each one the node closes is opened again (unless ``reconnect`` is False)."""
+
+    def __init__(self, admin_urls: list[str], stop: threading.Event, *,
+                 per_node: int = 20, token: str = "", reconnect: bool = True) -> None:
+        super().__init__(daemon=True, name="attack-silent-subscribers")
+        self.admin_urls, self.stop, self.per_node = admin_urls, stop, per_node
+        self.reconnect = reconnect
+        auth = f"Authorization: Bearer {token}\r\n" if token else ""
+        self.request = f"GET /v1/events HTTP/1.1\r\nHost: kvpool\r\n{auth}\r\n".encode()
+        self.opened = 0
+        self.closed_by_node = 0
+
+    def _open(self, url: str) -> socket.socket:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(5)
+        s.connect(_admin_address(url))
+        s.sendall(self.request)
+        self.opened += 1
+        return s
+
+    def run(self) -> None:
+        streams: list[tuple[str, socket.socket]] = []
+        try:
+            while not self.stop.is_set():
+                for url, s in list(streams):  # closed by the node, without reading it
+                    if _tcp_state(s) not in (TCP_CLOSE_WAIT, TCP_CLOSE):
+                        continue
+                    self.closed_by_node += 1
+                    streams.remove((url, s))
+                    s.close()
+                for url in self.admin_urls:
+                    while sum(u == url for u, _ in streams) < self.per_node and \
+                            (self.reconnect or self.opened < self.per_node * len(self.admin_urls)):
+                        try:
+                            streams.append((url, self._open(url)))
+                        except OSError:
+                            break  # a node the soak killed
+                self.stop.wait(1.0)
+        finally:
+            for _, s in streams:
+                s.close()
+
+    def summary(self) -> dict[str, int]:
+        return {"streams_opened": self.opened, "closed_by_node": self.closed_by_node}
+
+
+class AdminFlood(threading.Thread):
+    """Keep ``per_node`` idle connections (never a byte sent) to each node's admin port,
+    opening new ones as the node closes them (its cap, its idle timeout)."""
+
+    def __init__(self, admin_urls: list[str], stop: threading.Event, *,
+                 per_node: int = 400) -> None:
+        super().__init__(daemon=True, name="attack-admin-flood")
+        self.admin_urls, self.stop, self.per_node = admin_urls, stop, per_node
+        self.opened = 0
+        self.closed_by_node = 0
+        #: set once the first pass has opened what it could
+        self.ready = threading.Event()
+
+    def run(self) -> None:
+        idle: dict[str, list[socket.socket]] = {url: [] for url in self.admin_urls}
+        try:
+            while not self.stop.is_set():
+                for url, held in idle.items():
+                    for s in list(held):
+                        if _tcp_state(s) not in (TCP_CLOSE_WAIT, TCP_CLOSE):
+                            continue
+                        self.closed_by_node += 1
+                        held.remove(s)
+                        s.close()
+                    while len(held) < self.per_node and not self.stop.is_set():
+                        try:
+                            held.append(socket.create_connection(_admin_address(url),
+                                                                 timeout=2))
+                            self.opened += 1
+                        except OSError:
+                            break
+                self.ready.set()
+                self.stop.wait(1.0)
+        finally:
+            for held in idle.values():
+                for s in held:
+                    s.close()
+
+    def summary(self) -> dict[str, int]:
+        return {"connections_opened": self.opened, "closed_by_node": self.closed_by_node}

@@ -21,7 +21,11 @@ What runs, all on 127.0.0.1:
   (4M tokens) to every node; and against a fourth, standalone TLS node (DRAM
   only, 64 MiB) holding 40 canary chunks of 1 MiB: the same two attacks plus
   8 TLS clients that ask for a 4 MiB value 76 times each and never read,
-  while a witness reads canaries over TLS and times each GET.
+  while a witness reads canaries over TLS and times each GET; and against the
+  cluster's admin ports: JSON nested 1,000 deep and oversized bodies (every
+  answer must be a 4xx JSON error), 20 event streams per node that never
+  read (dropped by the node, opened again), 400 idle connections per node
+  (past its admin cap: closed, opened again).
 
 At the end, with every node and S3 back, every chunk whose PUT was acked
 and which was not deleted is read back from the cluster. Printed and written
@@ -30,8 +34,8 @@ to ``bench/results/soak.json``: operations done, errors by kind, wrong bytes
 latency percentiles per op; with the attacks, the target's evictions (must
 be 0: nothing was allowed to evict its canaries), canaries intact, its RSS
 growth against ATTACK_RSS_BOUND_MIB, and the witness's GET p50/p99/max. Exit
-status 1 if wrong bytes, lost chunks, a target eviction, a damaged canary or
-the RSS bound broken.
+status 1 if wrong bytes, lost chunks, a target eviction, a damaged canary,
+the RSS bound broken, or an admin answer that was a 5xx or not a JSON error.
 """
 
 from __future__ import annotations
@@ -57,7 +61,14 @@ from typing import Any
 import psutil
 import xxhash
 
-from bench._attacks import MaximalLookups, TlsNonReaders, UnauthenticatedPuts
+from bench._attacks import (
+    AdminFlood,
+    BadAdminBodies,
+    MaximalLookups,
+    SilentSubscribers,
+    TlsNonReaders,
+    UnauthenticatedPuts,
+)
 from kvpool.client import AsyncClient, Client
 from kvpool.server.local_cluster import LocalCluster, free_ports
 
@@ -284,12 +295,16 @@ class AttackTarget:
         self.stop = stop
         cluster_data = [tuple(n.seed.rsplit(":", 1)) for n in cluster.nodes]
         data = [(h, int(p)) for h, p in cluster_data] + [("127.0.0.1", self.node.port)]
+        admin_urls = [n.admin_url for n in cluster.nodes]
         self.attackers: dict[str, Any] = {
             "unauthenticated_puts": UnauthenticatedPuts(data, stop),
             "maximal_lookups": MaximalLookups([n.admin_url for n in cluster.nodes]
                                               + [self.node.admin_url], stop),
             "tls_non_readers": TlsNonReaders("127.0.0.1", self.node.port, self.ssl, bait,
                                              stop),
+            "bad_admin_bodies": BadAdminBodies(admin_urls, stop),
+            "silent_subscribers": SilentSubscribers(admin_urls, stop),
+            "admin_flood": AdminFlood(admin_urls, stop),
         }
         self.latency_ms: list[float] = []
         self.witness_wrong = 0
@@ -532,6 +547,7 @@ def report(args: argparse.Namespace, loads: list[dict[str, Any]], check: dict[st
               f"{w['p99_ms']} ms, max {w['max_ms']} ms, wrong {w['wrong_bytes']}, errors "
               f"{w['errors']} |")
         failed = failed or bool(attacks["target_evictions"] or w["wrong_bytes"]
+                                or attacks["attackers"]["bad_admin_bodies"]["server_errors"]
                                 or attacks["canaries_intact"] != attacks["canaries"]
                                 or not attacks["rss_bound_held"])
     return 1 if failed else 0

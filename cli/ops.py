@@ -55,6 +55,8 @@ BENCH_HELP = {
     "soak": "3 nodes + S3 under load for 15 min with node kills, S3 outages and hostile "
             "clients: wrong bytes, lost chunks, RSS",
     "fuzz_frames": "atheris fuzzing of the frame parsers (needs the fuzz extra)",
+    "admin_pressure": "PUT rate beside 100 event streams that never read, and beside "
+                      "10,192 idle admin connections, against quiet rounds",
     "conn_memory": "node memory per connection: silent, unauthenticated PUT, idle, TLS "
                    "non-reader",
     "paged_copy": "chunks into and out of paged KV blocks by layout (cpu_attn's transposes) "

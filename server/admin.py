@@ -20,8 +20,11 @@ it alone, reads stay open and mutating routes (POST, DELETE but
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
+import socket
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -49,6 +52,11 @@ __all__ = ["make_admin_app"]
 
 #: seconds between SSE comment lines on an idle event stream (keeps proxies from timing out)
 SSE_HEARTBEAT_S = 15.0
+#: the kernel send buffer of an event stream (the default grows to megabytes)
+EVENTS_SNDBUF = 64 << 10
+#: events written at once to a stream (~50 KB): one that stops reading is left with
+#: at most that much and the transport's 64 KiB in user space, whatever it missed
+EVENTS_PER_WRITE = 256
 
 
 def _error(status: int, kind: str, message: str) -> web.Response:
@@ -75,6 +83,19 @@ async def _read_json(request: web.Request) -> Any:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"the body is not JSON: {exc}") from None
+
+
+def _reset(transport: asyncio.BaseTransport | None) -> None:
+    """End a dropped event stream at once, with a reset: a plain close would wait to flush
+    what a listener that stopped reading never takes, and the kernel would hold its
+    unsent bytes (and the listener would never learn it was dropped)."""
+    if transport is None:
+        return
+    raw = transport.get_extra_info("socket")
+    if raw is not None:
+        with contextlib.suppress(OSError):
+            raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()  # type: ignore[attr-defined]  # (a Transport: it has abort)
 
 
 def _too_large(size: int) -> web.HTTPRequestEntityTooLarge:
@@ -243,22 +264,23 @@ def make_admin_app(node: AdminBackend) -> web.Application:
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
         transport = request.transport
+        raw = transport.get_extra_info("socket") if transport is not None else None
+        if raw is not None:  # a listener that stops reading stops being written to soon
+            with contextlib.suppress(OSError):
+                raw.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, EVENTS_SNDBUF)
         sub = events.subscribe(types, keep=request["still_allowed"],
-                               on_close=transport.close if transport is not None else None)
+                               on_close=lambda: _reset(transport))
         try:
             await response.write(b": kvpool events from " + node_id.encode() + b"\n\n")
-            while not sub.closed:
+            while not sub.closed:  # dropped (behind, a revoked token): nothing more is sent
                 try:
-                    event = await asyncio.wait_for(sub.queue.get(), SSE_HEARTBEAT_S)
+                    async with asyncio.timeout(SSE_HEARTBEAT_S):
+                        got = await events.wait(sub, EVENTS_PER_WRITE)
                 except TimeoutError:
                     await response.write(b": heartbeat\n\n")
                     continue
-                got = [event, *(sub.queue.get_nowait() for _ in range(sub.queue.qsize()))]
-                chunk = [e for e in got if e["type"] != "closed"]
-                if len(chunk) < len(got):  # dropped (a revoked token): nothing more is sent
-                    break
-                lines = [f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in chunk]
-                await response.write("".join(lines).encode())
+                if got:
+                    await response.write(b"".join(e.line for e in got))
         except ConnectionResetError:
             pass  # the listener went away, or was dropped
         finally:

@@ -17,22 +17,26 @@ import shutil
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import boto3
+import botocore.exceptions
 import pytest
 
-from kvpool.client import Client
+from kvpool.client import AuthenticationError, Client
 from kvpool.protocol.envelope import seal
+from kvpool.server.auth import scope_key
 from kvpool.tiers.s3 import object_name
 
 from .conftest import ROOT
 
 PROJECT = "kvpooltest"
 FILES = ["-f", str(ROOT / "docker-compose.yml"), "-f", str(ROOT / "docker-compose.local.yml")]
-SERVICES = ["etcd", "minio", "minio-init", "kvpool-1", "kvpool-2", "kvpool-3", "prometheus"]
+SERVICES = ["secrets", "etcd", "etcd-init", "minio", "minio-init", "kvpool-1", "kvpool-2",
+            "kvpool-3", "prometheus"]
 NODES = {"kvpool-1": (7700, 7701), "kvpool-2": (7710, 7711), "kvpool-3": (7720, 7721)}
 SEEDS = [f"kvpool://127.0.0.1:{data}" for data, _ in NODES.values()]
 BASE = "kvpool-local/debian:bookworm"
@@ -41,8 +45,8 @@ IMAGE = "kvpool:latest"
 #: every port the stack binds on 127.0.0.1 (host networking)
 PORTS = [p for pair in NODES.values() for p in pair] + [2379, 2380, 9000, 9090, 9333, 8080,
                                                         8888, 19000, 19333, 18080, 18888]
-S3 = {"endpoint_url": "http://127.0.0.1:9000", "region_name": "us-east-1",
-      "aws_access_key_id": "kvpool", "aws_secret_access_key": "kvpool-secret"}
+#: what the stack's secrets service generated (read from a node container: ``secrets``)
+SECRETS: dict[str, str] = {}
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -94,9 +98,18 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float = 90) -> None:
         time.sleep(0.5)
 
 
-def http_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as reply:
+def http_json(url: str, token: str | None = None) -> Any:
+    """GET with the stack's admin token (its nodes refuse a read without one)."""
+    token = SECRETS.get("admin-token", "") if token is None else token
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                timeout=5) as reply:
         return json.load(reply)
+
+
+def client(seeds: list[str], **options: Any) -> Client:
+    """A client with the stack's write token."""
+    return Client(seeds, token=SECRETS["client-token"], **options)
 
 
 def node_states() -> dict[str, str]:
@@ -184,14 +197,23 @@ def stack(docker_engine: None) -> Iterator[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def chunks(stack: dict[str, Any]) -> dict[bytes, bytes]:
-    """Chunks written through the seeds once every node is healthy and in the map."""
+def secrets(stack: dict[str, Any]) -> dict[str, str]:
+    """The credentials the stack generated on its first start, once every node is healthy
+    (read inside a node container: they are in no file or environment of the host)."""
     for service in NODES:
         wait_for(f"{service} healthy", lambda s=service: inspect(  # type: ignore[misc]
             container(s), "{{.State.Health.Status}}") == "healthy", timeout=120)
+    for name in ("admin-token", "client-token", "s3-root-user", "s3-root-password"):
+        SECRETS[name] = compose("exec", "-T", "kvpool-1", "cat", f"/secrets/{name}").strip()
+    return SECRETS
+
+
+@pytest.fixture(scope="module")
+def chunks(secrets: dict[str, str]) -> dict[bytes, bytes]:
+    """Chunks written through the seeds once every node is healthy and in the map."""
     wait_for("3 nodes up in the map", lambda: sorted(node_states().values()) == ["up"] * 3)
     data = {os.urandom(16): os.urandom(40_000 + i) for i in range(90)}
-    with Client(SEEDS) as c:
+    with client(SEEDS) as c:
         c.put_many(list(data), list(data.values()))
         assert c.get_many(list(data)) == list(data.values())
     return data
@@ -220,7 +242,7 @@ def test_nodes_get_healthy_join_through_etcd_and_serve_the_sdk(
         log = json.loads(inspect(container(service), "{{json .State.Health.Log}}"))
         assert log and log[-1]["ExitCode"] == 0
     assert node_states() == {name: "up" for name in NODES}
-    with Client(SEEDS[1]) as c:  # any one seed finds the whole cluster
+    with client(SEEDS[1:2]) as c:  # any one seed finds the whole cluster
         assert c.get_many(list(chunks)) == list(chunks.values())
         assert c.epoch > 0
     for _, admin in NODES.values():
@@ -247,16 +269,16 @@ def test_a_killed_node_leaves_every_chunk_readable_and_restart_brings_it_back(
     victim = container("kvpool-2")
     run("docker", "kill", victim)
     seeds = [SEEDS[0], SEEDS[2]]
-    with Client(seeds) as c:
+    with client(seeds) as c:
         assert c.get_many(list(chunks)) == list(chunks.values())  # at once, from replicas
     wait_for("kvpool-2 marked down", lambda: node_states().get("kvpool-2") == "down")
-    with Client(seeds) as c:
+    with client(seeds) as c:
         assert c.get_many(list(chunks)) == list(chunks.values())
     run("docker", "restart", victim)
     wait_for("kvpool-2 up again", lambda: node_states().get("kvpool-2") == "up")
     wait_for("kvpool-2 healthy", lambda: inspect(victim, "{{.State.Health.Status}}")
              == "healthy", timeout=120)
-    with Client(SEEDS) as c:
+    with client(SEEDS) as c:
         assert c.get_many(list(chunks)) == list(chunks.values())
 
 
@@ -274,13 +296,14 @@ def test_a_recreated_container_keeps_its_ssd_tier_in_its_volume(
     tiers = {k: _chunk_tiers(NODES["kvpool-3"][1], k) for k in chunks}
     assert sum("ssd" in t for t in tiers.values()) == before  # all from the volume
     assert not any("dram" in t for t in tiers.values())  # a new container: DRAM empty
-    with Client(SEEDS) as c:
+    with client(SEEDS) as c:
         assert c.get_many(list(chunks)) == list(chunks.values())
 
 
 def _chunk_tiers(admin: int, key: bytes) -> list[str]:
     try:
-        info = http_json(f"http://127.0.0.1:{admin}/v1/chunks/{key.hex()}")
+        info = http_json(f"http://127.0.0.1:{admin}/v1/chunks/{key.hex()}",
+                         token=SECRETS["client-token"])  # the key in the writer's scope
     except urllib.error.HTTPError as exc:
         if exc.code == 404:
             return []
@@ -290,19 +313,50 @@ def _chunk_tiers(admin: int, key: bytes) -> list[str]:
 
 
 def test_the_s3_tier_is_one_bucket_shared_by_the_nodes(chunks: dict[bytes, bytes]) -> None:
-    s3 = boto3.client("s3", **S3)
+    s3 = boto3.client("s3", endpoint_url="http://127.0.0.1:9000", region_name="us-east-1",
+                      aws_access_key_id=SECRETS["s3-root-user"],
+                      aws_secret_access_key=SECRETS["s3-root-password"])
 
     def stored() -> set[str]:
         pages = s3.get_paginator("list_objects_v2").paginate(Bucket="kvpool")
         return {o["Key"] for page in pages for o in page.get("Contents", [])}
 
-    names = {object_name("kvpool", k) for k in chunks}
+    # stored under the client token's tenant (deploy/init-stack.py names it)
+    names = {object_name("kvpool", scope_key("engines", k)) for k in chunks}
     wait_for("every chunk in the bucket", lambda: names <= stored())
     late = os.urandom(16)  # written by someone else, after every node's LIST
     s3.put_object(Bucket="kvpool", Key=object_name("kvpool", late),
                   Body=seal(b"late chunk") + b"late chunk")
-    with Client(SEEDS) as c:
+    with Client(SEEDS, token=SECRETS["admin-token"], scope="raw") as c:  # its stored key
         assert c.get(late) == b"late chunk"  # a GET miss asks the shared bucket
+
+
+def test_the_stack_refuses_whoever_has_no_token(chunks: dict[bytes, bytes]) -> None:
+    """Secure by default: no token, no data and no admin reads; etcd wants a login; the
+    nodes' S3 key reaches only the kvpool bucket."""
+    key = next(iter(chunks))
+    with pytest.raises(AuthenticationError), Client(SEEDS, token="") as anonymous:
+        anonymous.get(key)
+    with pytest.raises(AuthenticationError), Client(SEEDS, token="x" * 32) as stranger:
+        stranger.get(key)
+    for _, admin in NODES.values():
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            http_json(f"http://127.0.0.1:{admin}/v1/stats", token="")
+        assert refused.value.code == 401
+    request = urllib.request.Request("http://127.0.0.1:2379/v3/kv/range",
+                                     json.dumps({"key": "Lw=="}).encode())
+    with pytest.raises(urllib.error.HTTPError) as etcd_refused:
+        urllib.request.urlopen(request, timeout=5)
+    assert b"user name is empty" in etcd_refused.value.read()
+    node_key = compose("exec", "-T", "kvpool-1", "cat", "/secrets/aws-credentials")
+    fields = dict(line.split(" = ") for line in node_key.splitlines() if " = " in line)
+    s3 = boto3.client("s3", endpoint_url="http://127.0.0.1:9000", region_name="us-east-1",
+                      **fields)
+    assert s3.list_objects_v2(Bucket="kvpool", MaxKeys=1)["KeyCount"] >= 0
+    with pytest.raises(botocore.exceptions.ClientError):
+        s3.create_bucket(Bucket="not-kvpool")
+    with client(SEEDS) as c:  # and the write token works
+        assert c.get(key) == chunks[key]
 
 
 def test_docker_stop_shuts_a_node_down_gracefully(chunks: dict[bytes, bytes]) -> None:
@@ -315,5 +369,5 @@ def test_docker_stop_shuts_a_node_down_gracefully(chunks: dict[bytes, bytes]) ->
     assert inspect(ref, "{{.State.ExitCode}}") == "0"
     assert took < grace
     assert "kvpool: stopped" in run("docker", "logs", "--tail", "5", ref)
-    with Client([SEEDS[1], SEEDS[2]]) as c:
+    with client([SEEDS[1], SEEDS[2]]) as c:
         assert c.get_many(list(chunks)) == list(chunks.values())

@@ -6,7 +6,6 @@ import asyncio
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -46,12 +45,8 @@ async def settled(ssd: SsdTier) -> None:
     raise AssertionError(ssd.counters)
 
 
-def drained(sub: Subscription) -> list[tuple[str, str]]:
-    out: list[tuple[str, str]] = []
-    while not sub.queue.empty():
-        event: dict[str, Any] = sub.queue.get_nowait()
-        out.append((event["type"], event["tier"]))
-    return out
+def drained(bus: EventBus, sub: Subscription) -> list[tuple[str, str]]:
+    return [(event.kind, event.data["tier"]) for event in bus.take(sub)]
 
 
 @pytest.fixture
@@ -90,7 +85,8 @@ async def test_a_chunk_goes_behind_to_ssd_leaves_dram_and_is_promoted_back(
     tiers.dram.release(entry)
     assert tiers.promotions == 1
     assert list(tiers.tiers([key])) == [Tier.DRAM]
-    assert drained(sub) == [("stored", "dram"), ("demoted", "ssd"), ("stored", "dram")]
+    assert drained(tiers.events, sub) == [("stored", "dram"), ("demoted", "ssd"),
+                                          ("stored", "dram")]
     info = tiers.chunk_info(key)
     assert info is not None and info["tiers"] == ["dram", "ssd"]
     snap = await tiers.snapshot()
@@ -127,7 +123,7 @@ async def test_delete_reaches_every_tier_and_says_which_held_it(tiers: TierManag
     tiers.dram.delete_many([keys[1]])  # on the SSD only
     assert tiers.delete(keys) == [True, True, False]
     assert list(tiers.tiers(keys)) == [0, 0, 0]
-    assert drained(sub) == [("removed", "dram"), ("removed", "ssd")]
+    assert drained(tiers.events, sub) == [("removed", "dram"), ("removed", "ssd")]
     assert tiers.chunk_info(keys[0]) is None
     assert (await tiers.flush(5.0))["flushed"]
 
