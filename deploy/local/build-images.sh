@@ -2,7 +2,7 @@
 # Images for running the Compose stack with no image registry (how CI tests it):
 #   deploy/local/build-images.sh    # then, from the repository root:
 #   docker-compose -f docker-compose.yml -f docker-compose.local.yml up -d --build \
-#       etcd minio minio-init kvpool-1 kvpool-2 kvpool-3 prometheus
+#       secrets etcd etcd-init minio minio-init kvpool-1 kvpool-2 kvpool-3 prometheus
 # Makes, each only if missing:
 #   kvpool-local/debian:bookworm  Debian bookworm (minbase + python3, python3-venv,
 #                                 ca-certificates) by debootstrap from $DEBIAN_MIRROR; the
