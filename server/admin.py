@@ -91,11 +91,17 @@ def _reset(transport: asyncio.BaseTransport | None) -> None:
     unsent bytes (and the listener would never learn it was dropped)."""
     if transport is None:
         return
-    raw = transport.get_extra_info("socket")
+    _set_option(transport, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()  # type: ignore[attr-defined]  # (a Transport: it has abort)
+
+
+def _set_option(transport: asyncio.BaseTransport | None, option: int,
+                value: int | bytes) -> None:
+    """A SOL_SOCKET option on the transport's socket, where it has one (best effort)."""
+    raw = transport.get_extra_info("socket") if transport is not None else None
     if raw is not None:
         with contextlib.suppress(OSError):
-            raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    transport.abort()  # type: ignore[attr-defined]  # (a Transport: it has abort)
+            raw.setsockopt(socket.SOL_SOCKET, option, value)
 
 
 def _too_large(size: int) -> web.HTTPRequestEntityTooLarge:
@@ -264,10 +270,8 @@ def make_admin_app(node: AdminBackend) -> web.Application:
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
         transport = request.transport
-        raw = transport.get_extra_info("socket") if transport is not None else None
-        if raw is not None:  # a listener that stops reading stops being written to soon
-            with contextlib.suppress(OSError):
-                raw.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, EVENTS_SNDBUF)
+        # a listener that stops reading stops being written to soon
+        _set_option(transport, socket.SO_SNDBUF, EVENTS_SNDBUF)
         sub = events.subscribe(types, keep=request["still_allowed"],
                                on_close=lambda: _reset(transport))
         try:

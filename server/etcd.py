@@ -44,12 +44,12 @@ import aiohttp
 from kvpool.placement.cluster_map import ClusterMap, NodeInfo, NodeState
 from kvpool.protocol.errors import ConfigError, KvpoolConnectionError
 
-__all__ = ["EtcdSource"]
+__all__ = ["EtcdSource", "b64", "prefix_end"]
 
 log = logging.getLogger("kvpool.server")
 
 
-def _b64(text: str) -> str:
+def b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
 
@@ -57,7 +57,7 @@ def _unb64(text: str) -> str:
     return base64.b64decode(text).decode()
 
 
-def _prefix_end(prefix: str) -> str:
+def prefix_end(prefix: str) -> str:
     """The range end covering every key that starts with ``prefix``."""
     raw = prefix.encode()
     return base64.b64encode(raw[:-1] + bytes([raw[-1] + 1])).decode()
@@ -167,13 +167,13 @@ class EtcdSource:
         return "/".join([self.prefix, *parts])
 
     async def _range_prefix(self) -> tuple[int, dict[str, str]]:
-        data = await self._post("/v3/kv/range", {"key": _b64(self.prefix + "/"),
-                                                 "range_end": _prefix_end(self.prefix + "/")})
+        data = await self._post("/v3/kv/range", {"key": b64(self.prefix + "/"),
+                                                 "range_end": prefix_end(self.prefix + "/")})
         kvs = {_unb64(kv["key"]): _unb64(kv.get("value", "")) for kv in data.get("kvs", [])}
         return int(data["header"]["revision"]), kvs
 
     async def _put(self, key: str, value: str, lease: int = 0) -> None:
-        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        body: dict[str, Any] = {"key": b64(key), "value": b64(value)}
         if lease:
             body["lease"] = str(lease)
         await self._post("/v3/kv/put", body)
@@ -181,18 +181,18 @@ class EtcdSource:
     async def _txn_create(self, key: str, value: str) -> bool:
         """Put ``key`` only if it does not exist; True if this call created it."""
         data = await self._post("/v3/kv/txn", {
-            "compare": [{"key": _b64(key), "target": "CREATE", "result": "EQUAL",
+            "compare": [{"key": b64(key), "target": "CREATE", "result": "EQUAL",
                          "create_revision": "0"}],
-            "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}]})
+            "success": [{"request_put": {"key": b64(key), "value": b64(value)}}]})
         return bool(data.get("succeeded"))
 
     async def _txn_replace(self, key: str, expect: str, value: str | None) -> bool:
         """Replace (or delete, for None) ``key`` only if it still holds ``expect``."""
-        op = {"request_put": {"key": _b64(key), "value": _b64(value)}} if value is not None \
-            else {"request_delete_range": {"key": _b64(key)}}
+        op = {"request_put": {"key": b64(key), "value": b64(value)}} if value is not None \
+            else {"request_delete_range": {"key": b64(key)}}
         data = await self._post("/v3/kv/txn", {
-            "compare": [{"key": _b64(key), "target": "VALUE", "result": "EQUAL",
-                         "value": _b64(expect)}],
+            "compare": [{"key": b64(key), "target": "VALUE", "result": "EQUAL",
+                         "value": b64(expect)}],
             "success": [op]})
         return bool(data.get("succeeded"))
 
@@ -268,8 +268,8 @@ class EtcdSource:
         backoff = 0.2
         while True:
             url = self.endpoints[self._endpoint] + "/v3/watch"
-            body = {"create_request": {"key": _b64(self.prefix + "/"),
-                                       "range_end": _prefix_end(self.prefix + "/"),
+            body = {"create_request": {"key": b64(self.prefix + "/"),
+                                       "range_end": prefix_end(self.prefix + "/"),
                                        "start_revision": str(revision + 1)}}
             try:
                 if self.user and not self._token:

@@ -9,19 +9,15 @@ skipped, so running it again is harmless.
 
 from __future__ import annotations
 
-import base64
 import json
 import urllib.error
 import urllib.request
 from typing import Any
 
 from kvpool.protocol.errors import ConfigError
+from kvpool.server.etcd import b64, prefix_end
 
 __all__ = ["auth_enabled", "enable_auth"]
-
-
-def _b64(raw: bytes) -> str:
-    return base64.b64encode(raw).decode()
 
 
 def _call(endpoint: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -38,7 +34,7 @@ def _call(endpoint: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 def auth_enabled(endpoint: str) -> bool:
     """Whether etcd at ``endpoint`` refuses a call that carries no user."""
-    reply = _call(endpoint, "/v3/kv/range", {"key": _b64(b"/")})
+    reply = _call(endpoint, "/v3/kv/range", {"key": b64("/")})
     return "user name is empty" in str(reply.get("error", ""))
 
 
@@ -50,8 +46,7 @@ def enable_auth(endpoint: str, *, root_password: str, user: str, password: str,
         return False
     if not prefix.startswith("/") or not password or not root_password:
         raise ConfigError("enable_auth needs a /prefix and both passwords")
-    start = prefix.rstrip("/").encode() + b"/"
-    end = start[:-1] + bytes([start[-1] + 1])
+    start = prefix.rstrip("/") + "/"
     role = f"{user}-rw"
     steps: list[tuple[str, dict[str, Any]]] = [
         ("/v3/auth/role/add", {"name": "root"}),
@@ -59,7 +54,7 @@ def enable_auth(endpoint: str, *, root_password: str, user: str, password: str,
         ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
         ("/v3/auth/role/add", {"name": role}),
         ("/v3/auth/role/grant", {"name": role, "perm": {
-            "permType": "READWRITE", "key": _b64(start), "range_end": _b64(end)}}),
+            "permType": "READWRITE", "key": b64(start), "range_end": prefix_end(start)}}),
         ("/v3/auth/user/add", {"name": user, "password": password}),
         ("/v3/auth/user/grant", {"user": user, "role": role}),
         ("/v3/auth/enable", {}),
