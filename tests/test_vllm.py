@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import signal
 import subprocess
 import time
@@ -28,8 +29,11 @@ import pytest
 
 from kvpool.client import Client
 from kvpool.placement.keys import DEFAULT_CHUNK_TOKENS, ChunkHasher, Namespace
+from kvpool.protocol.frames import Op
 
 from .conftest import ROOT, NodeProcess, put_corrupt, start_node, text_prompt
+from .hostile_node import LyingNode, hello_with
+from .test_hostile_nodes import claims_1000, rewrite
 
 VLLM_PYTHON = os.environ.get("VLLM_CPU_PYTHON", "")
 if platform.machine() != "x86_64":
@@ -181,6 +185,43 @@ def test_connector_settings_fail_with_one_clear_line(tmp_path: Path) -> None:
         (197, "check", True), (197, "succeeded", True), (197, "failed", False),
         (202, "check", True)]
     assert all("\n" not in e for e in errors.values())
+
+
+def test_a_lying_node_never_makes_the_scheduler_promise_what_was_not_asked(tmp_path: Path
+                                                                          ) -> None:
+    """The connector's scheduler half (a real VllmConfig) asks a node that, once the
+    prompt's chunks are stored, lies in every other reply: a HELLO with max_batch 0, a
+    LOOKUP claiming 1000 found, then 40 random rewrites (a byte, a cut, an extension, the
+    header's count, length, status or op). Each
+    of 60 asks answers a whole number of chunks within the prompt's 7 (all 7 when told
+    the truth), never raises."""
+    rng = random.Random(47)
+    lies: list[Any] = [lambda r: hello_with(r, max_batch=0), lambda r: claims_1000(None, r)]
+    for _ in range(40):
+        how = rng.choice(["byte", "truncate", "extend", "count", "body_len", "status", "op"])
+        n, byte = rng.randrange(1 << 16), rng.randrange(256)
+        lies.append(lambda r, how=how, n=n, byte=byte: rewrite(r, how, n, byte))
+    told = [0, 0]  # replies since the first LOOKUP, lies told
+
+    def tamper(op: Op, reply: bytes) -> bytes:
+        if op == Op.LOOKUP or told[0]:  # the chunks are stored first, honestly
+            told[0] += 1
+        if not told[0] or told[0] % 2 or told[1] >= len(lies):
+            return reply
+        told[1] += 1
+        return bytes(lies[told[1] - 1](reply))
+
+    liar = LyingNode(tamper, close_after_lie=True)
+    try:
+        result = driver(tmp_path, "lookups", {"url": liar.url, "rounds": 60}, timeout=180)
+    finally:
+        liar.close()
+    answers = result["answers"]
+    assert len(answers) == 60 and told[1] == len(lies)
+    assert all(0 <= n <= 7 * 128 and n % 128 == 0 and not load_async
+               for n, load_async in answers), answers
+    assert any(n == 7 * 128 for n, _ in answers), answers
+    assert result["stats"]["lookup_errors"] >= 2, result["stats"]
 
 
 def test_a_fresh_vllm_loads_the_prefix_another_stored(pool: NodeProcess,

@@ -3,14 +3,17 @@
     $VLLM_CPU_PYTHON -m tests.vllm_driver layout OUT.json
     $VLLM_CPU_PYTHON -m tests.vllm_driver gpu-layouts OUT.json
     $VLLM_CPU_PYTHON -m tests.vllm_driver settings OUT.json
+    $VLLM_CPU_PYTHON -m tests.vllm_driver lookups SPEC.json OUT.json
 
 (from the repository's root). ``layout``: writes K/V with vLLM's own cache-write op
 (``cpu_attn_reshape_and_cache``) and checks kvpool's ``cpu_attn`` gather and scatter
 against it, bit for bit. ``gpu-layouts``: the same for the ``bhnc`` kind against the
 views vLLM gives its GPU backends, in every ``KVCacheLayout`` (see
 :func:`gpu_layouts_check`). ``settings``: what the connector's settings say of good and
-bad ``kv_connector_extra_config`` dicts, and its back-off's steps. Engines run through
-``bench._vllm_engine`` (shared with the benchmark).
+bad ``kv_connector_extra_config`` dicts, and its back-off's steps. ``lookups``: the
+scheduler half of the connector (a real ``VllmConfig`` for SmolLM2) asks the node at the
+SPEC's ``url`` ``rounds`` times how much of a 1,000-token prompt it holds, and reports
+each answer. Engines run through ``bench._vllm_engine`` (shared with the benchmark).
 """
 
 from __future__ import annotations
@@ -211,13 +214,52 @@ def backoff_check() -> list[list[Any]]:
     return steps
 
 
+def lookups_check(url: str, rounds: int) -> dict[str, Any]:
+    """``get_num_new_matched_tokens`` of a scheduler-side connector, ``rounds`` times, for a
+    1,000-token prompt (7 full chunks of 128 below its last token, stored first) against
+    ``url``."""
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvpool.client import Client
+    from kvpool.examples.models import smollm2_folder
+    from kvpool.gpu.vllm import KvpoolConnector
+
+    transfer = KVTransferConfig(
+        kv_connector="KvpoolConnector", kv_role="kv_both",
+        kv_connector_module_path="kvpool.gpu.vllm",
+        kv_connector_extra_config={"kvpool_url": url, "timeout_s": 2.0,
+                                   "retry_after_s": 0.001})
+    config = EngineArgs(model=str(smollm2_folder()), enforce_eager=True,
+                        kv_transfer_config=transfer, max_model_len=8192).create_engine_config()
+    connector = KvpoolConnector(config, KVConnectorRole.SCHEDULER)
+    request = SimpleNamespace(request_id="r", prompt_token_ids=list(range(1000)),
+                              mm_features=None, lora_request=None)
+    with Client(url, timeout=2.0) as kv:  # the prompt's chunks are there (honest replies)
+        keys = connector.hasher.keys(request.prompt_token_ids[:7 * 128])
+        kv.put_many(keys, [b"chunk"] * len(keys))
+    answers = []
+    for _ in range(rounds):
+        connector.backoff.succeeded()  # each round asks the pool (no back-off between lies)
+        answers.append(list(connector.get_num_new_matched_tokens(request, 0)))
+    return {"answers": answers, "stats": dict(connector.stats.data)}
+
+
 def main() -> int:
     checks = {"layout": layout_check, "gpu-layouts": gpu_layouts_check,
               "settings": settings_check}
-    command, out = sys.argv[1], sys.argv[2]
-    if command not in checks:
+    command, out = sys.argv[1], sys.argv[-1]
+    if command == "lookups":
+        with open(sys.argv[2]) as f:
+            spec = json.load(f)
+        result = lookups_check(spec["url"], int(spec["rounds"]))
+    elif command not in checks:
         raise SystemExit(f"unknown command {command!r}: one of {sorted(checks)}")
-    result = checks[command]()
+    else:
+        result = checks[command]()
     with open(out, "w") as f:
         json.dump(result, f)
     sys.stdout.flush()
