@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import time
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from kvpool.server.local_cluster import LocalCluster
 
 from .conftest import ROOT, NodeProcess, put_corrupt, start_node
 from .hostile_node import LyingNode, hello_with
-from .test_hostile_nodes import claims_1000, one_more_item, only
+from .test_hostile_nodes import claims_1000, one_more_item, only, rewrite
 
 PYTHON = os.environ.get("VLLM_CPU_PYTHON", "")
 if not PYTHON or not Path(PYTHON).exists():
@@ -211,4 +212,40 @@ def test_a_lying_node_costs_misses_never_an_exception(tmp_path: Path, lie: str) 
         assert found == 0
     if lie != "lookup":
         assert got == [None, None]
+    assert run["counters"]["errors"] >= 1
+
+
+def test_fuzzed_replies_cost_misses_never_an_exception(tmp_path: Path) -> None:
+    """After two chunks are stored, the node rewrites half its replies at random (up to 40
+    seeded lies: a byte, a cut, an extension, the header's count, length, status or op)
+    while LMCache asks 20 times for four chunks and gets two: every answer is within what
+    was asked, every chunk back is bit-exact or a miss, and nothing raises."""
+    liar = LyingNode(close_after_lie=True)
+    rng = random.Random(47)
+    lies = [(rng.choice(["byte", "truncate", "extend", "count", "body_len", "status", "op"]),
+             rng.randrange(1 << 16), rng.randrange(256)) for _ in range(40)]
+    told = [0, 0]  # replies, lies told
+    coin = random.Random(48)  # which replies lie: half of them, whatever their op
+
+    def tamper(_op: Op, reply: bytes) -> bytes:
+        told[0] += 1
+        if coin.random() < 0.5 or told[1] >= len(lies):
+            return reply
+        told[1] += 1
+        return rewrite(reply, *lies[told[1] - 1])
+
+    try:
+        driver(tmp_path, liar.url, [{"do": "put", "chunks": [[1, 16, 1], [2, 16, 2]]}])
+        liar.tamper = tamper
+        run = driver(tmp_path, liar.url, [
+            {"do": "contains", "hashes": [1, 2, 3, 4]},
+            {"do": "get", "hashes": [1, 2], "seeds": [1, 2]},
+        ] * 20, extra={"remote_storage_plugin.kvpool.timeout_s": 2.0})
+    finally:
+        liar.close()
+    assert run["made"] and told[1] > 0
+    found, got = run["steps"][0::2], run["steps"][1::2]
+    assert all(0 <= f <= 2 for f in found), found
+    assert all(g is None or g == {"tokens": 16, "equal": True} for pair in got for g in pair)
+    assert any(f == 2 for f in found), (found, told)  # the truth was told too
     assert run["counters"]["errors"] >= 1
