@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import struct
 from collections.abc import Iterator
 from typing import Any
@@ -161,9 +162,20 @@ _TARGETS = [Op.HELLO, Op.GET, Op.EXISTS, Op.LOOKUP, Op.PUT, Op.DELETE]
 def lies(draw: st.DrawFn) -> tuple[Op, str, int, int]:
     """Which reply to rewrite (its op), how, and two numbers the rewrite uses."""
     return (draw(st.sampled_from(_TARGETS)),
-            draw(st.sampled_from(["byte", "truncate", "extend", "count", "body_len",
-                                  "status", "op"])),
+            draw(st.sampled_from(REWRITES)),
             draw(st.integers(0, 1 << 16)), draw(st.integers(0, 255)))
+
+
+#: the ways :func:`rewrite` changes a reply
+REWRITES = ("byte", "truncate", "extend", "count", "body_len", "status", "op")
+
+
+def random_rewrites(seed: int, count: int) -> list[tuple[str, int, int]]:
+    """``count`` seeded arguments for :func:`rewrite` (how, n, byte): a fuzzer outside
+    hypothesis, for the engine drivers that run in a process of their own."""
+    rng = random.Random(seed)
+    return [(rng.choice(REWRITES), rng.randrange(1 << 16), rng.randrange(256))
+            for _ in range(count)]
 
 
 def rewrite(reply: bytes, how: str, n: int, byte: int) -> bytes:

@@ -24,7 +24,7 @@ from kvpool.server.local_cluster import LocalCluster
 
 from .conftest import ROOT, NodeProcess, put_corrupt, start_node
 from .hostile_node import LyingNode, hello_with
-from .test_hostile_nodes import claims_1000, one_more_item, only, rewrite
+from .test_hostile_nodes import claims_1000, one_more_item, only, random_rewrites, rewrite
 
 PYTHON = os.environ.get("VLLM_CPU_PYTHON", "")
 if not PYTHON or not Path(PYTHON).exists():
@@ -221,9 +221,7 @@ def test_fuzzed_replies_cost_misses_never_an_exception(tmp_path: Path) -> None:
     while LMCache asks 20 times for four chunks and gets two: every answer is within what
     was asked, every chunk back is bit-exact or a miss, and nothing raises."""
     liar = LyingNode(close_after_lie=True)
-    rng = random.Random(47)
-    lies = [(rng.choice(["byte", "truncate", "extend", "count", "body_len", "status", "op"]),
-             rng.randrange(1 << 16), rng.randrange(256)) for _ in range(40)]
+    lies = random_rewrites(47, 40)
     told = [0, 0]  # replies, lies told
     coin = random.Random(48)  # which replies lie: half of them, whatever their op
 

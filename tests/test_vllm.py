@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import random
 import signal
 import subprocess
 import time
@@ -33,7 +32,7 @@ from kvpool.protocol.frames import Op
 
 from .conftest import ROOT, NodeProcess, put_corrupt, start_node, text_prompt
 from .hostile_node import LyingNode, hello_with
-from .test_hostile_nodes import claims_1000, rewrite
+from .test_hostile_nodes import claims_1000, random_rewrites, rewrite
 
 VLLM_PYTHON = os.environ.get("VLLM_CPU_PYTHON", "")
 if platform.machine() != "x86_64":
@@ -195,12 +194,8 @@ def test_a_lying_node_never_makes_the_scheduler_promise_what_was_not_asked(tmp_p
     header's count, length, status or op). Each
     of 60 asks answers a whole number of chunks within the prompt's 7 (all 7 when told
     the truth), never raises."""
-    rng = random.Random(47)
     lies: list[Any] = [lambda r: hello_with(r, max_batch=0), lambda r: claims_1000(None, r)]
-    for _ in range(40):
-        how = rng.choice(["byte", "truncate", "extend", "count", "body_len", "status", "op"])
-        n, byte = rng.randrange(1 << 16), rng.randrange(256)
-        lies.append(lambda r, how=how, n=n, byte=byte: rewrite(r, how, n, byte))
+    lies += [lambda r, lie=lie: rewrite(r, *lie) for lie in random_rewrites(47, 40)]
     told = [0, 0]  # replies since the first LOOKUP, lies told
 
     def tamper(op: Op, reply: bytes) -> bytes:
