@@ -227,8 +227,23 @@ _STATUS_FOR_ERROR: dict[type[KvpoolError], Status] = {
 }
 
 
+#: the most of a node's error message an error (and so a log line) carries
+MESSAGE_LIMIT = 300
+
+
+def _readable(message: str) -> str:
+    """A node's error message as one short printable line: a node that sends a payload (or
+    garbage) as its message would otherwise put kilobytes of binary into the engine's log."""
+    text = "".join(c if c.isprintable() else "?" for c in message[:MESSAGE_LIMIT])
+    if len(message) > MESSAGE_LIMIT:
+        text += f"... ({len(message) - MESSAGE_LIMIT} more characters)"
+    return text
+
+
 def error_for_status(status: int, message: str) -> KvpoolError:
-    """Build the error a wire ``status`` stands for (unknown codes become ServerError)."""
+    """Build the error a wire ``status`` stands for (unknown codes become ServerError);
+    ``message`` (the node's) is cut to :data:`MESSAGE_LIMIT` printable characters."""
+    message = _readable(message)
     try:
         cls = _ERROR_FOR_STATUS[Status(status)]
     except (ValueError, KeyError):

@@ -20,6 +20,7 @@ SPEC: ``{"steps": [...]}``, each step a dict with ``"do"``:
 
 - ``"backend"``: make backend ``name`` over pool ``pool`` for ``url`` (``extra``:
   more extra-config keys; ``layout``, ``page_size``, ``pages``, ``geometry``: the pool);
+- ``"pool"``: make pool ``pool`` alone (``layout``, ``page_size``, ``pages``, ``geometry``);
 - ``"fill"``: random bytes into every page of pool ``pool`` (seed ``seed``);
 - ``"exists"``, ``"set"``, ``"get"``: batch_exists / batch_set_v1 / batch_get_v1 of
   backend ``name`` for the page keys ``keys`` at pool pages ``pages``;
@@ -94,6 +95,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 result: Any = {"made": True, "kv_format": made.namespace.kv_format}
             except Exception as exc:
                 result = {"made": False, "error": f"{type(exc).__name__}: {exc}"}
+        elif do == "pool":
+            pools[step["pool"]] = host_pool(step.get("layout", "page_first"),
+                                            step.get("page_size", 16), step.get("pages", 8),
+                                            **step.get("geometry", {}))
+            result = None
         elif do == "fill":
             pool = pools[step["pool"]]
             g = torch.Generator().manual_seed(step.get("seed", 0))

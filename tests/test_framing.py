@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvpool.protocol.envelope import seal
 from kvpool.protocol.errors import (
+    MESSAGE_LIMIT,
     BadFrameError,
     FrameTooLargeError,
     Status,
@@ -437,3 +438,16 @@ def test_status_table_roundtrip() -> None:
         if status in (Status.OK, Status.NOT_FOUND):
             continue
         assert status_for_error(error_for_status(status, "x")) == status
+
+
+def test_a_node_error_message_is_one_short_printable_line() -> None:
+    """A node that sends 16 KB of binary as its error message (a payload under a rewritten
+    status) gives an error, and so a log line, of at most MESSAGE_LIMIT printable
+    characters that says how much was cut; a node's ordinary message is kept whole."""
+    garbage = bytes(range(256)).decode("latin-1") * 64
+    for status in (141, int(Status.INTERNAL), int(Status.CORRUPT)):
+        text = str(error_for_status(status, garbage))
+        assert text.isprintable() and len(text) < MESSAGE_LIMIT + 80, text
+        assert f"({len(garbage) - MESSAGE_LIMIT} more characters)" in text
+    assert str(error_for_status(int(Status.CORRUPT), "chunk ab12 failed its checksum")) \
+        == "chunk ab12 failed its checksum"

