@@ -11,8 +11,10 @@ cache never answers), in this order:
 
 1. ``none``: no connector (cold);
 2. ``kvpool store``: the kvpool connector on an empty pool (cold, and it saves);
-3. ``kvpool load``: a fresh engine, the kvpool connector, ``load_mode="layer"`` (warm);
-4. ``kvpool load sync``: the same with ``load_mode="sync"``;
+3. ``kvpool load``: a fresh engine, the kvpool connector, ``load_mode="async"`` (the
+   default: the request waits out its load between steps; warm);
+4. ``kvpool load sync`` and ``kvpool load layer``: the same with ``load_mode="sync"``
+   and ``"layer"``;
 5. ``kvpool store 256`` / 6. ``kvpool load 256``: 256-token chunks (the default until
    2026-12; the default, 128 tokens, is one vLLM CPU block, the granularity
    ExampleConnector loads at);
@@ -379,6 +381,7 @@ def main() -> int:
             ("kvpool store", kvpool, "KvpoolConnector"),
             ("kvpool load", kvpool, "KvpoolConnector"),
             ("kvpool load sync", {**kvpool, "load_mode": "sync"}, "KvpoolConnector"),
+            ("kvpool load layer", {**kvpool, "load_mode": "layer"}, "KvpoolConnector"),
             # two vLLM blocks a chunk (the default is one, 128 tokens: ExampleConnector's
             # granularity)
             ("kvpool store 256", {**kvpool, "chunk_tokens": 256}, "KvpoolConnector"),

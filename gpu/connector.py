@@ -491,6 +491,11 @@ class PagedKVConnector:
         """Where the engine's KV caches are."""
         return self._async.device
 
+    @property
+    def stream(self) -> Any:
+        """The side CUDA stream its copies run on (None off CUDA)."""
+        return self._async.stream
+
     def load(self, tokens: Sequence[int] | torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
              *, max_tokens: int | None = None, skip_tokens: int = 0) -> int:
         return self._client.run(self._async.load(tokens, block_ids, max_tokens=max_tokens,

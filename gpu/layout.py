@@ -116,6 +116,9 @@ class KVLayout:
     #: "canonical" (engine-neutral, the default) or "engine" (the blocks' own bytes;
     #: ``cpu_attn`` only): see the module doc
     chunk_format: ChunkFormat = "canonical"
+    #: the model's layers these caches hold, ``(start, end)``, where they are not all of
+    #: them (a pipeline stage): recorded in the namespace's ``kv_format``
+    layer_range: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -132,6 +135,11 @@ class KVLayout:
                 raise LayoutError(f"KVLayout.{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.dtype, torch.dtype):
             raise LayoutError(f"KVLayout.dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.layer_range is not None:
+            start, end = self.layer_range
+            if not 0 <= start < end or end - start != self.num_layers:
+                raise LayoutError(f"KVLayout.layer_range {self.layer_range} must be "
+                                  f"(start, start + num_layers) with start >= 0")
         if self.kind == "mla" and self.num_kv_heads != 1:
             raise LayoutError("an MLA layout has one latent vector per token: num_kv_heads=1")
         if self.kind == "cpu_attn_amx" and (self.block_size % 16 or self.head_dim % 16
@@ -183,8 +191,13 @@ class KVLayout:
     def kv_format(self) -> str | None:
         """The namespace's ``kv_format`` for chunks of this layout."""
         if self.engine_format:
-            return f"{self.kind}-block{self.block_size}"
-        return "mla" if self.kind == "mla" else None
+            base: str | None = f"{self.kind}-block{self.block_size}"
+        else:
+            base = "mla" if self.kind == "mla" else None
+        if self.layer_range is None:
+            return base
+        layers = f"layers{self.layer_range[0]}-{self.layer_range[1]}"
+        return f"{base}-{layers}" if base else layers
 
     def chunk_shape(self, chunk_tokens: int) -> tuple[int, ...]:
         """Shape of a chunk's payload (see the module docstring)."""

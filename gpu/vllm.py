@@ -18,18 +18,27 @@ Worker side (the model runner's process): ``register_kv_caches`` works out
 the paged layout from the attention backend (``CPU_ATTN`` with its ``vec`` or
 ``vec16`` kernels -> the ``cpu_attn`` kind, with ``amx`` -> ``cpu_attn_amx``)
 and checks the tensors against it; loads and saves go through
-:class:`~kvpool.gpu.PagedKVConnector` on one I/O thread. By default chunks stay
+:class:`~kvpool.gpu.PagedKVConnector` on I/O threads. By default chunks stay
 in kvpool's canonical, engine-neutral layout and load into any engine (an AMX
 host and an AVX2 host share them); ``chunk_format="engine"`` stores vLLM's own
 block bytes instead (no conversion: loads go straight into the blocks, one
 request for up to 32 chunks), under keys of their own that only engines with
 the same kernels and block size read.
 
-Loads (``load_mode``): ``"sync"`` loads before the forward starts; ``"layer"``
-starts the load in ``start_load_kv`` and waits for it in the first
-``wait_for_layer_load``, so the load overlaps the work before the first
-attention layer. A chunk's checksum covers all its layers, so no layer can
+Loads (``load_mode``): ``"async"`` (default) tells vLLM the load is asynchronous:
+the request waits out its load between steps while the rest of the batch runs, and
+``get_finished`` reports it done; ``"sync"`` loads before the forward starts;
+``"layer"`` starts the load in ``start_load_kv`` and waits for it in the first
+``wait_for_layer_load``, so the load overlaps the work before the first attention
+layer (vLLM then uses piecewise CUDA graphs: a FULL graph's replay never calls
+``wait_for_layer_load``). A chunk's checksum covers all its layers, so no layer can
 be used before its whole chunk has arrived: ``"layer"`` cannot go finer.
+
+Saves leave the step: ``wait_for_save`` queues them on a thread of their own (at most
+``save_queue_chunks`` chunks; past that a save is skipped and counted); a finished
+request's blocks are held (``request_finished`` returns True) until ``get_finished``
+reports its save done, and a preempted request's save is waited for before its blocks
+are written again (``handle_preemptions``).
 
 Failures never reach the engine: a node error, a missing or corrupt chunk is
 a miss, counted and logged once; blocks promised but not loaded are reported
@@ -43,17 +52,22 @@ GPU backends (FlashAttention, FlashInfer, Triton, ...): vLLM >= 0.32 hands every
 one of them the same per-layer view, ``[blocks, heads, block_size, 2*head_dim]``
 with a token's K then V in the last dimension, in a physical order vLLM resolves
 (``KVCacheLayout``): the ``bhnc`` kind, read and written through those strides,
-staged through pinned memory on a side CUDA stream. The engine's stream is
-synchronized before a load writes into blocks (a freed block may still be read by
-the previous step's kernels) and before a save reads them. This path is checked
-on the CPU against vLLM's own view construction (``create_kv_cache_views``, every
-``KVCacheLayout``) and the backends' own K/V split; it has not run on a GPU.
+staged through pinned memory on a side CUDA stream. An I/O thread waits for an event
+the engine's thread recorded on its stream before it writes into blocks (a freed block
+may still be read by the previous step's kernels) or reads them (the forward that wrote
+them); the engine's stream waits on the loader's stream once a load is done; kvpool's
+threads set the caches' device. This path is checked on the CPU against vLLM's own view
+construction (``create_kv_cache_views``, every ``KVCacheLayout``) and the backends' own
+K/V split; it has not run on a GPU.
 
 Not handled (such requests neither load nor save; counted as ``skipped``):
 multimodal inputs (their placeholder tokens do not identify the images),
 LoRA adapters, prompts given as embeddings. Refused at start (the connector
-then stays idle, logged): pipeline parallelism, fp8 KV caches, MLA models, and
-CPU attention kernels other than ``vec``/``vec16``/``amx``.
+then stays idle, logged, and vLLM runs without it): quantized KV caches (fp8, int8,
+...), MLA models, and CPU attention kernels other than ``vec``/``vec16``/``amx``.
+Pipeline parallelism: each stage saves and loads its own layers (their range is in
+the namespace); the scheduler looks up the first stage's chunks, so a chunk another
+stage lacks is a failed load there, recomputed.
 """
 
 from __future__ import annotations
@@ -89,7 +103,7 @@ __all__ = ["VllmCacheWrite", "Backoff", "KvpoolConnector", "KvpoolConnectorMetad
 
 log = logging.getLogger("kvpool.vllm")
 
-_LOAD_MODES = ("sync", "layer")
+_LOAD_MODES = ("async", "sync", "layer")
 _CHUNK_FORMATS = ("canonical", "engine")
 
 
@@ -112,10 +126,13 @@ class KvpoolSettings:
     #: after a pool call fails, the pool is left alone this long (doubling while it keeps
     #: failing, up to 12x): each call to a hung node would cost the engine ``timeout_s``
     retry_after_s: float = 5.0
-    #: "sync" or "layer" (see the module doc)
-    load_mode: str = "layer"
+    #: "async", "sync" or "layer" (see the module doc)
+    load_mode: str = "async"
     #: chunks in flight at once per load or save
     staging_slots: int = DEFAULT_STAGING_SLOTS
+    #: chunks queued or being saved at once; a save past it is skipped (counted as
+    #: ``saves_skipped``): a pool that falls behind costs cache hits, never memory or time
+    save_queue_chunks: int = 256
     #: same-host shared memory: None = when the node offers it
     shm: bool | None = None
     #: "canonical" (engine-neutral chunks: any engine reads them) or "engine" (vLLM
@@ -136,7 +153,7 @@ class KvpoolSettings:
         if settings.load_mode not in _LOAD_MODES:
             raise ConfigError(f"kvpool connector: load_mode must be one of {_LOAD_MODES}, got "
                               f"{settings.load_mode!r}")
-        for name in ("chunk_tokens", "staging_slots"):
+        for name in ("chunk_tokens", "staging_slots", "save_queue_chunks"):
             value = getattr(settings, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"kvpool connector: {name} must be an integer >= 1, got "
@@ -177,15 +194,18 @@ class _Save:
 
 @dataclass
 class KvpoolConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    """What the worker does this step: loads before the forward, saves after it."""
+    """What the worker does this step: loads (before the forward, or between steps with
+    ``load_mode="async"``), saves (after it, off the step), and the preempted requests
+    whose saves must finish before their blocks are written again."""
 
     loads: list[_Load] = field(default_factory=list)
     saves: list[_Save] = field(default_factory=list)
+    flush: set[str] = field(default_factory=set)
 
 
 _COUNTERS = ("lookups", "lookup_errors", "tokens_looked_up", "tokens_hit", "tokens_loaded",
              "tokens_stored", "load_errors", "save_errors", "load_s", "save_s", "skipped",
-             "backed_off")
+             "backed_off", "saves_skipped")
 
 
 @dataclass
@@ -271,10 +291,25 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._matched: dict[str, int] = {}
         self._loads: dict[str, _Load] = {}
         self._requests: dict[str, _Request] = {}
-        # worker side
-        self._io: ThreadPoolExecutor | None = None
-        self._paged: PagedKVConnector | None = None
+        #: requests whose save was asked of the worker: their blocks are held when they
+        #: finish until the worker reports the save done (``get_finished``)
+        self._save_issued: set[str] = set()
+        # worker side: one thread and connector for loads, one for saves (a save backlog
+        # never delays a load)
+        self._load_io: ThreadPoolExecutor | None = None
+        self._save_io: ThreadPoolExecutor | None = None
+        self._loader: PagedKVConnector | None = None
+        self._saver: PagedKVConnector | None = None
         self._pending: Future[set[int]] | None = None
+        #: async loads in flight, by request: their failed blocks when done
+        self._loading: dict[str, Future[set[int]]] = {}
+        #: the latest save of each request still queued or running
+        self._saving: dict[str, Future[None]] = {}
+        #: requests whose save the scheduler asked for (it holds their blocks when they
+        #: finish); and those finished, reported once their save is done
+        self._save_owed: set[str] = set()
+        self._finishing: set[str] = set()
+        self._queued_chunks = 0
         self._load_errors: set[int] = set()
         #: this step's requests whose load failed: tokens valid before the first failure
         self._valid_until: dict[str, int] = {}
@@ -333,7 +368,7 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if hit <= num_computed_tokens:
             return 0, False
         self._matched[request.request_id] = num_computed_tokens
-        return hit - num_computed_tokens, False
+        return hit - num_computed_tokens, self.settings.load_mode == "async"
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
@@ -372,7 +407,13 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._add_load(meta, req_id, state)
             self._maybe_save(meta, req_id, state,
                              cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        if self.settings.load_mode == "async":
+            # the request waits (WAITING_FOR_REMOTE_KVS) until the worker reports its load
+            # done; it is scheduled afterwards with the blocks it was given now
+            meta.loads.extend(self._loads.values())
         self._loads.clear()  # a load not scheduled this step was never started
+        preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
+        meta.flush = {req_id for req_id in preempted if req_id in self._save_issued}
         return meta
 
     def _add_load(self, meta: KvpoolConnectorMetadata, req_id: str, state: _Request) -> None:
@@ -390,6 +431,7 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         full = len(state.prompt) // self.chunk_tokens * self.chunk_tokens
         if self.save_enabled and state.usable and full:
             meta.saves.append(_Save(req_id, state.prompt[:full], list(state.block_ids)))
+            self._save_issued.add(req_id)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Blocks the worker failed to load are recomputed: their request saves again once
@@ -403,9 +445,21 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
+        """True (hold the blocks) if a save of the request was asked: the worker reads them
+        off the step and reports the save done through ``get_finished``."""
         for table in (self._requests, self._loads, self._matched):
             table.pop(request.request_id, None)
-        return False, None
+        saving = request.request_id in self._save_issued
+        self._save_issued.discard(request.request_id)
+        return saving, None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """``load_mode="layer"`` waits for its load in ``wait_for_layer_load``, which a
+        FULL CUDA-graph replay never runs: vLLM then uses piecewise graphs. ``"async"``
+        loads finish before their request is scheduled, ``"sync"`` ones before the forward
+        starts: both are safe under FULL graphs."""
+        return str((extra_config or {}).get("load_mode", "async")) == "layer"
 
     # -- worker side ------------------------------------------------------------------------
 
@@ -416,23 +470,31 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if layout is None or not (self.load_enabled or self.save_enabled):
             return
         names = sorted(kv_caches, key=extract_layer_index)
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-vllm")
+        caches = [kv_caches[n] for n in names]
+        device = caches[0].device
+        # kvpool's threads work on this rank's device (with every GPU visible, a thread
+        # that never set it would allocate and make streams on GPU 0)
+        init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+        self._load_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-load",
+                                           initializer=init)
+        self._save_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-save",
+                                           initializer=init)
         try:  # the connector checks the tensors against the layout
-            self._paged = self._io.submit(self._open, layout,
-                                          [kv_caches[n] for n in names]).result()
+            self._loader = self._load_io.submit(self._open, layout, caches).result()
+            self._saver = self._save_io.submit(self._open, layout, caches).result()
         except (KvpoolError, ValueError) as exc:
             log.error("kvpool connector: disabled, every request computes its own KV: %s", exc)
-            self._paged = None
+            self._loader = self._saver = None
             return
         log.info("kvpool connector: %d layers of %s blocks, %s chunks of %d tokens (%s, "
-                 "model id %r) from %s", len(names), layout.kind, layout.chunk_format,
-                 self.chunk_tokens, dtype_name(layout.dtype), self.model_id,
-                 self.settings.kvpool_url)
+                 "model id %r, %s loads) from %s", len(names), layout.kind,
+                 layout.chunk_format, self.chunk_tokens, dtype_name(layout.dtype),
+                 self.model_id, self.settings.load_mode, self.settings.kvpool_url)
 
     def _open(self, layout: KVLayout, caches: Sequence[torch.Tensor]) -> PagedKVConnector:
-        """On the I/O thread: the client and the connector it drives."""
+        """On an I/O thread: the client and the connector it drives."""
         if hasattr(os, "sched_getaffinity"):  # (on one CPU the client copies on it alone)
-            log.info("kvpool connector: I/O thread on CPUs %s",
+            log.info("kvpool connector: %s thread on CPUs %s", threading.current_thread().name,
                      ",".join(map(str, sorted(os.sched_getaffinity(0)))))
         # canonical cpu_attn chunks go through staging (K is transposed on the way, into
         # AMX tiles by vLLM's own op); the engine's own format goes straight between the
@@ -446,12 +508,22 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvpoolConnectorMetadata) or not meta.loads:
             return
-        if self._paged is None or self._io is None:  # promised by the scheduler: recompute
-            self._fail_loads(meta.loads)
+        mode = self.settings.load_mode
+        if self._loader is None or self._load_io is None:  # promised: recompute
+            if mode == "async":
+                for load in meta.loads:
+                    self._loading[load.req_id] = _done(self._blocks(load, load.start))
+                    self.stats.data["load_errors"] += 1
+            else:
+                self._fail_loads(meta.loads)
             return
-        self._engine_stream_done()
-        pending = self._io.submit(self._load_all, meta.loads)
-        if self.settings.load_mode == "sync":
+        after = self._engine_event()
+        if mode == "async":  # each request is scheduled once its own load is done
+            for load in meta.loads:
+                self._loading[load.req_id] = self._load_io.submit(self._load_one, load, after)
+            return
+        pending = self._load_io.submit(self._load_all, meta.loads, after)
+        if mode == "sync":
             self._finish(pending)
         else:
             self._pending = pending
@@ -466,27 +538,92 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Nothing per layer: a chunk holds every layer, so it is saved in wait_for_save."""
 
     def wait_for_save(self) -> None:
+        """Queue this step's saves on the save thread and return: they read their blocks
+        off the step (the scheduler holds a finished request's blocks until
+        ``get_finished`` reports its save done)."""
         if self._pending is not None:  # a forward that ran no attention layer
             self.wait_for_layer_load("")
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-        if not isinstance(meta, KvpoolConnectorMetadata) or not meta.saves \
-                or self._paged is None or self._io is None:
-            self._valid_until = {}  # this step's failed loads matter to this step's saves only
-            return
-        # the blocks are read until this returns: the step waits, at most the client's timeout
-        self._engine_stream_done()
-        self._io.submit(self._save_all, meta.saves).result()
+        valid_until, self._valid_until = self._valid_until, {}
+        if not isinstance(meta, KvpoolConnectorMetadata) or not meta.saves:
+            return  # (this step's failed loads matter to this step's saves only)
+        self._save_owed.update(save.req_id for save in meta.saves)
+        if self._saver is None or self._save_io is None:
+            return  # owed all the same: reported done when the request finishes
+        after = self._engine_event()
+        for save in meta.saves:
+            tokens = save.tokens
+            if save.req_id in valid_until:  # never store blocks a failed load left empty
+                tokens = tokens[: valid_until[save.req_id] // self.chunk_tokens
+                                * self.chunk_tokens]
+            chunks = len(tokens) // self.chunk_tokens
+            if not chunks:
+                continue
+            with self._lock:
+                if self._queued_chunks + chunks > self.settings.save_queue_chunks:
+                    self.stats.data["saves_skipped"] += 1
+                    self._once("queue", "the pool is behind on saves (%d chunks queued): "
+                               "saves are skipped until it catches up", self._queued_chunks)
+                    continue
+                self._queued_chunks += chunks
+            self._saving[save.req_id] = self._save_io.submit(
+                self._save_one, tokens, save.block_ids, chunks, after)
 
-    def _engine_stream_done(self) -> None:
-        """On CUDA, wait for the work the engine queued on its stream: the I/O thread's
-        side stream cannot see that stream (CUDA's current stream is per thread), and a
-        load must not write a block that the previous step's kernels may still read, nor
-        a save read blocks this step's forward is still writing. The cost: a load starts
-        once the engine's queued work is done (this step's own kernels are queued after
-        it, and overlap it in ``layer`` mode); a save waits for the forward it reads."""
-        paged = self._paged
-        if paged is not None and paged.device.type == "cuda":
-            torch.cuda.current_stream(paged.device).synchronize()
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """A preempted request's blocks are freed and may be written this step: its save,
+        if still queued or running, finishes first."""
+        flush = getattr(kv_connector_metadata, "flush", None) or ()
+        for req_id in flush:
+            saving = self._saving.get(req_id)
+            if saving is not None:
+                saving.result()  # _save_one never raises
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose blocks the scheduler held for a save, now saved; requests
+        whose async load is done, loaded or not: failed blocks are reported by
+        ``get_block_ids_with_load_errors`` in the same step)."""
+        recving: set[str] = set()
+        for req_id, loading in list(self._loading.items()):
+            if loading.done():
+                del self._loading[req_id]
+                failed = loading.result()  # _load_one never raises
+                if failed:
+                    with self._lock:
+                        self._load_errors |= failed
+                recving.add(req_id)
+        if recving:
+            self._engine_waits(self._loader)
+        owed = finished_req_ids & self._save_owed
+        self._save_owed -= owed
+        self._finishing |= owed
+        sending = set()
+        for req_id, saving in list(self._saving.items()):
+            if saving.done():
+                del self._saving[req_id]
+        for req_id in list(self._finishing):
+            if req_id not in self._saving:
+                self._finishing.discard(req_id)
+                sending.add(req_id)
+        return sending or None, recving or None
+
+    def _engine_event(self) -> Any:
+        """On CUDA, an event recorded on the engine's stream (on the engine's thread): an
+        I/O thread waits for it before it writes a block that the engine's queued
+        kernels may still read, or reads blocks its forward is still writing. No host
+        sync on the engine's thread."""
+        paged = self._loader or self._saver
+        if paged is None or paged.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(paged.device))
+        return event
+
+    def _engine_waits(self, paged: PagedKVConnector | None) -> None:
+        """On CUDA, the engine's stream waits (on the device) for the loads queued on the
+        loader's side stream."""
+        if paged is not None and paged.stream is not None:
+            torch.cuda.current_stream(paged.device).wait_stream(paged.stream)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
@@ -506,18 +643,19 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             else KvpoolConnectorStats()
 
     def shutdown(self) -> None:
-        if self._io is not None:
-            if self._paged is not None:
-                paged = self._paged
-                self._io.submit(paged.close).result()
-            self._io.shutdown(wait=True)
+        for io, paged in ((self._load_io, self._loader), (self._save_io, self._saver)):
+            if io is not None:
+                if paged is not None:  # after what is queued (saves finish first)
+                    io.submit(paged.close).result()
+                io.shutdown(wait=True)
         if self._client is not None:
             self._client.close()
 
-    # -- on the I/O thread ------------------------------------------------------------------
+    # -- on the I/O threads -----------------------------------------------------------------
 
     def _finish(self, pending: Future[set[int]]) -> None:
         failed = pending.result()  # _load_all never raises
+        self._engine_waits(self._loader)
         if failed:
             with self._lock:
                 self._load_errors |= failed
@@ -533,46 +671,58 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         b = self.block_size
         return set(load.block_ids[max(loaded, load.start) // b : load.end // b])
 
-    def _load_all(self, loads: Sequence[_Load]) -> set[int]:
-        assert self._paged is not None
+    def _load_one(self, load: _Load, after: Any) -> set[int]:
+        """Load one request's chunks; the blocks promised and not loaded (never raises)."""
+        return self._load(load, after)[1]
+
+    def _load(self, load: _Load, after: Any) -> tuple[int, set[int]]:
+        assert self._loader is not None
+        if after is not None:
+            after.synchronize()  # the engine's queued kernels are done with these blocks
+        started = time.perf_counter()
+        loaded = 0
+        if not self.backoff.allow():  # promised before the pool failed: recompute
+            self.stats.data["backed_off"] += 1
+        else:
+            try:
+                loaded = self._loader.load(load.tokens, load.block_ids,
+                                           max_tokens=load.end, skip_tokens=load.start)
+                self.backoff.succeeded()
+            except Exception as exc:  # never into the engine: the blocks are recomputed
+                self._once("load", "a load failed, its tokens are recomputed: %s", exc)
+                if isinstance(exc, KvpoolError):
+                    self._failed("load")
+        self.stats.data["load_s"] += time.perf_counter() - started
+        self.stats.data["tokens_loaded"] += max(0, min(loaded, load.end) - load.start)
+        if loaded >= load.end:
+            return loaded, set()
+        self.stats.data["load_errors"] += 1
+        return loaded, self._blocks(load, loaded)
+
+    def _load_all(self, loads: Sequence[_Load], after: Any) -> set[int]:
         failed: set[int] = set()
         for load in loads:
-            started = time.perf_counter()
-            loaded = 0
-            if not self.backoff.allow():  # promised before the pool failed: recompute
-                self.stats.data["backed_off"] += 1
-            else:
-                try:
-                    loaded = self._paged.load(load.tokens, load.block_ids,
-                                              max_tokens=load.end, skip_tokens=load.start)
-                    self.backoff.succeeded()
-                except Exception as exc:  # never into the engine: the blocks are recomputed
-                    self._once("load", "a load failed, its tokens are recomputed: %s", exc)
-                    if isinstance(exc, KvpoolError):
-                        self._failed("load")
-            self.stats.data["load_s"] += time.perf_counter() - started
-            self.stats.data["tokens_loaded"] += max(0, min(loaded, load.end) - load.start)
-            if loaded < load.end:
-                self.stats.data["load_errors"] += 1
-                failed |= self._blocks(load, loaded)
+            loaded, missed = self._load(load, after)
+            after = None
+            if missed:
+                failed |= missed
                 # its blocks past this point hold nothing valid until vLLM recomputes them
                 self._valid_until[load.req_id] = max(loaded, load.start)
         return failed
 
-    def _save_all(self, saves: Sequence[_Save]) -> None:
-        assert self._paged is not None
-        valid_until, self._valid_until = self._valid_until, {}
-        for save in saves:
-            tokens = save.tokens
-            if save.req_id in valid_until:  # never store blocks a failed load left empty
-                tokens = tokens[: valid_until[save.req_id] // self.chunk_tokens
-                                * self.chunk_tokens]
+    def _save_one(self, tokens: list[int], block_ids: list[int], chunks: int,
+                  after: Any) -> None:
+        """Store one request's full chunks (those the pool lacks); never raises."""
+        assert self._saver is not None
+        try:
+            if after is not None:
+                after.synchronize()  # the forward that wrote these blocks is done
             if not self.backoff.allow():
                 self.stats.data["backed_off"] += 1
-                continue
+                return
             started = time.perf_counter()
             try:
-                self.stats.data["tokens_stored"] += self._paged.store(tokens, save.block_ids)
+                self.stats.data["tokens_stored"] += self._saver.store(tokens, block_ids)
                 self.backoff.succeeded()
             except Exception as exc:  # a cache that missed a save is only a colder cache
                 self.stats.data["save_errors"] += 1
@@ -580,19 +730,22 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 if isinstance(exc, KvpoolError):
                     self._failed("save")
             self.stats.data["save_s"] += time.perf_counter() - started
+        finally:
+            with self._lock:
+                self._queued_chunks -= chunks
+
+
+def _done(result: set[int]) -> Future[set[int]]:
+    """A future already holding ``result``."""
+    future: Future[set[int]] = Future()
+    future.set_result(result)
+    return future
 
 
 def _namespace(vllm_config: Any, model_id: str, chunk_tokens: int,
                kv_format: str | None = None) -> Namespace:
     """The key namespace of this engine's KV (the scheduler hashes with it too)."""
-    model, parallel, cache = (vllm_config.model_config, vllm_config.parallel_config,
-                              vllm_config.cache_config)
-    if parallel.pipeline_parallel_size > 1:
-        raise ConfigError("kvpool connector: pipeline parallelism is not supported yet")
-    if cache.cache_dtype not in ("auto", None) and str(cache.cache_dtype) != dtype_name(
-            model.dtype):
-        raise ConfigError(f"kvpool connector: KV cache dtype {cache.cache_dtype} is not "
-                          "supported (use the model's dtype)")
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
     rank = 0
     if parallel.tensor_parallel_size > 1:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -658,8 +811,11 @@ def _layout_kind(vllm_config: Any, on_cpu: bool) -> LayoutKind:
         return "bhnc"  # the shape check in register_kv_caches, and the connector idles
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    isa = _get_attn_isa(model.dtype, block_size, head_dim,
-                        str(vllm_config.cache_config.cache_dtype))
+    try:
+        isa = _get_attn_isa(model.dtype, block_size, head_dim,
+                            str(vllm_config.cache_config.cache_dtype))
+    except NotImplementedError as exc:  # vLLM itself will say so at start
+        raise ConfigError(f"kvpool connector: vLLM's CPU attention: {exc}") from exc
     if isa == "amx":
         return "cpu_attn_amx"
     if isa not in ("vec", "vec16"):
@@ -673,9 +829,18 @@ def _layout(vllm_config: Any, chunk_format: str) -> KVLayout:
     config; ConfigError (LayoutError) if it is not one this module maps."""
     from vllm.platforms import current_platform
 
-    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    model, parallel, cache = (vllm_config.model_config, vllm_config.parallel_config,
+                              vllm_config.cache_config)
+    if cache.cache_dtype not in ("auto", None) and str(cache.cache_dtype) != dtype_name(
+            model.dtype):
+        raise ConfigError(f"kvpool connector: KV cache dtype {cache.cache_dtype} is not "
+                          "mapped yet (quantized caches need their scales in the key "
+                          "namespace); use the model's dtype")
+    stage = None  # a pipeline stage holds its own layers: their range is in the namespace
+    if parallel.pipeline_parallel_size > 1:
+        stage = tuple(model.get_layers_start_end_indices(parallel))
     return KVLayout(model.get_num_layers(parallel), model.get_num_kv_heads(parallel),
-                    model.get_head_size(), model.dtype,
-                    int(vllm_config.cache_config.block_size),
+                    model.get_head_size(), model.dtype, int(cache.block_size),
                     kind=_layout_kind(vllm_config, current_platform.is_cpu()),
-                    chunk_format="engine" if chunk_format == "engine" else "canonical")
+                    chunk_format="engine" if chunk_format == "engine" else "canonical",
+                    layer_range=stage)

@@ -40,7 +40,9 @@ __all__ = [
 
 DEFAULT_CHUNK_TOKENS = 128
 #: engine-native chunk formats (see Namespace.kv_format)
-_ENGINE_FORMAT = re.compile(r"cpu_attn(_amx)?-block[1-9][0-9]*"
+_ENGINE_FORMAT = re.compile(r"((mla|cpu_attn(_amx)?-block[1-9][0-9]*)-)?"
+                            r"layers[0-9]+-[1-9][0-9]*"
+                            r"|cpu_attn(_amx)?-block[1-9][0-9]*"
                             r"|sglang(-[a-z0-9_]+)+-pp[0-9]+of[1-9][0-9]*")
 _MAX_TOKEN = 0xFFFFFFFF
 
@@ -69,7 +71,9 @@ class Namespace:
     #: latent dim); "cpu_attn-block<N>" / "cpu_attn_amx-block<N>" = vLLM CPU_ATTN's own
     #: block bytes (vec / AMX kernels), block size N (an engine-native format: readable
     #: only by engines with the same blocks); "sglang-<layout>[-mla][-<format>]-pp<R>of<S>"
-    #: = pages of SGLang's HiCache host pool in that layout, of pipeline stage R of S
+    #: = pages of SGLang's HiCache host pool in that layout, of pipeline stage R of S;
+    #: a "layers<A>-<B>" part (alone, or after "-") = only the model's layers A to B-1
+    #: (a vLLM pipeline stage)
     kv_format: str | None = None
 
     def __post_init__(self) -> None:
@@ -96,7 +100,8 @@ class Namespace:
             raise ConfigError(f"tp_rank {self.tp_rank} outside [0, tp_size={self.tp_size})")
         if self.kv_format not in (None, "mla") and not _ENGINE_FORMAT.fullmatch(self.kv_format):
             raise ConfigError(f"namespace kv_format must be None, 'mla', 'cpu_attn-block<N>', "
-                              f"'cpu_attn_amx-block<N>' or 'sglang-<layout>...-pp<R>of<S>', "
+                              f"'cpu_attn_amx-block<N>', any of these then '-layers<A>-<B>' "
+                              f"(or that alone), or 'sglang-<layout>...-pp<R>of<S>', "
                               f"got {self.kv_format!r}")
 
     def fields(self) -> dict[str, Any]:

@@ -383,3 +383,23 @@ def test_the_scatter_with_views_made_once_writes_what_scatter_writes(
     fast(twin, got, ids, twin_chunk)
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                for a, b in zip(expected, got, strict=True))
+
+
+def test_a_pipeline_stage_keys_its_own_layers_apart() -> None:
+    """A layout of a pipeline stage names its layer range in the namespace's kv_format, so
+    two stages (same layer count, same geometry) never share a key; a range that does not
+    match the layer count is refused."""
+    from kvpool.placement.keys import ChunkHasher
+
+    first = KVLayout(3, 2, 8, torch.bfloat16, BLOCK, kind="bhnc", layer_range=(0, 3))
+    second = KVLayout(3, 2, 8, torch.bfloat16, BLOCK, kind="bhnc", layer_range=(3, 6))
+    engine = KVLayout(3, 2, 8, torch.bfloat16, BLOCK, kind="cpu_attn", chunk_format="engine",
+                      layer_range=(3, 6))
+    assert (first.kv_format, second.kv_format) == ("layers0-3", "layers3-6")
+    assert engine.kv_format == "cpu_attn-block4-layers3-6"
+    tokens = list(range(CHUNK))
+    keys = {ChunkHasher(layout.namespace("m", chunk_tokens=CHUNK)).keys(tokens)[0]
+            for layout in (first, second, engine, LAYOUTS["bhnc_lbnhc"])}
+    assert len(keys) == 4
+    with pytest.raises(LayoutError, match="layer_range"):
+        KVLayout(3, 2, 8, torch.bfloat16, BLOCK, kind="bhnc", layer_range=(0, 4))

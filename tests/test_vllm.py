@@ -167,7 +167,7 @@ def test_connector_settings_fail_with_one_clear_line(tmp_path: Path) -> None:
     assert result["url only"] == {"ok": True, "seeds": 1}
     assert result["seed list"] == {"ok": True, "seeds": 2}
     errors = {name: r.get("error", "") for name, r in result.items()
-              if name not in ("log", "backoff")}
+              if name not in ("log", "backoff", "piecewise", "starts")}
     assert 'needs "kvpool_url"' in errors["no url"]
     assert "unknown kv_connector_extra_config key(s) ['chunk_token']" in errors["typo"]
     assert "load_mode must be one of" in errors["bad mode"]
@@ -175,6 +175,20 @@ def test_connector_settings_fail_with_one_clear_line(tmp_path: Path) -> None:
     assert "timeout_s must be > 0" in errors["bad timeout"]
     assert "chunk_format must be one of ('canonical', 'engine')" in errors["bad format"]
     assert "retry_after_s must be > 0, got 0" in errors["bad retry"]
+    assert "save_queue_chunks must be an integer >= 1" in errors["bad queue"]
+    # vLLM makes FULL CUDA graphs piecewise for layer-wise loads only (a FULL replay never
+    # runs wait_for_layer_load); async and sync loads are done before the forward
+    assert result["piecewise"] == {"default": False, "async": False, "sync": False,
+                                   "layer": True}
+    # an fp8 KV cache: vLLM starts, the connector idles; two pipeline stages: each saves
+    # and loads its own 15 layers under keys of their own
+    starts = result["starts"]
+    assert starts["fp8/0"] == {"started": True, "enabled": False, "num_layers": 30,
+                               "kv_format": None}
+    assert starts["pp2/0"] == {"started": True, "enabled": True, "num_layers": 15,
+                               "kv_format": "layers0-15"}
+    assert starts["pp2/1"] == {"started": True, "enabled": True, "num_layers": 15,
+                               "kv_format": "layers15-30"}
     # after a failure the pool is left alone 5 s, then 10, 20, 40, 60 (at most 12x), and
     # a success resets it
     assert [tuple(step) for step in result["backoff"]] == [
@@ -213,10 +227,31 @@ def test_a_lying_node_never_makes_the_scheduler_promise_what_was_not_asked(tmp_p
         liar.close()
     answers = result["answers"]
     assert len(answers) == 60 and told[1] == len(lies)
-    assert all(0 <= n <= 7 * 128 and n % 128 == 0 and not load_async
+    # (async loads, the default: vLLM requires False with 0 tokens)
+    assert all(0 <= n <= 7 * 128 and n % 128 == 0 and load_async == (n > 0)
                for n, load_async in answers), answers
     assert any(n == 7 * 128 for n, _ in answers), answers
     assert result["stats"]["lookup_errors"] >= 2, result["stats"]
+
+
+def test_saves_leave_the_step_and_hold_their_blocks_until_done(pool: NodeProcess,
+                                                              tmp_path: Path) -> None:
+    """The worker half over real caches and a real node: a save is queued and the step goes
+    on; the request's blocks are reported free (``get_finished``) only once it finished
+    and its save is done, exactly once; an async load of the same prefix into other
+    blocks is reported done and is bit-exact. Against a node that never answers: the
+    step returns with the save in flight, a save past ``save_queue_chunks`` is skipped
+    (its request reported at once), and a preempted request's save is waited for before
+    its blocks can be written again."""
+    result = driver(tmp_path, "saves", {"url": pool.url}, timeout=240)
+    assert result["unfinished_reported"] == [[], []]  # not finished: its blocks stay held
+    assert result["save_calls"] >= 1 and result["reported_again"] == [[], []]
+    assert result["load_errors"] == [] and result["bit_exact"]
+    assert result["stats"]["tokens_stored"] == 256 and result["stats"]["tokens_loaded"] == 256
+    assert result["hung_in_flight"] == ["r1"] and result["hung_skipped"] == 1
+    assert result["hung_first"] == [["r2"], []]  # r1's save still reads its blocks
+    assert result["hung_after_flush"] == [["r1"], []]
+    assert result["hung_stats"]["save_errors"] == 1
 
 
 def test_a_fresh_vllm_loads_the_prefix_another_stored(pool: NodeProcess,

@@ -4,6 +4,7 @@
     $VLLM_CPU_PYTHON -m tests.vllm_driver gpu-layouts OUT.json
     $VLLM_CPU_PYTHON -m tests.vllm_driver settings OUT.json
     $VLLM_CPU_PYTHON -m tests.vllm_driver lookups SPEC.json OUT.json
+    $VLLM_CPU_PYTHON -m tests.vllm_driver saves SPEC.json OUT.json
 
 (from the repository's root). ``layout``: writes K/V with vLLM's own cache-write op
 (``cpu_attn_reshape_and_cache``) and checks kvpool's ``cpu_attn`` gather and scatter
@@ -13,7 +14,9 @@ views vLLM gives its GPU backends, in every ``KVCacheLayout`` (see
 bad ``kv_connector_extra_config`` dicts, and its back-off's steps. ``lookups``: the
 scheduler half of the connector (a real ``VllmConfig`` for SmolLM2) asks the node at the
 SPEC's ``url`` ``rounds`` times how much of a 1,000-token prompt it holds, and reports
-each answer. Engines run through ``bench._vllm_engine`` (shared with the benchmark).
+each answer. ``saves``: the worker half over random caches saves off the step, loads
+between steps, and holds a request's blocks until its save is done (see
+:func:`saves_check`). Engines run through ``bench._vllm_engine`` (shared with the benchmark).
 """
 
 from __future__ import annotations
@@ -182,6 +185,7 @@ def settings_check() -> dict[str, Any]:
         "bad timeout": {"kvpool_url": "x:1", "timeout_s": -1},
         "bad format": {"kvpool_url": "x:1", "chunk_format": "native"},
         "bad retry": {"kvpool_url": "x:1", "retry_after_s": 0},
+        "bad queue": {"kvpool_url": "x:1", "save_queue_chunks": 0},
     }
     out: dict[str, Any] = {}
     for name, extra in cases.items():
@@ -193,7 +197,66 @@ def settings_check() -> dict[str, Any]:
         except ConfigError as exc:
             out[name] = {"ok": False, "error": str(exc)}
     out["backoff"] = backoff_check()
+    out["piecewise"] = piecewise_check()
+    out["starts"] = starts_check()
     return out
+
+
+def starts_check() -> dict[str, Any]:
+    """What the connector does at start with an fp8 KV cache and with two pipeline stages
+    (real VllmConfigs for SmolLM2, 30 layers): idle or serving, and each stage's key
+    namespace. (Before: both raised, and vLLM did not start.)"""
+    import copy
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvpool.examples.models import smollm2_folder
+    from kvpool.gpu.vllm import KvpoolConnector
+
+    transfer = KVTransferConfig(kv_connector="KvpoolConnector", kv_role="kv_both",
+                                kv_connector_module_path="kvpool.gpu.vllm",
+                                kv_connector_extra_config={"kvpool_url": "127.0.0.1:1"})
+    out: dict[str, Any] = {}
+    for name, extra in (("fp8", {"kv_cache_dtype": "fp8"}),
+                        ("pp2", {"pipeline_parallel_size": 2})):
+        config = EngineArgs(model=str(smollm2_folder()), enforce_eager=True,
+                            kv_transfer_config=transfer, max_model_len=8192,
+                            **extra).create_engine_config()
+        ranks = [0, 1] if name == "pp2" else [0]
+        for rank in ranks:
+            staged = copy.copy(config)
+            staged.parallel_config = copy.copy(config.parallel_config)
+            staged.parallel_config.rank = rank
+            try:
+                connector = KvpoolConnector(staged, KVConnectorRole.SCHEDULER)
+                ns = connector.namespace
+                out[f"{name}/{rank}"] = {
+                    "started": True, "enabled": connector.load_enabled,
+                    "num_layers": ns.num_layers, "kv_format": ns.kv_format}
+            except Exception as exc:
+                out[f"{name}/{rank}"] = {"started": False,
+                                         "error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+def piecewise_check() -> dict[str, bool]:
+    """Whether vLLM (resolving the connector class as its config does) turns FULL CUDA
+    graphs into piecewise ones, for each ``load_mode``."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    answers = {}
+    for mode in ("default", "async", "sync", "layer"):
+        extra = {"kvpool_url": "x:1"} | ({} if mode == "default" else {"load_mode": mode})
+        transfer = KVTransferConfig(kv_connector="KvpoolConnector", kv_role="kv_both",
+                                    kv_connector_module_path="kvpool.gpu.vllm",
+                                    kv_connector_extra_config=extra)
+        cls = KVConnectorFactory.get_connector_class(transfer)
+        answers[mode] = bool(cls.requires_piecewise_for_cudagraph(
+            transfer.kv_connector_extra_config))
+    return answers
 
 
 def backoff_check() -> list[list[Any]]:
@@ -248,14 +311,117 @@ def lookups_check(url: str, rounds: int) -> dict[str, Any]:
     return {"answers": answers, "stats": dict(connector.stats.data)}
 
 
+def _worker(url: str, **extra: Any) -> Any:
+    """A worker-side connector for SmolLM2 (a real VllmConfig) over random caches of the
+    layout vLLM's CPU backend gives it, 16 blocks a layer, registered as vLLM does."""
+    import torch
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvpool.examples.models import smollm2_folder
+    from kvpool.gpu.vllm import KvpoolConnector
+
+    transfer = KVTransferConfig(
+        kv_connector="KvpoolConnector", kv_role="kv_both",
+        kv_connector_module_path="kvpool.gpu.vllm",
+        kv_connector_extra_config={"kvpool_url": url, "chunk_tokens": 128, **extra})
+    config = EngineArgs(model=str(smollm2_folder()), enforce_eager=True, block_size=128,
+                        kv_transfer_config=transfer, max_model_len=8192).create_engine_config()
+    connector = KvpoolConnector(config, KVConnectorRole.WORKER)
+    layout = connector.layout
+    g = torch.Generator().manual_seed(3)
+    connector.register_kv_caches({
+        f"model.layers.{i}.self_attn.attn":
+            torch.randn(layout.layer_shape(16), generator=g).to(layout.dtype)
+        for i in range(layout.num_layers)})
+    return connector
+
+
+def _until(connector: Any, finished: set[str], want: str, side: int) -> int:
+    """Calls of ``get_finished(finished)`` until ``want`` is reported on ``side`` (0:
+    saves, 1: loads), at most 1000 (10 s)."""
+    import time
+
+    for calls in range(1, 1001):
+        reported = connector.get_finished(finished)[side] or set()
+        if want in reported:
+            return calls
+        time.sleep(0.01)
+    raise AssertionError(f"{want} never reported")
+
+
+def saves_check(url: str) -> dict[str, Any]:
+    """Saves off the step and async loads through the worker half, against the node at
+    ``url`` and against a node that accepts and never answers (see test_vllm.py)."""
+    import socket
+    import threading
+
+    import torch
+
+    from kvpool.gpu.vllm import KvpoolConnectorMetadata, _Load, _Save
+
+    out: dict[str, Any] = {}
+    tokens = list(range(5000, 5300))  # two full chunks of 128 (blocks 2, 5; 3 is partial)
+    worker = _worker(url, load_mode="async")
+    caches = worker._loader._async.caches
+    worker.bind_connector_metadata(KvpoolConnectorMetadata(
+        saves=[_Save("r1", tokens[:256], [2, 5, 3])]))
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    out["unfinished_reported"] = [sorted(x or ()) for x in worker.get_finished(set())]
+    out["save_calls"] = _until(worker, {"r1"}, "r1", 0)
+    out["reported_again"] = [sorted(x or ()) for x in worker.get_finished({"r1"})]
+    # the same prefix into other blocks, loaded between steps
+    worker.bind_connector_metadata(KvpoolConnectorMetadata(
+        loads=[_Load("r2", tokens[:256], [9, 11, 12], 0, 256)]))
+    worker.start_load_kv(None)
+    worker.clear_connector_metadata()
+    out["load_calls"] = _until(worker, set(), "r2", 1)
+    out["load_errors"] = sorted(worker.get_block_ids_with_load_errors())
+    out["bit_exact"] = all(bool(torch.equal(c[a].view(torch.uint8), c[b].view(torch.uint8)))
+                           for c in caches for a, b in ((2, 9), (5, 11)))
+    out["stats"] = dict(worker.stats.data)
+    worker.shutdown()
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        held: list[socket.socket] = []
+
+        def hold() -> None:  # accept and never answer, until the server closes
+            while True:
+                try:
+                    held.append(server.accept()[0])
+                except OSError:
+                    return
+
+        threading.Thread(target=hold, daemon=True).start()
+        hung = _worker(f"127.0.0.1:{server.getsockname()[1]}", save_queue_chunks=2,
+                       timeout_s=1.0, retry_after_s=600)
+        hung.bind_connector_metadata(KvpoolConnectorMetadata(saves=[
+            _Save("r1", tokens[:256], [2, 5, 3]), _Save("r2", tokens[:128], [7])]))
+        hung.wait_for_save()  # returns with r1's save in flight, r2's past the bound
+        hung.clear_connector_metadata()
+        out["hung_in_flight"] = sorted(r for r, f in hung._saving.items() if not f.done())
+        out["hung_skipped"] = hung.stats.data["saves_skipped"]
+        out["hung_first"] = [sorted(x or ()) for x in hung.get_finished({"r1", "r2"})]
+        hung.handle_preemptions(KvpoolConnectorMetadata(flush={"r1"}))  # waits for r1
+        out["hung_after_flush"] = [sorted(x or ()) for x in hung.get_finished(set())]
+        out["hung_stats"] = dict(hung.stats.data)
+        hung.shutdown()
+        for conn in held:
+            conn.close()
+    return out
+
+
 def main() -> int:
     checks = {"layout": layout_check, "gpu-layouts": gpu_layouts_check,
               "settings": settings_check}
     command, out = sys.argv[1], sys.argv[-1]
-    if command == "lookups":
+    if command in ("lookups", "saves"):
         with open(sys.argv[2]) as f:
             spec = json.load(f)
-        result = lookups_check(spec["url"], int(spec["rounds"]))
+        result = lookups_check(spec["url"], int(spec["rounds"])) if command == "lookups" \
+            else saves_check(spec["url"])
     elif command not in checks:
         raise SystemExit(f"unknown command {command!r}: one of {sorted(checks)}")
     else:
