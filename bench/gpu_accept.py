@@ -179,6 +179,7 @@ def engine(spec: dict[str, Any]) -> dict[str, Any]:
     llm.reset_prefix_cache()
     loaded = run()
     cudagraph = str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)
+    llm.llm_engine.engine_core.shutdown()
     return {"computed": computed, "own": own, "loaded": loaded, "cudagraph_mode": cudagraph,
             "block": block}
 

@@ -50,6 +50,7 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["way"] == "store":
         llm.generate([long_prompt], SamplingParams(max_tokens=1, temperature=0.0),
                      use_tqdm=False)
+        engine.engine_core.shutdown()  # the connector's saves finish first
         return {}
     params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
@@ -77,6 +78,7 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
             engine.add_request("long", long_prompt,
                                SamplingParams(max_tokens=1, temperature=0.0))
             long_added = time.perf_counter()
+    engine.engine_core.shutdown()
     itl = [(b - a, in_flight) for (a, _), (b, in_flight) in itertools.pairwise(stamps)]
     before = [gap for gap, _ in itl[:WARM_TOKENS - 2]]
     during = [gap for gap, flight in itl if flight]
