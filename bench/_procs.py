@@ -80,14 +80,16 @@ def _wait_port(port: int, proc: subprocess.Popen[str], timeout: float = 15.0) ->
     raise RuntimeError(f"{proc.args!r} did not listen on {port}")
 
 
-def start_node(*flags: str, env: dict[str, str] | None = None) -> Proc:
+def start_node(*flags: str, env: dict[str, str] | None = None,
+               python: str | None = None) -> Proc:
     """A node with its data dir in a fresh temp dir (removed by :meth:`Proc.stop`).
 
-    ``env`` adds to (or overrides) this process's environment.
+    ``env`` adds to (or overrides) this process's environment; ``python``: the
+    interpreter that runs it (default: this one).
     """
     data_dir = tempfile.mkdtemp(prefix="kvpool-bench-")
-    cmd = [sys.executable, "-m", "kvpool.server", "serve", "--data-port", "0", "--admin-port",
-           "0", "--log-level", "warning", "--data-dir", data_dir, *flags]
+    cmd = [python or sys.executable, "-m", "kvpool.server", "serve", "--data-port", "0",
+           "--admin-port", "0", "--log-level", "warning", "--data-dir", data_dir, *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **env} if env else None)
     assert proc.stdout is not None

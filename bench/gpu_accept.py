@@ -3,7 +3,8 @@
     python -m bench.gpu_accept [--backends FLASH_ATTN,FLASHINFER,TRITON_ATTN]
         [--modes async,sync,layer] [--cpu]
 
-Needs torch with CUDA, vLLM's CUDA build and kvpool installed; nothing is downloaded:
+Needs torch with CUDA, vLLM's CUDA build and ``kvpool[server]`` installed (or
+``--node-python`` naming an interpreter that has the node); nothing is downloaded:
 the model is a tiny random-init Llama (4 layers, 4 heads, 2 KV heads, head dim 64, bf16)
 made from a config written to a temp folder (``load_format="dummy"``, no tokenizer).
 A kvpool node runs on 127.0.0.1.
@@ -33,6 +34,7 @@ CUDA graphs, no sanitizer): a check of this script, not of the GPU path.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -55,6 +57,10 @@ TINY_LLAMA = {
     "eos_token_id": 2, "kvpool_model_id": "kvpool-gpu-accept/tiny-llama-random",
 }
 PROMPTS = [257] * 4 + [1000]
+SYNC_WARNING = "called a synchronizing CUDA operation"
+#: where kvpool's GPU code lives (a sync warning naming a file there is kvpool's)
+_GPU_SPEC = importlib.util.find_spec("kvpool.gpu")
+KVPOOL_GPU_DIR = str(Path(_GPU_SPEC.origin or "").parent) if _GPU_SPEC else "kvpool/gpu"
 MAX_TOKENS = 16
 
 
@@ -199,8 +205,11 @@ def _engine_process(spec: dict[str, Any], tmp: Path, timeout: float) -> dict[str
         log, rc = str(exc.stdout or "") + str(exc.stderr or ""), -1
     result: dict[str, Any] = json.loads(out_file.read_text()) if out_file.exists() else {}
     result.update(rc=rc, seconds=round(time.perf_counter() - t0, 1), log_tail=log[-4000:])
-    result["sync_warnings_kvpool"] = sum(1 for line in log.splitlines()
-                                         if "sync" in line.lower() and "kvpool" in line)
+    # torch's "warn"-mode text, which VLLM_GPU_SYNC_CHECK turns on after warmup; the
+    # warning names the file whose call synchronized
+    syncs = [line for line in log.splitlines() if SYNC_WARNING in line]
+    result["sync_warnings"] = len(syncs)
+    result["sync_warnings_kvpool"] = sum(1 for line in syncs if KVPOOL_GPU_DIR in line)
     result["load_failures"] = log.count("Recovered from KV load failure")
     return result
 
@@ -226,6 +235,9 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true",
                         help="vLLM's CPU build: a check of this script, not of the GPU path")
     parser.add_argument("--engine-timeout", type=float, default=150.0)
+    parser.add_argument("--node-python", default=sys.executable,
+                        help="the interpreter that runs the kvpool node (kvpool[server] "
+                             "installed; default: this one)")
     parser.add_argument("--out", default=str(RESULTS / "gpu_accept.json"))
     parser.add_argument("--engine", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--parity", nargs=2, help=argparse.SUPPRESS)
@@ -269,7 +281,7 @@ def main() -> int:
                             and "CSAN" not in done.stderr, "cases": cases,
                             "sanitizer": not args.cpu, "log_tail": done.stderr[-2000:]}
         # 2. engines
-        node = start_node("--dram-capacity", "2GiB", "--no-ssd")
+        node = start_node("--dram-capacity", "2GiB", "--no-ssd", python=args.node_python)
         try:
             backends = ["CPU_ATTN"] if args.cpu else args.backends.split(",")
             runs: dict[str, Any] = {}
