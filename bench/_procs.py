@@ -13,12 +13,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-__all__ = ["Proc", "free_port", "run_json", "start_iperf3", "start_node", "start_redis",
-           "start_seaweedfs"]
+__all__ = ["Proc", "engine_entry", "free_port", "run_json", "start_iperf3", "start_node",
+           "start_redis", "start_seaweedfs"]
 
 SEAWEED_PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
                  "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port",
@@ -171,3 +172,14 @@ def start_seaweedfs(root: Path, access_key: str, secret_key: str, bucket: str,
                                    + (root / "weed.log").read_text()[-2000:]) from exc
             time.sleep(0.3)
     return Proc(proc, ports["s3.port"], endpoint)
+
+
+def engine_entry(paths: Sequence[str], run: Callable[[dict[str, Any]], dict[str, Any]]
+                 ) -> NoReturn:
+    """A benchmark's engine process (``--engine SPEC OUT``): ``run`` on the JSON spec, its
+    JSON answer written to OUT, then out without vLLM's slow interpreter teardown (the
+    engine is shut down by ``run``)."""
+    spec = json.loads(Path(paths[0]).read_text())
+    Path(paths[1]).write_text(json.dumps(run(spec)))
+    sys.stdout.flush()
+    os._exit(0)

@@ -168,7 +168,7 @@ def engine(spec: dict[str, Any]) -> dict[str, Any]:
                                    "chunk_tokens": block})
     llm = LLM(model=spec["model"], load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", max_model_len=2048, seed=0, enforce_eager=cpu,
-              enable_prefix_caching=True, gpu_memory_utilization=0.3 if not cpu else 0.9,
+              enable_prefix_caching=True, gpu_memory_utilization=0.3 if not cpu else 0.2,
               kv_transfer_config=transfer, **kwargs)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False)
     batch = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
@@ -243,10 +243,9 @@ def main() -> int:
     parser.add_argument("--parity", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:
-        spec = json.loads(Path(args.engine[0]).read_text())
-        Path(args.engine[1]).write_text(json.dumps(engine(spec)))
-        sys.stdout.flush()
-        os._exit(0)  # skip vLLM's slow interpreter teardown
+        from bench._procs import engine_entry
+
+        engine_entry(args.engine, engine)
     if args.parity:
         Path(args.parity[1]).write_text(json.dumps(parity(args.parity[0])))
         return 0

@@ -103,10 +103,9 @@ def main() -> int:
     parser.add_argument("--engine", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:
-        spec = json.loads(Path(args.engine[0]).read_text())
-        Path(args.engine[1]).write_text(json.dumps(run_engine(spec)))
-        sys.stdout.flush()
-        os._exit(0)  # skip vLLM's slow interpreter teardown
+        from bench._procs import engine_entry
+
+        engine_entry(args.engine, run_engine)
     if not args.vllm_python:
         print("set VLLM_CPU_PYTHON (or --vllm-python) to vLLM's environment (see .ci/run)")
         return 2

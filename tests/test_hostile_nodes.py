@@ -178,6 +178,23 @@ def random_rewrites(seed: int, count: int) -> list[tuple[str, int, int]]:
             for _ in range(count)]
 
 
+class HalfLies:
+    """A LyingNode tamper that rewrites about half the replies (a seeded coin, whatever
+    their op) with :func:`random_rewrites`, until those run out; counts replies and lies."""
+
+    def __init__(self, seed: int, count: int = 40) -> None:
+        self.lies = random_rewrites(seed, count)
+        self.coin = random.Random(seed + 1)
+        self.replies = self.told = 0
+
+    def __call__(self, _op: Op, reply: bytes) -> bytes:
+        self.replies += 1
+        if self.coin.random() < 0.5 or self.told >= len(self.lies):
+            return reply
+        self.told += 1
+        return rewrite(reply, *self.lies[self.told - 1])
+
+
 def rewrite(reply: bytes, how: str, n: int, byte: int) -> bytes:
     if how == "byte":
         pos = n % len(reply)

