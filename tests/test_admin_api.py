@@ -112,6 +112,7 @@ def busy_node() -> Any:
     node.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_schemathesis_finds_no_server_errors_and_no_schema_violations(
         busy_node: NodeProcess) -> None:

@@ -156,6 +156,7 @@ def test_admin_lookup_answers_for_the_whole_cluster(cluster3: LocalCluster) -> N
         assert isinstance(error, dict) and error["type"] == "bad_request" and error["message"]
 
 
+@pytest.mark.slow
 async def test_kill_9_under_load_with_replication_2(tmp_path: Path) -> None:
     """Mixed load; one node is SIGKILLed, then restarted: no errors, no wrong or lost bytes."""
     with LocalCluster(3, replication=2, data_dir=tmp_path, serve_args=FAST) as cluster:
@@ -389,6 +390,7 @@ def test_cluster_up_nodes_share_the_disk_the_default_gives_one_node(tmp_path: Pa
         up.stop()
 
 
+@pytest.mark.slow
 def test_cluster_up_restarts_a_killed_node_and_the_others_keep_serving(
         tmp_path: Path) -> None:
     up = ClusterUp(tmp_path, nodes=3)
@@ -495,6 +497,7 @@ async def test_kv_events_stream(tmp_path: Path) -> None:
     assert evicted and set(evicted) <= {k.hex() for k in keys[1:]}
 
 
+@pytest.mark.slow
 def test_a_long_outage_raises_only_kvpool_errors(tmp_path: Path) -> None:
     """With every node dead, calls fail with kvpool errors however long it lasts: the
     retry back-off reaches its ceiling and stays there (it once overflowed a float)."""
@@ -636,6 +639,7 @@ def test_a_map_refresh_does_not_wait_for_a_hung_node(cluster3: LocalCluster) -> 
             proc.send_signal(signal.SIGCONT)
 
 
+@pytest.mark.slow
 def test_a_hung_node_costs_a_lookup_no_timeout_and_is_left_alone(
         cluster3: LocalCluster) -> None:
     """One node stopped (SIGSTOP; its connections stay open, its kernel still accepts new

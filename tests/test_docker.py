@@ -48,7 +48,7 @@ PORTS = [p for pair in NODES.values() for p in pair] + [2379, 2380, 9000, 9090, 
 #: what the stack's secrets service generated (read from a node container: ``secrets``)
 SECRETS: dict[str, str] = {}
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]  # images, containers and a Compose stack
 
 
 def unavailable(why: str) -> None:

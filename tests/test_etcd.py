@@ -29,6 +29,9 @@ from .test_cluster import value_for
 FAST = ["--no-ssd", "--dram-capacity", "64MiB"]
 
 
+pytestmark = pytest.mark.slow  # etcd and nodes joining, draining and dying
+
+
 def call(url: str, body: object | None = None) -> tuple[int, Any]:
     """GET, or POST ``body``."""
     return http_json(url, "POST" if body is not None else "GET", body)

@@ -19,8 +19,9 @@ from kvpool.client import Client
 from .conftest import NodeProcess, node_stats, start_node
 
 FLAGS = ("--dram-capacity", "32MiB", "--ssd-capacity", "32MiB", "--ssd-full-retry", "0.5")
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"),
-                                reason="mounting a small filesystem needs root")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"),
+                                 reason="mounting a small filesystem needs root")]
 
 
 @pytest.fixture

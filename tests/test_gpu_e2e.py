@@ -32,6 +32,9 @@ from .conftest import ROOT, NodeProcess, text_prompt  # noqa: E402
 STEPS = 16
 
 
+pytestmark = pytest.mark.slow  # a real transformer model in two engines
+
+
 @pytest.fixture(scope="module")
 def smollm2() -> tuple[Any, Any]:
     return load_smollm2()  # converted once per machine (~40 s), then ~0.3 s

@@ -135,6 +135,7 @@ def _reply_len(data: bytes) -> int:
     return first + FRAME.size + FRAME.unpack_from(data, first)[6]
 
 
+@pytest.mark.slow
 def test_maximal_admin_lookups_do_not_stall_other_clients(tenant_node: NodeProcess) -> None:
     """Lookups as large as the node allows (and larger) are parsed off the event loop: a
     witness's TCP GETs meanwhile never wait long (a 4M-token lookup once froze them 2-23 s).

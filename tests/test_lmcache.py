@@ -34,6 +34,9 @@ if not PYTHON or not Path(PYTHON).exists():
                 "(see .ci/run)", allow_module_level=True)
 
 
+pytestmark = pytest.mark.slow  # LMCache in the engines' environment
+
+
 def driver(tmp: Path, url: str, steps: list[dict[str, Any]],
            extra: dict[str, Any] | None = None) -> dict[str, Any]:
     spec, out = tmp / f"spec-{time.monotonic_ns()}.json", tmp / f"out-{time.monotonic_ns()}.json"

@@ -21,6 +21,8 @@ from kvpool.tiers.s3 import object_name
 
 from .conftest import start_node
 
+pytestmark = pytest.mark.slow  # nodes over a real S3 server, outages and restarts
+
 
 @pytest.fixture(autouse=True)
 def aws_credentials(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,6 +36,9 @@ if not PYTHON or not Path(PYTHON).exists():
 KEYS = [f"page-{i:02d}-of-a-prefix" for i in range(8)]  # SGLang chains the prefix itself
 
 
+pytestmark = pytest.mark.slow  # SGLang's storage layer in the engines' environment
+
+
 def driver(tmp: Path, steps: list[dict[str, Any]], timeout: float = 180) -> dict[str, Any]:
     spec, out = tmp / f"spec-{time.monotonic_ns()}.json", tmp / f"out-{time.monotonic_ns()}.json"
     spec.write_text(json.dumps({"steps": steps}))

