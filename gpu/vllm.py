@@ -295,9 +295,10 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         #: finish until the worker reports the save done (``get_finished``)
         self._save_issued: set[str] = set()
         # worker side: one thread and connector for loads, one for saves (a save backlog
-        # never delays a load)
+        # never queues ahead of a load; the two share one client, call by call)
         self._load_io: ThreadPoolExecutor | None = None
         self._save_io: ThreadPoolExecutor | None = None
+        self._worker_client: Client | None = None
         self._loader: PagedKVConnector | None = None
         self._saver: PagedKVConnector | None = None
         self._pending: Future[set[int]] | None = None
@@ -472,6 +473,9 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         names = sorted(kv_caches, key=extract_layer_index)
         caches = [kv_caches[n] for n in names]
         self._load_io, self._save_io = _io_threads(caches[0].device)
+        # one client for both threads (its calls are serialised): what one learns of a
+        # node (down, left behind as hung) the other uses at once
+        self._worker_client = self.settings.client()
         try:  # the connector checks the tensors against the layout
             self._loader = self._load_io.submit(self._open, layout, caches).result()
             self._saver = self._save_io.submit(self._open, layout, caches).result()
@@ -494,7 +498,8 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # pool and the blocks
         write: Scatter = VllmCacheWrite(caches) if layout.kind == "cpu_attn_amx" \
             and not layout.engine_format else scatter
-        return PagedKVConnector(self.settings.client(), layout, list(caches), self.namespace,
+        assert self._worker_client is not None
+        return PagedKVConnector(self._worker_client, layout, list(caches), self.namespace,
                                 staging_slots=self.settings.staging_slots, scatter=write)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -641,8 +646,9 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 if paged is not None:  # after what is queued (saves finish first)
                     io.submit(paged.close).result()
                 io.shutdown(wait=True)
-        if self._client is not None:
-            self._client.close()
+        for client in (self._client, self._worker_client):
+            if client is not None:
+                client.close()
 
     # -- on the I/O threads -----------------------------------------------------------------
 
