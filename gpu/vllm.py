@@ -489,7 +489,7 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
                  self.model_id, self.settings.load_mode, self.settings.kvpool_url)
 
     def _open(self, layout: KVLayout, caches: Sequence[torch.Tensor]) -> PagedKVConnector:
-        """On an I/O thread: the client and the connector it drives."""
+        """On an I/O thread: the connector it drives, over the worker's one client."""
         if hasattr(os, "sched_getaffinity"):  # (on one CPU the client copies on it alone)
             log.info("kvpool connector: %s thread on CPUs %s", threading.current_thread().name,
                      ",".join(map(str, sorted(os.sched_getaffinity(0)))))

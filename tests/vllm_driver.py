@@ -447,7 +447,6 @@ class _OnCuda:
 
         self._real, self.device = real, torch.device("cuda", 1)
         self.stream = _Recorder(name, calls)
-        self._calls = calls
 
     def load(self, *args: Any, **kwargs: Any) -> int:
         self.stream._note("load")
