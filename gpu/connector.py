@@ -29,8 +29,10 @@ put, with the gather of the next chunk overlapping the put of this one.
 
 Buffers: *k* host slots (pinned when the caches are on CUDA) and, on CUDA, *k*
 device slots, allocated once when the connector is made and kept for its
-life, so nothing on the hot path allocates tensor memory and the caching
-allocator can never hand a slot to someone else while a copy uses it. The
+life (and, for ``bhnc`` views, one layer's blocks of scratch a slot, which the
+gather reads the engine's strided blocks into), so nothing on the hot path
+allocates tensor memory but each call's few-byte block-id tensor, and the
+caching allocator can never hand a slot to someone else while a copy uses it. The
 device-side work runs on one "copy" thread, which on CUDA only enqueues work
 on the side stream and waits on its events, and on CPU does the copies
 itself (torch releases the GIL), so receiving the next chunk overlaps it in
@@ -52,7 +54,7 @@ import torch
 from kvpool.client import AsyncClient, Client
 from kvpool.gpu.in_place import load_in_place
 from kvpool.gpu.layout import CPU_ATTN_KINDS, KVLayout
-from kvpool.gpu.paged import Scatter, gather, scatter, scatter_for
+from kvpool.gpu.paged import Scatter, gather, gather_scratch_shape, scatter, scatter_for
 from kvpool.placement.keys import ChunkHasher, Namespace
 from kvpool.protocol.errors import BufferTooSmallError, LayoutError
 
@@ -87,6 +89,9 @@ class _Slot:
     chunk: torch.Tensor  #: ``device`` viewed as the chunk payload array
     host_view: memoryview  #: what get_into receives into and put sends from
     event: Any = None  #: torch.cuda.Event on CUDA
+    #: ``bhnc`` only: one layer's blocks of a chunk, dense, on the device (the gather
+    #: reads the engine's strided blocks into it, then reorders them into ``chunk``)
+    scratch: torch.Tensor | None = None
     busy: Awaitable[Any] | None = field(default=None, repr=False)
 
 
@@ -179,7 +184,11 @@ class AsyncPagedKVConnector:
         chunk = device.view(self.layout.dtype).view(self.layout.chunk_shape(self.chunk_tokens))
         view = host.numpy().data.cast("B")
         event = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
-        return _Slot(host, device, chunk, view, event)
+        scratch = None
+        if self.layout.kind == "bhnc":
+            scratch = torch.empty(gather_scratch_shape(self.layout, self.chunk_tokens),
+                                  dtype=self.layout.dtype, device=self.device)
+        return _Slot(host, device, chunk, view, event, scratch)
 
     def close(self) -> None:
         self._copier.shutdown(wait=True)
@@ -261,12 +270,12 @@ class AsyncPagedKVConnector:
         """Copy thread: the engine's blocks -> staging slot."""
         if self.stream is not None:
             with torch.cuda.stream(self.stream):
-                gather(self.layout, self.caches, ids, slot.chunk)
+                gather(self.layout, self.caches, ids, slot.chunk, scratch=slot.scratch)
                 slot.host.copy_(slot.device, non_blocking=True)
                 slot.event.record(self.stream)
             slot.event.synchronize()  # the bytes are on the host: put may send them
         else:
-            gather(self.layout, self.caches, ids, slot.chunk)
+            gather(self.layout, self.caches, ids, slot.chunk, scratch=slot.scratch)
 
     def _limit(self, tokens: list[int], block_ids: Sequence[int] | torch.Tensor,
                max_tokens: int | None) -> int:
@@ -495,6 +504,13 @@ class PagedKVConnector:
     def stream(self) -> Any:
         """The side CUDA stream its copies run on (None off CUDA)."""
         return self._async.stream
+
+    @property
+    def staging_nbytes(self) -> int:
+        """Bytes of its staging slots on the caches' device (as many again pinned on the
+        host when that is a GPU); 0 for direct transfers."""
+        return sum(slot.device.nbytes + (slot.scratch.nbytes if slot.scratch is not None
+                                         else 0) for slot in self._async.slots)
 
     def load(self, tokens: Sequence[int] | torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
              *, max_tokens: int | None = None, skip_tokens: int = 0) -> int:

@@ -47,8 +47,10 @@ array, so engines with different paged layouts share chunks:
   (layer, then K=0/V=1, then token, then head, then dim);
 - MLA: ``[num_layers, chunk_tokens, latent_dim]``.
 
-Elements are the engine's dtype in native (little-endian) byte order. The
-namespace (and so every key) records layers, heads, head dim, dtype,
+Elements are the engine's dtype in native (little-endian) byte order (a
+quantized cache's bytes as they are: vLLM's fp8 caches are ``uint8`` tensors,
+named in the namespace by ``dtype_label``, e.g. ``"fp8_e4m3"`` plus a digest of
+their scales). The namespace (and so every key) records layers, heads, head dim, dtype,
 chunk_tokens and, for MLA, ``kv_format="mla"``; the block size and the
 engine's paged layout are not part of it.
 
@@ -119,6 +121,10 @@ class KVLayout:
     #: the model's layers these caches hold, ``(start, end)``, where they are not all of
     #: them (a pipeline stage): recorded in the namespace's ``kv_format``
     layer_range: tuple[int, int] | None = None
+    #: what the namespace calls the elements where the tensors' dtype does not say it: a
+    #: quantized cache's format and scales (vLLM's fp8 caches are ``uint8`` tensors:
+    #: ``"fp8_e4m3"``, with ``-s<digest>`` when its scales are not all 1); None: the dtype
+    dtype_label: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -140,6 +146,10 @@ class KVLayout:
             if not 0 <= start < end or end - start != self.num_layers:
                 raise LayoutError(f"KVLayout.layer_range {self.layer_range} must be "
                                   f"(start, start + num_layers) with start >= 0")
+        if self.dtype_label is not None and (not isinstance(self.dtype_label, str)
+                                             or not self.dtype_label):
+            raise LayoutError(f"KVLayout.dtype_label must be a non-empty string or None, got "
+                              f"{self.dtype_label!r}")
         if self.kind == "mla" and self.num_kv_heads != 1:
             raise LayoutError("an MLA layout has one latent vector per token: num_kv_heads=1")
         if self.kind == "cpu_attn_amx" and (self.block_size % 16 or self.head_dim % 16
@@ -159,6 +169,11 @@ class KVLayout:
     def kv_factor(self) -> int:
         """2 for K and V, 1 for MLA's single latent."""
         return 1 if self.kind == "mla" else 2
+
+    @property
+    def dtype_id(self) -> str:
+        """The namespace's ``dtype``: :attr:`dtype_label`, else the tensors' dtype name."""
+        return self.dtype_label or dtype_name(self.dtype)
 
     @property
     def itemsize(self) -> int:
@@ -235,14 +250,14 @@ class KVLayout:
         if chunk_tokens % self.block_size:
             raise LayoutError(f"chunk_tokens ({chunk_tokens}) must be a multiple of the "
                               f"engine's block size ({self.block_size})")
-        return Namespace(model=model, dtype=dtype_name(self.dtype), num_layers=self.num_layers,
+        return Namespace(model=model, dtype=self.dtype_id, num_layers=self.num_layers,
                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                          chunk_tokens=chunk_tokens, tp_size=tp_size, tp_rank=tp_rank,
                          tenant=tenant, adapter=adapter, kv_format=self.kv_format)
 
     def check_namespace(self, namespace: Namespace) -> None:
         """Raise LayoutError unless ``namespace`` describes chunks of this layout."""
-        expected = (self.num_layers, self.num_kv_heads, self.head_dim, dtype_name(self.dtype),
+        expected = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_id,
                     self.kv_format)
         got = (namespace.num_layers, namespace.num_kv_heads, namespace.head_dim,
                namespace.dtype, namespace.kv_format)

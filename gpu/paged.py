@@ -29,7 +29,7 @@ import torch
 
 from kvpool.gpu.layout import CPU_ATTN_KINDS, KVLayout
 
-__all__ = ["CpuAttnScatter", "Scatter", "gather", "scatter", "scatter_for"]
+__all__ = ["CpuAttnScatter", "Scatter", "gather", "gather_scratch_shape", "scatter", "scatter_for"]
 
 
 class Scatter(Protocol):
@@ -53,9 +53,19 @@ def _split(layout: KVLayout, chunk: torch.Tensor, layer: int,
             for kv in (0, 1)]
 
 
+def gather_scratch_shape(layout: KVLayout, chunk_tokens: int) -> tuple[int, ...]:
+    """The shape of the ``scratch`` :func:`gather` reads a ``bhnc`` layer's blocks into
+    (one layer of one chunk: ``[blocks, H, N, 2, D]``)."""
+    b = layout.block_size
+    return (chunk_tokens // b, layout.num_kv_heads, b, 2, layout.head_dim)
+
+
 def gather(layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,
-           chunk: torch.Tensor) -> None:
-    """Copy the blocks ``ids`` of every layer into ``chunk`` (the chunk payload layout)."""
+           chunk: torch.Tensor, *, scratch: torch.Tensor | None = None) -> None:
+    """Copy the blocks ``ids`` of every layer into ``chunk`` (the chunk payload layout).
+    ``scratch`` (``bhnc``; shaped by :func:`gather_scratch_shape`, on the caches'
+    device): reused for each layer's blocks, so the gather allocates nothing (without
+    it, each layer's blocks go through a temporary)."""
     if layout.engine_format:
         for layer, cache in enumerate(caches):
             torch.index_select(cache, 0, ids, out=chunk[layer])
@@ -64,8 +74,12 @@ def gather(layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,
         _gather_cpu_attn(layout, caches, ids, chunk)
         return
     if layout.kind == "bhnc":
+        n = len(ids)
         for layer, cache in enumerate(caches):
-            blocks = torch.index_select(_bhnc_kv(layout, cache), 0, ids)  # dense temporary
+            if scratch is not None:
+                blocks = torch.index_select(_bhnc_kv(layout, cache), 0, ids, out=scratch[:n])
+            else:
+                blocks = torch.index_select(_bhnc_kv(layout, cache), 0, ids)
             _chunk_bhnc(layout, chunk, layer, 0).copy_(blocks)
         return
     for layer, cache in enumerate(caches):

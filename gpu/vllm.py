@@ -60,14 +60,24 @@ threads set the caches' device. This path is checked on the CPU against vLLM's o
 construction (``create_kv_cache_views``, every ``KVCacheLayout``) and the backends' own
 K/V split; it has not run on a GPU.
 
+MLA models (off the CPU): vLLM's ``[blocks, 1, block_size, latent]`` views are the
+``mla`` kind, one namespace for every TP rank, saved by rank 0. fp8 KV caches (``fp8``,
+``fp8_e4m3``, ``fp8_e5m2``: uint8 tensors, a K and a V scale a layer) move as their
+bytes, the format and a digest of the scales in the namespace's dtype. A backend that
+splits blocks into kernel blocks gets each block id as its kernel blocks. The worker
+takes vLLM's one full-attention (or MLA) cache group, this stage's layers, one per
+tensor (no draft-model layers, no layer reading another's cache), and hands its
+namespace to the scheduler through vLLM's handshake before the first request.
+
 Not handled (such requests neither load nor save; counted as ``skipped``):
 multimodal inputs (their placeholder tokens do not identify the images),
 LoRA adapters, prompts given as embeddings. Refused at start (the connector
-then stays idle, logged, and vLLM runs without it): quantized KV caches (fp8, int8,
-...), MLA models, and CPU attention kernels other than ``vec``/``vec16``/``amx``.
-Pipeline parallelism: each stage saves and loads its own layers (their range is in
-the namespace); the scheduler looks up the first stage's chunks, so a chunk another
-stage lacks is a failed load there, recomputed.
+then stays idle, logged, and vLLM runs without it): quantized KV caches with scales
+per token or per block (``*_per_token_head``, ``nvfp4``, ...), fp8 and MLA on vLLM's
+CPU backend, hybrid models (several KV cache groups), and CPU attention kernels other
+than ``vec``/``vec16``/``amx``. Pipeline parallelism: each stage saves and loads its
+own layers (their range is in the namespace); the scheduler looks up the first stage's
+chunks, so a chunk another stage lacks is a failed load there, recomputed.
 """
 
 from __future__ import annotations
@@ -78,12 +88,14 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
+import xxhash
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
 )
@@ -104,6 +116,9 @@ __all__ = ["VllmCacheWrite", "Backoff", "KvpoolConnector", "KvpoolConnectorMetad
 log = logging.getLogger("kvpool.vllm")
 
 _LOAD_MODES = ("async", "sync", "layer")
+#: quantized KV caches served: one byte an element with one scale per layer for K and one
+#: for V (per-token or per-block scales live beside the blocks: not mapped)
+_FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2")
 _CHUNK_FORMATS = ("canonical", "engine")
 
 
@@ -203,6 +218,16 @@ class KvpoolConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     flush: set[str] = field(default_factory=set)
 
 
+@dataclass
+class KvpoolHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+    """What a worker tells the scheduler at start (vLLM's handshake, before any request):
+    the key namespace its chunks are stored under (``Namespace`` fields), which only the
+    worker can know in full (its KV scales, the layers it was handed); None: its connector
+    is disabled, so the scheduler promises no loads and asks no saves."""
+
+    namespace: dict[str, Any] | None = None
+
+
 _COUNTERS = ("lookups", "lookup_errors", "tokens_looked_up", "tokens_hit", "tokens_loaded",
              "tokens_stored", "load_errors", "save_errors", "load_s", "save_s", "skipped",
              "backed_off", "saves_skipped")
@@ -278,9 +303,11 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         model = vllm_config.model_config
         self.model_id = self.settings.model_id or default_model_id(model.hf_config,
                                                                    str(model.model))
-        #: canonical chunks are the same whatever the kind; the engine's own are not
-        self.namespace = _namespace(vllm_config, self.model_id, chunk,
-                                    self.layout.kv_format if self.layout else None)
+        self._tp_rank = _tp_rank(vllm_config)
+        #: canonical chunks are the same whatever the kind; the engine's own are not. The
+        #: worker's is the final word: the scheduler takes it from vLLM's handshake
+        self.namespace = _namespace(vllm_config, self.model_id, chunk, self.layout,
+                                    self._tp_rank)
         self.hasher = ChunkHasher(self.namespace)
         self.stats = KvpoolConnectorStats()
         self._logged: set[str] = set()
@@ -314,6 +341,8 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._load_errors: set[int] = set()
         #: this step's requests whose load failed: tokens valid before the first failure
         self._valid_until: dict[str, int] = {}
+        #: kernel blocks a scheduler block holds (vLLM splits blocks for some backends)
+        self._kernel_ratio = 1
         self._lock = threading.Lock()
 
     # -- helpers ----------------------------------------------------------------------------
@@ -465,28 +494,112 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # -- worker side ------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.model_executor.models.utils import extract_layer_index
-
         layout = self.layout
         if layout is None or not (self.load_enabled or self.save_enabled):
             return
-        names = sorted(kv_caches, key=extract_layer_index)
-        caches = [kv_caches[n] for n in names]
+        try:
+            names = _own_layers(kv_caches, layout, self._kv_cache_config)
+            caches = [kv_caches[n] for n in names]
+            if layout.kind == "mla":  # vLLM's MLA view is [blocks, 1, block_size, latent]
+                caches = [c.squeeze(1) if c.dim() == 4 else c for c in caches]
+            layout = self._worker_layout(layout, names, caches)
+        except ConfigError as exc:
+            log.error("kvpool connector: disabled, every request computes its own KV: %s", exc)
+            self.layout = None
+            return
+        self.layout = layout
+        self.namespace = _namespace(self._vllm_config, self.model_id, self.chunk_tokens,
+                                    layout, self._tp_rank)
+        self.hasher = ChunkHasher(self.namespace)
         self._load_io, self._save_io = _io_threads(caches[0].device)
         # one client for both threads (its calls are serialised): what one learns of a
         # node (down, left behind as hung) the other uses at once
         self._worker_client = self.settings.client()
         try:  # the connector checks the tensors against the layout
             self._loader = self._load_io.submit(self._open, layout, caches).result()
-            self._saver = self._save_io.submit(self._open, layout, caches).result()
+            if layout.kind != "mla" or self._tp_rank == 0:  # MLA: one writer of the latents
+                self._saver = self._save_io.submit(self._open, layout, caches).result()
         except (KvpoolError, ValueError) as exc:
             log.error("kvpool connector: disabled, every request computes its own KV: %s", exc)
             self._loader = self._saver = None
+            self.layout = None
             return
-        log.info("kvpool connector: %d layers of %s blocks, %s chunks of %d tokens (%s, "
-                 "model id %r, %s loads) from %s", len(names), layout.kind,
-                 layout.chunk_format, self.chunk_tokens, dtype_name(layout.dtype),
-                 self.model_id, self.settings.load_mode, self.settings.kvpool_url)
+        staged = sum(p.staging_nbytes for p in (self._loader, self._saver) if p is not None)
+        log.info("kvpool connector: %d layers of %s blocks%s, %s chunks of %d tokens (%s, "
+                 "model id %r, %s loads) from %s; staging %.1f MiB on %s", len(names),
+                 layout.kind, f" ({self._kernel_ratio} kernel blocks a block)"
+                 if self._kernel_ratio > 1 else "", layout.chunk_format, self.chunk_tokens,
+                 layout.dtype_id, self.model_id, self.settings.load_mode,
+                 self.settings.kvpool_url, staged / 2**20, caches[0].device)
+
+    def _worker_layout(self, layout: KVLayout, names: Sequence[str],
+                       caches: Sequence[torch.Tensor]) -> KVLayout:
+        """The layout of the caches the worker was handed, from the one the config gave:
+        vLLM's kernel-block split (a backend that reads smaller blocks than the scheduler
+        hands out gets each block as ``ratio`` consecutive kernel blocks), the number of
+        layers with a cache of their own, the KV scales of a quantized cache."""
+        if not caches:
+            raise ConfigError("kvpool connector: vLLM registered no attention KV cache")
+        first = caches[0]
+        block_dim = 1 if layout.kind == "mla" else 2
+        kernel = int(first.shape[block_dim]) if first.dim() > block_dim else layout.block_size
+        if kernel != layout.block_size:
+            if kernel < 1 or layout.block_size % kernel:
+                raise ConfigError(f"kvpool connector: the caches hold blocks of {kernel} "
+                                  f"tokens, which do not divide vLLM's {layout.block_size}")
+            self._kernel_ratio = layout.block_size // kernel
+            layout = replace(layout, block_size=kernel)
+        if len(caches) != layout.num_layers:
+            if layout.layer_range is not None:
+                raise ConfigError(f"kvpool connector: {len(caches)} KV caches for the "
+                                  f"{layout.num_layers} layers of this pipeline stage")
+            layout = replace(layout, num_layers=len(caches))
+        if layout.dtype_label is not None:
+            layout = replace(layout, dtype_label=_scaled_label(
+                layout.dtype_label, self._vllm_config, names))
+        return layout
+
+    def get_handshake_metadata(self) -> KvpoolHandshake:
+        """This worker's key namespace, for the scheduler (None: disabled)."""
+        if self.layout is None or not (self.load_enabled or self.save_enabled):
+            return KvpoolHandshake(None)
+        return KvpoolHandshake(asdict(self.namespace))
+
+    def set_xfer_handshake_metadata_pp_aware(
+            self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+        """The scheduler hashes with the namespace of the first worker (pipeline stage 0,
+        tensor-parallel rank 0), whose chunks its lookups count."""
+        first = metadata.get((0, 0))
+        if isinstance(first, KvpoolHandshake):
+            self.adopt(first)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]
+                                    ) -> None:
+        first = metadata.get(0)
+        if isinstance(first, KvpoolHandshake):
+            self.adopt(first)
+
+    def adopt(self, handshake: KvpoolHandshake) -> None:
+        """Scheduler side: hash with the worker's namespace; promise nothing if its
+        connector is disabled (each promise would be a failed load)."""
+        if handshake.namespace is None:
+            if self.load_enabled or self.save_enabled:
+                log.error("kvpool connector: the worker's connector is disabled (see its "
+                          "log): no loads promised, no saves asked")
+            self.load_enabled = self.save_enabled = False
+            return
+        namespace = Namespace(**handshake.namespace)
+        if namespace != self.namespace:
+            log.info("kvpool connector: keys of the worker's namespace %s", namespace)
+            self.namespace = namespace
+            self.hasher = ChunkHasher(namespace)
+
+    def _kernel_ids(self, block_ids: Sequence[int]) -> list[int]:
+        """The caches' (kernel) block ids of the scheduler's ``block_ids``."""
+        r = self._kernel_ratio
+        if r == 1:
+            return list(block_ids)
+        return [b * r + i for b in block_ids for i in range(r)]
 
     def _open(self, layout: KVLayout, caches: Sequence[torch.Tensor]) -> PagedKVConnector:
         """On an I/O thread: the connector it drives, over the worker's one client."""
@@ -684,7 +797,7 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.stats.data["backed_off"] += 1
         else:
             try:
-                loaded = self._loader.load(load.tokens, load.block_ids,
+                loaded = self._loader.load(load.tokens, self._kernel_ids(load.block_ids),
                                            max_tokens=load.end, skip_tokens=load.start)
                 self.backoff.succeeded()
             except Exception as exc:  # never into the engine: the blocks are recomputed
@@ -721,7 +834,8 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 return
             started = time.perf_counter()
             try:
-                self.stats.data["tokens_stored"] += self._saver.store(tokens, block_ids)
+                self.stats.data["tokens_stored"] += self._saver.store(
+                    tokens, self._kernel_ids(block_ids))
                 self.backoff.succeeded()
             except Exception as exc:  # a cache that missed a save is only a colder cache
                 self.stats.data["save_errors"] += 1
@@ -752,24 +866,96 @@ def _done(result: set[int]) -> Future[set[int]]:
     return future
 
 
-def _namespace(vllm_config: Any, model_id: str, chunk_tokens: int,
-               kv_format: str | None = None) -> Namespace:
-    """The key namespace of this engine's KV (the scheduler hashes with it too)."""
-    model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    rank = 0
-    if parallel.tensor_parallel_size > 1:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+def _tp_rank(vllm_config: Any) -> int:
+    """This process's tensor-parallel rank (0 in the scheduler, which has no TP group: it
+    looks up rank 0's keys)."""
+    if vllm_config.parallel_config.tensor_parallel_size <= 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        try:
-            rank = get_tensor_model_parallel_rank()
-        except Exception:  # the scheduler process has no TP group: it looks up rank 0's keys
-            rank = 0
-    return Namespace(model=model_id, dtype=dtype_name(model.dtype),
+    try:
+        return int(get_tensor_model_parallel_rank())
+    except Exception:
+        return 0
+
+
+def _tp_of(layout: KVLayout, vllm_config: Any, rank: int) -> tuple[int, int]:
+    """The namespace's (tp_size, tp_rank): an MLA latent is the same on every rank (one
+    chunk serves them all), the heads of other layouts are the rank's own."""
+    if layout.kind == "mla":
+        return 1, 0
+    return int(vllm_config.parallel_config.tensor_parallel_size), rank
+
+
+def _namespace(vllm_config: Any, model_id: str, chunk_tokens: int, layout: KVLayout | None,
+               rank: int) -> Namespace:
+    """The key namespace of this engine's KV as its config says it (the worker's, once it
+    has seen its caches, is final: see ``register_kv_caches``)."""
+    if layout is not None:
+        size, rank = _tp_of(layout, vllm_config, rank)
+        return layout.namespace(model_id, chunk_tokens=chunk_tokens, tp_size=size,
+                                tp_rank=rank)
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    return Namespace(model=model_id, dtype=dtype_name(model.dtype),  # (idle: never used)
                      num_layers=model.get_num_layers(parallel),
                      num_kv_heads=model.get_num_kv_heads(parallel),
                      head_dim=model.get_head_size(), chunk_tokens=chunk_tokens,
-                     tp_size=parallel.tensor_parallel_size, tp_rank=rank,
-                     kv_format=kv_format)
+                     tp_size=parallel.tensor_parallel_size, tp_rank=rank)
+
+
+def _own_layers(kv_caches: dict[str, torch.Tensor], layout: KVLayout,
+                kv_cache_config: Any = None) -> list[str]:
+    """The names of the caches that hold this model's own attention layers, in layer
+    order: those of vLLM's KV cache group (one group of full attention or MLA; hybrid
+    models are not mapped), of the layers this pipeline stage runs (a draft model's
+    layers come after the target's), one name per cache (layers that share another's
+    KV cache point at the same tensor)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    names = list(kv_caches)
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if groups:
+        attention = [g for g in groups
+                     if isinstance(g.kv_cache_spec, (FullAttentionSpec, MLAAttentionSpec))]
+        if len(attention) != 1 or len(groups) != 1:
+            kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+            raise ConfigError(f"kvpool connector: vLLM's KV cache has groups {kinds}; "
+                              "one group of full attention or MLA is mapped")
+        grouped = set(attention[0].layer_names)
+        names = [n for n in names if n in grouped]
+    # a draft model's layers (EAGLE, MTP) are registered beside the target's, numbered
+    # after them
+    start, end = layout.layer_range or (0, layout.num_layers)
+    own: list[str] = []
+    seen: set[tuple[int, int]] = set()
+    for name in sorted(names, key=extract_layer_index):
+        index = extract_layer_index(name)
+        if not start <= index < end:
+            continue
+        cache = kv_caches[name]
+        where = (int(cache.data_ptr()), int(cache.storage_offset()))
+        if where in seen:  # a layer reading another layer's KV: stored once
+            continue
+        seen.add(where)
+        own.append(name)
+    return own
+
+
+def _scaled_label(label: str, vllm_config: Any, names: Sequence[str]) -> str:
+    """A quantized cache's namespace dtype: its format, and a digest of the layers' K and
+    V scales (vLLM loads them from the checkpoint; 1.0 where it has none) unless they are
+    all 1. Chunks written with other scales are other bytes for the same values."""
+    layers = getattr(vllm_config.compilation_config, "static_forward_context", {}) or {}
+    scales = []
+    for name in names:
+        layer = layers.get(name)
+        scales.append((float(getattr(layer, "_k_scale_float", 1.0)),
+                       float(getattr(layer, "_v_scale_float", 1.0))))
+    if all(k == 1.0 and v == 1.0 for k, v in scales):
+        return label
+    digest = xxhash.xxh3_64_hexdigest(repr(scales).encode())
+    return f"{label}-s{digest[:12]}"
 
 
 class VllmCacheWrite:
@@ -816,7 +1002,11 @@ def _layout_kind(vllm_config: Any, on_cpu: bool) -> LayoutKind:
     block_size = int(vllm_config.cache_config.block_size)
     head_dim = model.get_head_size()
     if getattr(model, "use_mla", False):
-        raise ConfigError("kvpool connector: MLA models are not supported on vLLM yet")
+        if on_cpu:
+            raise ConfigError("kvpool connector: vLLM's CPU MLA backend turns prefix caching "
+                              "and chunked prefill off, so it cannot attend to a prefix it "
+                              "did not compute in the same step")
+        return "mla"  # [blocks, 1, block_size, latent] views: one latent vector a token
     if not on_cpu:  # a backend whose content differs (padded, K/V of other sizes) fails
         return "bhnc"  # the shape check in register_kv_caches, and the connector idles
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -834,23 +1024,45 @@ def _layout_kind(vllm_config: Any, on_cpu: bool) -> LayoutKind:
     return "cpu_attn"
 
 
-def _layout(vllm_config: Any, chunk_format: str) -> KVLayout:
+def _layout(vllm_config: Any, chunk_format: str, on_cpu: bool | None = None) -> KVLayout:
     """The paged layout of this engine's caches, from its attention backend and model
-    config; ConfigError (LayoutError) if it is not one this module maps."""
+    config; ConfigError (LayoutError) if it is not one this module maps. ``on_cpu``:
+    vLLM's platform is its CPU build (default: ask vLLM)."""
     from vllm.platforms import current_platform
 
     model, parallel, cache = (vllm_config.model_config, vllm_config.parallel_config,
                               vllm_config.cache_config)
-    if cache.cache_dtype not in ("auto", None) and str(cache.cache_dtype) != dtype_name(
-            model.dtype):
-        raise ConfigError(f"kvpool connector: KV cache dtype {cache.cache_dtype} is not "
-                          "mapped yet (quantized caches need their scales in the key "
-                          "namespace); use the model's dtype")
+    if on_cpu is None:
+        on_cpu = bool(current_platform.is_cpu())
+    dtype, label = _cache_dtype(vllm_config, on_cpu)
+    kind = _layout_kind(vllm_config, on_cpu)
     stage = None  # a pipeline stage holds its own layers: their range is in the namespace
     if parallel.pipeline_parallel_size > 1:
         stage = tuple(model.get_layers_start_end_indices(parallel))
-    return KVLayout(model.get_num_layers(parallel), model.get_num_kv_heads(parallel),
-                    model.get_head_size(), model.dtype, int(cache.block_size),
-                    kind=_layout_kind(vllm_config, current_platform.is_cpu()),
+    return KVLayout(model.get_num_layers(parallel),
+                    1 if kind == "mla" else model.get_num_kv_heads(parallel),
+                    model.get_head_size(), dtype, int(cache.block_size), kind=kind,
                     chunk_format="engine" if chunk_format == "engine" else "canonical",
-                    layer_range=stage)
+                    layer_range=stage, dtype_label=label)
+
+
+def _cache_dtype(vllm_config: Any, on_cpu: bool) -> tuple[torch.dtype, str | None]:
+    """The KV cache tensors' dtype, and the namespace's name for a quantized cache's
+    elements (fp8: ``uint8`` tensors; the label gets its scales in the worker)."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    name = str(cache.cache_dtype or "auto")
+    if name == "auto" or name == dtype_name(model.dtype):
+        return model.dtype, None
+    if name not in _FP8:
+        raise ConfigError(f"kvpool connector: KV cache dtype {name} is not mapped (fp8, "
+                          "fp8_e4m3 and fp8_e5m2 are: one scale a layer for K and one for "
+                          "V); use one of those or the model's dtype")
+    if on_cpu:
+        raise ConfigError("kvpool connector: vLLM's CPU fp8 KV cache is not mapped (its "
+                          "packed blocks need AVX-512 or AMX and were never checked against "
+                          "vLLM's op); use the model's dtype")
+    if name == "fp8":  # vLLM's "fp8" is e4m3 (its fnuz variant on the ROCm GPUs using it)
+        from vllm.platforms import current_platform
+
+        name = "fp8_e4m3fnuz" if current_platform.is_fp8_fnuz() else "fp8_e4m3"
+    return torch.uint8, name

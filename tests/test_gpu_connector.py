@@ -206,6 +206,26 @@ def test_a_bhnc_chunk_holds_each_tokens_k_then_v_in_the_documented_order(kind: s
         assert torch.equal(c[ids], b[ids])
 
 
+@pytest.mark.parametrize("kind", list(BHNC_ORDER))
+def test_a_bhnc_gather_into_the_slots_scratch_allocates_no_temporary(kind: str) -> None:
+    """With a slot's scratch (what the connector passes), the gather reads each layer's
+    blocks into it, not into a new tensor, and the chunk is the same as without it."""
+    from kvpool.gpu.paged import gather_scratch_shape
+
+    layout = LAYOUTS[kind]
+    caches = make_caches(layout, 8, seed=6, kind=kind)
+    ids = torch.tensor([5, 2, 7, 1])
+    plain = torch.empty(layout.chunk_shape(CHUNK), dtype=layout.dtype)
+    gather(layout, caches, ids, plain)
+    scratch = torch.full(gather_scratch_shape(layout, CHUNK), -1, dtype=layout.dtype)
+    staged = torch.empty_like(plain)
+    gather(layout, caches, ids, staged, scratch=scratch)
+    assert torch.equal(staged, plain)
+    # the scratch holds the last layer's blocks: the gather wrote through it
+    last = caches[-1].view(*caches[-1].shape[:3], 2, layout.head_dim)
+    assert torch.equal(scratch, last[ids])
+
+
 def test_a_prompt_sharing_a_prefix_loads_exactly_the_shared_chunks(client: Client) -> None:
     layout = LAYOUTS["flash"]
     ns = layout.namespace(f"prefix-{os.urandom(4).hex()}", chunk_tokens=CHUNK)

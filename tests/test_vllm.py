@@ -287,6 +287,45 @@ def test_on_cuda_the_engine_thread_records_events_and_kvpools_threads_wait_on_th
     assert result["bit_exact"] and result["stats"]["tokens_loaded"] == 256
 
 
+def test_fp8_mla_kernel_blocks_and_extra_layers_move_bit_exact_off_the_cpu(
+        pool: NodeProcess, tmp_path: Path) -> None:
+    """The layouts vLLM serves on a GPU, through the worker half on CPU tensors laid out by
+    vLLM's own view code and a real node (before: fp8 and MLA left the connector idle,
+    kernel-block splits and extra layers disabled it):
+
+    - fp8 caches (uint8 tensors) are served, their format and KV scales in the key
+      namespace; quantized formats with scales beside the blocks are refused, and so is
+      fp8 on vLLM's CPU backend (never checked against its op here);
+    - a draft model's layer and a layer reading another's cache are left out;
+    - blocks of 128 split into kernel blocks of 64 (FlashInfer on Hopper) load into
+      unsplit blocks token for token;
+    - MLA's ``[blocks, 1, block_size, latent]`` view, written by vLLM's CPU MLA cache
+      update: the latents load back exactly, under one namespace for every TP rank,
+      saved by rank 0 only;
+    - the scheduler hashes with the worker's namespace once vLLM's handshake hands it over.
+    """
+    result = driver(tmp_path, "formats", {"url": pool.url}, timeout=300)
+    assert result["dtype/fp8"] == ["torch.uint8", "fp8_e4m3"]
+    assert result["dtype/fp8_e5m2"] == ["torch.uint8", "fp8_e5m2"]
+    for refused in ("int8_per_token_head", "nvfp4"):
+        assert result[f"dtype/{refused}"][0] == "refused"
+        assert f"KV cache dtype {refused} is not mapped" in result[f"dtype/{refused}"][1]
+    assert all(result[f"dtype/{d}/cpu"] == "refused"
+               for d in ("fp8", "fp8_e5m2", "int8_per_token_head", "nvfp4"))
+    layers, scaled, unscaled = result["fp8/registered"]
+    assert layers == 30 and scaled.startswith("fp8_e4m3-s") and unscaled == "fp8_e4m3"
+    moved = {"stored": 256, "loaded": 256, "load_errors": []}
+    assert result["fp8/move"] == moved and result["fp8/bit_exact"]
+    assert result["fp8/draft_untouched"]
+    assert result["fp8/handshake"] == [False, True]
+    assert result["own_layers"] == [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    assert result["kernel/ratio"] == [2, 64, [12, 3, 64, 128]]
+    assert result["kernel/move"] == moved and result["kernel/bit_exact"]
+    assert result["mla/namespace"] == ["mla", 1, 1, 576]
+    assert result["mla/savers"] == [True, False]
+    assert result["mla/move"] == moved and result["mla/bit_exact"]
+
+
 def test_a_fresh_vllm_loads_the_prefix_another_stored(pool: NodeProcess,
                                                       prompts: list[list[int]],
                                                       baseline: list[list[int]],

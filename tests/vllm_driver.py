@@ -153,6 +153,210 @@ def _vllm_views(spec: Any, vllm_layout: Any, layers: int, num_blocks: int
     return raw, create_kv_cache_views(raw, spec, num_blocks, vllm_layout, tensor)
 
 
+def _views(spec: Any, layers: int, num_blocks: int, kernel: int | None = None
+           ) -> tuple[Any, list[Any]]:
+    """:func:`_vllm_views` in vLLM's default layout (LBNHC), random bytes, optionally split
+    into kernel blocks of ``kernel`` tokens as vLLM splits them for some backends."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        KVCacheLayout,
+        KVCacheTensor,
+        compute_layout_strides,
+        create_kv_cache_views,
+    )
+
+    vllm_layout = KVCacheLayout.LBNHC
+    strides = compute_layout_strides(spec, num_blocks, layers, vllm_layout, kernel)
+    size = spec.page_size_bytes * layers * num_blocks
+    raw = torch.randint(-128, 128, (size,), dtype=torch.int8,
+                        generator=torch.Generator().manual_seed(layers * 7 + num_blocks))
+    tensor = KVCacheTensor(size=size, layers=[f"l{i}" for i in range(layers)],
+                           layer_stride=strides[0], block_stride=strides[1] * (
+                               spec.block_size // kernel if kernel else 1))
+    return raw, create_kv_cache_views(raw, spec, num_blocks, vllm_layout, tensor, kernel)
+
+
+def _off_cpu_worker(url: str, kind: str = "bhnc", **engine: Any) -> tuple[Any, Any]:
+    """A worker-side connector for SmolLM2 (30 layers, 3 KV heads of 64) with the layout the
+    connector picks on a GPU host (``_layout(..., on_cpu=False)``; ``kind="mla"``: an MLA
+    latent of 576), not yet registered; and its VllmConfig."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvpool.examples.models import smollm2_folder
+    from kvpool.gpu.layout import KVLayout
+    from kvpool.gpu.vllm import KvpoolConnector, _layout
+
+    transfer = KVTransferConfig(
+        kv_connector="KvpoolConnector", kv_role="kv_both",
+        kv_connector_module_path="kvpool.gpu.vllm",
+        kv_connector_extra_config={"kvpool_url": url, "chunk_tokens": 128})
+    config = EngineArgs(model=str(smollm2_folder()), enforce_eager=True, block_size=128,
+                        kv_transfer_config=transfer, max_model_len=8192,
+                        **engine).create_engine_config()
+    connector = KvpoolConnector(config, KVConnectorRole.WORKER)
+    layout = _layout(config, "canonical", on_cpu=False)
+    if kind == "mla":  # (vLLM's MLA layout of a DeepSeek-style latent, on SmolLM2's config)
+        layout = KVLayout.mla(30, 576, layout.dtype, 128)
+    connector.layout = layout
+    connector.load_enabled = connector.save_enabled = True
+    return connector, config
+
+
+def _move(source: Any, target: Any, blocks: tuple[list[int], list[int]],
+          tokens: list[int]) -> dict[str, Any]:
+    """Save ``tokens`` from ``source``'s blocks ``blocks[0]`` and load them into
+    ``target``'s ``blocks[1]`` through the node (the worker halves' own calls)."""
+    from kvpool.gpu.vllm import KvpoolConnectorMetadata, _Load, _Save
+
+    source.bind_connector_metadata(KvpoolConnectorMetadata(
+        saves=[_Save("s", tokens, blocks[0])]))
+    source.wait_for_save()
+    source.clear_connector_metadata()
+    _until(source, {"s"}, "s", 0)
+    target.bind_connector_metadata(KvpoolConnectorMetadata(
+        loads=[_Load("l", tokens, blocks[1], 0, len(tokens))]))
+    target.start_load_kv(None)
+    target.clear_connector_metadata()
+    _until(target, set(), "l", 1)
+    return {"stored": source.stats.data["tokens_stored"],
+            "loaded": target.stats.data["tokens_loaded"],
+            "load_errors": sorted(target.get_block_ids_with_load_errors())}
+
+
+def formats_check(url: str) -> dict[str, Any]:
+    """The layouts and dtypes vLLM serves off the CPU, through the worker half on CPU
+    tensors (vLLM's own views) and a real node: an fp8 cache with KV scales, layers beside
+    the model's own (a draft model's, one sharing another's cache), kernel-block splits,
+    an MLA latent written by vLLM's CPU MLA cache update; and the scheduler taking the
+    worker's namespace from vLLM's handshake (see test_vllm.py)."""
+    import types
+
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        group_kernel_blocks,
+    )
+
+    from kvpool.gpu.layout import KVLayout
+    from kvpool.gpu.vllm import KvpoolConnector, _layout, _own_layers
+    from kvpool.protocol.errors import ConfigError
+
+    out: dict[str, Any] = {}
+    name = "model.layers.{}.self_attn.attn".format
+    # which cache dtypes start serving, where
+    _, config = _off_cpu_worker(url, kv_cache_dtype="fp8")
+    for dtype in ("fp8", "fp8_e5m2", "int8_per_token_head", "nvfp4"):
+        config.cache_config.cache_dtype = dtype
+        try:
+            layout = _layout(config, "canonical", on_cpu=False)
+            out[f"dtype/{dtype}"] = [str(layout.dtype), layout.dtype_id]
+        except ConfigError as exc:
+            out[f"dtype/{dtype}"] = ["refused", str(exc)]
+        try:
+            _layout(config, "canonical", on_cpu=True)
+            out[f"dtype/{dtype}/cpu"] = "served"
+        except ConfigError:
+            out[f"dtype/{dtype}/cpu"] = "refused"
+
+    # fp8 with scales; a draft model's layer 30 and a layer reading layer 3's cache
+    tokens = list(range(7000, 7256))
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.uint8)
+    workers = []
+    for scales, seed_blocks in (((0.5, 2.0), 8), ((0.5, 2.0), 9), ((1.0, 1.0), 10)):
+        worker, config = _off_cpu_worker(url, kv_cache_dtype="fp8")
+        _, views = _views(spec, 31, seed_blocks)
+        caches = {name(i): views[i] for i in range(31)}
+        caches["model.layers.3.cross_attn.attn"] = views[3]  # (shares layer 3's cache)
+        config.compilation_config.static_forward_context = {
+            n: types.SimpleNamespace(_k_scale_float=scales[0], _v_scale_float=scales[1])
+            for n in caches}
+        worker.register_kv_caches(caches)
+        workers.append((worker, views))
+    (source, src_views), (target, dst_views), (unscaled, _) = workers
+    out["fp8/registered"] = [target.layout.num_layers, target.namespace.dtype,
+                             unscaled.namespace.dtype]
+    out["fp8/move"] = _move(source, target, ([2, 5], [6, 1]), tokens)
+    out["fp8/bit_exact"] = all(
+        bool(torch.equal(src_views[i][a], dst_views[i][b]))
+        for i in range(30) for a, b in ((2, 6), (5, 1)))
+    out["fp8/draft_untouched"] = not bool(torch.equal(src_views[30][2], dst_views[30][6]))
+    scheduler = KvpoolConnector(source._vllm_config, KVConnectorRole.SCHEDULER)
+    before = scheduler.hasher.keys(tokens) == source.hasher.keys(tokens)
+    scheduler.set_xfer_handshake_metadata_pp_aware({(0, 0): source.get_handshake_metadata()})
+    out["fp8/handshake"] = [before, scheduler.hasher.keys(tokens) == source.hasher.keys(tokens)]
+    for worker, _ in workers:
+        worker.shutdown()
+    # a model's layers with their own caches
+    stand_in = {name(i): torch.zeros(4, i + 1) for i in range(4)}
+    stand_in[name(9)] = torch.zeros(1)  # (a draft layer)
+    stand_in["model.layers.2.shared.attn"] = stand_in[name(1)]
+    out["own_layers"] = _own_layers(stand_in, KVLayout(4, 3, 64, torch.bfloat16, 128,
+                                                       kind="bhnc"))
+
+    # kernel blocks of 64 in blocks of 128 (FlashInfer on Hopper with --block-size 128)
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64,
+                             dtype=torch.bfloat16)
+    split, _ = _off_cpu_worker(url)
+    split.register_kv_caches({name(i): v for i, v in enumerate(_views(spec, 30, 6, 64)[1])})
+    whole, _ = _off_cpu_worker(url)
+    _, whole_caches = _views(spec, 30, 6)
+    whole.register_kv_caches({name(i): v for i, v in enumerate(whole_caches)})
+    split_caches = list(split._loader._async.caches)
+    out["kernel/ratio"] = [split._kernel_ratio, split.layout.block_size,
+                           list(split_caches[0].shape)]
+    tokens = list(range(9000, 9256))
+    out["kernel/move"] = _move(split, whole, ([4, 1], [0, 5]), tokens)
+
+    def tokens_of(cache: Any, blocks: int) -> Any:  # [blocks, 128 tokens, H, 2D]: bits
+        grouped = group_kernel_blocks(cache.view(torch.int16), blocks)  # [B, r, H, N, C]
+        if grouped.dim() == 4:
+            return grouped.transpose(1, 2)
+        return grouped.permute(0, 1, 3, 2, 4).reshape(blocks, 128, *grouped.shape[2:3],
+                                                      grouped.shape[-1])
+    out["kernel/bit_exact"] = all(
+        bool(torch.equal(tokens_of(s, 6)[a], tokens_of(w, 6)[b]))
+        for s, w in zip(split_caches, whole_caches, strict=True) for a, b in ((4, 0), (1, 5)))
+    split.shutdown()
+    whole.shutdown()
+
+    # MLA: vLLM's [blocks, 1, block_size, latent] views, written by its CPU MLA update
+    spec = MLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=576,
+                            dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    latents = []
+    mla = []
+    for rank in (0, 0, 1):
+        worker, _ = _off_cpu_worker(url, kind="mla")
+        worker._tp_rank = rank
+        raw, views = _views(spec, 30, 4)
+        raw.zero_()
+        worker.register_kv_caches({name(i): v for i, v in enumerate(views)})
+        mla.append((worker, views))
+    (writer, written), (reader, read), (rank1, _) = mla
+    slots = torch.cat([torch.arange(3 * 128, 4 * 128), torch.arange(0, 128)])
+    for view in written:
+        kv_c = torch.randn(256, 512, generator=g).to(torch.bfloat16)
+        k_pe = torch.randn(256, 1, 64, generator=g).to(torch.bfloat16)
+        CPUMLAImpl.do_kv_cache_update(None, kv_c, k_pe, view, slots, "auto", None)  # type: ignore[arg-type]
+        latents.append(torch.cat([kv_c, k_pe.squeeze(1)], dim=-1))
+    tokens = list(range(11000, 11256))
+    out["mla/namespace"] = [writer.namespace.kv_format, writer.namespace.tp_size,
+                            writer.namespace.num_kv_heads, writer.namespace.head_dim]
+    out["mla/savers"] = [writer._saver is not None, rank1._saver is not None]
+    out["mla/move"] = _move(writer, reader, ([3, 0], [2, 1]), tokens)
+    out["mla/bit_exact"] = all(
+        bool(torch.equal(read[i][2, 0], latents[i][:128]))
+        and bool(torch.equal(read[i][1, 0], latents[i][128:])) for i in range(30))
+    for worker, _ in mla:
+        worker.shutdown()
+    return out
+
+
 def _layout_kinds() -> dict[str, str]:
     """The connector's layout kind for SmolLM2 on and off the CPU."""
     from vllm.config import CacheConfig, ModelConfig, VllmConfig
@@ -523,11 +727,12 @@ def main() -> int:
     checks = {"layout": layout_check, "gpu-layouts": gpu_layouts_check,
               "settings": settings_check}
     command, out = sys.argv[1], sys.argv[-1]
-    if command in ("lookups", "saves", "streams"):
+    if command in ("lookups", "saves", "streams", "formats"):
         with open(sys.argv[2]) as f:
             spec = json.load(f)
         result = lookups_check(spec["url"], int(spec["rounds"])) if command == "lookups" \
-            else saves_check(spec["url"]) if command == "saves" else streams_check(spec["url"])
+            else {"saves": saves_check, "streams": streams_check,
+                  "formats": formats_check}[command](spec["url"])
     elif command not in checks:
         raise SystemExit(f"unknown command {command!r}: one of {sorted(checks)}")
     else:
