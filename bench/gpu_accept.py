@@ -23,6 +23,10 @@ A kvpool node runs on 127.0.0.1.
    kvpool. Passes when the loaded run's greedy tokens equal the reference's, every
    prompt's cached tokens come from the pool, no load failed, and no GPU-sync warning
    names kvpool.
+3. **Extras** (``--extras``), the same flow in async mode: ``fp8`` (FLASH_ATTN with
+   ``kv_cache_dtype="fp8"``: the connector moves the fp8 bytes) and ``block128``
+   (FLASHINFER with ``--block-size 128``, which splits blocks into kernel blocks of 64
+   on Hopper: the connector maps each block to its kernel blocks).
 
 Prints a table, writes ``bench/results/gpu_accept.json``, exits 1 if a check failed
 (2 without CUDA). ``--cpu`` runs the same flow on vLLM's CPU build (``CPU_ATTN``, no
@@ -160,7 +164,8 @@ def engine(spec: dict[str, Any]) -> dict[str, Any]:
     if not cpu:
         kwargs.update(attention_backend=spec["backend"], block_size=16,
                       compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16]})
-    block = 128 if cpu else 16
+        kwargs.update(spec.get("engine_args") or {})
+    block = 128 if cpu else int(kwargs["block_size"])
     transfer = KVTransferConfig(
         kv_connector="KvpoolConnector", kv_connector_module_path="kvpool.gpu.vllm",
         kv_role="kv_both", kv_load_failure_policy="recompute",
@@ -232,6 +237,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="FLASH_ATTN,FLASHINFER,TRITON_ATTN")
     parser.add_argument("--modes", default="async,sync,layer")
+    parser.add_argument("--extras", default="fp8,block128",
+                        help="extra engine runs: fp8 (FLASH_ATTN, fp8 KV cache), block128 "
+                             "(FLASHINFER, blocks of 128); empty for none")
     parser.add_argument("--cpu", action="store_true",
                         help="vLLM's CPU build: a check of this script, not of the GPU path")
     parser.add_argument("--engine-timeout", type=float, default=150.0)
@@ -242,6 +250,9 @@ def main() -> int:
     parser.add_argument("--engine", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--parity", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    unknown = sorted({n for n in args.extras.split(",") if n} - {"fp8", "block128"})
+    if unknown:
+        parser.error(f"--extras: unknown {unknown} (fp8, block128)")
     if args.engine:
         from bench._procs import engine_entry
 
@@ -294,6 +305,19 @@ def main() -> int:
                     runs[f"{backend}/{mode}"] = result
                     print(f"{backend:12} {mode:6} {result['seconds']:6.1f} s  "
                           f"{result['verdict']}", flush=True)
+            extras = {"fp8": ("FLASH_ATTN", {"kv_cache_dtype": "fp8"}),
+                      "block128": ("FLASHINFER", {"block_size": 128})}
+            for k, name in enumerate(n for n in args.extras.split(",") if n and not args.cpu):
+                backend, engine_args = extras[name]
+                prompts = _prompts(1000 + k)
+                result = _engine_process(
+                    {"cpu": False, "backend": backend, "mode": "async", "url": node.url,
+                     "model": str(model), "prompts": prompts, "engine_args": engine_args},
+                    tmp, args.engine_timeout)
+                result["verdict"] = verdict(result, prompts)
+                runs[f"{backend}/{name}"] = result
+                print(f"{backend:12} {name:8} {result['seconds']:6.1f} s  "
+                      f"{result['verdict']}", flush=True)
             report["engines"] = runs
         finally:
             node.stop()

