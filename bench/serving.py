@@ -263,13 +263,18 @@ class Server:
     log: Path
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+        _terminate(self.proc, 60)
+
+
+def _terminate(proc: subprocess.Popen[bytes] | None, grace: float) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
 
 
 def _free_port() -> int:
@@ -382,13 +387,7 @@ class Node:
             return {}
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        _terminate(self.proc, 15)
 
 
 # -- measures -------------------------------------------------------------------------------
@@ -678,7 +677,8 @@ def main() -> int:
             distinct = workload.distinct_blocks(args.block_size)
             longest = max(len(p) for s in workload.sessions for p in s) + args.output_tokens
             max_model_len = -(-longest // args.block_size) * args.block_size
-            kv_blocks = max(int(distinct * args.kv_share), 2 * max_model_len // args.block_size)
+            # (vLLM starts only if one request of max_model_len fits)
+            kv_blocks = max(int(distinct * args.kv_share), max_model_len // args.block_size)
             report["workloads"][wname] = {**workload.params, "requests": workload.requests,
                                           "distinct_blocks": distinct}
             report["kv_blocks"][wname] = kv_blocks

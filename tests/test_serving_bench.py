@@ -5,8 +5,10 @@ vLLM's KV space, the measures and vLLM's metrics as read. (The engines run in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -93,6 +95,19 @@ def test_ratios_are_the_issues_targets() -> None:
                                        "d shared/alone cached": 2.0})
 
 
+@contextlib.asynccontextmanager
+async def _http(app: web.Application) -> AsyncIterator[str]:
+    """``app`` served on 127.0.0.1: its URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
 def test_a_streamed_completion_is_timed_token_by_token() -> None:
     """Against a stand-in of vLLM's streaming endpoint on 127.0.0.1 (the SSE shape vLLM
     sends: a text delta a token, then usage with cached_tokens): TTFT, one ITL a later
@@ -120,20 +135,12 @@ def test_a_streamed_completion_is_timed_token_by_token() -> None:
 
         app = web.Application()
         app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        try:
-            async with aiohttp.ClientSession() as http:
-                good, bad = Record(0, 0, 300), Record(1, 0, 1)
-                await _one(http, url, list(range(300)), good, model="m", max_tokens=5,
-                           limit_s=10)
-                await _one(http, url, [0], bad, model="m", max_tokens=5, limit_s=10)
-                return good, bad
-        finally:
-            await runner.cleanup()
+        async with _http(app) as url, aiohttp.ClientSession() as http:
+            good, bad = Record(0, 0, 300), Record(1, 0, 1)
+            await _one(http, url, list(range(300)), good, model="m", max_tokens=5,
+                       limit_s=10)
+            await _one(http, url, [0], bad, model="m", max_tokens=5, limit_s=10)
+            return good, bad
 
     good, bad = asyncio.run(run())
     assert good.error == "" and good.ttft is not None and 0.04 <= good.ttft < 2
@@ -157,15 +164,8 @@ def test_vllms_prefix_cache_counters_are_read_from_its_metrics() -> None:
     async def run() -> dict[str, Any]:
         app = web.Application()
         app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        try:
-            return await asyncio.to_thread(scrape,
-                                           f"http://127.0.0.1:{runner.addresses[0][1]}")
-        finally:
-            await runner.cleanup()
+        async with _http(app) as url:
+            return await asyncio.to_thread(scrape, url)
 
     assert asyncio.run(run()) == {"prefix_cache_queries": 1200.0, "prefix_cache_hits": 300.0,
                                   "external_prefix_cache_queries": 900.0,
