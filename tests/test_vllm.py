@@ -484,8 +484,13 @@ def test_a_hung_cluster_node_costs_no_request_a_timeout_and_the_replicas_serve(
     runs = loaded["runs"]
     assert [run["tokens"] for run in runs] == baseline
     assert [run["num_cached_tokens"] for run in runs] == [FULL * CHUNK] * 3
-    assert "Recovered from KV load failure" not in loaded["log"]
-    assert "no pool calls for" not in loaded["log"]
+    # (failed twice in CI runs on a busy 2-core VM, 4 chunks recomputed, never standalone:
+    # the connector's and the client's own lines say which call failed and why)
+    said = [line for line in loaded["log"].splitlines()
+            if "kvpool connector" in line or "kvpool node" in line]
+    assert "Recovered from KV load failure" not in loaded["log"], (said[-20:],
+                                                                  loaded.get("stats"))
+    assert "no pool calls for" not in loaded["log"], said[-20:]
     # measured: 0.18-0.36 s here (a warm 1000-token request, 1.2 s on a slower VM), each
     # request: a functional bound (waiting out the hung node costs one timeout_s at least)
     assert all(run["ttft_s"] < timeout_s for run in runs), [r["ttft_s"] for r in runs]
