@@ -63,6 +63,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench._procs import free_port
+
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -242,8 +244,7 @@ async def drive(urls: Sequence[str], model: str, workload: Workload, *, concurre
         started = time.perf_counter()
         watcher = asyncio.create_task(on_half())
         tasks = []
-        order = list(enumerate(workload.sessions))
-        for index, prompts in order:
+        for index, prompts in enumerate(workload.sessions):
             tasks.append(asyncio.create_task(run_session(index, prompts, http)))
             if rate:
                 await asyncio.sleep(rng.expovariate(rate))
@@ -277,17 +278,11 @@ def _terminate(proc: subprocess.Popen[bytes] | None, grace: float) -> None:
             proc.wait(30)
 
 
-def _free_port() -> int:
-    from bench._procs import free_port
-
-    return free_port()
-
-
 def start_vllm(python: str, model: str, log: Path, *, kv_blocks: int, max_model_len: int,
                transfer: dict[str, Any] | None = None, extra: Sequence[str] = (),
                env: dict[str, str] | None = None, timeout: float = 300) -> Server:
     """``vllm serve`` on a free port, healthy; RuntimeError with its log's tail if not."""
-    port = _free_port()
+    port = free_port()
     cmd = [python, "-m", "kvpool.gpu.vllm_serve", model, "--host", "127.0.0.1", "--port",
            str(port), "--max-model-len", str(max_model_len),
            "--enable-prompt-tokens-details", "--num-gpu-blocks-override", str(kv_blocks),
@@ -347,7 +342,7 @@ class Node:
 
     def __init__(self, python: str, data_dir: Path) -> None:
         self.python, self.data_dir = python, data_dir
-        self.port, self.admin = _free_port(), _free_port()
+        self.port, self.admin = free_port(), free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -502,9 +497,8 @@ def run_config(name: str, args: argparse.Namespace, workload: Workload, tmp: Pat
 
 
 def _vllm_env(args: argparse.Namespace) -> dict[str, str]:
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(args.cpu_kv_gib),
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}  # (2 cores: one for the front end)
-    return env
+    return {"VLLM_CPU_KVCACHE_SPACE": str(args.cpu_kv_gib),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}  # (2 cores: one for the front end)
 
 
 # -- report ---------------------------------------------------------------------------------

@@ -341,8 +341,6 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._load_errors: set[int] = set()
         #: this step's requests whose load failed: tokens valid before the first failure
         self._valid_until: dict[str, int] = {}
-        #: kernel blocks a scheduler block holds (vLLM splits blocks for some backends)
-        self._kernel_ratio = 1
         self._lock = threading.Lock()
 
     # -- helpers ----------------------------------------------------------------------------
@@ -547,7 +545,6 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if kernel < 1 or layout.block_size % kernel:
                 raise ConfigError(f"kvpool connector: the caches hold blocks of {kernel} "
                                   f"tokens, which do not divide vLLM's {layout.block_size}")
-            self._kernel_ratio = layout.block_size // kernel
             layout = replace(layout, block_size=kernel)
         if len(caches) != layout.num_layers:
             if layout.layer_range is not None:
@@ -593,6 +590,12 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             log.info("kvpool connector: keys of the worker's namespace %s", namespace)
             self.namespace = namespace
             self.hasher = ChunkHasher(namespace)
+
+    @property
+    def _kernel_ratio(self) -> int:
+        """Kernel blocks a scheduler block holds (vLLM splits blocks for some backends:
+        the worker's layout then has the kernel blocks' size)."""
+        return self.block_size // self.layout.block_size if self.layout is not None else 1
 
     def _kernel_ids(self, block_ids: Sequence[int]) -> list[int]:
         """The caches' (kernel) block ids of the scheduler's ``block_ids``."""
