@@ -143,8 +143,10 @@ def test_a_streamed_completion_is_timed_token_by_token() -> None:
             return good, bad
 
     good, bad = asyncio.run(run())
-    assert good.error == "" and good.ttft is not None and 0.04 <= good.ttft < 2
-    assert len(good.itls) == 4 and all(0.01 <= x < 2 for x in good.itls)
+    # (lower bounds only: the stand-in sleeps 50 ms before the first token and 20 ms
+    # between tokens, so a measure from the wrong moment falls below them)
+    assert good.error == "" and good.ttft is not None and good.ttft >= 0.04
+    assert len(good.itls) == 4 and all(x >= 0.01 for x in good.itls)
     assert good.output_tokens == 5 and good.cached_tokens == 256
     assert bad.error.startswith("HTTP 500: engine dead") and bad.ttft is None
 
