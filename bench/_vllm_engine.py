@@ -9,7 +9,9 @@ optionally with the kvpool connector, runs greedy generations of the given promp
 (token ids) one after another and reports their tokens, ``num_cached_tokens`` and
 timings. SPEC: ``{"prompts": [[ids]...], "max_tokens": n, "dtype": "bfloat16",
 "connector": {extra config} | null, "connector_class": "KvpoolConnector" |
-"ExampleConnector", "repeat": 1, "in_process": false}``. ``in_process``: the engine core
+"ExampleConnector", "repeat": 1, "in_process": false, "log_kvpool": false}``.
+``log_kvpool``: kvpool's own INFO lines (nodes marked down, maps) on stderr, where a test
+reads them when it fails. ``in_process``: the engine core
 and the model runner run in this process (vLLM's ``uni`` executor, no engine-core
 process), so the connector's scheduler and worker halves share it; an engine starts in
 ~25 s instead of ~45 s on a 2-core machine (two fewer interpreters importing vLLM).
@@ -39,6 +41,13 @@ def _engine(spec: dict[str, Any]) -> Any:
     from kvpool.examples.models import smollm2_folder
 
     kwargs: dict[str, Any] = {}
+    if spec.get("log_kvpool"):
+        import logging
+
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+        logging.getLogger("kvpool").addHandler(handler)
+        logging.getLogger("kvpool").setLevel(logging.INFO)
     if spec.get("connector") is not None:
         cls = spec.get("connector_class", "KvpoolConnector")
         transfer: dict[str, Any] = {"kv_connector": cls, "kv_role": "kv_both",

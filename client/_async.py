@@ -67,6 +67,7 @@ from kvpool.client._node import (
 from kvpool.client._options import BUSY_POLL_US, SHM_PUT_MIN_BYTES, ClientOptions
 from kvpool.client._plans import as_segments, flat_view
 from kvpool.client._router import Router, Rows
+from kvpool.client._routing import Settle
 from kvpool.client._tracing import _tracer, explicit_tracer, traced
 from kvpool.client.transport import Transport
 from kvpool.placement.cluster_map import ClusterMap
@@ -395,6 +396,11 @@ class AsyncClient:
         :meth:`Router.one_round <kvpool.client._router.Router.one_round>`, and no client
         spans to record."""
         return self._router.one_round(blob) if _tracer(self) is None else None
+
+    def settle_rule(self) -> Settle:
+        """What settles a key of :meth:`one_round`'s EXISTS (the router's
+        :meth:`~kvpool.client._router.Router.settle_rule`)."""
+        return self._router.settle_rule()
 
     def read_round(self, blob: bytes) -> list[tuple[NodeClient, Rows]] | None:
         """A cluster's GET of the keys ``blob``, its first round (each key's first trusted

@@ -33,7 +33,7 @@ from kvpool.client import _plans as plans
 from kvpool.client._checks import checked_hello, reply_json
 from kvpool.client._node import NodeClient
 from kvpool.client._plans import Call, Plan, Sink
-from kvpool.client._routing import Coverage, LeftBehind, grace
+from kvpool.client._routing import FIRST_ANSWER, Coverage, LeftBehind, Settle, grace
 from kvpool.client._routing import IntArray as Rows
 from kvpool.client._shm import ShmMapping, redeem
 from kvpool.client._shm_put import Ahead
@@ -184,16 +184,18 @@ class BlockingNode:
 
 
 def run_parallel(runs: Sequence[tuple[BlockingNode, Plan[T]]], *,
-                 settle: list[Rows] | None = None) -> list[T | Exception]:
+                 settle: list[Rows] | None = None, rule: Settle = FIRST_ANSWER
+                 ) -> list[T | Exception]:
     """One plan on each node, as the loop's ``gather`` runs them: the first frame of every
     plan sent before any reply is read, so the nodes answer in one round trip together.
     Each outcome, in order: the plan's result, or the Exception it ended with
     (``gather``'s ``return_exceptions``). A plan whose first round is several frames (a
     batch past the node's ``max_batch``) runs after the others, frame by frame.
 
-    ``settle``: the rows each node was asked about; once every row has an answer, the
-    nodes still silent get :func:`~kvpool.client._routing.grace` more, then are left
-    behind (their link closed, the node marked slow, their outcome a ``LeftBehind``)."""
+    ``settle``: the rows each node was asked about; once every row has the answers
+    ``rule`` asks for (counting the trusted nodes), the nodes still silent get
+    :func:`~kvpool.client._routing.grace` more, then are left behind (their link closed,
+    the node marked slow, their outcome a ``LeftBehind``)."""
     outcomes: list[T | Exception | None] = [None] * len(runs)
     sent: list[tuple[int, BlockingNode, Plan[T], BlockingLink]] = []
     later: list[tuple[int, BlockingNode, Plan[T], list[Call]]] = []
@@ -213,7 +215,14 @@ def run_parallel(runs: Sequence[tuple[BlockingNode, Plan[T]]], *,
                 outcomes[i] = cast(T, done.value)
             except Exception as exc:
                 outcomes[i] = exc
-        order = _as_they_come(sent, outcomes, settle, start) if settle is not None else sent
+        order = sent
+        if settle is not None:
+            coverage = Coverage(settle, rule, [driver.node.trusted for driver, _ in runs])
+            sent_now = {entry[0] for entry in sent} | {entry[0] for entry in later}
+            for i, outcome in enumerate(outcomes):  # settled as it was sent
+                if i not in sent_now:
+                    (coverage.fail if isinstance(outcome, Exception) else coverage.add)(i)
+            order = _as_they_come(sent, outcomes, coverage, start)
         while order:
             i, driver, plan, conn = order.pop(0)
             try:
@@ -232,15 +241,14 @@ def run_parallel(runs: Sequence[tuple[BlockingNode, Plan[T]]], *,
 
 
 def _as_they_come(sent: list[tuple[int, BlockingNode, Plan[T], BlockingLink]],
-                  outcomes: list[T | Exception | None], settle: list[Rows], start: float
+                  outcomes: list[T | Exception | None], coverage: Coverage, start: float
                   ) -> list[tuple[int, BlockingNode, Plan[T], BlockingLink]]:
     """:func:`run_parallel`'s replies read in the order they arrive (each taken off
-    ``sent``), until every row of ``settle`` has an answer and the grace after it ends;
+    ``sent``), until ``coverage`` is full and the grace after it ends;
     what is left is returned to be read in turn (each waits its deadline) if no reply
     came within the timeout, else left behind."""
     if not sent:
         return sent
-    coverage = Coverage(settle)
     poller = select.poll()
     by_fd: dict[int, tuple[int, BlockingNode, Plan[T], BlockingLink]] = {}
     for entry in sent:
@@ -270,6 +278,7 @@ def _as_they_come(sent: list[tuple[int, BlockingNode, Plan[T], BlockingLink]],
                 coverage.add(i)
             except Exception as exc:
                 outcomes[i] = exc
+                coverage.fail(i)
         if until is None and coverage.full:
             now = time.monotonic()
             until = now + grace(now - start, timeout)

@@ -31,7 +31,15 @@ from kvpool.client._checks import checked_map
 from kvpool.client._node import NodeClient
 from kvpool.client._options import ClientOptions
 from kvpool.client._plans import routed_by, rows_blob
-from kvpool.client._routing import Coverage, LeftBehind, grace, pick, pick_live
+from kvpool.client._routing import (
+    FIRST_ANSWER,
+    Coverage,
+    LeftBehind,
+    Settle,
+    grace,
+    pick,
+    pick_live,
+)
 from kvpool.placement.cluster_map import ClusterMap, NodeState
 from kvpool.placement.ring import key_positions
 from kvpool.protocol.errors import KvpoolConnectionError, WrongOwnerError
@@ -116,7 +124,8 @@ class Router:
                 asked = live_or_all(ring_nodes) if per_row == "live" else ring_nodes
                 stale = await state.deliver(cmap.epoch, asked, [rows] * len(asked),
                                             count=answers_needed(per_row, cmap),
-                                            settle=per_row == "live")
+                                            settle=settling(cmap, ring_nodes)
+                                            if per_row == "live" else None)
             else:
                 if positions is None:
                     positions = key_positions(blob)
@@ -235,6 +244,10 @@ class Router:
             return None
         return asked
 
+    def settle_rule(self) -> Settle:
+        """What settles a key of an EXISTS on the map routed by now (:func:`settling`)."""
+        return settling(self.map, self.ring_nodes) if self.map is not None else FIRST_ANSWER
+
     def one_round(self, blob: bytes) -> list[tuple[NodeClient, Rows]] | None:
         """What :meth:`fan_out` with ``per_row="live"`` sends (the live nodes of each key's
         list, at once: EXISTS), for a caller that sends it itself (the sync client's
@@ -312,9 +325,11 @@ class Router:
 
 async def gather_settled(nodes: list[NodeClient], rows: list[Rows],
                          send: Callable[[NodeClient, Rows], Awaitable[T]],
-                         background: set[asyncio.Future[Any]]) -> list[T | BaseException]:
+                         background: set[asyncio.Future[Any]],
+                         settle: Settle = FIRST_ANSWER) -> list[T | BaseException]:
     """``send(node, rows)`` to each node at once, as ``gather(return_exceptions=True)``,
-    but done once every row has an answer and the nodes still silent have had
+    but done once every row has the answers ``settle`` asks for (counting the nodes
+    trusted when asked) and the nodes still silent have had
     :func:`~kvpool.client._routing.grace` more: those are marked slow and their outcome is
     a ``LeftBehind``; their requests go on, kept in ``background`` (a late answer still
     brings the node back, a failure marks it down). One done-callback a request and one
@@ -326,7 +341,7 @@ async def gather_settled(nodes: list[NodeClient], rows: list[Rows],
     tasks: list[asyncio.Future[T]] = [asyncio.ensure_future(send(node, r))
                                       for node, r in zip(nodes, rows, strict=True)]
     outcomes: list[T | BaseException] = [LeftBehind()] * len(tasks)
-    coverage = Coverage(rows)
+    coverage = Coverage(rows, settle, [node.trusted for node in nodes])
     settled: asyncio.Future[None] = loop.create_future()
     left = len(tasks)
     timer: asyncio.TimerHandle | None = None
@@ -341,7 +356,9 @@ async def gather_settled(nodes: list[NodeClient], rows: list[Rows],
             return
         left -= 1
         outcomes[i] = _outcome(task)
-        if not isinstance(outcomes[i], BaseException):
+        if isinstance(outcomes[i], BaseException):
+            coverage.fail(i)
+        else:
             coverage.add(i)
         if not left:
             finish()
@@ -402,6 +419,14 @@ def answers_needed(per_row: str, cmap: ClusterMap) -> int:
     return {"all": cmap.width, "live": 1}.get(per_row, cmap.num_owners)
 
 
+def settling(cmap: ClusterMap, ring_nodes: list[NodeClient]) -> Settle:
+    """What settles a key of an EXISTS or lookup on ``cmap``: an answer from one of its
+    owners at least (:meth:`Settle.for_map`), one node of its list allowed to be silent
+    while every node of the map is trusted."""
+    return Settle.for_map(cmap.width, cmap.num_owners,
+                          healthy=all(node.trusted for node in ring_nodes))
+
+
 def live_or_all(nodes: list[NodeClient]) -> list[NodeClient]:
     """The live ones of ``nodes``; all of them where none is (probes)."""
     return [node for node in nodes if node.live] or nodes
@@ -446,16 +471,18 @@ class _FanOut(Generic[T]):
                 break
             stale = await self.deliver(cmap.epoch, [ring_nodes[p.node] for p in picks],
                                        [p.rows for p in picks], count=count,
-                                       settle=per_row == "live")
+                                       settle=settling(cmap, ring_nodes)
+                                       if per_row == "live" else None)
             if stale is not None:
                 return stale
         return None
 
     async def deliver(self, epoch: int, nodes: list[NodeClient], rows: list[Rows], *,
-                      count: int, settle: bool = False) -> int | None:
+                      count: int, settle: Settle | None = None) -> int | None:
         """Send each node its rows (in parallel), absorb the answers, mark failing nodes
         down; keys with ``count`` answers are done. ``settle``: stop waiting for
-        stragglers (:func:`gather_settled`). The newest epoch a WRONG_OWNER named."""
+        stragglers once each key has those answers (:func:`gather_settled`). The newest
+        epoch a WRONG_OWNER named."""
         # the frames say which map routed them, even if a newer one is installed before
         # they are sent (the tasks gather makes copy this context)
         token = routed_by.set(epoch)
@@ -465,8 +492,9 @@ class _FanOut(Generic[T]):
                     outcomes: list[T | BaseException] = [await self.send(nodes[0], rows[0])]
                 except Exception as exc:  # handed on as gather would
                     outcomes = [exc]
-            elif settle:
-                outcomes = await gather_settled(nodes, rows, self.send, self.background)
+            elif settle is not None:
+                outcomes = await gather_settled(nodes, rows, self.send, self.background,
+                                                settle)
             else:
                 outcomes = list(await asyncio.gather(
                     *(self.send(node, r) for node, r in zip(nodes, rows, strict=True)),

@@ -9,9 +9,10 @@ back-off is a hint, and a request to a node thought down is how it comes
 back.
 
 A question several nodes are asked at once for the same keys (EXISTS: every live
-node of each list) *settles* once every key has an answer and the nodes still
-silent have had :func:`grace` more: those are stragglers, left behind, so a hung
-node costs such a question the grace, not the client's timeout.
+node of each list) *settles* once every key has its answers (:class:`Settle`: one
+at least from a node that holds it, an owner, where one is trusted) and the nodes
+still silent have had :func:`grace` more: those are stragglers, left behind, so a
+hung node costs such a question the grace, not the client's timeout.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Coverage", "IntArray", "LeftBehind", "Pick", "grace", "pick", "pick_live"]
+__all__ = ["FIRST_ANSWER", "Coverage", "IntArray", "LeftBehind", "Pick", "Settle", "grace",
+           "pick", "pick_live"]
 
 IntArray = npt.NDArray[np.intp]
 
@@ -105,31 +107,78 @@ class LeftBehind(Exception):
     """The outcome of a node's part of a settling question that was not waited for."""
 
 
-class Coverage:
-    """Which rows of a settling question have an answer: ``rows[i]`` are those node ``i``
-    was asked about; :meth:`add` a node that answered; :attr:`full` once every row has one.
-    Where every node was asked about the same rows (a small cluster: the whole batch to
-    every node), the first answer covers them all, with no per-row count."""
+class Settle(NamedTuple):
+    """How many answers settle a key of a settling question (EXISTS, a lookup).
 
-    def __init__(self, rows: list[IntArray]) -> None:
+    ``need``: answers from that many of the nodes asked about it; a map's
+    ``width - replication + 1`` (:meth:`for_map`), so that at least one of the nodes that
+    hold the key (its owners) answered: a node that merely sits further down its list
+    answering first "not here" does not settle it while an owner, slow on a busy host,
+    is still to answer. ``spare``: how many of the nodes asked may be silent (one not yet
+    known to be hung) and the key still settle; spent (0) once some node of the map is
+    known to be down or suspect, so a second slow node is waited for. Never more than
+    the trusted nodes asked can give, never less than one answer."""
+
+    need: int = 1
+    spare: int = 0
+
+    @classmethod
+    def for_map(cls, width: int, owners: int, healthy: bool) -> Settle:
+        return cls(need=max(1, width - owners + 1), spare=1 if healthy else 0)
+
+
+#: the first answer settles every key (a map refresh: any node's map will do)
+FIRST_ANSWER = Settle()
+
+
+class Coverage:
+    """Which rows of a settling question are settled: ``rows[i]`` are those node ``i`` was
+    asked about; :meth:`add` a node that answered, :meth:`fail` one that failed; :attr:`full`
+    once every row has the answers ``settle`` asks for (:class:`Settle`), capped by the
+    nodes ``counted`` (trusted: not down, not suspect) asked about it and not failed. Where
+    every node was asked about the same rows (a small cluster: the whole batch to every
+    node), one count serves them all."""
+
+    def __init__(self, rows: list[IntArray], settle: Settle = FIRST_ANSWER,
+                 counted: list[bool] | None = None) -> None:
+        self._counted = counted if counted is not None else [True] * len(rows)
         self._rows = rows
+        self._settle = settle
         self._same = all(r is rows[0] for r in rows)
-        self._left = len(rows[0]) if self._same and rows else 0
-        if not self._same:
-            size = max((int(r.max()) + 1 for r in rows if len(r)), default=0)
-            self._answered = np.ones(size, dtype=bool)  # rows no node was asked about: moot
-            for r in rows:
-                self._answered[r] = False
-            self._left = int(np.count_nonzero(~self._answered))
+        size = 1 if self._same else \
+            max((int(r.max()) + 1 for r in rows if len(r)), default=0)
+        self._got = np.zeros(size, dtype=np.intp)
+        self._cap = np.zeros(size, dtype=np.intp)
+        self._asked = np.zeros(size, dtype=bool)
+        for r, c in zip(rows, self._counted, strict=True):
+            at: IntArray | slice = slice(None) if self._same else r
+            self._asked[at] |= len(r) > 0
+            self._cap[at] += c
+        self._left = int(np.count_nonzero(self._open(slice(None))))
+        self._heard: set[int] = set()  #: nodes counted (answered or failed)
+
+    def _open(self, at: IntArray | slice) -> npt.NDArray[np.bool_]:
+        """Of the rows ``at``: those asked about and not yet settled."""
+        need = np.maximum(1, np.minimum(self._settle.need, self._cap[at] - self._settle.spare))
+        return self._asked[at] & (self._got[at] < need)
+
+    def _count(self, i: int, got: int, cap: int) -> None:
+        if i in self._heard:  # one outcome a node
+            return
+        self._heard.add(i)
+        at: IntArray | slice = slice(None) if self._same else self._rows[i]
+        before = int(np.count_nonzero(self._open(at)))
+        self._got[at] += got
+        self._cap[at] -= cap
+        self._left += int(np.count_nonzero(self._open(at))) - before
 
     def add(self, i: int) -> None:
-        if self._same:
-            self._left = 0
-            return
-        rows = self._rows[i]
-        new = rows[~self._answered[rows]]
-        self._answered[new] = True
-        self._left -= len(new)
+        """Node ``i`` answered."""
+        self._count(i, 1, 0)
+
+    def fail(self, i: int) -> None:
+        """Node ``i`` failed: its rows wait for it no more."""
+        self._count(i, 0, 1 if self._counted[i] else 0)
 
     @property
     def full(self) -> bool:

@@ -241,7 +241,8 @@ class Client:
                 return None  # a node met on no connection yet: the loop connects to it
             outcomes = run_parallel([(driver, plans.exists(node, rows_blob(blob, rows)))
                                      for driver, (node, rows) in zip(drivers, asked, strict=True)],
-                                    settle=[rows for _, rows in asked])
+                                    settle=[rows for _, rows in asked],
+                                    rule=self._async.settle_rule())
             codes = cluster_ops.codes_of_round(len(blob) // KEY_SIZE, asked, outcomes)
             newer = self._async._newer_epoch_seen()
         if newer:

@@ -312,7 +312,10 @@ class AsyncPagedKVConnector:
             return wanted * self.chunk_tokens if skip_tokens else 0
         keys = self.hasher.keys(tokens[: wanted * self.chunk_tokens])
         # a direct load asks for every chunk at once: its answer says which are there, so
-        # a lookup first would cost a round trip for nothing
+        # a lookup first would cost a round trip for nothing. A staged one looks up first:
+        # the slots go to chunks that are there, and a lookup settles without a node that
+        # does not answer, marking it so the reads keep away from it (a read waits for its
+        # node: a hung one it meets first costs the client's timeout)
         found = wanted if self.direct else first + await self.client.lookup(keys[first:])
         if found == first:
             return first * self.chunk_tokens

@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -637,6 +638,48 @@ def test_a_map_refresh_does_not_wait_for_a_hung_node(cluster3: LocalCluster) -> 
             assert victim.suspect and not victim.trusted
         finally:
             proc.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["sync", "looped"])
+def test_a_lookup_waits_for_a_slow_owner_while_leaving_a_hung_one_behind(
+        cluster3: LocalCluster, blocking: bool) -> None:
+    """Keys held by two nodes (replication 2 of 3): one of them hung (SIGSTOP), the other
+    slow (stopped for 0.4 s, as a node on a busy host is not scheduled): the third node,
+    which lacks the keys, answers first, and its "not here" settles nothing; the lookup
+    waits for the slow owner and finds every key, and leaves the hung one behind, well
+    before the timeout. (It settled on the first answer before, and reported the keys
+    missing: a vLLM worker's load then recomputed them.)"""
+    timeout = 5.0
+    with Client(cluster3.seeds, timeout=timeout) as c:
+        cmap = c.async_client._router.map
+        assert cmap is not None
+        hung_id, slow_id = cmap.ring.nodes[0], cmap.ring.nodes[1]
+        keys: list[bytes] = []
+        while len(keys) < 8:  # keys whose owners are exactly those two nodes
+            key = os.urandom(16)
+            if set(cmap.preference([key])[0][:2]) == {hung_id, slow_id}:
+                keys.append(key)
+        c.put_many(keys, [value_for(k, 64) for k in keys])
+    procs = {n.node_id: n.proc for n in cluster3.nodes}
+    hung, slow = procs[hung_id], procs[slow_id]
+    assert hung is not None and slow is not None
+    with Client(cluster3.seeds, timeout=timeout, blocking=blocking) as fresh:
+        fresh.connect()
+        hung.send_signal(signal.SIGSTOP)
+        slow.send_signal(signal.SIGSTOP)
+        resume = threading.Timer(0.4, slow.send_signal, [signal.SIGCONT])
+        resume.start()
+        try:
+            start = time.monotonic()
+            assert fresh.lookup(keys) == len(keys)
+            took = time.monotonic() - start
+            assert took < timeout / 2, took
+            nodes = fresh.async_client._router.nodes
+            assert nodes[hung_id].suspect and not nodes[slow_id].suspect
+            assert fresh.get_many(keys) == [value_for(k, 64) for k in keys]
+        finally:
+            resume.join()
+            hung.send_signal(signal.SIGCONT)
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.client._routing import GRACE_MIN_S, Coverage, grace, pick, pick_live
+from kvpool.client._routing import GRACE_MIN_S, Coverage, Settle, grace, pick, pick_live
 
 
 def table() -> np.ndarray:
@@ -130,6 +130,49 @@ def test_coverage_is_full_once_every_row_asked_about_has_an_answer() -> None:
     assert not whole.full
     whole.add(2)
     assert whole.full
+
+
+def test_a_key_is_settled_by_an_owner_not_by_the_first_node_that_lacks_it() -> None:
+    """Replication 2 of a list of 3 (need 2 answers, one node may be silent): the first
+    answer, from the node past a key's owners, does not settle it while the owners are
+    silent (one of them slow on a busy host, not hung); the second answer does, whichever
+    node gives it. Once a node of the map is known to be down or suspect, the one silent
+    node allowed is spent: every trusted node asked is waited for, never a suspect one."""
+    rule = Settle.for_map(width=3, owners=2, healthy=True)
+    assert rule == Settle(need=2, spare=1)
+    batch = np.arange(4)
+    healthy = Coverage([batch, batch, batch], rule)
+    healthy.add(2)
+    assert not healthy.full  # a non-owner's "not here" settles nothing
+    healthy.add(1)
+    assert healthy.full  # node 0 (hung, not yet known) is not waited for
+    wary = Settle.for_map(width=3, owners=2, healthy=False)
+    assert wary == Settle(need=2, spare=0)
+    suspect_first = Coverage([batch, batch, batch], wary, counted=[False, True, True])
+    suspect_first.add(2)
+    assert not suspect_first.full  # node 1, trusted, is waited for
+    suspect_first.add(1)
+    assert suspect_first.full  # node 0, suspect, is not
+    two_asked = Coverage([batch, batch], wary)  # node 0 down: not asked
+    two_asked.add(1)
+    two_asked.add(1)  # one outcome a node
+    assert not two_asked.full
+    two_asked.fail(0)  # failed: its rows wait for it no more
+    assert two_asked.full
+    # a list of 3 out of 4 nodes: each row counts the nodes asked about it
+    rows = [np.array([0, 1]), np.array([0, 2]), np.array([1, 2]), np.array([0, 1, 2])]
+    spread = Coverage(rows, rule)  # each row asked of 3 nodes: 2 answers settle it
+    spread.add(3)
+    assert not spread.full
+    spread.add(0)
+    assert not spread.full  # row 2: only node 3 answered
+    spread.add(2)
+    assert spread.full
+    # no replication (a list of owner + fallback): one answer, as before
+    assert Settle.for_map(width=2, owners=1, healthy=True) == Settle(need=2, spare=1)
+    single = Coverage([batch, batch], Settle.for_map(width=2, owners=1, healthy=True))
+    single.add(1)
+    assert single.full
 
 
 def test_grace_is_a_multiple_of_the_answers_time_within_bounds() -> None:

@@ -77,6 +77,7 @@ def driver(tmp: Path, command: str, spec: dict[str, Any] | None = None,
     assert done.returncode == 0 and out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.read_text())
     result["log"] = done.stdout + done.stderr
+    out.with_suffix(".log").write_text(result["log"])  # (kept with the run's temp files)
     return result
 
 
@@ -460,17 +461,21 @@ def test_a_hung_cluster_node_costs_no_request_a_timeout_and_the_replicas_serve(
     copies: the no-connector output, no load failed, and the connector never left the
     pool alone. No request waits out the hung node's timeout: lookups and EXISTS settle
     on the other nodes' answers and leave it behind, and reads keep away from it until it
-    answers again (measured: 0.36 / 0.18 / 0.29 s; before, the first request waited two
-    timeouts, and one request a client waited one each time the node's back-off ended;
-    before that, every request waited ~3)."""
+    answers again (before, the first request waited two timeouts, and one request a client
+    waited one each time the node's back-off ended; before that, every request waited ~3).
+    A lookup settles only once an owner of each key answered: the other owner, slow on a
+    busy host, is waited for (before, the third node's "not here" settled it: 4 chunks
+    recomputed, twice in CI runs)."""
     from kvpool.server.local_cluster import LocalCluster
 
-    timeout_s = 5.0
+    # well past what a loaded request takes on a busy 2-core VM (2.4-5.5 s, 16 s for the
+    # whole prompt computed), so a TTFT under it says no request waited it out
+    timeout_s = 20.0
     with LocalCluster(3, replication=2, data_dir=tmp_path / "cluster",
                       serve_args=["--no-ssd", "--dram-capacity", "256MiB"]) as cluster:
         connector = {"kvpool_url": ",".join(cluster.seeds), "timeout_s": timeout_s}
         spec = {"prompts": prompts, "max_tokens": STEPS, "connector": connector,
-                "in_process": True, "stats": True}
+                "in_process": True, "stats": True, "log_kvpool": True}
         stored = driver(tmp_path, "generate", spec)
         assert [run["tokens"] for run in stored["runs"]] == baseline
         keys = [k for p in prompts for k in chunk_keys(p)[:FULL]]
@@ -484,15 +489,11 @@ def test_a_hung_cluster_node_costs_no_request_a_timeout_and_the_replicas_serve(
     runs = loaded["runs"]
     assert [run["tokens"] for run in runs] == baseline
     assert [run["num_cached_tokens"] for run in runs] == [FULL * CHUNK] * 3
-    # (failed twice in CI runs on a busy 2-core VM, 4 chunks recomputed, never standalone:
-    # the connector's and the client's own lines say which call failed and why)
-    said = [line for line in loaded["log"].splitlines()
-            if "kvpool connector" in line or "kvpool node" in line]
-    assert "Recovered from KV load failure" not in loaded["log"], (said[-20:],
-                                                                  loaded.get("stats"))
+    # (kvpool's own lines, with the client's nodes marked down, say which call failed)
+    said = [line for line in loaded["log"].splitlines() if " kvpool" in line]
+    assert "Recovered from KV load failure" not in loaded["log"], said[-20:]
     assert "no pool calls for" not in loaded["log"], said[-20:]
-    # measured: 0.18-0.36 s here (a warm 1000-token request, 1.2 s on a slower VM), each
-    # request: a functional bound (waiting out the hung node costs one timeout_s at least)
+    # a functional bound (waiting out the hung node costs one timeout_s at least)
     assert all(run["ttft_s"] < timeout_s for run in runs), [r["ttft_s"] for r in runs]
 
 
