@@ -362,9 +362,14 @@ def test_the_socket_link_polls_for_a_small_calls_reply_then_sleeps() -> None:
             assert bytes(link.call(Op.STATS, 0, [], sinks).body) == b"{}"
             return time.thread_time() - start
 
-        assert cpu_of(None) > 0.004  # ~10 ms polled (less where the thread was preempted)
-        assert cpu_of([memoryview(bytearray(4096))]) > 0.004  # small buffers: polled too
-        assert cpu_of([memoryview(bytearray(1 << 20))]) < 0.003  # asleep for 30 ms
+        # the best of three calls each (a thread preempted while it polls shows less CPU,
+        # one woken late more: 3.75 ms seen once on a busy VM)
+        polled = max(cpu_of(None) for _ in range(3))
+        assert polled > 0.004, polled  # ~10 ms polled
+        small = max(cpu_of([memoryview(bytearray(4096))]) for _ in range(3))
+        assert small > 0.004, small  # small buffers: polled too
+        big = min(cpu_of([memoryview(bytearray(1 << 20))]) for _ in range(3))
+        assert big < 0.003, big  # asleep for 30 ms
     finally:
         link.close()
         listener.close()
