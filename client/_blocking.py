@@ -197,6 +197,8 @@ def run_parallel(runs: Sequence[tuple[BlockingNode, Plan[T]]], *,
     :func:`~kvpool.client._routing.grace` more, then are left behind (their link closed,
     the node marked slow, their outcome a ``LeftBehind``)."""
     outcomes: list[T | Exception | None] = [None] * len(runs)
+    coverage = Coverage(settle, rule, [driver.node.trusted for driver, _ in runs]) \
+        if settle is not None else None
     sent: list[tuple[int, BlockingNode, Plan[T], BlockingLink]] = []
     later: list[tuple[int, BlockingNode, Plan[T], list[Call]]] = []
     start = time.monotonic()
@@ -213,16 +215,13 @@ def run_parallel(runs: Sequence[tuple[BlockingNode, Plan[T]]], *,
                 sent.append((i, driver, plan, conn))
             except StopIteration as done:
                 outcomes[i] = cast(T, done.value)
+                if coverage is not None:
+                    coverage.add(i)
             except Exception as exc:
                 outcomes[i] = exc
-        order = sent
-        if settle is not None:
-            coverage = Coverage(settle, rule, [driver.node.trusted for driver, _ in runs])
-            sent_now = {entry[0] for entry in sent} | {entry[0] for entry in later}
-            for i, outcome in enumerate(outcomes):  # settled as it was sent
-                if i not in sent_now:
-                    (coverage.fail if isinstance(outcome, Exception) else coverage.add)(i)
-            order = _as_they_come(sent, outcomes, coverage, start)
+                if coverage is not None:
+                    coverage.fail(i)
+        order = _as_they_come(sent, outcomes, coverage, start) if coverage is not None else sent
         while order:
             i, driver, plan, conn = order.pop(0)
             try:
