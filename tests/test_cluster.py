@@ -646,8 +646,8 @@ def test_a_lookup_waits_for_a_slow_owner_while_leaving_a_hung_one_behind(
     """Keys held by two nodes (replication 2 of 3): one of them hung (SIGSTOP), the other
     slow (stopped for 0.4 s, as a node on a busy host is not scheduled): the third node,
     which lacks the keys, answers first, and its "not here" settles nothing; the lookup
-    waits for the slow owner and finds every key, and leaves the hung one behind, well
-    before the timeout. (It settled on the first answer before, and reported the keys
+    waits for the slow owner and finds every key, and leaves the hung one behind (not
+    waited for until its timeout). (It settled on the first answer before, and reported the keys
     missing: a vLLM worker's load then recomputed them.)"""
     timeout = 5.0
     with Client(cluster3.seeds, timeout=timeout) as c:
@@ -670,11 +670,11 @@ def test_a_lookup_waits_for_a_slow_owner_while_leaving_a_hung_one_behind(
         resume = threading.Timer(0.4, slow.send_signal, [signal.SIGCONT])
         resume.start()
         try:
-            start = time.monotonic()
             assert fresh.lookup(keys) == len(keys)
-            took = time.monotonic() - start
-            assert took < timeout / 2, took
             nodes = fresh.async_client._router.nodes
+            # the hung node left behind once (a lookup that waited out its timeout would
+            # have marked it down, not left it), the slow one waited for
+            assert nodes[hung_id].left_behind == 1 and nodes[slow_id].left_behind == 0
             assert nodes[hung_id].suspect and not nodes[slow_id].suspect
             assert fresh.get_many(keys) == [value_for(k, 64) for k in keys]
         finally:
