@@ -39,6 +39,8 @@ BENCH_HELP = {
     "throughput": "GET/PUT throughput and latency vs Redis and raw TCP (iperf3)",
     "tiers": "DRAM / SSD / S3 tier throughput, lz4 ratios",
     "fill": "PUTs into a filling DRAM tier: memory allocated ahead vs page faults",
+    "policy": "which chunks the DRAM tier keeps: prefix hit ratio per eviction policy vs "
+              "the offline optimum, on request traces",
     "room": "a large value in a DRAM tier full of small ones: evicted bytes, LRU only vs "
             "bounded + by place",
     "cluster": "lookup latency and GET throughput, 1 node vs 3-node clusters",

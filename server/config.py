@@ -19,6 +19,7 @@ from typing import Any
 from kvpool.protocol.errors import ConfigError
 from kvpool.server import knobs
 from kvpool.server.knobs import format_size, knob, parse_size
+from kvpool.tiers.eviction import POLICIES
 
 __all__ = [
     "ClusterConfig",
@@ -140,10 +141,16 @@ class DramConfig:
                                      "(0 = off; docs/tiers.md)",
                                      flag="--dram-allocate-ahead",
                                      env="KVPOOL_DRAM_ALLOCATE_AHEAD", kind="size")
+    policy: str = knob("chain", "what the DRAM tier evicts first: chain (S3-FIFO fitted to "
+                       "prefix chains: one-off chunks leave first) or lru (docs/tiers.md)",
+                       flag="--dram-policy", env="KVPOOL_DRAM_POLICY")
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 0:
             raise ConfigError("dram capacity must be >= 0")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"dram policy must be one of {', '.join(POLICIES)}, "
+                              f"not {self.policy!r}")
         if self.allocate_ahead_bytes < 0:
             raise ConfigError("dram allocate_ahead_bytes must be >= 0")
         if not 0 < self.capacity_fraction <= 0.95:

@@ -38,7 +38,8 @@ def dram_tier(config: NodeConfig) -> DramTier:
     capacity = resolve_dram_capacity(config)
     try:
         return DramTier(capacity, default_ttl_s=config.dram.default_ttl_s or None,
-                        allocate_ahead_bytes=config.dram.allocate_ahead_bytes)
+                        allocate_ahead_bytes=config.dram.allocate_ahead_bytes,
+                        policy=config.dram.policy)
     except (MemoryError, ValueError) as exc:
         raise ConfigError(f"DRAM tier of {format_size(capacity)}: {exc}; "
                           "lower --dram-capacity or --dram-fraction") from exc

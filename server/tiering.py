@@ -248,7 +248,7 @@ class TierManager:
     def tiers(self, keys: Sequence[bytes]) -> bytes:
         """The fastest tier holding each key (a Tier code a byte), 0 where none does.
         No I/O."""
-        in_dram = self.dram.contains_many(keys)
+        in_dram = self.dram.contains_many(keys, interest=True)
         codes = bytes(in_dram)  # Tier.DRAM is 1: True where DRAM holds the key
         ssd = self._cold
         if ssd is None or all(in_dram):

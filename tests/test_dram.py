@@ -109,7 +109,7 @@ def test_arena_allocates_memory_ahead_of_its_extents_and_no_further() -> None:
 
 
 def test_lru_eviction_order() -> None:
-    tier = DramTier(4 * PAGE)
+    tier = DramTier(4 * PAGE, policy="lru")
     for i in range(4):
         assert tier.put(key(i), value_of(PAGE))
     assert tier.get(key(0)) is not None  # 0 becomes most recent
@@ -118,8 +118,9 @@ def test_lru_eviction_order() -> None:
     assert tier.stats().evictions == 1
 
 
-def test_equal_recency_evicts_deepest_first() -> None:
-    tier = DramTier(4 * PAGE)
+@pytest.mark.parametrize("policy", ["lru", "chain"])
+def test_equal_recency_evicts_deepest_first(policy: str) -> None:
+    tier = DramTier(4 * PAGE, policy=policy)
     slots = [tier.reserve(key(i), PAGE) for i in range(4)]
     for i, slot in enumerate(slots):
         assert slot is not None
@@ -133,7 +134,9 @@ def test_equal_recency_evicts_deepest_first() -> None:
 
 
 def test_batch_read_keeps_prefix_order() -> None:
-    tier = DramTier(3 * PAGE)
+    """LRU: a prefix read together is equally recent; its deepest chunk goes first (the
+    chain policy's rule for chains needs their parents: tests/test_eviction.py)."""
+    tier = DramTier(3 * PAGE, policy="lru")
     for i in range(3):
         tier.put(key(i), value_of(PAGE, index=i))
     entries = tier.acquire_many([key(0), key(1), key(2)])  # read as a prefix

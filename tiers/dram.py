@@ -106,17 +106,20 @@ class Slot:
 
 
 class DramTier:
-    """Byte-bounded, prefix-aware LRU store over an :class:`Arena`."""
+    """Byte-bounded store over an :class:`Arena`, evicting by ``policy`` (a name from
+    ``tiers/eviction.py``: ``chain``, or ``lru``)."""
 
     name = "dram"
 
     def __init__(self, capacity_bytes: int, *, default_ttl_s: float | None = None,
-                 allocate_ahead_bytes: int = 0, clock: Clock = time.monotonic) -> None:
+                 allocate_ahead_bytes: int = 0, clock: Clock = time.monotonic,
+                 policy: str = "chain") -> None:
         self.arena = Arena(capacity_bytes, allocate_ahead=allocate_ahead_bytes)
         self._clock = clock
         self._default_ttl = default_ttl_s
         #: the entries, their bytes, and the eviction order (pinned entries held out of it)
-        self._ledger: Ledger[Entry] = Ledger()
+        self.policy = policy
+        self._ledger: Ledger[Entry] = Ledger(policy)
         self._entries = self._ledger.records  # (read here; changed through the ledger)
         self._deadlines: Deadlines[Entry] = Deadlines()  # TTLs
         self._stats = TierStats(self.name, self.arena.capacity)
@@ -290,18 +293,26 @@ class DramTier:
             self._stats.evictions += 1
         return gone
 
-    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+    def contains_many(self, keys: Sequence[bytes], *, interest: bool = False) -> list[bool]:
+        """Whether each key is held. ``interest``: a client looked them up, which the
+        eviction policy may count as a use of those found (no hit counted, no recency)."""
         now = self._clock()
         if self._deadlines.next_at > now:  # no entry has expired: a look-up in C a key
-            return list(map(self._entries.__contains__, keys))
-        return [self._live(key, now) is not None for key in keys]
+            found = list(map(self._entries.__contains__, keys))
+        else:
+            found = [self._live(key, now) is not None for key in keys]
+        if interest:
+            self._ledger.notice(key for key, held in zip(keys, found, strict=True) if held)
+        return found
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` are present."""
+        """How many leading ``keys`` are present (a lookup: ``interest`` in those)."""
         now = self._clock()
         for i, key in enumerate(keys):
             if self._live(key, now) is None:
+                self._ledger.notice(keys[:i])
                 return i
+        self._ledger.notice(keys)
         return len(keys)
 
     def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
@@ -419,10 +430,10 @@ class DramTier:
         if entry.checksum >= 0:  # clients read the index's values as raw payloads
             self.index.publish(_index_slot(entry, self.arena, self._clock()))
 
-    def _remove(self, entry: Entry) -> None:
+    def _remove(self, entry: Entry, *, evicted: bool = False) -> None:
         if self.index is not None:  # before the extent is freed
             self.index.withdraw(entry.key)
-        self._ledger.forget(entry.key)
+        self._ledger.forget(entry.key, evicted=evicted)
         self._places.discard(entry)
         self.tenants.charge(entry.tenant, -entry.length)
         entry.live = False
@@ -430,7 +441,7 @@ class DramTier:
             self.arena.free(entry.offset, entry.length)
 
     def _evict(self, entry: Entry) -> None:
-        self._remove(entry)
+        self._remove(entry, evicted=True)
         self._stats.evictions += 1
         if self.on_evict is not None:
             self.on_evict(entry)

@@ -1,11 +1,25 @@
-"""Eviction order: least recently used first; at equal recency, deepest first. And
-expiry order: soonest deadline first (:class:`Deadlines`).
+"""Eviction orders, and expiry order (soonest deadline first: :class:`Deadlines`).
 
-A chunk is useless without its ancestors, so when several chunks are touched
-by one request (a prefix stored or loaded together, hence equally recent),
-the deeper ones become eviction candidates before their parents. The policy
-is an ``OrderedDict`` (O(1) per touch): a batch is appended deepest-first, so
-its shallowest chunk ends up the most recent.
+Two policies, chosen per node (``--dram-policy``; docs/tiers.md has the measurements):
+
+``chain`` (:class:`ChainFIFO`, the default): S3-FIFO (Yang et al., SOSP '23) fitted to
+chained prefix chunks. A new chunk enters a small probationary FIFO (a tenth of the
+chunks); one that is read or looked up there before it reaches the FIFO's head moves to
+the main FIFO, one that is not leaves and is remembered as a ghost (its key only), and a
+ghost stored again enters main directly. Main gives each chunk one more pass per use
+(up to three) before it goes. Most chunks of a KV pool are never asked for again (the
+last chunks of a conversation's last turn, one-off documents): they leave from the
+small FIFO without pushing out chunks that will be hit. Rules for chains: a chunk is
+worth no more than its parent, so when a parent is evicted its children still held
+become the next to go (a prefix lookup stops at the parent anyway); a chunk chosen to
+go takes its descendants first, deepest first, so a chain's tail leaves before its head
+whenever it was stored; a batch enters deepest first; and a lookup that finds a
+chunk counts as a use (an engine that holds the prefix itself looks up and stores but
+reads nothing).
+
+``lru`` (:class:`PrefixAwareLRU`, the tiers' policy before ``chain``, kept for
+comparison and for the cold tiers): least recently used first; at equal recency, deepest
+first. Lookups do not count as uses.
 """
 
 from __future__ import annotations
@@ -14,12 +28,48 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
-from typing import Generic, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import Generic, Protocol, TypeVar
 
-__all__ = ["Deadlines", "PrefixAwareLRU"]
+__all__ = ["POLICIES", "ChainFIFO", "Deadlines", "EvictionOrder", "PrefixAwareLRU",
+           "eviction_order"]
 
 T = TypeVar("T")
+
+
+class EvictionOrder(Protocol):
+    """What a :class:`~kvpool.tiers.ledger.Ledger` asks of its eviction policy."""
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, key: bytes) -> bool: ...
+
+    def touch(self, batch: Iterable[tuple[bytes, int]]) -> None:
+        """``(key, depth)`` pairs were stored or read now, together (adds unknown keys)."""
+
+    def notice(self, keys: Iterable[bytes]) -> None:
+        """Held ``keys`` were looked up (found) without being read."""
+
+    def discard(self, key: bytes, *, evicted: bool = False) -> None:
+        """``key`` left the order: evicted to make room, or deleted, replaced or pinned."""
+
+    def candidates(self) -> Iterator[bytes]:
+        """Keys from first to last to evict. The caller evicts none while iterating."""
+
+
+#: the eviction policies a tier can run, by the name a node's config gives them
+POLICIES = ("chain", "lru")
+
+
+def eviction_order(name: str, parent_of: Callable[[bytes], bytes | None] | None = None
+                   ) -> EvictionOrder:
+    """A new, empty eviction order of policy ``name`` (one of :data:`POLICIES`).
+    ``parent_of`` tells a held key's parent, where its writer said (for ``chain``)."""
+    if name == "lru":
+        return PrefixAwareLRU()
+    if name == "chain":
+        return ChainFIFO(parent_of)
+    raise ValueError(f"unknown eviction policy {name!r} (one of {', '.join(POLICIES)})")
 
 
 class PrefixAwareLRU:
@@ -43,12 +93,184 @@ class PrefixAwareLRU:
             order[key] = None
             order.move_to_end(key)
 
-    def discard(self, key: bytes) -> None:
+    def notice(self, keys: Iterable[bytes]) -> None:
+        """Lookups are not uses here (the policy as it was)."""
+
+    def discard(self, key: bytes, *, evicted: bool = False) -> None:
         self._order.pop(key, None)
 
     def candidates(self) -> Iterator[bytes]:
         """Keys from first to last to evict. Do not mutate while iterating."""
         return iter(self._order)
+
+
+class ChainFIFO:
+    """S3-FIFO for chained prefix chunks (the module doc has the rules).
+
+    State a held chunk: an entry in one FIFO and in a use counter (0-3), and where its
+    parent is known, one in a parent map and in its parent's set of children: about
+    400 bytes. Ghosts (keys only, about 150 bytes each) are at most as many as the
+    chunks in the main FIFO. O(1) per store, read and lookup; an eviction passes over
+    chunks that earned another pass (at most three passes per use).
+    """
+
+    __slots__ = ("_children", "_evictions", "_ghost", "_main", "_parent", "_parent_of",
+                 "_small", "_small_target", "_uses")
+
+    #: the small FIFO's share of the chunks held
+    SMALL_SHARE = 0.1
+    #: passes a chunk can earn in the main FIFO
+    MAX_USES = 3
+    #: ghosts kept, per chunk held
+    GHOSTS = 8
+    #: chunks the small FIFO's target grows (or shrinks) by at each ghost stored again
+    #: that a bigger small FIFO (or main) would have kept
+    ADAPT = 1.0
+
+    def __init__(self, parent_of: Callable[[bytes], bytes | None] | None = None) -> None:
+        self._small: OrderedDict[bytes, None] = OrderedDict()
+        self._main: OrderedDict[bytes, None] = OrderedDict()
+        #: keys evicted lately -> (when, by eviction count) * 2 + (1 if from the small FIFO)
+        self._ghost: OrderedDict[bytes, int] = OrderedDict()
+        self._evictions = 0
+        self._small_target = 0.0
+        self._uses: dict[bytes, int] = {}
+        self._parent: dict[bytes, bytes] = {}
+        self._children: dict[bytes, set[bytes]] = {}
+        self._parent_of = parent_of
+
+    def __len__(self) -> int:
+        return len(self._uses)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._uses
+
+    def touch(self, batch: Iterable[tuple[bytes, int]]) -> None:
+        uses = self._uses
+        new: list[tuple[bytes, int]] = []
+        for key, depth in batch:
+            n = uses.get(key)
+            if n is None:
+                new.append((key, depth))
+            elif n < self.MAX_USES:
+                uses[key] = n + 1
+        if len(new) > 1:
+            new.sort(key=lambda kd: -kd[1])  # deepest first: the tail leaves first
+        for key, _depth in new:
+            self._admit(key)
+
+    def notice(self, keys: Iterable[bytes]) -> None:
+        uses = self._uses
+        for key in keys:
+            if uses.get(key) == 0:
+                uses[key] = 1
+
+    def _admit(self, key: bytes) -> None:
+        self._uses[key] = 0
+        ghost = self._ghost
+        mark = ghost.pop(key, None)
+        if mark is not None:
+            self._main[key] = None
+            if self.ADAPT and self._evictions - (mark >> 1) <= len(self._uses):
+                # evicted lately: a bigger FIFO (the small one, or main) would have kept it
+                held = len(self._uses)
+                step = self.ADAPT
+                target = self._small_target + (step if mark & 1 else -step)
+                self._small_target = min(max(target, self.SMALL_SHARE * held), 0.9 * held)
+        else:
+            self._small[key] = None
+        parent = self._parent_of(key) if self._parent_of is not None else None
+        if parent is not None:
+            self._parent[key] = parent
+            self._children.setdefault(parent, set()).add(key)
+
+    def discard(self, key: bytes, *, evicted: bool = False) -> None:
+        if self._uses.pop(key, None) is None:
+            return
+        was_small = key in self._small
+        if was_small:
+            del self._small[key]
+        else:
+            del self._main[key]
+        parent = self._parent.pop(key, None)
+        if parent is not None:
+            siblings = self._children[parent]
+            siblings.discard(key)
+            if not siblings:
+                del self._children[parent]
+        if not evicted:
+            return
+        self._evictions += 1
+        ghost = self._ghost
+        ghost[key] = self._evictions * 2 + (1 if was_small else 0)
+        while len(ghost) > max(self.GHOSTS * len(self._uses), 16):
+            ghost.popitem(last=False)
+        # its children held are worth nothing until it is back: the next to go
+        for child in self._children.get(key, ()):
+            self._uses[child] = 0
+            (self._small if child in self._small else self._main).move_to_end(child, last=False)
+
+    def candidates(self) -> Iterator[bytes]:
+        small, main, uses = self._small, self._main, self._uses
+        offered: set[bytes] = set()
+        small_offered = 0
+        small_done = main_done = False
+        while True:
+            small_done = small_done or not small
+            main_done = main_done or not main
+            if small_done and main_done:
+                return
+            target = max(self.SMALL_SHARE * len(uses), self._small_target) - len(offered)
+            if not small_done and (main_done or len(small) - small_offered > target):
+                key = next(iter(small))
+                if key in offered:  # every chunk of it offered once
+                    small_done = True
+                    continue
+                if uses[key]:  # used on probation: into main
+                    del small[key]
+                    main[key] = None
+                    uses[key] = 0
+                    continue
+                for victim in self._tail_first(key):
+                    if victim not in offered:
+                        offered.add(victim)
+                        small_offered += victim in small
+                        yield victim
+                if key in small:
+                    small.move_to_end(key)
+                continue
+            key = next(iter(main))
+            if key in offered:
+                main_done = True
+                continue
+            n = uses[key]
+            if n:  # one more pass
+                uses[key] = n - 1
+                main.move_to_end(key)
+                continue
+            for victim in self._tail_first(key):
+                if victim not in offered:
+                    offered.add(victim)
+                    small_offered += victim in small
+                    yield victim
+            if key in main:
+                main.move_to_end(key)
+
+    def _tail_first(self, key: bytes) -> Iterator[bytes]:
+        """``key``'s descendants held, each after its own (a chain's tail before its
+        head: a chunk is worth no more than its parent), then ``key``."""
+        children = self._children
+        seen = {key}  # (a writer may name any key as a parent: no cycles followed)
+        stack = [(key, iter(children.get(key, ())))]
+        while stack:
+            node, rest = stack[-1]
+            child = next(rest, None)
+            if child is None:
+                stack.pop()
+                yield node
+            elif child not in seen:
+                seen.add(child)
+                stack.append((child, iter(children.get(child, ()))))
 
 
 class Deadlines(Generic[T]):

@@ -1,7 +1,6 @@
 """What a tier holds, in memory: a record for each key (its stored bytes and its depth in
-its prefix), the bytes in use, and the order to evict in
-(:class:`~kvpool.tiers.eviction.PrefixAwareLRU`: least recently used first, deepest
-first at equal recency).
+its prefix), the bytes in use, and the order to evict in (a policy of
+``tiers/eviction.py``: ``lru`` unless the tier names another).
 
 Every tier keeps one. The RocksDB and S3 tiers hold :class:`Held` records and evict by
 bytes (:meth:`Ledger.victims`). The DRAM tier's records are its entries (offset, pins,
@@ -18,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from kvpool.tiers.eviction import PrefixAwareLRU
+from kvpool.tiers.eviction import eviction_order
 
 __all__ = ["Held", "Ledger", "Record"]
 
@@ -47,12 +46,14 @@ R = TypeVar("R", bound=Record)
 class Ledger(Generic[R]):
     """Records by key; ``used`` bytes in all; the eviction order of the keys not held out."""
 
-    __slots__ = ("_lru", "records", "used")
+    __slots__ = ("_order", "records", "used")
 
-    def __init__(self) -> None:
+    def __init__(self, policy: str = "lru") -> None:
         #: the records by key (read it freely; change it only through the ledger)
         self.records: dict[bytes, R] = {}
-        self._lru = PrefixAwareLRU()
+        records = self.records
+        self._order = eviction_order(
+            policy, lambda key: getattr(records.get(key), "parent", None))
         self.used = 0
 
     def __contains__(self, key: bytes) -> bool:
@@ -71,7 +72,7 @@ class Ledger(Generic[R]):
     @property
     def evictable(self) -> int:
         """How many keys are in the eviction order (the rest are held out)."""
-        return len(self._lru)
+        return len(self._order)
 
     def add(self, key: bytes, record: R, *, used_now: bool = True) -> None:
         """Hold ``key``'s ``record`` (in place of any before it), used now; with
@@ -83,34 +84,40 @@ class Ledger(Generic[R]):
         records[key] = record
         self.used += record.length
         if used_now:
-            self._lru.touch([(key, record.depth)])
+            self._order.touch([(key, record.depth)])
 
     def touch(self, key: bytes) -> None:
         """``key`` (held) was used now."""
-        self._lru.touch([(key, self.records[key].depth)])
+        self._order.touch([(key, self.records[key].depth)])
 
     def touch_many(self, batch: Iterable[tuple[bytes, int]]) -> None:
         """``(key, depth)`` pairs (held) were used now, together: the deepest become the
         first to evict among them."""
-        self._lru.touch(batch)
+        self._order.touch(batch)
+
+    def notice(self, keys: Iterable[bytes]) -> None:
+        """Held ``keys`` were looked up without being read (a use to some policies)."""
+        self._order.notice(keys)
 
     def hold_out(self, key: bytes) -> None:
         """Never offer ``key`` (held) as a victim until it is touched again (a pin)."""
-        self._lru.discard(key)
+        self._order.discard(key)
 
-    def forget(self, key: bytes) -> R | None:
-        """Drop ``key``; its record, if it was held."""
-        record = self.records.pop(key, None)
+    def forget(self, key: bytes, *, evicted: bool = False) -> R | None:
+        """Drop ``key`` (``evicted``: to make room, rather than deleted or replaced); its
+        record, if it was held."""
+        record = self.records.get(key)
         if record is None:
             return None
+        self._order.discard(key, evicted=evicted)
+        del self.records[key]
         self.used -= record.length
-        self._lru.discard(key)
         return record
 
     def candidates(self) -> Iterator[bytes]:
         """The keys not held out, first to evict first (their records are in
         :attr:`records`). Do not add or forget while iterating."""
-        return self._lru.candidates()
+        return self._order.candidates()
 
     def victims(self, capacity: int, incoming: int = 0) -> list[bytes]:
         """Drop keys, first to evict first, until ``incoming`` more bytes fit in
@@ -118,11 +125,11 @@ class Ledger(Generic[R]):
         victims: list[bytes] = []
         used = self.used
         records = self.records
-        for key in self._lru.candidates():
+        for key in self._order.candidates():
             if used + incoming <= capacity:
                 break
             victims.append(key)
             used -= records[key].length
         for key in victims:
-            self.forget(key)
+            self.forget(key, evicted=True)
         return victims
