@@ -2,7 +2,8 @@
 beside the offline optimum and infinite capacity, on request traces.
 
     python -m bench.policy [TRACE.jsonl ...] [--synthetic N] [--capacities 0.01,0.02,...]
-                           [--policies chain,lru] [--tcp 0.01,0.05] [--seed 0]
+                           [--policies chain,lru] [--tcp 0.01,0.1] [--ssd 0.05]
+                           [--plot docs/img/policy.png] [--hot-path-runs 5] [--seed 0]
 
 A trace is JSONL, one request a line: ``hash_ids`` (a list of block ids, Mooncake's
 trace format: equal ids at equal positions are the same prefix block) or ``tokens`` (a
@@ -22,8 +23,14 @@ distance the deeper): with uniform chunks it maximises hits, and since a parent 
 always asked for no later than its children, what it keeps is prefix-closed, so its
 chunk hits are prefix hits.
 
-Prints a table (hit ratio, and its ratio to the optimum) and writes
-bench/results/policy.json.
+``--ssd SHARE`` replays over TCP once more with the SSD tier on (room for every chunk)
+below a DRAM tier of that share, for each admission (``--ssd-admit all``, ``reused``):
+hits, hits served from the SSD, the SSD's writes, flash writes per hit, write-behinds
+shed and held back. Last, the hot path: each policy's cost per store and per read, in
+process and over TCP (PUT and GET p50, a node per run, policies interleaved).
+
+Prints tables (hit ratio, and its ratio to the optimum) and writes
+bench/results/policy.json (``--plot``: a PNG of hit ratio against capacity).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import heapq
 import json
 import math
 import random
+import statistics
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -40,7 +48,7 @@ from typing import Any
 
 import xxhash
 
-from bench._stats import save
+from bench._stats import fmt, save, summary
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, seal
 from kvpool.tiers.dram import DramTier
 from kvpool.tiers.eviction import POLICIES
@@ -241,38 +249,169 @@ def replay_tier(trace: Trace, capacity: int, policy: str) -> dict[str, float]:
         tier.close()
 
 
-def replay_tcp(trace: Trace, capacity: int, policy: str) -> dict[str, float]:
-    """The same through a real node over TCP (the SDK's lookup, get_many, put)."""
+def replay_tcp(trace: Trace, capacity: int, policy: str, ssd_admit: str | None = None
+               ) -> dict[str, float]:
+    """The same through a real node over TCP (the SDK's lookup, get_many, put). With
+    ``ssd_admit``, the node runs its SSD tier (room for every chunk) with that admission,
+    and the result counts hits served from the SSD and the SSD's writes."""
     from bench._procs import start_node
     from kvpool.client import Client
 
-    node = start_node("--dram-capacity", str(capacity * CHUNK_BYTES), "--no-ssd",
-                      "--dram-allocate-ahead", "0", "--dram-policy", policy)
+    flags = ["--dram-capacity", str(capacity * CHUNK_BYTES), "--dram-allocate-ahead", "0",
+             "--dram-policy", policy]
+    if ssd_admit is None:
+        flags.append("--no-ssd")
+    else:
+        flags += ["--ssd-admit", ssd_admit, "--ssd-capacity", "4GiB"]
+    node = start_node(*flags)
     values = _Values()
-    hits = total = 0
+    hits = total = from_ssd = 0
     started = time.perf_counter()
     try:
         with Client(node.url) as client:
             for keys in trace:
                 total += len(keys)
-                n = client.lookup(keys)
+                tiers = client.lookup_tiers(keys)
+                n = len(tiers)
                 hits += n
+                from_ssd += tiers.count("ssd")
                 if n:
                     client.get_many(keys[:n])
                 for depth in range(n, len(keys)):
                     client.put(keys[depth], values.payload, chunk_index=depth,
                                num_tokens=TOKENS_PER_CHUNK,
                                parent=keys[depth - 1] if depth else None)
-        return {"hit_ratio": hits / total, "seconds": time.perf_counter() - started}
+            seconds = time.perf_counter() - started
+            out = {"hit_ratio": hits / total, "seconds": seconds}
+            if ssd_admit is not None:
+                ssd = client.stats()["tiers"]["ssd"]
+                out.update(ssd_hits=from_ssd, ssd_writes=ssd["writes"], shed=ssd["shed"],
+                           held_back=ssd["held_back"])
+        return out
     finally:
         node.stop()
+
+
+def run_ssd(trace: Trace, share: float, distinct: int) -> dict[str, Any]:
+    """DRAM of ``share`` of the distinct chunks over an SSD with room for all: each
+    admission (with the default chain policy; lru + all as the tiers were), flash writes
+    per hit."""
+    capacity = max(1, round(share * distinct))
+    print(f"\nwith the SSD tier (DRAM {share:.1%} = {capacity:,} chunks, SSD room for all; "
+          "replayed over TCP as fast as it goes)")
+    print(f"{'policy':>6} {'admit':>7} | {'hit':>6} {'ssd hits':>9} {'ssd writes':>10} "
+          f"{'writes/hit':>10} {'shed':>6} {'held back':>9} {'time':>6}")
+    rows = []
+    for policy, admit in (("lru", "all"), ("chain", "all"), ("chain", "reused")):
+        got = replay_tcp(trace, capacity, policy, admit)
+        hit_chunks = got["hit_ratio"] * sum(map(len, trace))
+        per_hit = got["ssd_writes"] / hit_chunks if hit_chunks else math.inf
+        print(f"{policy:>6} {admit:>7} | {got['hit_ratio']:>6.3f} {got['ssd_hits']:>9,.0f} "
+              f"{got['ssd_writes']:>10,.0f} {per_hit:>10.3f} {got['shed']:>6,.0f} "
+              f"{got['held_back']:>9,.0f} {got['seconds']:>5.0f}s", flush=True)
+        rows.append({"policy": policy, "admit": admit, "writes_per_hit": per_hit, **got})
+    return {"share": share, "capacity": capacity, "rows": rows}
+
+
+# -- the hot path -------------------------------------------------------------------------
+
+
+def hot_path(policy: str, *, capacity: int = 4096, ops: int = 20_000, seed: int = 0
+             ) -> dict[str, float]:
+    """Microseconds per store (evicting: the tier is full) and per read of a held chunk,
+    in a DRAM tier of ``capacity`` chunks, each a chunk of a chain of 8 with its parent."""
+    tier = DramTier(capacity * CHUNK_BYTES, policy=policy)
+    values = _Values()
+    rng = random.Random(seed)
+    keys = [i.to_bytes(16, "big") for i in range(capacity + ops)]
+    try:
+        for i in range(capacity):
+            _store(tier, values, keys, i)
+        started = time.perf_counter()
+        for i in range(capacity, capacity + ops):
+            _store(tier, values, keys, i)
+        put = time.perf_counter() - started
+        held = tier.keys()
+        picks = [held[rng.randrange(len(held))] for _ in range(ops)]
+        started = time.perf_counter()
+        for key in picks:
+            tier.lookup([key])
+            for entry in tier.acquire_many([key]):
+                if entry is not None:
+                    tier.release(entry)
+        get = time.perf_counter() - started
+        return {"put_us": put / ops * 1e6, "get_us": get / ops * 1e6}
+    finally:
+        tier.close()
+
+
+def _store(tier: DramTier, values: _Values, keys: Sequence[bytes], i: int) -> None:
+    depth = i % 8
+    slot = tier.reserve(keys[i], CHUNK_BYTES)
+    if slot is None:
+        raise RuntimeError("no room in a tier with nothing held")
+    slot.view[:ENVELOPE_HEADER_SIZE] = values.header(depth)
+    slot.view[ENVELOPE_HEADER_SIZE:] = values.payload
+    tier.commit([slot], parents=[keys[i - 1] if depth else None])
+
+
+def hot_path_tcp(policy: str, *, chunk_bytes: int = CHUNK_BYTES, capacity: int = 2000,
+                 ops: int = 5000) -> dict[str, float]:
+    """p50 microseconds of a PUT (into a full tier: each evicts) and of a GET, one chunk a
+    call through a node over TCP, the sync SDK."""
+    from bench._procs import start_node
+    from kvpool.client import Client
+
+    node = start_node("--dram-capacity", str(capacity * chunk_bytes), "--no-ssd",
+                      "--dram-allocate-ahead", "0", "--dram-policy", policy)
+    payload = bytes(chunk_bytes - ENVELOPE_HEADER_SIZE)
+    keys = [i.to_bytes(16, "big") for i in range(ops)]
+    try:
+        with Client(node.url) as client:
+            puts = []
+            for i, key in enumerate(keys):
+                started = time.perf_counter()
+                client.put(key, payload, chunk_index=i % 8,
+                           parent=keys[i - 1] if i % 8 else None)
+                puts.append(time.perf_counter() - started)
+            gets = []
+            for key in keys[-capacity // 2:]:
+                started = time.perf_counter()
+                client.get(key)
+                gets.append(time.perf_counter() - started)
+        return {"put_p50_us": statistics.median(puts[capacity:]) * 1e6,
+                "get_p50_us": statistics.median(gets) * 1e6}
+    finally:
+        node.stop()
+
+
+def run_hot_path(policies: Sequence[str], runs: int) -> dict[str, Any]:
+    """Each policy's store and read cost (median and range of ``runs``, interleaved)."""
+    got: dict[str, dict[str, list[float]]] = {p: {} for p in policies}
+    for _ in range(runs):
+        for policy in policies:
+            big = {f"{k}_64k": v for k, v in hot_path_tcp(policy, chunk_bytes=64 << 10).items()}
+            for k, v in [*hot_path(policy).items(), *hot_path_tcp(policy).items(),
+                         *big.items()]:
+                got[policy].setdefault(k, []).append(v)
+    print(f"\nhot path, 4 KiB chunks unless said, tier full, chains of 8 (median [min-max] "
+          f"of {runs} runs, policies interleaved)")
+    out: dict[str, Any] = {}
+    for policy in policies:
+        row = {k: summary(v) for k, v in got[policy].items()}
+        out[policy] = row
+        print(f"  {policy:>6}: in process: store {fmt(row['put_us'], ' us')}, lookup+read "
+              f"{fmt(row['get_us'], ' us')}; over TCP: PUT p50 {fmt(row['put_p50_us'], ' us')}"
+              f", GET p50 {fmt(row['get_p50_us'], ' us')}; 64 KiB chunks over TCP: PUT p50 "
+              f"{fmt(row['put_p50_us_64k'], ' us')}, GET p50 {fmt(row['get_p50_us_64k'], ' us')}")
+    return out
 
 
 # -- the table ----------------------------------------------------------------------------
 
 
-def run(name: str, trace: Trace, shares: Sequence[float], policies: Sequence[str],
-        tcp: Sequence[float]) -> dict[str, Any]:
+def run(name: str, trace: Trace, shares: Sequence[float], policies: Sequence[str], *,
+        tcp: Sequence[float], ssd: float | None = None) -> dict[str, Any]:
     info = describe(trace)
     inf = infinite(trace)
     print(f"\n{name}: {info['requests']:,} requests, {info['chunks']:,} chunks, "
@@ -297,11 +436,44 @@ def run(name: str, trace: Trace, shares: Sequence[float], policies: Sequence[str
                     got = replay_tcp(trace, capacity, policy)
                     row[f"{policy}_tcp"] = got
                     line += f" | {got['hit_ratio']:.3f} {got['hit_ratio'] / best:>5.2f}x"
+                    line += f" {got['seconds']:.0f}s"
                 else:
                     line += f" | {'':>14}"
         print(line, flush=True)
         rows.append(row)
-    return {"trace": name, **info, "infinite": inf, "rows": rows}
+    result = {"trace": name, **info, "infinite": inf, "rows": rows}
+    if ssd is not None:
+        result["ssd"] = run_ssd(trace, ssd, info["distinct"])
+    return result
+
+
+def plot(result: dict[str, Any], policies: Sequence[str], path: Path) -> bool:
+    """Hit ratio against capacity, each policy beside the optimum: a PNG (False without
+    matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no plot: matplotlib is not installed: pip install matplotlib)")
+        return False
+    rows = result["rows"]
+    shares = [r["share"] * 100 for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(shares, [r["optimum"] for r in rows], "k--", label="optimum (Belady MIN)")
+    for policy in policies:
+        ax.plot(shares, [r[policy]["hit_ratio"] for r in rows], "o-", label=policy)
+    ax.axhline(result["infinite"], color="grey", lw=0.8, label="infinite capacity")
+    ax.set(xscale="log", xlabel="DRAM capacity (% of distinct chunks)",
+           ylabel="prefix hit ratio", title=result["trace"])
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return True
 
 
 def _shares(text: str) -> list[float]:
@@ -322,6 +494,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help=f"eviction policies to replay (of {', '.join(POLICIES)})")
     ap.add_argument("--tcp", type=_shares, default=[],
                     help="capacities (of --capacities) to replay through a node over TCP too")
+    ap.add_argument("--ssd", type=float, default=None, metavar="SHARE",
+                    help="replay over TCP with the SSD tier on too, DRAM of this share: "
+                         "flash writes per hit for each admission")
+    ap.add_argument("--plot", type=Path, default=None, metavar="PNG",
+                    help="write the first trace's hit ratio against capacity there")
+    ap.add_argument("--hot-path-runs", type=int, default=5, metavar="N",
+                    help="runs of the per-operation cost check (0: skip it)")
     args = ap.parse_args(argv)
     policies = [p for p in args.policies.split(",") if p]
     for policy in policies:
@@ -330,12 +509,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     results = []
     if args.traces:
         for path in args.traces:
-            results.append(run(path.name, load(path), args.capacities, policies, args.tcp))
+            results.append(run(path.name, load(path), args.capacities, policies,
+                               tcp=args.tcp, ssd=args.ssd))
     else:
         results.append(run(f"synthetic (seed {args.seed})",
                            synthetic(args.synthetic, args.seed), args.capacities, policies,
-                           args.tcp))
-    print(f"\nwrote {save('policy', {'policies': policies, 'traces': results})}")
+                           tcp=args.tcp, ssd=args.ssd))
+    if args.plot is not None:
+        plot(results[0], policies, args.plot)
+    hot = run_hot_path(policies, args.hot_path_runs) if args.hot_path_runs else None
+    print(f"\nwrote {save('policy', {'policies': policies, 'traces': results, 'hot_path': hot})}")
 
 
 if __name__ == "__main__":

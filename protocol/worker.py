@@ -70,6 +70,10 @@ class TieringPolicy:
     s3: bool = False
     #: answer a PUT only once S3 holds each chunk (with ``s3``)
     write_through: bool = False
+    #: which chunks go below DRAM: "all" (each written behind at its PUT), or "reused"
+    #: (written behind once it shows reuse: read or looked up while in DRAM, or stored
+    #: again after DRAM evicted it; write-through chunks and pinned ones at their PUT)
+    admit: str = "all"
 
     @property
     def cold(self) -> bool:

@@ -160,6 +160,8 @@ class DramConfig:
 
 
 SSD_CODECS = ("none", "lz4", "shuffle-lz4")
+#: what the tiers below DRAM take (TieringPolicy.admit)
+ADMIT = ("all", "reused")
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +185,14 @@ class SsdConfig:
                                "refuses writes), try to take writes again this often",
                                flag="--ssd-full-retry", env="KVPOOL_SSD_FULL_RETRY")
 
+    admit: str = knob("all", "which chunks the tiers below DRAM take: all (each written behind "
+                      "at its PUT) or reused (once read, looked up or stored again after "
+                      "eviction: fewer flash writes; docs/tiers.md)",
+                      flag="--ssd-admit", env="KVPOOL_SSD_ADMIT")
+
     def __post_init__(self) -> None:
+        if self.admit not in ADMIT:
+            raise ConfigError(f"ssd admit must be one of {', '.join(ADMIT)}, not {self.admit!r}")
         if self.capacity_bytes < 0:
             raise ConfigError("ssd capacity must be >= 0")
         if not self.full_retry_s > 0:

@@ -112,7 +112,8 @@ class Handlers:
         self.shm_ops: ShmOps | None = None
         if shm is not None:
             self.shm_ops = ShmOps(shm, self.dram, self.stats, read=self._get,
-                                  store=self._store, reply=self._reply)
+                                  store=self._store, reply=self._reply,
+                                  reused=self.store.reused)
             self._session_table.update(self.shm_ops.table)
 
     @property

@@ -210,6 +210,8 @@ METRICS: tuple[Metric, ...] = (
            _cold("pending_write_bytes", "pending_bytes")),
     Metric("kvpool_shed_writes", "counter", "", "tier", "write-behinds dropped because the "
            "queue was full (the chunk stays in DRAM only)", _cold("shed", "shed")),
+    Metric("kvpool_held_back_writes", "counter", "", "tier", "chunks not written below at "
+           "their PUT: no reuse shown yet (--ssd-admit reused)", _cold("held_back", "")),
     Metric("kvpool_checksum_failures", "counter", "", "tier", "chunks that failed their "
            "checksum when read from a tier", _per_tier("corrupt", tiers=("ssd", "s3"))),
     Metric("kvpool_tier_errors", "counter", "", "tier", "I/O errors of a cold tier (S3: "

@@ -57,7 +57,7 @@ def tiering_policy(config: NodeConfig) -> TieringPolicy:
     """What lies below the node's DRAM, read from its config in this one place."""
     s3 = bool(config.s3.bucket)
     return TieringPolicy(ssd=config.ssd.enabled, s3=s3,
-                         write_through=s3 and config.s3.write_through)
+                         write_through=s3 and config.s3.write_through, admit=config.ssd.admit)
 
 
 def worker_settings(config: NodeConfig, policy: TieringPolicy, path: Path) -> WorkerSettings:

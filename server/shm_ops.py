@@ -41,8 +41,10 @@ class ShmOps:
     def __init__(self, service: ShmService, dram: DramTier, stats: NodeStats, *,
                  read: Callable[[Request, Session], Reply | Pending],
                  store: Callable[[Request, Sequence[PutItem], Buffers | None], Reply | Pending],
-                 reply: Callable[[Request, Buffers], Reply]) -> None:
+                 reply: Callable[[Request, Buffers], Reply],
+                 reused: Callable[[list[Entry | None]], None] = lambda entries: None) -> None:
         self.service = service
+        self._reused = reused
         self.dram = dram
         self.stats = stats
         self._read = read
@@ -73,6 +75,7 @@ class ShmOps:
         if not session.shm:
             raise BadFrameError("TOUCH needs a connection granted the shared-memory arena")
         entries = self.dram.touch_many(request.keys)
+        self._reused(entries)
         found = [e for e in entries if e is not None]
         # hits: the reported keys the node still holds (a client's TOUCH of keys the node
         # never had counts nothing), as the index counters below count them

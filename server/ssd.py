@@ -59,6 +59,9 @@ class SsdCounters:
     pending_write_bytes: int = 0
     #: times the tier took writes again after a full disk
     recovered: int = 0
+    #: chunks not written below at their PUT: no reuse shown yet (``--ssd-admit reused``;
+    #: written later if one is read or looked up while in DRAM)
+    held_back: int = 0
 
 
 class SsdTier:

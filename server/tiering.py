@@ -107,7 +107,11 @@ class TierManager:
         if ssd is None:
             return  # (a worker that is down sheds, and counts, every write)
         dram = self.dram
+        reused_only = self.policy.admit == "reused"
         for entry in entries:
+            if reused_only and not (entry.reused or entry.pinned):
+                ssd.counters.held_back += 1  # (written once it shows reuse: reused())
+                continue
             if entry.expires_at is not None:
                 # a chunk with a TTL lives in DRAM only, so it can never outlive its TTL
                 # (nor can an older copy of its key below)
@@ -118,10 +122,19 @@ class TierManager:
             if entry.key in ssd.index or (not ssd.has_ssd and entry.key in ssd.s3_index):
                 continue
             dram.hold(entry)
-            if not ssd.write(entry.key, entry.offset, entry.length,
-                             lambda _stored, e=entry: dram.release(e),  # type: ignore[misc]
-                             tenant=entry.tenant):
+            if ssd.write(entry.key, entry.offset, entry.length,
+                         lambda _stored, e=entry: dram.release(e),  # type: ignore[misc]
+                         tenant=entry.tenant):
+                entry.queued_below = True
+            else:
                 dram.release(entry)
+
+    def reused(self, entries: Iterable[Entry | None]) -> None:
+        """DRAM chunks just read or looked up: with ``admit="reused"``, write behind those
+        not below yet (they show reuse now)."""
+        if self.policy.admit != "reused":
+            return
+        self.write_behind([e for e in entries if e is not None and not e.queued_below])
 
     async def make_durable(self, entries: Sequence[Entry]) -> list[bool]:
         """Write-through: True for each chunk S3 has once this returns."""
@@ -171,7 +184,9 @@ class TierManager:
 
     def acquire(self, keys: Sequence[bytes]) -> list[Entry | None]:
         """Each key's DRAM entry, held for a reply (None: not in DRAM)."""
-        return self.dram.acquire_many(keys)
+        entries = self.dram.acquire_many(keys)
+        self.reused(entries)
+        return entries
 
     def below(self, keys: Sequence[bytes], entries: Sequence[Entry | None]) -> list[int]:
         """Indexes of the DRAM misses a lower tier may hold (:meth:`promote` them)."""
@@ -249,6 +264,9 @@ class TierManager:
         """The fastest tier holding each key (a Tier code a byte), 0 where none does.
         No I/O."""
         in_dram = self.dram.contains_many(keys, interest=True)
+        if self.policy.admit == "reused":
+            peek = self.dram.peek
+            self.reused(peek(key) for key, held in zip(keys, in_dram, strict=True) if held)
         codes = bytes(in_dram)  # Tier.DRAM is 1: True where DRAM holds the key
         ssd = self._cold
         if ssd is None or all(in_dram):

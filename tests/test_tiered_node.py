@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -385,3 +386,39 @@ def test_a_node_restarted_at_once_after_kill_9_finds_its_ssd_unlocked() -> None:
             assert c.get_many(keys) == values
     finally:
         again.stop()
+
+
+def test_ssd_admit_reused_writes_a_chunk_below_once_it_is_read_or_looked_up() -> None:
+    """``--ssd-admit reused``: a chunk stored once and never asked for costs no flash
+    write (counted as held back); one read, or only looked up, is written then; with
+    the default (all) every PUT is written behind."""
+    node = start_node("--dram-capacity", "8MiB", "--ssd-admit", "reused")
+    try:
+        with Client(node.url) as c:
+            once, read, looked = rkey(), rkey(), rkey()
+            for k in (once, read, looked):
+                c.put(k, os.urandom(10_000))
+            assert ssd_stats(c)["held_back"] == 3 and ssd_stats(c)["writes"] == 0
+            assert c.get(read) is not None
+            assert c.lookup([looked]) == 1
+            wait_for_writes(c, 2)
+            time.sleep(0.3)  # (nothing more is coming: the third is never written)
+            stats = ssd_stats(c)
+            assert stats["writes"] == 2 and stats["num_objects"] == 2
+            assert c.exists_tiers([read, looked]) == ["dram", "dram"]  # (a lookup of once
+            assert c.get(read) is not None  # would write it) read again: not written twice
+            time.sleep(0.3)
+            assert ssd_stats(c)["writes"] == 2
+            with urllib.request.urlopen(f"{node.admin_url}/metrics", timeout=10) as reply:
+                text = reply.read().decode()
+            assert 'kvpool_held_back_writes_total{tier="ssd"} 3' in text.replace(".0\n", "\n")
+    finally:
+        assert node.stop() == 0
+    node = start_node("--dram-capacity", "8MiB")
+    try:
+        with Client(node.url) as c:
+            c.put(rkey(), os.urandom(10_000))
+            wait_for_writes(c, 1)
+            assert ssd_stats(c)["held_back"] == 0
+    finally:
+        assert node.stop() == 0

@@ -45,6 +45,10 @@ class Entry:
     last_access: float = 0.0  #: wall-clock time of its last PUT or GET
     tenant: str | None = None  #: whose quota the chunk counts against (None: no one's)
     checksum: int = -1  #: its envelope's payload checksum (-1: not a raw value)
+    #: read or looked up since stored, or stored again after an eviction (the eviction
+    #: policy remembered it): what ``--ssd-admit reused`` writes below
+    reused: bool = False
+    queued_below: bool = False  #: written behind to the tier below (or on its way)
 
 
 def _index_slot(entry: Entry, arena: Arena, now: float) -> IndexSlot:
@@ -215,7 +219,8 @@ class DramTier:
             if not entry.pinned:
                 touched.append((entry.key, depth))
             ok.append(entry)
-        self._ledger.touch_many(touched)
+        for key in self._ledger.touch_many(touched):
+            self._entries[key].reused = True
         return ok
 
     def attach_index(self, index: ArenaIndex) -> None:
@@ -250,6 +255,7 @@ class DramTier:
             if hold:
                 entry.readers += 1
             entry.last_access = wall
+            entry.reused = True
             found.append(entry)
             if not entry.pinned:
                 touched.append((key, entry.depth))
@@ -302,7 +308,7 @@ class DramTier:
         else:
             found = [self._live(key, now) is not None for key in keys]
         if interest:
-            self._ledger.notice(key for key, held in zip(keys, found, strict=True) if held)
+            self._interest([key for key, held in zip(keys, found, strict=True) if held])
         return found
 
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -310,10 +316,17 @@ class DramTier:
         now = self._clock()
         for i, key in enumerate(keys):
             if self._live(key, now) is None:
-                self._ledger.notice(keys[:i])
+                self._interest(keys[:i])
                 return i
-        self._ledger.notice(keys)
+        self._interest(keys)
         return len(keys)
+
+    def _interest(self, held: Sequence[bytes]) -> None:
+        """``held`` keys were looked up: a use to the policy, and reuse."""
+        self._ledger.notice(held)
+        entries = self._entries
+        for key in held:
+            entries[key].reused = True
 
     def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
         out = []
@@ -458,5 +471,8 @@ class DramTier:
 
     def _next_victim(self) -> Entry | None:
         entries = self._entries
+        first = self._ledger.first()
+        if first is not None and entries[first].readers == 0:  # (most calls)
+            return entries[first]
         return next((e for k in self._ledger.candidates() if (e := entries[k]).readers == 0),
                     None)

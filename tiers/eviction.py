@@ -28,7 +28,7 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Generic, Protocol, TypeVar
 
 __all__ = ["POLICIES", "ChainFIFO", "Deadlines", "EvictionOrder", "PrefixAwareLRU",
@@ -44,8 +44,9 @@ class EvictionOrder(Protocol):
 
     def __contains__(self, key: bytes) -> bool: ...
 
-    def touch(self, batch: Iterable[tuple[bytes, int]]) -> None:
-        """``(key, depth)`` pairs were stored or read now, together (adds unknown keys)."""
+    def touch(self, batch: Iterable[tuple[bytes, int]]) -> Sequence[bytes]:
+        """``(key, depth)`` pairs were stored or read now, together (adds unknown keys).
+        The keys added that the policy remembers evicting (stored again)."""
 
     def notice(self, keys: Iterable[bytes]) -> None:
         """Held ``keys`` were looked up (found) without being read."""
@@ -55,6 +56,9 @@ class EvictionOrder(Protocol):
 
     def candidates(self) -> Iterator[bytes]:
         """Keys from first to last to evict. The caller evicts none while iterating."""
+
+    def first(self) -> bytes | None:
+        """The first of :meth:`candidates` (None: none), without starting an iteration."""
 
 
 #: the eviction policies a tier can run, by the name a node's config gives them
@@ -86,15 +90,17 @@ class PrefixAwareLRU:
     def __contains__(self, key: bytes) -> bool:
         return key in self._order
 
-    def touch(self, batch: Iterable[tuple[bytes, int]]) -> None:
+    def touch(self, batch: Iterable[tuple[bytes, int]]) -> Sequence[bytes]:
         """Mark ``(key, depth)`` pairs as used now, together (adds unknown keys)."""
         order = self._order
         for key, _depth in sorted(batch, key=lambda kd: -kd[1]):
             order[key] = None
             order.move_to_end(key)
+        return ()  # (no memory of what it evicted)
 
     def notice(self, keys: Iterable[bytes]) -> None:
         """Lookups are not uses here (the policy as it was)."""
+
 
     def discard(self, key: bytes, *, evicted: bool = False) -> None:
         self._order.pop(key, None)
@@ -102,6 +108,9 @@ class PrefixAwareLRU:
     def candidates(self) -> Iterator[bytes]:
         """Keys from first to last to evict. Do not mutate while iterating."""
         return iter(self._order)
+
+    def first(self) -> bytes | None:
+        return next(iter(self._order), None)
 
 
 class ChainFIFO:
@@ -145,19 +154,21 @@ class ChainFIFO:
     def __contains__(self, key: bytes) -> bool:
         return key in self._uses
 
-    def touch(self, batch: Iterable[tuple[bytes, int]]) -> None:
+    def touch(self, batch: Iterable[tuple[bytes, int]]) -> Sequence[bytes]:
         uses = self._uses
+        most = self.MAX_USES
         new: list[tuple[bytes, int]] = []
         for key, depth in batch:
             n = uses.get(key)
             if n is None:
                 new.append((key, depth))
-            elif n < self.MAX_USES:
+            elif n < most:
                 uses[key] = n + 1
+        if not new:
+            return ()
         if len(new) > 1:
             new.sort(key=lambda kd: -kd[1])  # deepest first: the tail leaves first
-        for key, _depth in new:
-            self._admit(key)
+        return [key for key, _depth in new if self._admit(key)]
 
     def notice(self, keys: Iterable[bytes]) -> None:
         uses = self._uses
@@ -165,24 +176,30 @@ class ChainFIFO:
             if uses.get(key) == 0:
                 uses[key] = 1
 
-    def _admit(self, key: bytes) -> None:
-        self._uses[key] = 0
-        ghost = self._ghost
-        mark = ghost.pop(key, None)
-        if mark is not None:
-            self._main[key] = None
-            if self.ADAPT and self._evictions - (mark >> 1) <= len(self._uses):
-                # evicted lately: a bigger FIFO (the small one, or main) would have kept it
-                held = len(self._uses)
-                step = self.ADAPT
-                target = self._small_target + (step if mark & 1 else -step)
-                self._small_target = min(max(target, self.SMALL_SHARE * held), 0.9 * held)
-        else:
+    def _admit(self, key: bytes) -> bool:
+        """Add ``key``; whether it came back as a ghost."""
+        uses = self._uses
+        uses[key] = 0
+        mark = self._ghost.pop(key, None)
+        if mark is None:
             self._small[key] = None
-        parent = self._parent_of(key) if self._parent_of is not None else None
-        if parent is not None:
-            self._parent[key] = parent
-            self._children.setdefault(parent, set()).add(key)
+        else:
+            self._main[key] = None
+            if self.ADAPT and self._evictions - (mark >> 1) <= len(uses):
+                # evicted lately: a bigger FIFO (the small one, or main) would have kept it
+                held = len(uses)
+                target = self._small_target + (self.ADAPT if mark & 1 else -self.ADAPT)
+                self._small_target = min(max(target, self.SMALL_SHARE * held), 0.9 * held)
+        if self._parent_of is not None:
+            parent = self._parent_of(key)
+            if parent is not None:
+                self._parent[key] = parent
+                children = self._children.get(parent)
+                if children is None:
+                    self._children[parent] = {key}
+                else:
+                    children.add(key)
+        return mark is not None
 
     def discard(self, key: bytes, *, evicted: bool = False) -> None:
         if self._uses.pop(key, None) is None:
@@ -202,26 +219,68 @@ class ChainFIFO:
             return
         self._evictions += 1
         ghost = self._ghost
-        ghost[key] = self._evictions * 2 + (1 if was_small else 0)
-        while len(ghost) > max(self.GHOSTS * len(self._uses), 16):
+        ghost[key] = self._evictions * 2 + was_small
+        limit = self.GHOSTS * len(self._uses)
+        while len(ghost) > limit and len(ghost) > 16:
             ghost.popitem(last=False)
-        # its children held are worth nothing until it is back: the next to go
-        for child in self._children.get(key, ()):
-            self._uses[child] = 0
-            (self._small if child in self._small else self._main).move_to_end(child, last=False)
+        orphans = self._children.get(key)
+        if orphans:  # worth nothing until their parent is back: the next to go
+            for child in orphans:
+                self._uses[child] = 0
+                (self._small if child in self._small else self._main).move_to_end(
+                    child, last=False)
 
     def candidates(self) -> Iterator[bytes]:
-        small, main, uses = self._small, self._main, self._uses
+        small, uses = self._small, self._uses
+        first = None
+        if small:  # the common case: the small FIFO's head, over its target and unused
+            key = next(iter(small))
+            if not uses[key] and len(small) > self.SMALL_SHARE * len(uses) \
+                    and len(small) > self._small_target:
+                first = key if key not in self._children else self._leaf(key)
+                yield first
+                if first == key and key in small:  # passed over (being read): as below
+                    small.move_to_end(key)
+        yield from self._candidates(first)
+
+    def first(self) -> bytes | None:
+        small, uses = self._small, self._uses
+        if small:  # the common case, as candidates() starts
+            key = next(iter(small))
+            if not uses[key] and len(small) > self.SMALL_SHARE * len(uses) \
+                    and len(small) > self._small_target:
+                return key if key not in self._children else self._leaf(key)
+        return next(self.candidates(), None)
+
+    def _leaf(self, key: bytes) -> bytes:
+        """A deepest descendant of ``key`` held (``key`` itself if none), by first
+        children (at most as many steps as chunks held: a writer may name any key as a
+        parent)."""
+        children = self._children
+        for _ in range(len(self._uses)):
+            kids = children.get(key)
+            if not kids:
+                break
+            key = next(iter(kids))
+        return key
+
+    def _candidates(self, first: bytes | None) -> Iterator[bytes]:
+        """Every candidate in order (``first``: offered already)."""
+        small, main, uses, children = self._small, self._main, self._uses, self._children
         offered: set[bytes] = set()
         small_offered = 0
+        if first is not None:
+            offered.add(first)
+            small_offered = first in small
+        floor = self.SMALL_SHARE * len(uses)
+        target = floor if floor > self._small_target else self._small_target
         small_done = main_done = False
-        while True:
-            small_done = small_done or not small
-            main_done = main_done or not main
-            if small_done and main_done:
-                return
-            target = max(self.SMALL_SHARE * len(uses), self._small_target) - len(offered)
-            if not small_done and (main_done or len(small) - small_offered > target):
+        while not (small_done and main_done):
+            if not small_done and (main_done or not main
+                                   or len(small) - small_offered > target - len(offered)):
+                if not small:
+                    small_done = True
+                    continue
                 key = next(iter(small))
                 if key in offered:  # every chunk of it offered once
                     small_done = True
@@ -231,37 +290,43 @@ class ChainFIFO:
                     main[key] = None
                     uses[key] = 0
                     continue
+                queue = small
+            else:
+                if not main:
+                    main_done = True
+                    continue
+                key = next(iter(main))
+                if key in offered:
+                    main_done = True
+                    continue
+                n = uses[key]
+                if n:  # one more pass
+                    uses[key] = n - 1
+                    main.move_to_end(key)
+                    continue
+                queue = main
+            if key not in children:  # (most victims: no descendants held)
+                offered.add(key)
+                small_offered += queue is small
+                yield key
+            else:
                 for victim in self._tail_first(key):
                     if victim not in offered:
                         offered.add(victim)
                         small_offered += victim in small
                         yield victim
-                if key in small:
-                    small.move_to_end(key)
-                continue
-            key = next(iter(main))
-            if key in offered:
-                main_done = True
-                continue
-            n = uses[key]
-            if n:  # one more pass
-                uses[key] = n - 1
-                main.move_to_end(key)
-                continue
-            for victim in self._tail_first(key):
-                if victim not in offered:
-                    offered.add(victim)
-                    small_offered += victim in small
-                    yield victim
-            if key in main:
-                main.move_to_end(key)
+            if key in queue:
+                queue.move_to_end(key)
 
     def _tail_first(self, key: bytes) -> Iterator[bytes]:
         """``key``'s descendants held, each after its own (a chain's tail before its
         head: a chunk is worth no more than its parent), then ``key``."""
         children = self._children
+        if key not in children:  # (most calls: a leaf)
+            yield key
+            return
         seen = {key}  # (a writer may name any key as a parent: no cycles followed)
-        stack = [(key, iter(children.get(key, ())))]
+        stack = [(key, iter(children[key]))]
         while stack:
             node, rest = stack[-1]
             child = next(rest, None)

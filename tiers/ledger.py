@@ -13,7 +13,7 @@ Not thread-safe: a tier used from several threads holds its own lock around it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -90,10 +90,11 @@ class Ledger(Generic[R]):
         """``key`` (held) was used now."""
         self._order.touch([(key, self.records[key].depth)])
 
-    def touch_many(self, batch: Iterable[tuple[bytes, int]]) -> None:
+    def touch_many(self, batch: Iterable[tuple[bytes, int]]) -> Sequence[bytes]:
         """``(key, depth)`` pairs (held) were used now, together: the deepest become the
-        first to evict among them."""
-        self._order.touch(batch)
+        first to evict among them. The keys new to the order that the policy remembers
+        evicting before (stored again; ``lru`` remembers none)."""
+        return self._order.touch(batch)
 
     def notice(self, keys: Iterable[bytes]) -> None:
         """Held ``keys`` were looked up without being read (a use to some policies)."""
@@ -113,6 +114,10 @@ class Ledger(Generic[R]):
         del self.records[key]
         self.used -= record.length
         return record
+
+    def first(self) -> bytes | None:
+        """The first key of :meth:`candidates` (None: none held in the order)."""
+        return self._order.first()
 
     def candidates(self) -> Iterator[bytes]:
         """The keys not held out, first to evict first (their records are in
