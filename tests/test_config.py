@@ -22,6 +22,9 @@ def test_defaults() -> None:
     assert (cfg.server.host, cfg.server.data_port, cfg.server.admin_port) == ("127.0.0.1", 7700,
                                                                              7701)
     assert cfg.dram.capacity_bytes == 0 and cfg.dram.capacity_fraction == 0.5
+    assert cfg.dram.policy == "chain" and cfg.ssd.admit == "all"
+    chosen = load_config(parse("--dram-policy", "lru", "--ssd-admit", "reused"), env={})
+    assert chosen.dram.policy == "lru" and chosen.ssd.admit == "reused"
 
 
 def test_precedence_file_env_flags(tmp_path: Path) -> None:
@@ -58,6 +61,8 @@ def test_sizes(text: str, expected: int) -> None:
     (["--max-value", "2GiB"], {}, "max_frame_bytes"),
     (["--peers", "h:1"], {"KVPOOL_CLUSTER_FILE": "c.toml"}, "not both"),
     (["--replication", "0"], {}, "replication"),
+    (["--dram-policy", "mru"], {}, "dram policy must be one of chain, lru"),
+    ([], {"KVPOOL_SSD_ADMIT": "some"}, "ssd admit must be one of all, reused"),
 ])
 def test_bad_values(argv: list[str], env: dict[str, str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):

@@ -178,3 +178,32 @@ def test_ghosts_are_bounded() -> None:
 def test_an_unknown_policy_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown eviction policy 'mru'"):
         DramTier(4 * PAGE, policy="mru")
+
+
+@pytest.mark.parametrize("policy", ["chain", "lru"])
+def test_a_node_runs_the_policy_its_flag_names(policy: str) -> None:
+    """Over TCP, as a client runs it: the one-hit-wonder rule holds with
+    ``--dram-policy chain`` and not with ``lru``."""
+    from kvpool.client import Client
+
+    from .conftest import start_node
+
+    node = start_node("--no-ssd", "--dram-capacity", str(10 * PAGE),
+                      "--dram-allocate-ahead", "0", "--dram-policy", policy)
+    try:
+        with Client(node.url) as c:
+            context = chunk_keys("ctx", 3)
+
+            def store(keys: list[bytes], first: int) -> None:
+                for depth in range(first, len(keys)):
+                    c.put(keys[depth], PAYLOAD, chunk_index=depth,
+                          parent=keys[depth - 1] if depth else None)
+
+            store(context, 0)
+            assert c.lookup(context) == 3
+            assert all(v is not None for v in c.get_many(context))
+            for i in range(12):
+                store(chunk_keys(f"once{i}", 1), 0)
+            assert c.lookup(context) == (3 if policy == "chain" else 0)
+    finally:
+        assert node.stop() == 0

@@ -123,8 +123,8 @@ class ChainFIFO:
     chunks that earned another pass (at most three passes per use).
     """
 
-    __slots__ = ("_children", "_evictions", "_ghost", "_main", "_parent", "_parent_of",
-                 "_small", "_small_target", "_uses")
+    __slots__ = ("_children", "_evictions", "_ghost", "_hints", "_main", "_parent",
+                 "_parent_of", "_small", "_small_target", "_uses")
 
     #: the small FIFO's share of the chunks held
     SMALL_SHARE = 0.1
@@ -146,6 +146,8 @@ class ChainFIFO:
         self._uses: dict[bytes, int] = {}
         self._parent: dict[bytes, bytes] = {}
         self._children: dict[bytes, set[bytes]] = {}
+        #: where the last walk from a chain's head to its deepest chunk ended (_leaf)
+        self._hints: dict[bytes, bytes] = {}
         self._parent_of = parent_of
 
     def __len__(self) -> int:
@@ -204,6 +206,7 @@ class ChainFIFO:
     def discard(self, key: bytes, *, evicted: bool = False) -> None:
         if self._uses.pop(key, None) is None:
             return
+        self._hints.pop(key, None)
         was_small = key in self._small
         if was_small:
             del self._small[key]
@@ -252,16 +255,24 @@ class ChainFIFO:
                 return key if key not in self._children else self._leaf(key)
         return next(self.candidates(), None)
 
-    def _leaf(self, key: bytes) -> bytes:
-        """A deepest descendant of ``key`` held (``key`` itself if none), by first
+    def _leaf(self, head: bytes) -> bytes:
+        """A deepest descendant of ``head`` held (``head`` itself if none), by first
         children (at most as many steps as chunks held: a writer may name any key as a
-        parent)."""
+        parent). The walk starts where the last one from ``head`` ended (that leaf's
+        parent, still a descendant): a long chain loses its tail in O(1) a chunk."""
         children = self._children
+        key = self._hints.get(head, head)
+        if key not in self._uses:
+            key = head
         for _ in range(len(self._uses)):
             kids = children.get(key)
             if not kids:
                 break
             key = next(iter(kids))
+        if key == head:
+            self._hints.pop(head, None)
+        else:
+            self._hints[head] = self._parent.get(key, head)
         return key
 
     def _candidates(self, first: bytes | None) -> Iterator[bytes]:
@@ -310,6 +321,11 @@ class ChainFIFO:
                 small_offered += queue is small
                 yield key
             else:
+                leaf = self._leaf(key)  # (most calls end here: the caller takes it)
+                if leaf not in offered:
+                    offered.add(leaf)
+                    small_offered += leaf in small
+                    yield leaf
                 for victim in self._tail_first(key):
                     if victim not in offered:
                         offered.add(victim)
