@@ -254,6 +254,7 @@ class TierManager:
         """Commit a promoted slot to DRAM and hold it for the reply being built."""
         (entry,) = self.dram.commit([slot])
         if entry is not None:
+            entry.reused = True  # (promoted for a GET: a read)
             self.dram.hold(entry)
             entries[i] = entry
             self.promotions += 1

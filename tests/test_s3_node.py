@@ -46,7 +46,11 @@ def wait_until(check: Any, timeout: float = 30) -> None:
     assert check()
 
 
-def test_chunk_survives_the_node_that_wrote_it(s3_endpoint: str, s3_bucket: str) -> None:
+@pytest.mark.parametrize("admit", ["all", "reused"])
+def test_chunk_survives_the_node_that_wrote_it(s3_endpoint: str, s3_bucket: str,
+                                               admit: str) -> None:
+    """... and the reader writes what it fetched to its SSD: a GET is a read, reuse
+    enough for ``--ssd-admit reused`` too."""
     s3_flags = ("--s3-bucket", s3_bucket, "--s3-endpoint", s3_endpoint, "--s3-region",
                 "us-east-1")
     writer = start_node("--dram-capacity", "16MiB", *s3_flags)
@@ -61,7 +65,7 @@ def test_chunk_survives_the_node_that_wrote_it(s3_endpoint: str, s3_bucket: str)
     _, alive = psutil.wait_procs(worker, timeout=30)
     assert not alive  # its SSD worker never outlives it
     shutil.rmtree(writer.data_dir)
-    reader = start_node("--dram-capacity", "16MiB", *s3_flags)
+    reader = start_node("--dram-capacity", "16MiB", "--ssd-admit", admit, *s3_flags)
     try:
         with Client(reader.url) as c:
             wait_until(lambda: c.lookup(keys) == 10)  # its LIST found them
