@@ -19,7 +19,6 @@ from typing import Any
 from kvpool.protocol.errors import ConfigError
 from kvpool.server import knobs
 from kvpool.server.knobs import format_size, knob, parse_size
-from kvpool.tiers.eviction import POLICIES
 
 __all__ = [
     "ClusterConfig",
@@ -162,6 +161,9 @@ class DramConfig:
 SSD_CODECS = ("none", "lz4", "shuffle-lz4")
 #: what the tiers below DRAM take (TieringPolicy.admit)
 ADMIT = ("all", "reused")
+#: the DRAM tier's eviction policies (kvpool.tiers.eviction.POLICIES, named here: the CLI
+#: reads this module without the node's dependencies)
+POLICIES = ("chain", "lru")
 
 
 @dataclass(frozen=True, slots=True)

@@ -175,6 +175,13 @@ def test_ghosts_are_bounded() -> None:
     assert len(order._ghost) <= max(ChainFIFO.GHOSTS * 4, 16)
 
 
+def test_the_config_names_the_policies_the_tiers_run() -> None:
+    from kvpool.server.config import POLICIES as CONFIG_POLICIES
+    from kvpool.tiers.eviction import POLICIES as TIER_POLICIES
+
+    assert CONFIG_POLICIES == TIER_POLICIES
+
+
 def test_an_unknown_policy_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown eviction policy 'mru'"):
         DramTier(4 * PAGE, policy="mru")
