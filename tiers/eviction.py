@@ -113,18 +113,33 @@ class PrefixAwareLRU:
         return next(iter(self._order), None)
 
 
+class _Chunk:
+    """What :class:`ChainFIFO` keeps of a chunk held."""
+
+    __slots__ = ("children", "hint", "parent", "small", "uses")
+
+    def __init__(self, small: bool, parent: bytes | None) -> None:
+        self.uses = 0  #: passes earned (0-3)
+        self.small = small  #: in the small FIFO (else in main)
+        self.parent = parent  #: its parent's key, where the writer said
+        self.children: set[bytes] | None = None  #: its children held (linked when stored)
+        #: where the last walk from it to its deepest descendant ended (_leaf)
+        self.hint: bytes | None = None
+
+
 class ChainFIFO:
     """S3-FIFO for chained prefix chunks (the module doc has the rules).
 
-    State a held chunk: an entry in one FIFO and in a use counter (0-3), and where its
-    parent is known, one in a parent map and in its parent's set of children: about
-    400 bytes. Ghosts (keys only, about 150 bytes each) are at most as many as the
-    chunks in the main FIFO. O(1) per store, read and lookup; an eviction passes over
-    chunks that earned another pass (at most three passes per use).
+    State a held chunk: an entry in one FIFO, a :class:`_Chunk` (use count, parent, its
+    children held) and one in its parent's set of children: about 420 bytes. Ghosts
+    (keys only, about 250 bytes each) are at most :attr:`GHOSTS` per chunk held. O(1)
+    per store, read and lookup; an eviction passes over chunks that earned another pass
+    (at most three passes per use) and walks to a chain's deepest chunk from where its
+    last walk ended.
     """
 
-    __slots__ = ("_children", "_evictions", "_ghost", "_hints", "_main", "_parent",
-                 "_parent_of", "_small", "_small_target", "_uses")
+    __slots__ = ("_evictions", "_ghost", "_main", "_parent_of", "_small", "_small_target",
+                 "_state")
 
     #: the small FIFO's share of the chunks held
     SMALL_SHARE = 0.1
@@ -143,147 +158,143 @@ class ChainFIFO:
         self._ghost: OrderedDict[bytes, int] = OrderedDict()
         self._evictions = 0
         self._small_target = 0.0
-        self._uses: dict[bytes, int] = {}
-        self._parent: dict[bytes, bytes] = {}
-        self._children: dict[bytes, set[bytes]] = {}
-        #: where the last walk from a chain's head to its deepest chunk ended (_leaf)
-        self._hints: dict[bytes, bytes] = {}
+        self._state: dict[bytes, _Chunk] = {}
         self._parent_of = parent_of
 
     def __len__(self) -> int:
-        return len(self._uses)
+        return len(self._state)
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._uses
+        return key in self._state
 
     def touch(self, batch: Iterable[tuple[bytes, int]]) -> Sequence[bytes]:
-        uses = self._uses
+        state = self._state
         most = self.MAX_USES
-        new: list[tuple[bytes, int]] = []
+        new: list[tuple[bytes, int]] | None = None
         for key, depth in batch:
-            n = uses.get(key)
-            if n is None:
-                new.append((key, depth))
-            elif n < most:
-                uses[key] = n + 1
-        if not new:
+            chunk = state.get(key)
+            if chunk is None:
+                if new is None:
+                    new = [(key, depth)]
+                else:
+                    new.append((key, depth))
+            elif chunk.uses < most:
+                chunk.uses += 1
+        if new is None:
             return ()
         if len(new) > 1:
             new.sort(key=lambda kd: -kd[1])  # deepest first: the tail leaves first
-        return [key for key, _depth in new if self._admit(key)]
+        recalled = [key for key, _depth in new if self._admit(key)]
+        return recalled or ()
 
     def notice(self, keys: Iterable[bytes]) -> None:
-        uses = self._uses
+        state = self._state
         for key in keys:
-            if uses.get(key) == 0:
-                uses[key] = 1
+            chunk = state.get(key)
+            if chunk is not None and not chunk.uses:
+                chunk.uses = 1
 
     def _admit(self, key: bytes) -> bool:
         """Add ``key``; whether it came back as a ghost."""
-        uses = self._uses
-        uses[key] = 0
+        state = self._state
         mark = self._ghost.pop(key, None)
+        parent = self._parent_of(key) if self._parent_of is not None else None
+        state[key] = _Chunk(mark is None, parent)
         if mark is None:
             self._small[key] = None
         else:
             self._main[key] = None
-            if self.ADAPT and self._evictions - (mark >> 1) <= len(uses):
+            if self.ADAPT and self._evictions - (mark >> 1) <= len(state):
                 # evicted lately: a bigger FIFO (the small one, or main) would have kept it
-                held = len(uses)
+                held = len(state)
                 target = self._small_target + (self.ADAPT if mark & 1 else -self.ADAPT)
                 self._small_target = min(max(target, self.SMALL_SHARE * held), 0.9 * held)
-        if self._parent_of is not None:
-            parent = self._parent_of(key)
-            if parent is not None:
-                self._parent[key] = parent
-                children = self._children.get(parent)
-                if children is None:
-                    self._children[parent] = {key}
+        if parent is not None:
+            up = state.get(parent)
+            if up is not None:
+                if up.children is None:
+                    up.children = {key}
                 else:
-                    children.add(key)
+                    up.children.add(key)
         return mark is not None
 
     def discard(self, key: bytes, *, evicted: bool = False) -> None:
-        if self._uses.pop(key, None) is None:
+        state = self._state
+        chunk = state.pop(key, None)
+        if chunk is None:
             return
-        self._hints.pop(key, None)
-        was_small = key in self._small
-        if was_small:
+        if chunk.small:
             del self._small[key]
         else:
             del self._main[key]
-        parent = self._parent.pop(key, None)
-        if parent is not None:
-            siblings = self._children[parent]
-            siblings.discard(key)
-            if not siblings:
-                del self._children[parent]
+        if chunk.parent is not None:
+            up = state.get(chunk.parent)
+            if up is not None and up.children:
+                up.children.discard(key)
         if not evicted:
             return
         self._evictions += 1
         ghost = self._ghost
-        ghost[key] = self._evictions * 2 + was_small
-        limit = self.GHOSTS * len(self._uses)
+        ghost[key] = self._evictions * 2 + chunk.small
+        limit = self.GHOSTS * len(state)
         while len(ghost) > limit and len(ghost) > 16:
             ghost.popitem(last=False)
-        orphans = self._children.get(key)
-        if orphans:  # worth nothing until their parent is back: the next to go
-            for child in orphans:
-                self._uses[child] = 0
-                (self._small if child in self._small else self._main).move_to_end(
-                    child, last=False)
+        if chunk.children:  # worth nothing until their parent is back: the next to go
+            for child in chunk.children:
+                orphan = state[child]
+                orphan.uses = 0
+                (self._small if orphan.small else self._main).move_to_end(child, last=False)
+
+    def first(self) -> bytes | None:
+        small = self._small
+        if small:  # the common case, as candidates() starts
+            key = next(iter(small))
+            chunk = self._state[key]
+            if not chunk.uses and len(small) > self.SMALL_SHARE * len(self._state) \
+                    and len(small) > self._small_target:
+                return self._leaf(key) if chunk.children else key
+        return next(self.candidates(), None)
 
     def candidates(self) -> Iterator[bytes]:
-        small, uses = self._small, self._uses
+        small = self._small
         first = None
         if small:  # the common case: the small FIFO's head, over its target and unused
             key = next(iter(small))
-            if not uses[key] and len(small) > self.SMALL_SHARE * len(uses) \
+            chunk = self._state[key]
+            if not chunk.uses and len(small) > self.SMALL_SHARE * len(self._state) \
                     and len(small) > self._small_target:
-                first = key if key not in self._children else self._leaf(key)
+                first = self._leaf(key) if chunk.children else key
                 yield first
                 if first == key and key in small:  # passed over (being read): as below
                     small.move_to_end(key)
         yield from self._candidates(first)
-
-    def first(self) -> bytes | None:
-        small, uses = self._small, self._uses
-        if small:  # the common case, as candidates() starts
-            key = next(iter(small))
-            if not uses[key] and len(small) > self.SMALL_SHARE * len(uses) \
-                    and len(small) > self._small_target:
-                return key if key not in self._children else self._leaf(key)
-        return next(self.candidates(), None)
 
     def _leaf(self, head: bytes) -> bytes:
         """A deepest descendant of ``head`` held (``head`` itself if none), by first
         children (at most as many steps as chunks held: a writer may name any key as a
         parent). The walk starts where the last one from ``head`` ended (that leaf's
         parent, still a descendant): a long chain loses its tail in O(1) a chunk."""
-        children = self._children
-        key = self._hints.get(head, head)
-        if key not in self._uses:
-            key = head
-        for _ in range(len(self._uses)):
-            kids = children.get(key)
-            if not kids:
+        state = self._state
+        top = state[head]
+        key = top.hint if top.hint is not None and top.hint in state else head
+        chunk = state[key]
+        for _ in range(len(state)):
+            if not chunk.children:
                 break
-            key = next(iter(kids))
-        if key == head:
-            self._hints.pop(head, None)
-        else:
-            self._hints[head] = self._parent.get(key, head)
+            key = next(iter(chunk.children))
+            chunk = state[key]
+        top.hint = chunk.parent if key != head else None
         return key
 
     def _candidates(self, first: bytes | None) -> Iterator[bytes]:
         """Every candidate in order (``first``: offered already)."""
-        small, main, uses, children = self._small, self._main, self._uses, self._children
+        small, main, state = self._small, self._main, self._state
         offered: set[bytes] = set()
         small_offered = 0
         if first is not None:
             offered.add(first)
             small_offered = first in small
-        floor = self.SMALL_SHARE * len(uses)
+        floor = self.SMALL_SHARE * len(state)
         target = floor if floor > self._small_target else self._small_target
         small_done = main_done = False
         while not (small_done and main_done):
@@ -296,10 +307,12 @@ class ChainFIFO:
                 if key in offered:  # every chunk of it offered once
                     small_done = True
                     continue
-                if uses[key]:  # used on probation: into main
+                chunk = state[key]
+                if chunk.uses:  # used on probation: into main
                     del small[key]
                     main[key] = None
-                    uses[key] = 0
+                    chunk.small = False
+                    chunk.uses = 0
                     continue
                 queue = small
             else:
@@ -310,13 +323,13 @@ class ChainFIFO:
                 if key in offered:
                     main_done = True
                     continue
-                n = uses[key]
-                if n:  # one more pass
-                    uses[key] = n - 1
+                chunk = state[key]
+                if chunk.uses:  # one more pass
+                    chunk.uses -= 1
                     main.move_to_end(key)
                     continue
                 queue = main
-            if key not in children:  # (most victims: no descendants held)
+            if not chunk.children:  # (most victims: no descendants held)
                 offered.add(key)
                 small_offered += queue is small
                 yield key
@@ -337,12 +350,9 @@ class ChainFIFO:
     def _tail_first(self, key: bytes) -> Iterator[bytes]:
         """``key``'s descendants held, each after its own (a chain's tail before its
         head: a chunk is worth no more than its parent), then ``key``."""
-        children = self._children
-        if key not in children:  # (most calls: a leaf)
-            yield key
-            return
+        state = self._state
         seen = {key}  # (a writer may name any key as a parent: no cycles followed)
-        stack = [(key, iter(children[key]))]
+        stack = [(key, iter(state[key].children or ()))]
         while stack:
             node, rest = stack[-1]
             child = next(rest, None)
@@ -351,7 +361,7 @@ class ChainFIFO:
                 yield node
             elif child not in seen:
                 seen.add(child)
-                stack.append((child, iter(children.get(child, ()))))
+                stack.append((child, iter(state[child].children or ())))
 
 
 class Deadlines(Generic[T]):
