@@ -109,9 +109,6 @@ class TierManager:
         dram = self.dram
         reused_only = self.policy.admit == "reused"
         for entry in entries:
-            if reused_only and not (entry.reused or entry.pinned):
-                ssd.counters.held_back += 1  # (written once it shows reuse: reused())
-                continue
             if entry.expires_at is not None:
                 # a chunk with a TTL lives in DRAM only, so it can never outlive its TTL
                 # (nor can an older copy of its key below)
@@ -120,6 +117,9 @@ class TierManager:
                 continue
             # content-addressed: a copy below is the same bytes (S3 alone: one S3 holds)
             if entry.key in ssd.index or (not ssd.has_ssd and entry.key in ssd.s3_index):
+                continue
+            if reused_only and not (entry.reused or entry.pinned):
+                ssd.counters.held_back += 1  # (written once it shows reuse: reused())
                 continue
             dram.hold(entry)
             if ssd.write(entry.key, entry.offset, entry.length,

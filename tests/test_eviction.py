@@ -2,8 +2,8 @@
 
 Each test replays requests as a client does (look up, read the cached prefix, store the
 rest with parents) through the real :class:`DramTier` with its default policy (``chain``)
-and checks one rule, beside what ``lru`` does with the same requests: every rule here is
-one ``lru`` breaks. bench/policy.py replays whole traces.
+and checks one rule; where parametrised, beside what ``lru`` does with the same requests
+(each such rule is one ``lru`` breaks). bench/policy.py replays whole traces.
 """
 
 from __future__ import annotations

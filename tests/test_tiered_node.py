@@ -398,6 +398,7 @@ def test_ssd_admit_reused_writes_a_chunk_below_once_it_is_read_or_looked_up() ->
             once, read, looked = rkey(), rkey(), rkey()
             for k in (once, read, looked):
                 c.put(k, os.urandom(10_000))
+            c.put(rkey(), os.urandom(10_000), ttl=60)  # DRAM only anyway: not held back
             assert ssd_stats(c)["held_back"] == 3 and ssd_stats(c)["writes"] == 0
             assert c.get(read) is not None
             assert c.lookup([looked]) == 1
