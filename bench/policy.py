@@ -48,6 +48,7 @@ from typing import Any
 
 import xxhash
 
+from bench._procs import Proc, start_node
 from bench._stats import fmt, save, summary
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, seal
 from kvpool.tiers.dram import DramTier
@@ -221,6 +222,30 @@ class _Values:
                                                num_tokens=TOKENS_PER_CHUNK)
         return head
 
+    def store(self, tier: DramTier, key: bytes, depth: int, parent: bytes | None) -> bool:
+        """One chunk into ``tier`` with its parent, as a PUT frame does (reserve, fill,
+        commit); False where it found no room."""
+        slot = tier.reserve(key, CHUNK_BYTES)
+        if slot is None:
+            return False
+        slot.view[:ENVELOPE_HEADER_SIZE] = self.header(depth)
+        slot.view[ENVELOPE_HEADER_SIZE:] = self.payload
+        tier.commit([slot], parents=[parent])
+        return True
+
+
+def _read(tier: DramTier, keys: Sequence[bytes]) -> None:
+    """Read ``keys`` as a GET does (held, then released)."""
+    for entry in tier.acquire_many(keys):
+        if entry is not None:
+            tier.release(entry)
+
+
+def _node(capacity_bytes: int, policy: str, *flags: str) -> Proc:
+    """A node of ``capacity_bytes`` of DRAM under ``policy``, nothing allocated ahead."""
+    return start_node("--dram-capacity", str(capacity_bytes), "--dram-allocate-ahead", "0",
+                      "--dram-policy", policy, *flags)
+
 
 def replay_tier(trace: Trace, capacity: int, policy: str) -> dict[str, float]:
     """Prefix hit ratio (and wall time) of a DRAM tier of ``capacity`` chunks."""
@@ -233,17 +258,9 @@ def replay_tier(trace: Trace, capacity: int, policy: str) -> dict[str, float]:
             total += len(keys)
             n = tier.lookup(keys)
             hits += n
-            for entry in tier.acquire_many(keys[:n]):
-                if entry is not None:
-                    tier.release(entry)
+            _read(tier, keys[:n])
             for depth in range(n, len(keys)):
-                key = keys[depth]
-                slot = tier.reserve(key, CHUNK_BYTES)
-                if slot is None:
-                    continue
-                slot.view[:ENVELOPE_HEADER_SIZE] = values.header(depth)
-                slot.view[ENVELOPE_HEADER_SIZE:] = values.payload
-                tier.commit([slot], parents=[keys[depth - 1] if depth else None])
+                values.store(tier, keys[depth], depth, keys[depth - 1] if depth else None)
         return {"hit_ratio": hits / total, "seconds": time.perf_counter() - started}
     finally:
         tier.close()
@@ -254,16 +271,11 @@ def replay_tcp(trace: Trace, capacity: int, policy: str, ssd_admit: str | None =
     """The same through a real node over TCP (the SDK's lookup, get_many, put). With
     ``ssd_admit``, the node runs its SSD tier (room for every chunk) with that admission,
     and the result counts hits served from the SSD and the SSD's writes."""
-    from bench._procs import start_node
     from kvpool.client import Client
 
-    flags = ["--dram-capacity", str(capacity * CHUNK_BYTES), "--dram-allocate-ahead", "0",
-             "--dram-policy", policy]
-    if ssd_admit is None:
-        flags.append("--no-ssd")
-    else:
-        flags += ["--ssd-admit", ssd_admit, "--ssd-capacity", "4GiB"]
-    node = start_node(*flags)
+    below = ("--no-ssd",) if ssd_admit is None \
+        else ("--ssd-admit", ssd_admit, "--ssd-capacity", "4GiB")
+    node = _node(capacity * CHUNK_BYTES, policy, *below)
     values = _Values()
     hits = total = from_ssd = 0
     started = time.perf_counter()
@@ -326,44 +338,37 @@ def hot_path(policy: str, *, capacity: int = 4096, ops: int = 20_000, seed: int 
     keys = [i.to_bytes(16, "big") for i in range(capacity + ops)]
     try:
         for i in range(capacity):
-            _store(tier, values, keys, i)
+            _store_in_chain(tier, values, keys, i)
         started = time.perf_counter()
         for i in range(capacity, capacity + ops):
-            _store(tier, values, keys, i)
+            _store_in_chain(tier, values, keys, i)
         put = time.perf_counter() - started
         held = tier.keys()
         picks = [held[rng.randrange(len(held))] for _ in range(ops)]
         started = time.perf_counter()
         for key in picks:
             tier.lookup([key])
-            for entry in tier.acquire_many([key]):
-                if entry is not None:
-                    tier.release(entry)
+            _read(tier, [key])
         get = time.perf_counter() - started
         return {"put_us": put / ops * 1e6, "get_us": get / ops * 1e6}
     finally:
         tier.close()
 
 
-def _store(tier: DramTier, values: _Values, keys: Sequence[bytes], i: int) -> None:
+def _store_in_chain(tier: DramTier, values: _Values, keys: Sequence[bytes], i: int) -> None:
+    """``keys[i]``, a chunk of a chain of 8 (its parent the key before it)."""
     depth = i % 8
-    slot = tier.reserve(keys[i], CHUNK_BYTES)
-    if slot is None:
+    if not values.store(tier, keys[i], depth, keys[i - 1] if depth else None):
         raise RuntimeError("no room in a tier with nothing held")
-    slot.view[:ENVELOPE_HEADER_SIZE] = values.header(depth)
-    slot.view[ENVELOPE_HEADER_SIZE:] = values.payload
-    tier.commit([slot], parents=[keys[i - 1] if depth else None])
 
 
 def hot_path_tcp(policy: str, *, chunk_bytes: int = CHUNK_BYTES, capacity: int = 2000,
                  ops: int = 5000) -> dict[str, float]:
     """p50 microseconds of a PUT (into a full tier: each evicts) and of a GET, one chunk a
     call through a node over TCP, the sync SDK."""
-    from bench._procs import start_node
     from kvpool.client import Client
 
-    node = start_node("--dram-capacity", str(capacity * chunk_bytes), "--no-ssd",
-                      "--dram-allocate-ahead", "0", "--dram-policy", policy)
+    node = _node(capacity * chunk_bytes, policy, "--no-ssd")
     payload = bytes(chunk_bytes - ENVELOPE_HEADER_SIZE)
     keys = [i.to_bytes(16, "big") for i in range(ops)]
     try:

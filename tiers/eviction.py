@@ -101,7 +101,6 @@ class PrefixAwareLRU:
     def notice(self, keys: Iterable[bytes]) -> None:
         """Lookups are not uses here (the policy as it was)."""
 
-
     def discard(self, key: bytes, *, evicted: bool = False) -> None:
         self._order.pop(key, None)
 
@@ -246,28 +245,33 @@ class ChainFIFO:
                 (self._small if orphan.small else self._main).move_to_end(child, last=False)
 
     def first(self) -> bytes | None:
-        small = self._small
-        if small:  # the common case, as candidates() starts
-            key = next(iter(small))
-            chunk = self._state[key]
-            if not chunk.uses and len(small) > self.SMALL_SHARE * len(self._state) \
-                    and len(small) > self._small_target:
-                return self._leaf(key) if chunk.children else key
+        head = self._probation_head()
+        if head is not None:  # (the common case, as candidates() starts)
+            return self._leaf(head)
         return next(self.candidates(), None)
 
     def candidates(self) -> Iterator[bytes]:
         small = self._small
         first = None
-        if small:  # the common case: the small FIFO's head, over its target and unused
-            key = next(iter(small))
-            chunk = self._state[key]
-            if not chunk.uses and len(small) > self.SMALL_SHARE * len(self._state) \
-                    and len(small) > self._small_target:
-                first = self._leaf(key) if chunk.children else key
-                yield first
-                if first == key and key in small:  # passed over (being read): as below
-                    small.move_to_end(key)
+        head = self._probation_head()
+        if head is not None:  # the common case: no pass over either FIFO
+            first = self._leaf(head)
+            yield first
+            if first == head and head in small:  # passed over (being read): as below
+                small.move_to_end(head)
         yield from self._candidates(first)
+
+    def _probation_head(self) -> bytes | None:
+        """The small FIFO's head when it is the next to go as it stands (unused, and the
+        small FIFO over its target); else None (the general walk decides)."""
+        small = self._small
+        if not small:
+            return None
+        key = next(iter(small))
+        if self._state[key].uses or len(small) <= self.SMALL_SHARE * len(self._state) \
+                or len(small) <= self._small_target:
+            return None
+        return key
 
     def _leaf(self, head: bytes) -> bytes:
         """A deepest descendant of ``head`` held (``head`` itself if none), by first
@@ -276,6 +280,8 @@ class ChainFIFO:
         parent, still a descendant): a long chain loses its tail in O(1) a chunk."""
         state = self._state
         top = state[head]
+        if not top.children:  # (most calls: no descendants held)
+            return head
         key = top.hint if top.hint is not None and top.hint in state else head
         chunk = state[key]
         for _ in range(len(state)):
@@ -329,21 +335,15 @@ class ChainFIFO:
                     main.move_to_end(key)
                     continue
                 queue = main
-            if not chunk.children:  # (most victims: no descendants held)
-                offered.add(key)
-                small_offered += queue is small
-                yield key
-            else:
-                leaf = self._leaf(key)  # (most calls end here: the caller takes it)
-                if leaf not in offered:
-                    offered.add(leaf)
-                    small_offered += leaf in small
-                    yield leaf
-                for victim in self._tail_first(key):
-                    if victim not in offered:
-                        offered.add(victim)
-                        small_offered += victim in small
-                        yield victim
+            # the deepest descendant first (most calls end with it: the caller takes it),
+            # then the others tail first, then the chunk itself
+            victims = (key,) if not chunk.children \
+                else itertools.chain((self._leaf(key),), self._tail_first(key))
+            for victim in victims:
+                if victim not in offered:
+                    offered.add(victim)
+                    small_offered += victim in small
+                    yield victim
             if key in queue:
                 queue.move_to_end(key)
 
