@@ -37,6 +37,8 @@ __all__ = ["add_ops_commands", "bench_modules", "read_tokens"]
 #: what each benchmark measures, for ``kvpool bench`` (modules not listed still run)
 BENCH_HELP = {
     "throughput": "GET/PUT throughput and latency vs Redis and raw TCP (iperf3)",
+    "peers": "PUT/GET GB/s and 4 KiB GET latency side by side with Redis and LMCache's "
+             "server (its own client and its wire protocol from a bare socket)",
     "tiers": "DRAM / SSD / S3 tier throughput, lz4 ratios",
     "fill": "PUTs into a filling DRAM tier: memory allocated ahead vs page faults",
     "policy": "which chunks the DRAM tier keeps: prefix hit ratio per eviction policy vs "
