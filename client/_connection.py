@@ -8,10 +8,11 @@ as they arrive). A broken connection fails every request still waiting on it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, cast
 
 from kvpool.client._tracing import wire_context
+from kvpool.protocol.envelope import ChecksumTrailer
 from kvpool.protocol.errors import (
     BadFrameError,
     BadReplyError,
@@ -25,11 +26,61 @@ from kvpool.protocol.parsers import Reply, ReplyParser, Segments, reply_mismatch
 if TYPE_CHECKING:
     from kvpool.client._shm_put import Ahead
 
-__all__ = ["Connection", "request_head"]
+__all__ = ["Connection", "request_head", "trailer_runs"]
 
 Buffer = bytes | bytearray | memoryview
 #: a buffer, or a list of buffers used in order as one (like readv/writev)
 BufferOrSegments = Buffer | list[Buffer] | tuple[Buffer, ...]
+
+#: a checksum trailer's value goes out in pieces of at most this size, each hashed once it
+#: is sent (while the node reads it; 1 MiB did better than 256 KiB, 512 KiB and 2 MiB
+#: on the 2-core VM, bench notes in docs/performance.md)
+_PIECE = 1 << 20
+#: a run shorter than this is not sent ahead of its hashing (a write of its own would cost
+#: more than the overlap gains)
+_RUN_MIN = 64 << 10
+
+
+def trailer_runs(parts: Sequence[Buffer]) -> Iterator[list[Buffer]]:
+    """``parts`` in runs to write in turn, each :class:`ChecksumTrailer` filled in before
+    the run that carries it. A trailer's value (the parts just before it) goes out in
+    pieces of up to ``_PIECE`` bytes, each hashed after the caller has sent it (once
+    ``_RUN_MIN`` bytes are waiting), so the hash runs while the node reads the bytes
+    sent. Without trailers: one run, ``parts`` as they are."""
+    owners: dict[int, ChecksumTrailer] = {}  # index of a value's first part -> its trailer
+    for i, part in enumerate(parts):
+        if type(part) is ChecksumTrailer:
+            first = i - len(part.segments)
+            if first < 0 or any(parts[first + k] is not seg
+                                for k, seg in enumerate(part.segments)):
+                raise ValueError("a checksum trailer must follow its value's parts")
+            owners[first] = part
+    if not owners:
+        yield list(parts)
+        return
+    run: list[Buffer] = []
+    pending = 0
+    owner: ChecksumTrailer | None = None
+    for i, part in enumerate(parts):
+        if i in owners:
+            owner = owners[i]
+        if type(part) is ChecksumTrailer:
+            part.fill()
+            owner = None
+        elif owner is not None:  # a part of a trailer's value: in pieces, each hashed once sent
+            view = memoryview(part).cast("B")
+            for start in range(0, view.nbytes, _PIECE):
+                piece = view[start : start + _PIECE]
+                run.append(piece)
+                pending += piece.nbytes
+                if pending >= _RUN_MIN:
+                    yield run
+                    run, pending = [], 0
+                owner.update(piece)
+            continue
+        run.append(part)
+        pending += part.nbytes if type(part) is memoryview else len(part)
+    yield run
 
 
 def request_head(op: int, request_id: int, count: int, body_len: int, *, epoch: int,
@@ -117,9 +168,9 @@ class Connection(asyncio.BufferedProtocol):
         self.last_used = loop.time()
         self._pending[request_id] = _Pending(future, sinks, op, count,
                                              loop.time() + self._timeout)
-        self._transport.writelines(
-            [*request_head(op, request_id, count, body_len, epoch=epoch,
-                           scope_flags=self.scope_flags), *body])
+        for run in trailer_runs([*request_head(op, request_id, count, body_len, epoch=epoch,
+                                               scope_flags=self.scope_flags), *body]):
+            self._transport.writelines(run)
         if self._watchdog is None:
             self._watchdog = loop.call_later(self._check_interval, self._check_deadlines)
         return future

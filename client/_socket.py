@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from kvpool.client._connection import Buffer, request_head
+from kvpool.client._connection import Buffer, request_head, trailer_runs
 from kvpool.client._plans import Sink
 from kvpool.protocol.errors import (
     BadFrameError,
@@ -267,25 +267,26 @@ class BlockingConnection:
     def _send(self, sock: socket.socket, parts: list[Buffer], total: int,
               deadline: float) -> None:
         self._limit(sock, deadline, socket.SO_SNDTIMEO)
-        if total < _JOIN_BELOW or self._tls:  # an SSL socket has no sendmsg
-            if total < _JOIN_BELOW:
-                sock.sendall(b"".join(parts))
-            else:
-                for part in parts:
-                    sock.sendall(part)
+        if total < _JOIN_BELOW:
+            sock.sendall(b"".join(part for run in trailer_runs(parts) for part in run))
             return
-        views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
-        first = 0
-        while first < len(views):
-            sent = sock.sendmsg(views[first : first + _IOV_MAX])
-            while sent:
-                n = views[first].nbytes
-                if sent < n:
-                    views[first] = views[first][sent:]
-                    break
-                sent -= n
-                first += 1
-            self._limit(sock, deadline, socket.SO_SNDTIMEO)
+        for run in trailer_runs(parts):
+            if self._tls:  # an SSL socket has no sendmsg
+                for part in run:
+                    sock.sendall(part)
+                continue
+            views = [memoryview(p).cast("B") for p in run if memoryview(p).nbytes]
+            first = 0
+            while first < len(views):
+                sent = sock.sendmsg(views[first : first + _IOV_MAX])
+                while sent:
+                    n = views[first].nbytes
+                    if sent < n:
+                        views[first] = views[first][sent:]
+                        break
+                    sent -= n
+                    first += 1
+                self._limit(sock, deadline, socket.SO_SNDTIMEO)
 
     def _receive(self, sock: socket.socket, deadline: float) -> Reply:
         """The reply to the one request in flight. Every reply starts on an empty parser:

@@ -20,6 +20,13 @@ The 64-byte little-endian header (see docs/protocol.md)::
 Readers verify ``checksum`` before bytes reach an engine; a node verifies only
 ``header_check`` and the lengths on PUT, which is cheap, and leaves the
 payload checksum to readers (the client verifies every read as it arrives).
+
+A writer may send ``checksum`` after the payload instead (:class:`ChecksumTrailer`,
+the PUT item flag ``PUT_FLAG_CHECKSUM_AFTER``): the header goes out with checksum 0
+(``seal(deferred=True)``, its ``header_check`` over those bytes), the writer hashes its
+payload while the node is still receiving it, and the node writes the 8 bytes that
+follow the payload into the stored header (:func:`fill_checksum`). The checksum is the
+writer's, of the writer's memory, either way.
 """
 
 from __future__ import annotations
@@ -39,8 +46,10 @@ __all__ = [
     "ENVELOPE_MAGIC",
     "ENVELOPE_VERSION",
     "ZERO_FINGERPRINT",
+    "ChecksumTrailer",
     "Codec",
     "EnvelopeHeader",
+    "fill_checksum",
     "open_envelope",
     "payload_checksum",
     "seal",
@@ -53,6 +62,9 @@ ZERO_FINGERPRINT = bytes(16)
 
 _HEADER = struct.Struct("<4sBBBBQQQII16s")
 _CHECK = struct.Struct("<I4x")
+_U64 = struct.Struct("<Q")
+#: where ``checksum`` lies in the header
+_CHECKSUM_AT = 24
 assert _HEADER.size + _CHECK.size == ENVELOPE_HEADER_SIZE
 
 
@@ -154,10 +166,12 @@ def seal(
     chunk_index: int = 0,
     num_tokens: int = 0,
     fingerprint: bytes = ZERO_FINGERPRINT,
+    deferred: bool = False,
 ) -> bytes:
     """The header for storing ``payload`` raw. Send it followed by ``payload`` (no concat).
 
-    ``payload`` may be a list of segments, stored as their concatenation.
+    ``payload`` may be a list of segments, stored as their concatenation. ``deferred``:
+    checksum 0, the payload not read; its :class:`ChecksumTrailer` follows the payload.
     """
     if len(fingerprint) != 16:
         raise ValueError("fingerprint must be 16 bytes")
@@ -168,11 +182,57 @@ def seal(
     return EnvelopeHeader(
         raw_len=n,
         stored_len=n,
-        checksum=payload_checksum(payload),
+        checksum=0 if deferred else payload_checksum(payload),
         num_tokens=num_tokens,
         chunk_index=chunk_index,
         fingerprint=fingerprint,
     ).pack()
+
+
+class ChecksumTrailer(bytearray):
+    """The 8 bytes sent after a payload sealed with ``deferred=True``: its xxh3-64.
+
+    A sender hashes the payload as it goes out: :meth:`update` with each piece once the
+    piece is sent (its bytes still in cache, and the node reading them meanwhile), then
+    :meth:`fill` before the trailer itself is sent (``fill`` alone hashes the whole
+    payload). Until then the trailer is 8 zero bytes, a checksum no reader accepts.
+    """
+
+    __slots__ = ("_hashed", "_hasher", "segments")
+
+    def __init__(self, payload: Segmented) -> None:
+        super().__init__(8)
+        #: the payload's parts, in order, as they lie in the frame before the trailer
+        self.segments: list[Payload] = list(payload) if isinstance(payload, (list, tuple)) \
+            else [payload]
+        self._hasher = xxhash.xxh3_64()
+        self._hashed = 0
+
+    def update(self, piece: memoryview) -> None:
+        self._hasher.update(piece)
+        self._hashed += piece.nbytes
+
+    def fill(self) -> None:
+        if self._hashed == 0:
+            digest = payload_checksum(self.segments)
+        elif self._hashed == sum(memoryview(p).nbytes for p in self.segments):
+            digest = self._hasher.intdigest()
+        else:
+            raise RuntimeError("checksum trailer: part of the payload was not hashed")
+        _U64.pack_into(self, 0, digest)
+
+
+def fill_checksum(value: memoryview, checksum: bytes | bytearray | memoryview) -> None:
+    """A node's side of :class:`ChecksumTrailer`: write the checksum that followed
+    ``value``'s payload into its envelope header and renew ``header_check``. A header
+    whose ``header_check`` fails as sent is left as it is, for the commit to refuse."""
+    if len(value) < ENVELOPE_HEADER_SIZE:
+        return
+    (check,) = _CHECK.unpack_from(value, _HEADER.size)
+    if xxhash.xxh32_intdigest(value[: _HEADER.size]) != check:
+        return
+    value[_CHECKSUM_AT : _CHECKSUM_AT + 8] = checksum
+    _CHECK.pack_into(value, _HEADER.size, xxhash.xxh32_intdigest(value[: _HEADER.size]))
 
 
 def open_envelope(value: bytes | bytearray | memoryview) -> memoryview:

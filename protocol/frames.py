@@ -14,7 +14,8 @@ Every frame is a 24-byte little-endian header followed by ``body_len`` bytes::
 Request bodies:
     HELLO         JSON {"protocol": int, "client": str, "token"?: str}
     PUT           count x (PUT item header (32 bytes) || parent key (16 bytes, only with
-                  PUT_FLAG_PARENT) || value)
+                  PUT_FLAG_PARENT) || value || the value's 8-byte checksum, only with
+                  PUT_FLAG_CHECKSUM_AFTER)
     GET, EXISTS, DELETE, LOOKUP, PIN, UNPIN   count x 16-byte key
     STATS, CLUSTER  empty
     GET_SHM       count x 16-byte key (only on a connection granted the shared-memory arena)
@@ -83,6 +84,8 @@ __all__ = [
     "OP_FLAG_TRACE",
     "OP_SCOPE_MASK",
     "PROTOCOL_VERSION",
+    "CHECKSUM_TRAILER_SIZE",
+    "PUT_FLAG_CHECKSUM_AFTER",
     "PUT_FLAG_PARENT",
     "PUT_FLAG_PIN",
     "PUT_ITEM_SIZE",
@@ -126,6 +129,11 @@ PUT_FLAG_PIN = 1
 #: the item header is followed by the 16-byte key of the chunk's parent (the previous chunk
 #: of its prefix), which the node reports in its KV events
 PUT_FLAG_PARENT = 2
+#: the value's envelope carries checksum 0 and its xxh3-64 follows the value (8 bytes,
+#: little-endian), which the node writes into the stored envelope; only in a PUT, only to
+#: a node whose HELLO says ``checksum_after`` (envelope.ChecksumTrailer)
+PUT_FLAG_CHECKSUM_AFTER = 4
+CHECKSUM_TRAILER_SIZE = 8
 
 
 #: set in a request's op byte: the body starts with a trace context (see the module doc)

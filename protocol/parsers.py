@@ -14,7 +14,12 @@ from typing import Protocol
 
 import xxhash
 
-from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, Codec, EnvelopeHeader
+from kvpool.protocol.envelope import (
+    ENVELOPE_HEADER_SIZE,
+    Codec,
+    EnvelopeHeader,
+    fill_checksum,
+)
 from kvpool.protocol.errors import (
     BadFrameError,
     CorruptChunkError,
@@ -25,6 +30,7 @@ from kvpool.protocol.errors import (
     ValueTooLargeError,
 )
 from kvpool.protocol.frames import (
+    CHECKSUM_TRAILER_SIZE,
     COMMIT_AS_SIZE,
     FRAME_HEADER_SIZE,
     GET_ITEM_SIZE,
@@ -33,6 +39,7 @@ from kvpool.protocol.frames import (
     KEY_SIZE,
     OP_FLAG_TRACE,
     OP_SCOPE_MASK,
+    PUT_FLAG_CHECKSUM_AFTER,
     PUT_FLAG_PARENT,
     PUT_ITEM_SIZE,
     SCOPED_OPS,
@@ -81,6 +88,7 @@ _PUT_LIKE = frozenset({Op.PUT, Op.PUT_SHM, Op.COMMIT_AS})
 # needs asked for on every frame, made once (a plan never mutates a need)
 _FRAME_HEADER = Exact(FRAME_HEADER_SIZE)
 _PUT_ITEM = Exact(PUT_ITEM_SIZE)
+_TRAILER = Exact(CHECKSUM_TRAILER_SIZE)
 _GET_ITEM = Exact(GET_ITEM_SIZE)
 _ENVELOPE = Exact(ENVELOPE_HEADER_SIZE)
 _TRACE_CONTEXT = Exact(TRACE_CONTEXT_SIZE)
@@ -343,7 +351,10 @@ class RequestParser:
                 assert raw_parent is not None
                 parent = bytes(raw_parent)
                 remaining -= KEY_SIZE
-            if inline and item.value_len > remaining:
+            trailer = CHECKSUM_TRAILER_SIZE if item.flags & PUT_FLAG_CHECKSUM_AFTER else 0
+            if trailer and not inline:
+                raise BadFrameError(f"{name} items carry no value to checksum after")
+            if inline and item.value_len + trailer > remaining:
                 raise BadFrameError("PUT value runs past the frame body")
             if item.value_len > limits.max_value_bytes:
                 raise ValueTooLargeError(
@@ -358,6 +369,12 @@ class RequestParser:
                     self._pending.append(reservation)
                     yield Into(reservation.view)
                 remaining -= item.value_len
+                if trailer:
+                    checksum = yield _TRAILER
+                    assert checksum is not None
+                    if reservation is not None:
+                        fill_checksum(reservation.view, checksum)
+                    remaining -= trailer
             else:  # the node reserves once it knows the connection may write
                 reserved += item.value_len
                 if reserved > limits.max_frame_bytes:

@@ -201,6 +201,8 @@ class Handlers:
             "idle_timeout_s": self.idle_timeout_s,
             "tenant": principal.tenant,
             "role": principal.role.name.lower(),
+            # PUT items may carry their checksum after the value (PUT_FLAG_CHECKSUM_AFTER)
+            "checksum_after": True,
         }
         if self.shm is not None:
             offer = self.shm.offer(session, body)
