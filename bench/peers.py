@@ -18,7 +18,9 @@ command for each, one after another, in an order that rotates by round):
   has no batched calls, so a call of 16 is 16 of its calls;
 - ``lmcache wire``: the same server read and written from a bare Python socket in LMCache's
   wire format (one ``sendmsg`` of a call's puts, ``recv_into`` the caller's buffers): the
-  most a Python client gets from a Python server here, the "Python ceiling" series.
+  most a Python client gets from a Python server here, the "Python ceiling" series;
+- ``kvpool checksum-first`` (with ``--ab``): kvpool's client hashing every value before
+  sending it (no checksum trailer, as before ``PUT_FLAG_CHECKSUM_AFTER``), same node.
 
 LMCache's PUT has no reply; its PUT samples end with a HEALTH round trip on the same
 connection (the server serves a connection in order), so every sample ends once the
@@ -99,10 +101,13 @@ class Store:
 
 
 class KvpoolStore(Store):
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, checksum_first: bool = False) -> None:
         import xxhash
 
-        from kvpool.client import Client
+        from kvpool.client import Client, _plans
+
+        if checksum_first:  # every value hashed before it is sent (no trailer)
+            _plans.TRAILER_MIN = 1 << 62
 
         self._hash = xxhash.xxh3_128_digest
         self._client = Client(url, shm=False)
@@ -372,6 +377,8 @@ class LmcacheStore(Store):
 def open_store(system: str, address: str) -> Store:
     if system == "kvpool":
         return KvpoolStore(address)
+    if system == "kvpool checksum-first":
+        return KvpoolStore(address, checksum_first=True)
     if system == "redis":
         return RedisStore(int(address))
     if system == "lmcache":
@@ -588,6 +595,9 @@ def main() -> int:
     parser.add_argument("--lat-n", type=int, default=2000,
                         help="4 KiB GETs a latency run times")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 32 MiB")
+    parser.add_argument("--ab", action="store_true",
+                        help="also kvpool with every PUT's checksum sent first (no trailer): "
+                             "the trailer's before/after in the same run")
     parser.add_argument("--python", default=os.environ.get("VLLM_CPU_PYTHON", ""),
                         help="a python with lmcache==0.5.6 for LMCache's server and client "
                              "(default $VLLM_CPU_PYTHON; without one, LMCache is left out)")
@@ -605,6 +615,9 @@ def main() -> int:
         node = start_node("--no-ssd", "--dram-capacity", "3GiB")
         procs.append(node)
         clients["kvpool"] = Client("kvpool", sys.executable, node.url, timeout)
+        if args.ab:
+            clients["kvpool checksum-first"] = Client("kvpool checksum-first", sys.executable,
+                                                      node.url, timeout)
         redis = start_redis()
         if redis is not None:
             procs.append(redis)
