@@ -191,6 +191,12 @@ class RequestParser:
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         return self._reader.get_buffer(sizehint)
 
+    def more_of_value(self, nbytes: int) -> bool:
+        """True: ``nbytes`` received into a value that is still short of them all, and
+        nothing else to do (:meth:`StreamReader.more_of_value`); False: call
+        :meth:`buffer_updated`."""
+        return self._reader.more_of_value(nbytes)
+
     def buffer_updated(self, nbytes: int) -> list[Request]:
         """Complete requests; on a protocol error, those before it and ``self.error`` set."""
         try:

@@ -104,6 +104,19 @@ class StreamReader:
             self._compact()
         return self._scratch_mv[self._end :]
 
+    def more_of_value(self, nbytes: int) -> bool:
+        """The short way for a receive straight into a value (``get_buffer`` handed out
+        an :class:`Into` view) that does not fill it and has no ``on_fill``: counted,
+        True; anything else False, and nothing done (call :meth:`buffer_updated`). A
+        1 MiB PUT arrives in ~6 receives; all but the last take this way."""
+        if self._direct:
+            need = self._need
+            filled = self._filled + nbytes
+            if need.on_fill is None and filled < len(need.view):  # type: ignore[union-attr]
+                self._filled = filled
+                return True
+        return False
+
     def buffer_updated(self, nbytes: int) -> None:
         if self._direct:
             need = self._need

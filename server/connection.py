@@ -184,6 +184,10 @@ class NodeConnection(asyncio.BufferedProtocol):
         if self._closing:
             return
         parser = self._parser
+        if parser.more_of_value(nbytes):  # mid-value: nothing completes
+            if self._timeouts.idle:
+                self._timeouts.received(self._loop.time(), True)
+            return
         requests = parser.buffer_updated(nbytes)
         while True:
             for i, request in enumerate(requests):
