@@ -19,6 +19,10 @@ command for each, one after another, in an order that rotates by round):
 - ``lmcache wire``: the same server read and written from a bare Python socket in LMCache's
   wire format (one ``sendmsg`` of a call's puts, ``recv_into`` the caller's buffers): the
   most a Python client gets from a Python server here, the "Python ceiling" series;
+- ``mooncake``: Mooncake Store (``mooncake-transfer-engine-non-cuda``: its master with the
+  HTTP metadata server, a process mounting 3 GiB, and a client mounting none, TCP
+  transport): ``upsert`` / ``upsert_batch``, ``get`` / ``get_batch``; from
+  ``$MOONCAKE_PYTHON`` with ``$MOONCAKE_LIB`` (libibverbs, see docs/benchmarks.md);
 - ``kvpool checksum-first`` (with ``--ab``): kvpool's client hashing every value before
   sending it (no checksum trailer, as before ``PUT_FLAG_CHECKSUM_AFTER``), same node.
 
@@ -32,8 +36,7 @@ wrote. After the timed rounds each client reads back every key of every PUT cell
 compares it with what was written (``wrong`` in the JSON must be 0). Then 4 KiB GET
 latency (p50 / p99 of ``--lat-n`` calls one at a time, or of 3 s of them). Prints GB/s
 median [min-max] and kvpool's ratio to each peer (the median of per-round ratios); JSON to
-``bench/results/peers.json``. Mooncake Store is not among the peers yet (see
-docs/benchmarks.md).
+``bench/results/peers.json``. A peer whose environment is not given is left out.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from typing import Any
 from bench._procs import Proc, _wait_port, free_port, start_node, start_redis
 from bench._stats import fmt, save, summary
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
 SIZES = (1 * MiB, 4 * MiB)
 PER_CALL = (1, 16)
@@ -62,6 +66,9 @@ SOURCE_BYTES = 64 * MiB
 #: a 4 KiB latency run stops after this many seconds (LMCache's server answers a small GET
 #: in ~44 ms: its two writes of a reply meet Nagle's algorithm and a delayed ACK)
 LAT_SECONDS = 3.0
+#: bytes of Mooncake's segment (the storage process) and of a client's transfer buffer
+MOONCAKE_SEGMENT = 3 << 30
+MOONCAKE_BUFFER = 512 << 20
 
 # -- the clients (one process per system) -------------------------------------------------
 
@@ -374,6 +381,52 @@ class LmcacheStore(Store):
         self._loop.call_soon_threadsafe(self._loop.stop)
 
 
+class MooncakeStore(Store):
+    """Mooncake Store's client (``MooncakeDistributedStore``, TCP transport) mounting no
+    memory of its own: every value goes to the segment another process mounted
+    (:func:`mooncake_segment`), as a client beside a storage node does. ``upsert`` /
+    ``upsert_batch`` (its ``put`` keeps an existing key's value), ``get`` / ``get_batch``
+    (bytes; ``b""`` is a miss)."""
+
+    def __init__(self, address: str) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        master, metadata = address.split(",")
+        self._s = MooncakeDistributedStore()
+        if self._s.setup("127.0.0.1", metadata, 0, MOONCAKE_BUFFER, "tcp", "", master) != 0:
+            raise RuntimeError("Mooncake client setup failed")
+
+    def put(self, names: list[str], values: list[memoryview]) -> None:
+        code = self._s.upsert(names[0], values[0]) if len(names) == 1 else \
+            self._s.upsert_batch(names, values)
+        if code != 0:
+            raise RuntimeError(f"mooncake: upsert returned {code}")
+
+    def get(self, names: list[str], bufs: list[memoryview]) -> None:
+        got = [self._s.get(names[0])] if len(names) == 1 else self._s.get_batch(names)
+        if any(not v for v in got):
+            raise RuntimeError("mooncake: a GET missed")
+
+    def read(self, name: str, size: int) -> bytes | None:
+        return self._s.get(name) or None
+
+    def close(self) -> None:
+        self._s.close()
+
+
+def mooncake_segment(master: str, metadata: str, size: int) -> int:
+    """The process that mounts Mooncake's memory (``size`` bytes) until stdin closes."""
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    if store.setup("127.0.0.1", metadata, size, MOONCAKE_BUFFER, "tcp", "", master) != 0:
+        return 1
+    print("ready", flush=True)
+    sys.stdin.read()
+    store.close()
+    return 0
+
+
 def open_store(system: str, address: str) -> Store:
     if system == "kvpool":
         return KvpoolStore(address)
@@ -385,6 +438,8 @@ def open_store(system: str, address: str) -> Store:
         return LmcacheStore(int(address))
     if system == "lmcache wire":
         return LmWireStore(int(address))
+    if system == "mooncake":
+        return MooncakeStore(address)
     raise ValueError(f"unknown system {system!r}")
 
 
@@ -446,14 +501,15 @@ def client_main(system: str, address: str) -> int:
 class Client:
     """A client process of one system, asked one command at a time."""
 
-    def __init__(self, system: str, python: str, address: str, timeout: float) -> None:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    def __init__(self, system: str, python: str, address: str, timeout: float,
+                 env: dict[str, str] | None = None) -> None:
         self.system = system
         self._timeout = timeout
         self._proc = subprocess.Popen([python, "-m", "bench.peers", "--client", system,
-                                       address], cwd=root, stdin=subprocess.PIPE,
+                                       address], cwd=ROOT, stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True,
-                                      env={**os.environ, "LMCACHE_LOG_LEVEL": "ERROR"})
+                                      env={**os.environ, "LMCACHE_LOG_LEVEL": "ERROR",
+                                           **(env or {})})
 
     def ask(self, **cmd: Any) -> dict[str, Any]:
         import selectors
@@ -567,6 +623,39 @@ def start_lmcache(python: str) -> Proc:
     return Proc(proc, port)
 
 
+def start_mooncake(python: str, env: dict[str, str]) -> tuple[list[Proc], str]:
+    """Mooncake's master (its HTTP metadata server within) and a process mounting
+    ``MOONCAKE_SEGMENT`` bytes, all on 127.0.0.1; the client address "master,metadata"."""
+    where = subprocess.run([python, "-c", "import mooncake, os; print(os.path.dirname("
+                            "mooncake.__file__))"], capture_output=True, text=True, env=env,
+                           check=True, timeout=60).stdout.strip()
+    rpc, meta, metrics = free_port(), free_port(), free_port()
+    master = subprocess.Popen([os.path.join(where, "mooncake_master"), f"--rpc_port={rpc}",
+                               "--rpc_address=127.0.0.1", "--enable_http_metadata_server=true",
+                               "--http_metadata_server_host=127.0.0.1",
+                               f"--http_metadata_server_port={meta}",
+                               f"--metrics_port={metrics}"], env=env, text=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs = [Proc(master, rpc)]
+    try:
+        _wait_port(rpc, master, timeout=30)
+        _wait_port(meta, master, timeout=30)
+        address = f"127.0.0.1:{rpc},http://127.0.0.1:{meta}/metadata"
+        segment = subprocess.Popen([python, "-m", "bench.peers", "--mooncake-segment",
+                                    *address.split(","), str(MOONCAKE_SEGMENT)], cwd=ROOT,
+                                   env=env, text=True, stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        procs.append(Proc(segment, 0))
+        assert segment.stdout is not None
+        if segment.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"Mooncake's segment did not mount (exit {segment.wait(30)})")
+    except BaseException:
+        for proc in procs:
+            proc.stop()
+        raise
+    return procs, address
+
+
 def report(result: dict[str, Any]) -> None:
     systems: list[str] = result["systems"]
     peers = [s for s in systems if s != "kvpool"]
@@ -601,11 +690,22 @@ def main() -> int:
     parser.add_argument("--python", default=os.environ.get("VLLM_CPU_PYTHON", ""),
                         help="a python with lmcache==0.5.6 for LMCache's server and client "
                              "(default $VLLM_CPU_PYTHON; without one, LMCache is left out)")
+    parser.add_argument("--mooncake-python", default=os.environ.get("MOONCAKE_PYTHON", ""),
+                        help="a python with mooncake-transfer-engine-non-cuda (and numpy) for "
+                             "Mooncake Store (default $MOONCAKE_PYTHON; without one, "
+                             "Mooncake is left out)")
+    parser.add_argument("--mooncake-lib", default=os.environ.get("MOONCAKE_LIB", ""),
+                        help="folders (':'-separated) with libibverbs.so.1 and libnl-3, "
+                             "which Mooncake's wheel links (default $MOONCAKE_LIB)")
     parser.add_argument("--client", nargs=2, metavar=("SYSTEM", "ADDRESS"),
                         help=argparse.SUPPRESS)
+    parser.add_argument("--mooncake-segment", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:
         return client_main(*args.client)
+    if args.mooncake_segment:
+        master, metadata, size = args.mooncake_segment
+        return mooncake_segment(master, metadata, int(size))
     if args.quick:
         args.rounds, args.mib, args.lat_n = 2, 32, 200
     procs: list[Proc] = []
@@ -638,6 +738,19 @@ def main() -> int:
             clients["lmcache"] = Client("lmcache", args.python, str(lm.port), timeout)
             clients["lmcache wire"] = Client("lmcache wire", sys.executable, str(lm.port),
                                              timeout)
+        if args.mooncake_python and shutil.which(args.mooncake_python):
+            env = {"LD_LIBRARY_PATH": ":".join(filter(None, [
+                args.mooncake_lib, os.environ.get("LD_LIBRARY_PATH", "")]))}
+            try:
+                mooncake, address = start_mooncake(args.mooncake_python, {**os.environ, **env})
+            except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
+                print(f"Mooncake did not start ({exc}): Mooncake left out", file=sys.stderr)
+            else:
+                procs += mooncake
+                clients["mooncake"] = Client("mooncake", args.mooncake_python, address,
+                                             timeout, env)
+        else:
+            print("no --mooncake-python: Mooncake left out", file=sys.stderr)
         result = measure(clients, args.rounds, args.mib, args.lat_n)
     finally:
         for client in clients.values():
