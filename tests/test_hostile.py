@@ -100,7 +100,10 @@ def exchange(node: NodeProcess, data: bytes, hello: bool) -> None:
 @given(data=hostile_stream(), hello=st.booleans())
 def test_fuzzed_frames_never_hurt_the_node(fuzz_node: NodeProcess, data: bytes,
                                            hello: bool) -> None:
+    """Each stream is answered and closed, and the node is still up after it (the next
+    test checks its memory and the data of others)."""
     exchange(fuzz_node, data, hello)
+    assert fuzz_node.proc.poll() is None, fuzz_node.output[-20:]
 
 
 def test_after_fuzzing_memory_is_bounded_and_others_unaffected(fuzz_node: NodeProcess) -> None:

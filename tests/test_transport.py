@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import pytest
 
 from kvpool.client import AsyncClient, Client, KvpoolConnectionError, KvpoolTimeoutError
+from kvpool.client import _socket as socket_module
 from kvpool.client._connection import Buffer
 from kvpool.client._node import NodeClient
 from kvpool.client._options import ClientOptions
@@ -276,11 +277,29 @@ def test_the_socket_link_ends_on_a_reply_to_another_request(status: Status) -> N
         listener.close()
 
 
-def test_the_socket_link_keeps_its_deadline_when_a_reply_stalls_midway() -> None:
+class KernelTimeouts:
+    """The socket timeouts a link asks the kernel for (``_timeval``'s arguments, in
+    seconds, in order): what a call may wait, read without a clock."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.asked: list[float] = []
+        original = socket_module._timeval
+
+        def record(seconds: float) -> bytes:
+            self.asked.append(seconds)
+            return original(seconds)
+
+        monkeypatch.setattr(socket_module, "_timeval", record)
+
+
+@pytest.mark.timeout(20)
+def test_the_socket_link_keeps_its_deadline_when_a_reply_stalls_midway(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A long reply whose first bytes come at once and the rest never: the call fails with
-    a timeout near its deadline (0.6 s), not a whole timeout after the last bytes came.
+    a timeout at its deadline (0.6 s), not a whole timeout after the last bytes came.
     The link waits in blocking receives with the kernel's timeout, cut to what is left of
-    the call once a 16th of it has passed."""
+    the call once a 16th of it has passed: after the peer's 0.35 s pause the kernel is
+    asked to wait at most what is left (< 0.3 s), never a whole 0.6 s again."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     done = threading.Event()
@@ -297,13 +316,13 @@ def test_the_socket_link_keeps_its_deadline_when_a_reply_stalls_midway() -> None
     thread = threading.Thread(target=peer, daemon=True)
     thread.start()
     link = BlockingConnection("127.0.0.1", port, timeout=0.6, connect_timeout=5)
+    timeouts = KernelTimeouts(monkeypatch)
     try:
-        start = time.monotonic()
         with pytest.raises(KvpoolTimeoutError, match=r"no reply within 0\.6s"):
             link.call(Op.STATS, 0, [])
-        elapsed = time.monotonic() - start
+        assert timeouts.asked, "the link never cut the kernel's timeout"
         # without the cut the last receive would wait a whole 0.6 s from 0.35 s
-        assert 0.55 < elapsed < 0.85, elapsed
+        assert max(timeouts.asked) < 0.3, timeouts.asked
         assert not link.is_open
     finally:
         done.set()
@@ -312,19 +331,22 @@ def test_the_socket_link_keeps_its_deadline_when_a_reply_stalls_midway() -> None
         listener.close()
 
 
-def test_the_socket_link_times_out_a_request_the_peer_does_not_read() -> None:
+@pytest.mark.timeout(20)
+def test_the_socket_link_times_out_a_request_the_peer_does_not_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A peer that accepts and never reads: a 32 MiB request fills the socket buffers and
-    the send waits; the call fails with a timeout near its deadline (0.5 s), not a
+    the send waits; the call fails with a timeout at its deadline (0.5 s), not a
     connection error."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     link = BlockingConnection("127.0.0.1", port, timeout=0.5, connect_timeout=5)
     peer, _ = listener.accept()
+    timeouts = KernelTimeouts(monkeypatch)
     try:
-        start = time.monotonic()
         with pytest.raises(KvpoolTimeoutError, match=r"no reply within 0\.5s"):
             link.call(Op.PUT, 1, [bytes(32 << 20)])
-        assert time.monotonic() - start < 0.8
+        # no send waits past the call's deadline: any cut asks for what is left of 0.5 s
+        assert all(t <= 0.5 for t in timeouts.asked), timeouts.asked
         assert not link.is_open
     finally:
         link.close()
@@ -332,11 +354,24 @@ def test_the_socket_link_times_out_a_request_the_peer_does_not_read() -> None:
         listener.close()
 
 
+class CountingPoll:
+    """A link's ``select.poll`` that counts its non-blocking polls (a busy poll's steps)."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.spins = 0
+
+    def poll(self, timeout: float | None = None) -> list[tuple[int, int]]:
+        if timeout == 0:
+            self.spins += 1
+        return self.inner.poll(timeout)  # type: ignore[attr-defined,no-any-return]
+
+
 def test_the_socket_link_polls_for_a_small_calls_reply_then_sleeps() -> None:
-    """``busy_poll_us``: a small call polls its socket for the reply that long before the
-    thread sleeps (its CPU time shows it), and still gets a reply that comes later; a call
-    whose reply may fill megabytes sleeps at once. The peer answers each request 30 ms
-    late."""
+    """``busy_poll_us``: a small call polls its socket for the reply before the thread
+    sleeps, and still gets a reply that comes later; a call whose reply may fill
+    megabytes sleeps at once. The peer answers each request 30 ms late; the polls are
+    counted (a poll that ran at all is a step or more, however busy the machine)."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
 
@@ -356,20 +391,17 @@ def test_the_socket_link_polls_for_a_small_calls_reply_then_sleeps() -> None:
     thread.start()
     link = BlockingConnection("127.0.0.1", port, timeout=5, connect_timeout=5,
                               busy_poll_us=10_000)
+    counter = CountingPoll(link._poll)
+    link._poll = counter  # type: ignore[assignment]
     try:
-        def cpu_of(sinks: list[memoryview] | None) -> float:
-            start = time.thread_time()
+        def spins_of(sinks: list[memoryview] | None) -> int:
+            before = counter.spins
             assert bytes(link.call(Op.STATS, 0, [], sinks).body) == b"{}"
-            return time.thread_time() - start
+            return counter.spins - before
 
-        # the best of three calls each (a thread preempted while it polls shows less CPU,
-        # one woken late more: 3.75 ms seen once on a busy VM)
-        polled = max(cpu_of(None) for _ in range(3))
-        assert polled > 0.004, polled  # ~10 ms polled
-        small = max(cpu_of([memoryview(bytearray(4096))]) for _ in range(3))
-        assert small > 0.004, small  # small buffers: polled too
-        big = min(cpu_of([memoryview(bytearray(1 << 20))]) for _ in range(3))
-        assert big < 0.003, big  # asleep for 30 ms
+        assert spins_of(None) > 0  # polled, then slept until the reply came
+        assert spins_of([memoryview(bytearray(4096))]) > 0  # small buffers: polled too
+        assert spins_of([memoryview(bytearray(1 << 20))]) == 0  # asleep at once
     finally:
         link.close()
         listener.close()
