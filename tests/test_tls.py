@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import ssl
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import trustme
 
-from kvpool.client import Client, KvpoolConnectionError
+from kvpool.client import AsyncClient, Client, KvpoolConnectionError
 
 from .conftest import NodeProcess, start_node
 
@@ -53,9 +54,16 @@ def test_data_port_speaks_tls(tls_node: NodeProcess, pki: dict[str, str]) -> Non
     with Client(tls_node.url, ssl=ctx) as c:
         c.put(b"k" * 16, b"over tls" * 1000)
         assert c.get(b"k" * 16) == b"over tls" * 1000
-        big = bytes(range(256)) * 16384  # 4 MiB: many TLS records
+        big = bytes(range(256)) * 16384  # 4 MiB: many TLS records, its checksum after it
         c.put(b"b" * 16, big)
         assert c.get(b"b" * 16) == big
+
+    async def on_the_loop() -> list[bytearray | None]:
+        async with AsyncClient(tls_node.url, ssl=ctx) as ac:
+            await ac.put_many([b"c" * 16, b"d" * 16], [big[: 1 << 20], big[1 << 20 :]])
+            return await ac.get_many([b"c" * 16, b"d" * 16])
+
+    assert asyncio.run(on_the_loop()) == [big[: 1 << 20], big[1 << 20 :]]
 
 
 def test_plain_and_untrusted_clients_are_refused(tls_node: NodeProcess) -> None:
