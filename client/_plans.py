@@ -272,9 +272,10 @@ def frames(node: Host, items: list[PutItem]) -> list[list[PutItem]]:
     return out
 
 
-#: values of this many bytes and more send their checksum after them (hashed while the
-#: node reads them: +15-35% GB/s for 1-4 MiB PUTs on the 2-core VM, bench.peers); a
-#: smaller one is hashed first, where a trailer's extra steps cost more than they save
+#: values of this many bytes and more send their checksum after them, hashed while the
+#: node reads them (1 and 4 MiB PUTs, one and 16 a call: 1.00-1.24x the GB/s of hashing
+#: first in two `bench.peers --ab` runs on the 2-core VM); a smaller value is hashed first,
+#: where a trailer's extra steps cost more than they save
 TRAILER_MIN = 64 << 10
 
 

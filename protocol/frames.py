@@ -71,6 +71,7 @@ from typing import Any, NamedTuple
 from kvpool.protocol.errors import BadFrameError, Status
 
 __all__ = [
+    "CHECKSUM_TRAILER_SIZE",
     "COMMIT_AGAIN",
     "COMMIT_AS_SIZE",
     "FRAME_HEADER_SIZE",
@@ -84,7 +85,6 @@ __all__ = [
     "OP_FLAG_TRACE",
     "OP_SCOPE_MASK",
     "PROTOCOL_VERSION",
-    "CHECKSUM_TRAILER_SIZE",
     "PUT_FLAG_CHECKSUM_AFTER",
     "PUT_FLAG_PARENT",
     "PUT_FLAG_PIN",
