@@ -205,6 +205,9 @@ def _lm_key(name: str) -> bytes:
 
 class LmWireStore(Store):
     def __init__(self, port: int) -> None:
+        from kvpool.client._socket import sendmsg_all
+
+        self._sendmsg_all = sendmsg_all
         self._sock = socket.create_connection(("127.0.0.1", port))
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._reply = bytearray(_LM_REPLY.size)
@@ -215,7 +218,7 @@ class LmWireStore(Store):
             parts.append(_LM_REQUEST.pack(_LM_PUT, len(value), _LM_KV_2LTD, _LM_BF16, 0,
                                           len(value) // 2, 0, 0, 0, _lm_key(name)))
             parts.append(value)
-        _sendmsg_all(self._sock, parts)
+        self._sendmsg_all(self._sock, parts)
 
     def _reply_head(self) -> tuple[int, int]:
         view = memoryview(self._reply)
@@ -261,20 +264,6 @@ class LmWireStore(Store):
 
     def close(self) -> None:
         self._sock.close()
-
-
-def _sendmsg_all(sock: socket.socket, parts: list[Any]) -> None:
-    views = [memoryview(p).cast("B") for p in parts]
-    first = 0
-    while first < len(views):
-        sent = sock.sendmsg(views[first : first + 512])
-        while sent:
-            n = views[first].nbytes
-            if sent < n:
-                views[first] = views[first][sent:]
-                break
-            sent -= n
-            first += 1
 
 
 class LmcacheStore(Store):
@@ -444,7 +433,9 @@ def open_store(system: str, address: str) -> Store:
 
 
 def client_main(system: str, address: str) -> int:
-    """A client process: one JSON command a line on stdin, one JSON answer a line out."""
+    """A client process: one JSON command a line on stdin, one JSON answer a line out.
+    (This module imports no kvpool at its top: Mooncake's clients run in a python of
+    their own without it.)"""
     store = open_store(system, address)
     srcs: dict[int, list[memoryview]] = {}
     bufs: dict[int, list[memoryview]] = {}

@@ -32,7 +32,7 @@ from kvpool.protocol.errors import (
 from kvpool.protocol.frames import Op
 from kvpool.protocol.parsers import Reply, ReplyParser, reply_mismatch
 
-__all__ = ["BlockingConnection", "busy_poll", "stray_reply"]
+__all__ = ["BlockingConnection", "busy_poll", "sendmsg_all", "stray_reply"]
 
 #: bodies up to this size are joined and sent with one ``send``; larger ones go as a
 #: ``sendmsg`` of their parts (no copy of the values)
@@ -76,6 +76,25 @@ def busy_poll(poll: select.poll, ns: int) -> list[tuple[int, int]]:
         ready = poll.poll(0)
         if ready or time.perf_counter_ns() >= end:
             return ready
+
+
+def sendmsg_all(sock: socket.socket, parts: Sequence[Buffer],
+                after_each: Callable[[], None] | None = None) -> None:
+    """Send ``parts`` whole with as few ``sendmsg`` calls as the kernel takes (up to
+    ``_IOV_MAX`` parts each), ``after_each`` one (a deadline check) between them."""
+    views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
+    first = 0
+    while first < len(views):
+        sent = sock.sendmsg(views[first : first + _IOV_MAX])
+        while sent:
+            n = views[first].nbytes
+            if sent < n:
+                views[first] = views[first][sent:]
+                break
+            sent -= n
+            first += 1
+        if after_each is not None:
+            after_each()
 
 
 #: a ``struct timeval`` (Linux: two longs), for SO_RCVTIMEO and SO_SNDTIMEO
@@ -275,18 +294,7 @@ class BlockingConnection:
                 for part in run:
                     sock.sendall(part)
                 continue
-            views = [memoryview(p).cast("B") for p in run if memoryview(p).nbytes]
-            first = 0
-            while first < len(views):
-                sent = sock.sendmsg(views[first : first + _IOV_MAX])
-                while sent:
-                    n = views[first].nbytes
-                    if sent < n:
-                        views[first] = views[first][sent:]
-                        break
-                    sent -= n
-                    first += 1
-                self._limit(sock, deadline, socket.SO_SNDTIMEO)
+            sendmsg_all(sock, run, lambda: self._limit(sock, deadline, socket.SO_SNDTIMEO))
 
     def _receive(self, sock: socket.socket, deadline: float) -> Reply:
         """The reply to the one request in flight. Every reply starts on an empty parser:
