@@ -60,7 +60,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
 SIZES = (1 * MiB, 4 * MiB)
 PER_CALL = (1, 16)
-SYSTEMS = ("kvpool", "redis", "lmcache", "lmcache wire")
 #: bytes of distinct source values each client keeps per size
 SOURCE_BYTES = 64 * MiB
 #: a 4 KiB latency run stops after this many seconds (LMCache's server answers a small GET
