@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-__all__ = ["Proc", "engine_entry", "free_port", "run_json", "start_iperf3", "start_node",
-           "start_redis", "start_seaweedfs"]
+__all__ = ["Proc", "engine_entry", "free_port", "run_json", "start_iperf3", "start_lmcache",
+           "start_node", "start_redis", "start_seaweedfs"]
 
 SEAWEED_PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
                  "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port",
@@ -121,6 +121,21 @@ def start_redis() -> Proc | None:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
     _wait_port(port, proc)
     return Proc(proc, port)
+
+
+def start_lmcache(python: str) -> Proc:
+    """LMCache's cache server (``python -m lmcache.v1.server``, CPU) on 127.0.0.1, run by
+    ``python`` (one with ``lmcache``); RuntimeError if it does not listen within 60 s."""
+    port = free_port()
+    proc = subprocess.Popen([python, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+    server = Proc(proc, port)
+    try:
+        _wait_port(port, proc, timeout=60)
+    except RuntimeError:
+        server.stop()
+        raise
+    return server
 
 
 def start_iperf3() -> Proc | None:

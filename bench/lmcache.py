@@ -28,13 +28,12 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
 from typing import Any
 
-from bench._procs import _wait_port, free_port, run_json, start_node
+from bench._procs import run_json, start_lmcache, start_node
 from bench._stats import fmt, save, summary
 
 CHUNKS = 32
@@ -165,21 +164,19 @@ def main() -> int:
               ".ci/run makes one)", file=sys.stderr)
         return 2
     node = start_node("--dram-capacity", "6GiB", "--no-ssd")
-    port = free_port()
-    lm_server = subprocess.Popen([args.python, "-m", "lmcache.v1.server", "127.0.0.1",
-                                  str(port), "cpu"], stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL, text=True)
+    lm_server = None
     try:
-        _wait_port(port, lm_server, timeout=60)
+        lm_server = start_lmcache(args.python)
         result = run_json(args.python, "bench.lmcache", "--measure", node.url,
-                          f"lm://127.0.0.1:{port}", "--rounds", str(args.rounds), timeout=1200)
+                          f"lm://127.0.0.1:{lm_server.port}", "--rounds", str(args.rounds),
+                          timeout=1200)
     except RuntimeError as exc:
         print(exc, file=sys.stderr)
         return 1
     finally:
         node.stop()
-        lm_server.terminate()
-        lm_server.wait(10)
+        if lm_server is not None:
+            lm_server.stop()
     print(f"\nLMCache remote tier, {result['chunks']} chunks of "
           f"{result['chunk_bytes'] / 1e6:.2f} MB a batch, {result['rounds']} rounds, GB/s "
           "median [min-max]\n")

@@ -42,6 +42,7 @@ median [min-max] and kvpool's ratio to each peer (the median of per-round ratios
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -53,7 +54,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from bench._procs import Proc, _wait_port, free_port, start_node, start_redis
+from bench._procs import Proc, _wait_port, free_port, start_lmcache, start_node, start_redis
 from bench._stats import fmt, save, summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -520,7 +521,7 @@ class Client:
 
     def stop(self) -> None:
         if self._proc.poll() is None:
-            with _quiet():
+            with contextlib.suppress(OSError):  # (a client already gone)
                 assert self._proc.stdin is not None
                 self._proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
                 self._proc.stdin.flush()
@@ -529,14 +530,6 @@ class Client:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(10)
-
-
-class _quiet:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return exc[0] is not None and issubclass(exc[0], OSError)  # type: ignore[arg-type]
 
 
 def cells() -> Iterator[tuple[str, int, int]]:
@@ -603,14 +596,6 @@ def measure(clients: dict[str, Client], rounds: int, mib: int, lat_n: int
             "get_4k_p50_over_redis": summary([a / b for a, b in zip(
                 latency[base]["p50"], latency["redis"]["p50"], strict=True)])
             if "redis" in latency else None}
-
-
-def start_lmcache(python: str) -> Proc:
-    port = free_port()
-    proc = subprocess.Popen([python, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
-    _wait_port(port, proc, timeout=60)
-    return Proc(proc, port)
 
 
 def start_mooncake(python: str, env: dict[str, str]) -> tuple[list[Proc], str]:
