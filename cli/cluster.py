@@ -23,6 +23,7 @@ from kvpool.cli.admin_http import (
     call_first,
     call_with_args,
 )
+from kvpool.placement.cluster_map import NodeInfo
 from kvpool.protocol.errors import ConfigError
 from kvpool.server.config import format_size
 
@@ -78,10 +79,14 @@ def _status(args: argparse.Namespace) -> int:
     show_data = any(node["id"] != node["data"] for node, _ in rows)
     # ids and addresses are never cut; sizes take two lines; the drain column only shows
     # while a node drains: a standalone node's row fits 80 columns
+    # failure domains only where the map names some: zone/rack/host as placement sees them
+    show_domain = any(node.get(label) for node, _ in rows for label in ("host", "rack", "zone"))
     table.add_column("node", no_wrap=True)
     table.add_column("state")
     if show_data:
         table.add_column("data", no_wrap=True)
+    if show_domain:
+        table.add_column("host", no_wrap=True)
     for column in ("DRAM", "SSD"):  # used / capacity
         table.add_column(column, no_wrap=True)
     table.add_column("objects", no_wrap=True)
@@ -90,6 +95,8 @@ def _status(args: argparse.Namespace) -> int:
         table.add_column("drain")
     for node, stats in rows:
         data = [node["data"]] if show_data else []
+        if show_domain:
+            data.append(domain_label(node))
         if stats is None:  # whatever the map says, nobody answers there
             table.add_row(node["id"], "[red]down[/]", *data, "[red]unreachable[/]", "", "",
                           "", *([""] if draining else []))
@@ -104,6 +111,13 @@ def _status(args: argparse.Namespace) -> int:
     Console().print(table)
     down = sum(1 for node, stats in rows if stats is None)
     return 2 if down else 0
+
+
+def domain_label(node: dict[str, Any]) -> str:
+    """A map entry's failure domains as placement sees them (``NodeInfo.domain``): its
+    host, under zone/rack/ where the map names them."""
+    zone, rack, host = NodeInfo(**node).domain
+    return "/".join((zone or "-", rack or "-", host)) if zone or rack else host
 
 
 def _usage(tier: dict[str, Any] | None) -> str:

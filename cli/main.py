@@ -1,4 +1,5 @@
-"""The ``kvpool`` command: ``serve`` runs a node, ``stats`` shows one node's counters,
+"""The ``kvpool`` command: ``serve`` runs a node (``--nodes N``: N of one host, in
+:mod:`kvpool.cli.local_nodes` with ``cluster up``), ``stats`` shows one node's counters,
 ``cluster up`` runs a local cluster of node processes, ``status`` and ``drain`` (also as
 ``cluster status|drain``, in :mod:`kvpool.cli.cluster`) look after a running one,
 ``lookup``, ``pin``, ``unpin`` and ``bench`` are in :mod:`kvpool.cli.ops`, and
@@ -20,6 +21,7 @@ from typing import Any, NoReturn
 from kvpool.cli.admin_http import AdminError, add_admin_args, call_first
 from kvpool.cli.cluster import add_cluster_commands, hit_rate
 from kvpool.cli.health import add_health_command
+from kvpool.cli.local_nodes import cluster_up, serve_nodes
 from kvpool.cli.ops import add_ops_commands
 from kvpool.protocol.errors import ConfigError
 from kvpool.server.config import add_arguments, format_size, load_config
@@ -28,6 +30,10 @@ __all__ = ["main"]
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.nodes != 1:
+        if args.nodes < 1:
+            raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")
+        return serve_nodes(args, args.serve_argv)
     try:
         from kvpool.server.run import run_node
     except ModuleNotFoundError as exc:  # the SDK-only install: no aiohttp, rocksdict, ...
@@ -102,46 +108,6 @@ def _cold_rows(table: Any, stats: dict[str, Any]) -> None:
         table.add_row("promotions", str(stats.get("promotions", 0)))
 
 
-def _cluster_up(args: argparse.Namespace) -> int:
-    import signal
-    import threading
-
-    from kvpool.server.local_cluster import LocalCluster
-
-    serve_args = list(args.serve_args)
-    if args.dram_capacity:
-        serve_args = ["--dram-capacity", args.dram_capacity, *serve_args]
-    if not any(a.startswith(("--ssd-capacity", "--ssd-fraction")) for a in serve_args):
-        # the nodes share one disk: together they take the half a single node would
-        serve_args = ["--ssd-fraction", f"{0.5 / args.nodes:.4g}", *serve_args]
-    cluster = LocalCluster(args.nodes, replication=args.replication, data_dir=args.data_dir,
-                           base_port=args.base_port, serve_args=serve_args,
-                           log_level=args.log_level, startup_timeout=args.startup_timeout)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    where = cluster.data_dir.resolve()
-    print(f"kvpool: starting {args.nodes} nodes (replication {args.replication}); their data "
-          f"and cluster.toml go to {where}", flush=True)
-
-    def report(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
-    with cluster:
-        for node in cluster.nodes:
-            pid = node.proc.pid if node.proc is not None else "-"
-            print(f"  {node.node_id}  data={node.seed}  admin={node.admin_url}  "
-                  f"dir={node.data_dir}  pid={pid}", flush=True)
-        print(f"kvpool: cluster ready, seeds kvpool://{','.join(cluster.seeds)}", flush=True)
-        print("kvpool: Ctrl-C stops every node"
-              + ("" if args.restart else "; a node that dies stays down (--no-restart)"),
-              flush=True)
-        cluster.supervise(stop, restart=args.restart, report=report)
-    print(f"kvpool: cluster stopped; its data stays in {where} (rm -r {where} to remove it)",
-          flush=True)
-    return 0
-
-
 def _demo(args: argparse.Namespace) -> int:
     # kvpool.gpu needs torch, which the node never imports: load the demo only when asked
     import importlib
@@ -176,7 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one kvpool node. Every knob can also be set in the TOML file "
         "(--config) or a KVPOOL_* environment variable; flags win over env, env over the file.")
     add_arguments(serve)
-    serve.set_defaults(func=_serve)
+    serve.add_argument("--nodes", type=int, default=1,
+                       help="run N node processes of this host (ports +2 each, data dirs "
+                       "<data-dir>/n<i>, 1/N of the memory and disk each, one host label) and "
+                       "watch them; a node serves from about one core (default: 1)")
+    serve.set_defaults(func=_serve, serve_argv=[])
     stats = sub.add_parser("stats", help="show a node's counters (reads its admin API)")
     add_admin_args(stats)
     stats.add_argument("--json", action="store_true", help="print raw JSON")
@@ -211,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     # what follows "--" (every node's `kvpool serve` flags) is split off in main(): a
     # REMAINDER positional here also swallowed the value of an unknown flag before it
     up.usage = f"{up.format_usage()[len('usage: '):].rstrip()} [-- SERVE_FLAGS ...]"
-    up.set_defaults(func=_cluster_up, serve_args=[])
+    up.set_defaults(func=cluster_up, serve_args=[])
     add_cluster_commands(csub)
     demo = sub.add_parser(
         "demo", add_help=False,
@@ -261,6 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _refuse_unknown(parser, argv, unknown)
     if serve_flags:
         args.serve_args = serve_flags
+    if argv[:1] == ["serve"]:  # `serve --nodes N` passes the flags on to each node
+        args.serve_argv = argv[1:]
     try:
         code: int = args.func(args)
         sys.stdout.flush()

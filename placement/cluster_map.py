@@ -9,15 +9,18 @@ of the same epoch place every key the same way. Where a map comes from
 validates, serialises and places.
 
 Placement: the ring holds the nodes that are ``up`` (``draining`` and
-``down`` nodes own nothing). The *owners* of a key are the first
-``replication`` nodes of its preference list; the next ``fallbacks`` nodes
-take writes while an owner is unreachable. A node accepts a key that is
+``down`` nodes own nothing), each in its failure domains (zone, rack, host:
+the node's labels; a node without a host label is on the host of its data
+address), and spreads a key's places over them (``placement/ring.py``). The
+*owners* of a key are the first ``replication`` nodes of its preference list;
+the next ``fallbacks`` nodes take writes while an owner is unreachable. A node accepts a key that is
 anywhere in those first ``replication + fallbacks`` places.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -25,7 +28,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from kvpool.placement.ring import DEFAULT_VNODES_PER_WEIGHT, Ring, key_positions
+from kvpool.placement.ring import DEFAULT_VNODES_PER_WEIGHT, Domain, Ring, key_positions
 from kvpool.protocol.errors import ConfigError
 
 __all__ = ["MAX_COPIES", "MAX_RING_POINTS", "MAX_WEIGHT", "STANDALONE_EPOCH", "ClusterMap",
@@ -39,6 +42,9 @@ MAX_WEIGHT = 100.0
 MAX_RING_POINTS = 1 << 22
 #: the most copies (replication) and fallbacks a map may ask for
 MAX_COPIES = 16
+#: the longest failure-domain label (host, rack, zone)
+MAX_LABEL = 128
+_LABELS = ("host", "rack", "zone")
 
 
 class NodeState(enum.StrEnum):
@@ -62,6 +68,10 @@ class NodeInfo:
     admin: str = ""  #: host:port of the admin HTTP port ("" if unknown)
     weight: float = 1.0
     state: NodeState = NodeState.UP
+    #: failure domains: the machine (default: the data address's host), its rack, its zone
+    host: str = ""
+    rack: str = ""
+    zone: str = ""
 
     def __post_init__(self) -> None:
         if not self.id or not isinstance(self.id, str):
@@ -73,6 +83,12 @@ class NodeInfo:
                 or not 0 < self.weight <= MAX_WEIGHT:
             raise ConfigError(f"node {self.id!r}: weight must be in (0, {MAX_WEIGHT:g}], got "
                               f"{self.weight!r}")
+        for label in _LABELS:
+            value = getattr(self, label)
+            if not isinstance(value, str) or len(value) > MAX_LABEL \
+                    or not value.isprintable():
+                raise ConfigError(f"node {self.id!r}: {label} must be a printable string of at"
+                                  f" most {MAX_LABEL} characters, got {value!r}")
         try:
             object.__setattr__(self, "state", NodeState(self.state))
         except ValueError:
@@ -83,14 +99,21 @@ class NodeInfo:
     def data_address(self) -> tuple[str, int]:
         return parse_address(self.data)
 
+    @property
+    def domain(self) -> Domain:
+        """(zone, rack, host) as placement sees them: no host label = the data address's."""
+        return (self.zone, self.rack, self.host or self.data_address[0])
+
     def to_dict(self) -> dict[str, Any]:
+        # labels only when set: a map without them reads as it did before they existed
         return {"id": self.id, "data": self.data, "admin": self.admin, "weight": self.weight,
-                "state": self.state.value}
+                "state": self.state.value,
+                **{label: getattr(self, label) for label in _LABELS if getattr(self, label)}}
 
 
 #: the epoch of a standalone node's own map (a cluster's maps start at 1)
 STANDALONE_EPOCH = 0
-_NODE_FIELDS = {"id", "data", "admin", "weight", "state"}
+_NODE_FIELDS = {"id", "data", "admin", "weight", "state", *_LABELS}
 _MAP_FIELDS = {"epoch", "replication", "fallbacks", "nodes"}
 
 
@@ -131,6 +154,14 @@ class ClusterMap:
         if points > MAX_RING_POINTS:
             raise ConfigError(f"the ring of this map would have {points} points, over "
                               f"{MAX_RING_POINTS} (lower the weights: only their ratios count)")
+        racks: dict[str, tuple[str, str]] = {}
+        for n in self.nodes:
+            zone, rack, host = n.domain
+            if racks.setdefault(host, (zone, rack)) != (zone, rack):
+                raise ConfigError(
+                    f"host {host!r} is in two places: zone {racks[host][0]!r} rack "
+                    f"{racks[host][1]!r}, and zone {zone!r} rack {rack!r} (node {n.id!r}); "
+                    "every node of one host needs the same rack and zone")
         object.__setattr__(self, "by_id", {n.id: n for n in self.nodes})
 
     @classmethod
@@ -157,8 +188,9 @@ class ClusterMap:
 
     @cached_property
     def ring(self) -> Ring:
-        up = {n.id: n.weight for n in self.nodes if n.state == NodeState.UP}
-        return Ring(up, width=self.replication + self.fallbacks)
+        up = [n for n in self.nodes if n.state == NodeState.UP]
+        return Ring({n.id: n.weight for n in up}, width=self.replication + self.fallbacks,
+                    domains={n.id: n.domain for n in up})
 
     def preference(self, keys: bytes | Sequence[bytes]) -> list[list[str]]:
         """For each key, its owners then its fallbacks (``width`` node ids)."""
@@ -236,7 +268,9 @@ class ClusterMap:
                  f"fallbacks = {self.fallbacks}"]
         for n in self.nodes:
             lines += ["", "[[nodes]]", f'id = "{n.id}"', f'data = "{n.data}"',
-                      f'admin = "{n.admin}"', f"weight = {n.weight}", f'state = "{n.state}"']
+                      f'admin = "{n.admin}"', f"weight = {n.weight}", f'state = "{n.state}"',
+                      *(f"{label} = {json.dumps(getattr(n, label))}" for label in _LABELS
+                        if getattr(n, label))]
         return "\n".join(lines) + "\n"
 
     def with_epoch(self, epoch: int) -> ClusterMap:

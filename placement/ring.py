@@ -7,9 +7,22 @@ key read big-endian (chunk keys are xxh3-128 digests, already uniform), and
 its owners are the first ``r`` *distinct* nodes met walking clockwise from
 there (the first point at or after the position, wrapping at 2**64).
 
-The ring precomputes, for every point, the first ``width`` distinct nodes
-clockwise from it, so placing a batch of keys is one ``searchsorted`` plus
-one table lookup: 512 keys take a few tens of microseconds.
+Failure domains: given each node's (zone, rack, host), the owners are spread
+as far as the map allows. The first owner is still the first node clockwise;
+each next one is the first node clockwise that is in a zone none of the owners
+so far is in, if the map has such a zone left; else in a new rack; else on a
+new host; else any node not yet chosen. So a key's ``r`` owners are on ``r``
+distinct hosts whenever the map has ``r`` hosts, on distinct racks and zones
+where it has them, and placement stays a pure function of (key, map). Without
+domains (or with every node in one) this is plain "the first ``r`` distinct
+nodes clockwise". A node that leaves changes only the keys it owned: a key's
+owners depend on the nodes it passes on the way, and a node passed over is
+never looked at again (unless its leaving empties a whole rack or zone, which
+changes what "new" can mean).
+
+The ring precomputes, for every point, its first ``width`` owners, so placing
+a batch of keys is one ``searchsorted`` plus one table lookup: 512 keys take
+a few tens of microseconds.
 
 Why 2048 points per unit of weight: a node's share of the ring is a sum of
 its arcs, whose relative spread is about ``1/sqrt(points)``. Measured over
@@ -30,11 +43,14 @@ import xxhash
 
 from kvpool.protocol.errors import ConfigError, InvalidKeyError
 
-__all__ = ["DEFAULT_VNODES_PER_WEIGHT", "Ring", "key_positions"]
+__all__ = ["DEFAULT_VNODES_PER_WEIGHT", "Domain", "Ring", "key_positions"]
 
 DEFAULT_VNODES_PER_WEIGHT = 2048
 KEY_SIZE = 16
 _KEY_DTYPE = np.dtype([("pos", ">u8"), ("rest", "V8")])
+
+#: a node's failure domains, widest first: (zone, rack, host)
+Domain = tuple[str, str, str]
 
 
 def key_positions(keys: bytes | Sequence[bytes]) -> npt.NDArray[np.uint64]:
@@ -54,11 +70,14 @@ class Ring:
     """An immutable ring over ``weights`` (node id -> weight > 0).
 
     ``width`` is the most owners any caller will ask for (replication plus
-    fallbacks); it is capped at the number of nodes.
+    fallbacks); it is capped at the number of nodes. ``domains`` (node id ->
+    (zone, rack, host)) spreads owners across them; a node left out of it is
+    in ("", "", its id): a host of its own.
     """
 
     def __init__(self, weights: Mapping[str, float], *, width: int = 3,
-                 vnodes_per_weight: int = DEFAULT_VNODES_PER_WEIGHT) -> None:
+                 vnodes_per_weight: int = DEFAULT_VNODES_PER_WEIGHT,
+                 domains: Mapping[str, Domain] | None = None) -> None:
         if not weights:
             raise ConfigError("a ring needs at least one node")
         if vnodes_per_weight < 1:
@@ -83,30 +102,48 @@ class Ring:
         # ties (vanishingly rare) break by node index, so the order is deterministic
         order = np.lexsort((owners, positions))
         self.positions: npt.NDArray[np.uint64] = positions[order]
-        table = self._successors(owners[order], self.width)
+        self.domains: dict[str, Domain] = {
+            n: (domains or {}).get(n, ("", "", n)) for n in self.nodes}
+        levels = _domain_ids(self.nodes, self.domains)
+        table = self._spread(owners[order], self.width, levels)
         # one row more, the first point's again: a position past the last point wraps to
         # the first with no fix-up of searchsorted's answer
         self._table = np.concatenate([table, table[:1]])
 
     @staticmethod
-    def _successors(owner: npt.NDArray[np.int32], width: int) -> npt.NDArray[np.int32]:
-        """Row p: the first ``width`` distinct owners clockwise from point p."""
+    def _spread(owner: npt.NDArray[np.int32], width: int,
+                levels: npt.NDArray[np.int32]) -> npt.NDArray[np.int32]:
+        """Row p: the first ``width`` owners clockwise from point p, spread over domains.
+
+        ``levels[d, node]`` is the node's zone (d=0), rack (1), host (2) and own
+        index (3), each an id unique at its level. Owners are chosen one column
+        at a time: for every row, the widest level at which some node is still
+        new to the row's owners so far, then the first point clockwise whose node
+        is new at that level.
+        """
         n = len(owner)
         table = np.full((n, width), -1, dtype=np.int32)
         table[:, 0] = owner
-        filled = np.ones(n, dtype=np.int32)
-        rows = np.arange(n)
-        step = 1
-        while step < n:
-            todo = np.flatnonzero(filled < width)
-            if len(todo) == 0:
-                break
-            candidate = owner[(todo + step) % n]
-            seen = (table[todo] == candidate[:, None]).any(axis=1)
-            new = todo[~seen]
-            table[rows[new], filled[new]] = candidate[~seen]
-            filled[new] += 1
-            step += 1
+        totals = [len(np.unique(level)) for level in levels]
+        for column in range(1, width):
+            chosen = levels[:, table[:, :column]]  # (4, n, column)
+            # how many distinct zones, racks, hosts and nodes each row holds already
+            held = np.ones((len(levels), n), dtype=np.int32)
+            for j in range(1, column):
+                held += (chosen[:, :, j:j + 1] != chosen[:, :, :j]).all(axis=2)
+            # the widest level with something new left (nodes always: width <= nodes)
+            want = np.full(n, len(levels) - 1, dtype=np.int32)
+            for d in reversed(range(len(levels) - 1)):
+                want[held[d] < totals[d]] = d
+            todo = np.arange(n)
+            step = 1
+            while len(todo):
+                candidate = owner[(todo + step) % n]
+                mine = levels[want[todo], candidate]  # the candidate's id at the wanted level
+                new = (chosen[want[todo], todo] != mine[:, None]).all(axis=1)
+                table[todo[new], column] = candidate[new]
+                todo = todo[~new]
+                step += 1
         return table
 
     def __len__(self) -> int:
@@ -139,3 +176,18 @@ class Ring:
     def owners(self, key: bytes, r: int = 1) -> list[str]:
         """The first ``r`` distinct nodes clockwise from ``key``'s position."""
         return self.owners_many([key], r)[0]
+
+
+def _domain_ids(nodes: tuple[str, ...], domains: Mapping[str, Domain]) -> npt.NDArray[np.int32]:
+    """``(4, len(nodes))``: each node's zone, rack, host and node id as small integers.
+
+    A rack is named within its zone and a host within its rack, so ids are given to
+    the paths (zone), (zone, rack), (zone, rack, host).
+    """
+    ids = np.empty((4, len(nodes)), dtype=np.int32)
+    for d in range(3):
+        seen: dict[tuple[str, ...], int] = {}
+        for i, node in enumerate(nodes):
+            ids[d, i] = seen.setdefault(domains[node][:d + 1], len(seen))
+    ids[3] = np.arange(len(nodes))
+    return ids

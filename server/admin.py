@@ -245,7 +245,8 @@ def make_admin_app(node: AdminBackend) -> web.Application:
             return _error(400, "bad_request", str(exc))
         if not isinstance(body, dict) or not isinstance(body.get("id"), str) or not body["id"]:
             return _error(400, "bad_request", 'the body must be {"id": "<node id>", ...}')
-        fields = {k: v for k, v in body.items() if k in ("data", "admin", "weight")}
+        fields = {k: v for k, v in body.items()
+                  if k in ("data", "admin", "weight", "host", "rack", "zone")}
         extra = set(body) - {"id", *fields}
         if extra:
             return _error(400, "bad_request", f"unknown field(s) {sorted(extra)}")

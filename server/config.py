@@ -50,6 +50,14 @@ class ServerConfig:
     advertise_host: str = knob("", "host name or address clients and peers reach this node "
                                "by ('' = --host; a wildcard --host advertises the hostname)",
                                flag="--advertise-host", env="KVPOOL_ADVERTISE_HOST")
+    host_id: str = knob("", "failure domain: the machine this node runs on; a key's copies go "
+                        "to distinct hosts first ('' = this machine's hostname in an etcd "
+                        "cluster; a static map's entry without host = its data address's host)",
+                        flag="--host-id", env="KVPOOL_HOST_ID")
+    rack: str = knob("", "failure domain: the node's rack; copies spread over racks where the "
+                     "map has them ('' = none)", flag="--rack", env="KVPOOL_RACK")
+    zone: str = knob("", "failure domain: the node's zone; copies spread over zones first "
+                     "('' = none)", flag="--zone", env="KVPOOL_ZONE")
     data_dir: str = knob("./kvpool-data", "directory of the node's on-disk tiers (SSD under "
                          "ssd/); one node at a time (it holds data_dir/LOCK)",
                          flag="--data-dir", env="KVPOOL_DATA_DIR")

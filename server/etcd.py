@@ -232,6 +232,7 @@ class EtcdSource:
             await self._register()
             if self.auto_join:
                 await self._txn_create(self._key("nodes", me.id), json.dumps(me.to_dict()))
+            await self._relabel(me)
             cmap = await self.read()
         except BaseException:
             await self.stop()
@@ -242,6 +243,27 @@ class EtcdSource:
         self._tasks = [asyncio.create_task(self._keep_alive()),
                        asyncio.create_task(self._watch(cmap.epoch))]
         return cmap
+
+    async def _relabel(self, me: NodeInfo) -> None:
+        """A node restarted with other failure domains moves in the map too (its state
+        and weight kept): placement follows the labels the node says it has."""
+        key = self._key("nodes", me.id)
+        for _ in range(10):
+            _, kvs = await self._range_prefix()
+            current = kvs.get(key)
+            if current is None:
+                return
+            entry = json.loads(current)
+            labels = {k: v for k, v in me.to_dict().items() if k in ("host", "rack", "zone")}
+            kept = {k: v for k, v in entry.items() if k not in ("host", "rack", "zone")}
+            relabelled = NodeInfo(**{**kept, **labels}).to_dict()
+            if relabelled == entry:
+                return
+            if await self._txn_replace(key, current, json.dumps(relabelled)):
+                log.info("node %s: failure domains in the map are now %s", me.id, labels)
+                return
+        raise ConfigError(f"could not update node {me.id!r}'s labels in etcd: the entry kept "
+                          "changing (10 tries)")
 
     async def _register(self) -> None:
         assert self._me is not None

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from kvpool.placement.cluster_map import ClusterMap, NodeInfo
+from kvpool.placement.cluster_map import MAX_COPIES, ClusterMap, NodeInfo
 from kvpool.protocol.errors import ConfigError
 
 __all__ = ["LocalCluster", "LocalEtcd", "LocalNode", "free_ports"]
@@ -51,6 +51,10 @@ class LocalNode:
     data_port: int
     admin_port: int
     data_dir: Path
+    #: the failure-domain label given to the node (--host-id; "" = the node's default)
+    host_id: str = ""
+    #: the address clients reach it by (its map entry's)
+    advertise: str = "127.0.0.1"
     proc: subprocess.Popen[str] | None = None
     output: list[str] = field(default_factory=list)
     #: set by the output reader once the node printed its ready line
@@ -58,11 +62,11 @@ class LocalNode:
 
     @property
     def seed(self) -> str:
-        return f"127.0.0.1:{self.data_port}"
+        return f"{self.advertise}:{self.data_port}"
 
     @property
     def admin_url(self) -> str:
-        return f"http://127.0.0.1:{self.admin_port}"
+        return f"http://{self.advertise}:{self.admin_port}"
 
     @property
     def running(self) -> bool:
@@ -148,13 +152,21 @@ class LocalCluster:
     the cluster benchmarks). With ``etcd`` (an endpoint URL) the nodes take
     their map from etcd instead of a file: they register and join by
     themselves, and :attr:`map` is only the map they started from.
+
+    ``host_ids`` labels each node's host (``--host-id``, and its map entry);
+    ``advertise`` is the address in the map and the seeds (the nodes bind
+    127.0.0.1 unless ``serve_args`` say ``--host``); node ids are
+    ``name_prefix`` + index; ``keep_env`` passes the ``KVPOOL_*`` environment
+    on to the nodes (dropped by default, so a test's nodes are its own).
     """
 
     def __init__(self, nodes: int = 3, *, replication: int = 2, fallbacks: int = 1,
                  data_dir: str | Path, standalone: bool = False, etcd: str = "",
                  etcd_prefix: str = "/kvpool/local", lease_ttl_s: float = 5.0,
                  base_port: int = 0, serve_args: Sequence[str] = (), log_level: str = "warning",
-                 startup_timeout: float = 60.0) -> None:
+                 startup_timeout: float = 60.0, host_ids: Sequence[str] = (),
+                 advertise: str = "127.0.0.1", name_prefix: str = "n",
+                 keep_env: bool = False) -> None:
         if nodes < 1:
             raise ConfigError("a cluster needs at least one node")
         if standalone and nodes != 1:
@@ -163,16 +175,23 @@ class LocalCluster:
         self.etcd = etcd
         self.etcd_prefix = etcd_prefix
         self.lease_ttl_s = lease_ttl_s
-        if not 1 <= replication <= nodes:
-            raise ConfigError(f"replication must be in 1..{nodes}")
+        if not 1 <= replication <= (MAX_COPIES if etcd else nodes):  # etcd: other hosts too
+            raise ConfigError(f"replication must be in 1..{nodes} (the nodes started here)")
+        if host_ids and len(host_ids) != nodes:
+            raise ConfigError(f"host_ids names {len(host_ids)} hosts for {nodes} nodes")
         self.data_dir = Path(data_dir)
         ports = free_ports(2 * nodes) if base_port == 0 else \
             list(range(base_port, base_port + 2 * nodes))
-        self.nodes = [LocalNode(f"n{i}", ports[2 * i], ports[2 * i + 1], self.data_dir / f"n{i}")
+        self.advertise = advertise
+        self.name_prefix = name_prefix
+        self.keep_env = keep_env
+        self.nodes = [LocalNode(f"{name_prefix}{i}", ports[2 * i], ports[2 * i + 1],
+                                self.data_dir / f"n{i}", host_id=host_ids[i] if host_ids else "",
+                                advertise=advertise)
                       for i in range(nodes)]
         self.map = ClusterMap(epoch=1, replication=replication, fallbacks=fallbacks, nodes=tuple(
-            NodeInfo(id=n.node_id, data=n.seed, admin=f"127.0.0.1:{n.admin_port}")
-            for n in self.nodes))
+            NodeInfo(id=n.node_id, data=n.seed, admin=f"{advertise}:{n.admin_port}",
+                     host=n.host_id) for n in self.nodes))
         self.map_file = self.data_dir / "cluster.toml"
         self.serve_args = list(serve_args)
         self.log_level = log_level
@@ -232,8 +251,8 @@ class LocalCluster:
     def add_node(self) -> LocalNode:
         """Start one more node (with etcd it registers and joins by itself)."""
         data_port, admin_port = free_ports(2)
-        node = LocalNode(f"n{len(self.nodes)}", data_port, admin_port,
-                         self.data_dir / f"n{len(self.nodes)}")
+        node = LocalNode(f"{self.name_prefix}{len(self.nodes)}", data_port, admin_port,
+                         self.data_dir / f"n{len(self.nodes)}", advertise=self.advertise)
         self.nodes.append(node)
         self._spawn(node)
         self._wait_ready(node)
@@ -343,11 +362,15 @@ class LocalCluster:
                        "--replication", str(self.map.replication), "--node-id", node.node_id]
         else:
             cluster = ["--cluster-file", str(self.map_file), "--node-id", node.node_id]
-        cmd = [sys.executable, "-m", "kvpool.server", "serve", *cluster, "--host", "127.0.0.1",
+        # serve_args may set the bind address and log level; what makes each node itself
+        # (its ports, data dir, id, labels and map) comes after them, so it wins
+        cmd = [sys.executable, "-m", "kvpool.server", "serve", "--host", "127.0.0.1",
+               "--log-level", self.log_level, *self.serve_args, *cluster,
                "--data-port", str(node.data_port), "--admin-port", str(node.admin_port),
-               "--data-dir", str(node.data_dir), "--log-level", self.log_level,
-               *self.serve_args]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+               "--data-dir", str(node.data_dir),
+               *(["--host-id", node.host_id] if node.host_id else [])]
+        env = dict(os.environ) if self.keep_env else \
+            {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
         node.output = []
         node.ready = threading.Event()
         node.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

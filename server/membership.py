@@ -15,20 +15,34 @@ an older epoch than the node's, so a steady-state cluster pays nothing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import socket
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from kvpool.placement.cluster_map import ClusterMap, NodeInfo
 from kvpool.protocol.errors import ConfigError
 
-__all__ = ["MapSource", "Membership", "StaticMapError", "StaticSource"]
+__all__ = ["MapSource", "Membership", "StaticMapError", "StaticSource", "check_labels"]
 
 log = logging.getLogger("kvpool.server")
 
 
 class StaticMapError(ConfigError):
     """A change asked of a map that only its file (or flags) can change."""
+
+
+def check_labels(entry: NodeInfo, labels: Mapping[str, str], source: str) -> None:
+    """Refuse to start a node whose own ``--host-id``/``--rack``/``--zone`` disagree
+    with its entry in a static map: clients place keys by the map's labels."""
+    placed = dict(zip(("zone", "rack", "host"), entry.domain, strict=True))
+    for label, value in labels.items():
+        if placed[label] != value:
+            flag = "--host-id" if label == "host" else f"--{label}"
+            raise ConfigError(
+                f"{flag} {value!r}, but the cluster map ({source}) puts node {entry.id!r} in "
+                f"{label} {placed[label]!r}; clients place keys by the map: set {label} in "
+                "its entry (or leave the flag out)")
 
 
 class MapSource(Protocol):
@@ -95,15 +109,22 @@ class Membership:
         self.node_id = ""
         self.listeners: list[Callable[[ClusterMap], None]] = []
 
-    async def start(self, node_id: str, data: tuple[str, int], admin: tuple[str, int]) -> None:
-        """Load the first map and find this node in it (``data``/``admin``: advertised)."""
+    async def start(self, node_id: str, data: tuple[str, int], admin: tuple[str, int],
+                    labels: Mapping[str, str] | None = None) -> None:
+        """Load the first map and find this node in it (``data``/``admin``: advertised;
+        ``labels``: the failure domains set on this node, ``host``, ``rack``, ``zone``)."""
+        labels = {k: v for k, v in (labels or {}).items() if v}
         if self.source is None:
             self.resolve_self(node_id, data)
             return
         me = NodeInfo(id=node_id or f"{data[0]}:{data[1]}", data=f"{data[0]}:{data[1]}",
-                      admin=f"{admin[0]}:{admin[1]}")
+                      admin=f"{admin[0]}:{admin[1]}",
+                      host=labels.get("host", socket.gethostname()),
+                      rack=labels.get("rack", ""), zone=labels.get("zone", ""))
         self.map = await self.source.start(me, self.install)
         self.resolve_self(node_id if node_id or me.id not in self.map.by_id else me.id, data)
+        if isinstance(self.source, StaticSource):
+            check_labels(self.map.by_id[self.node_id], labels, self.source.describe())
 
     async def stop(self) -> None:
         if self.source is not None:

@@ -183,9 +183,11 @@ class Node:
             raise
         self._apply_quotas()
         try:
-            await self.membership.start(self.config.server.node_id,
-                                        self._advertised(self.data_address),
-                                        self._advertised(self.admin_address))
+            server = self.config.server
+            await self.membership.start(server.node_id, self._advertised(self.data_address),
+                                        self._advertised(self.admin_address),
+                                        {"host": server.host_id, "rack": server.rack,
+                                         "zone": server.zone})
         except BaseException:
             self._server.close()
             admin_sock.close()

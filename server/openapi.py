@@ -21,7 +21,10 @@ _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}}
 _NODE = {"type": "object", "required": ["id", "data", "admin", "weight", "state"], "properties": {
     "id": {"type": "string"}, "data": {"type": "string"}, "admin": {"type": "string"},
-    "weight": {"type": "number"}, "state": {"enum": ["up", "draining", "down"]}}}
+    "weight": {"type": "number"}, "state": {"enum": ["up", "draining", "down"]},
+    **{label: {"type": "string", "description": f"failure domain: the node's {label} (only "
+               "when set; a node without host is on its data address's host)"}
+       for label in ("host", "rack", "zone")}}}
 _MAP = {"type": "object", "required": ["epoch", "replication", "fallbacks", "nodes"],
         "properties": {"epoch": {"type": "integer"}, "replication": {"type": "integer"},
                        "fallbacks": {"type": "integer"},
@@ -106,7 +109,9 @@ def openapi_document() -> dict[str, Any]:
                 "type": "object", "required": ["id"], "additionalProperties": False,
                 "properties": {"id": {"type": "string", "minLength": 1},
                                "data": {"type": "string"}, "admin": {"type": "string"},
-                               "weight": {"type": "number", "exclusiveMinimum": 0}}}}}})},
+                               "weight": {"type": "number", "exclusiveMinimum": 0},
+                               "host": {"type": "string"}, "rack": {"type": "string"},
+                               "zone": {"type": "string"}}}}}})},
         "/v1/lookup": {"post": _op(
             "how many leading chunks of a prompt the whole cluster holds, and their tiers",
             {"200": _json({"type": "object", "required": ["num_chunks", "tiers", "keys"],

@@ -163,6 +163,22 @@ async def test_join_then_drain_under_load(etcd: LocalEtcd, tmp_path: Path) -> No
             assert await client.lookup(keys[:500]) == 500
 
 
+def test_nodes_register_their_failure_domains_and_a_relabelled_node_moves(
+        etcd: LocalEtcd, tmp_path: Path) -> None:
+    with LocalCluster(2, replication=2, data_dir=tmp_path, etcd=etcd.endpoint,
+                      etcd_prefix="/kvpool/t-labels", host_ids=["box-a", "box-b"],
+                      serve_args=[*FAST, "--rack", "r1", "--zone", "z1"]) as cluster:
+        cmap = served_map(cluster.nodes[0].admin_url)
+        assert [(n.host, n.rack, n.zone) for n in cmap.nodes] == \
+            [("box-a", "r1", "z1"), ("box-b", "r1", "z1")]
+        cluster.serve_args = [*FAST, "--rack", "r2", "--zone", "z1"]
+        cluster.restart(1)  # box-b was moved to another rack
+        wait_for(lambda: served_map(cluster.nodes[0].admin_url).by_id["n1"].rack == "r2",
+                 "n1's entry to move to rack r2")
+        cmap = served_map(cluster.nodes[0].admin_url)
+        assert cmap.by_id["n0"].rack == "r1" and cmap.by_id["n1"].state == "up"
+
+
 def test_a_killed_node_is_marked_down_when_its_lease_expires(etcd: LocalEtcd,
                                                              tmp_path: Path) -> None:
     with LocalCluster(3, replication=2, data_dir=tmp_path, etcd=etcd.endpoint,
