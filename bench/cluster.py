@@ -81,29 +81,31 @@ async def fill(seeds: list[str], num_values: int, size: int) -> None:
             await c.put_many(keys[i : i + 8], [value] * len(keys[i : i + 8]))
 
 
-async def _worker(seeds: list[str], num_values: int, size: int, total_bytes: int) -> float:
+async def _worker(seeds: list[str], num_values: int, size: int, total_bytes: int,
+                  *, per_call: int = 8, shm: bool = True) -> float:
     keys = keys_for(num_values, 2)
-    buffers = [bytearray(size) for _ in range(8)]
-    async with AsyncClient(seeds) as c:
-        await c.get_many_into(keys[:8], buffers)  # connect and warm up
+    buffers = [bytearray(size) for _ in range(per_call)]
+    async with AsyncClient(seeds, shm=shm) as c:
+        await c.get_many_into(keys[:per_call], buffers)  # connect and warm up
         moved = 0
         i = 0
         t = time.perf_counter()
         while moved < total_bytes:
-            batch = [keys[(i + j) % num_values] for j in range(8)]
+            batch = [keys[(i + j) % num_values] for j in range(per_call)]
             got = await c.get_many_into(batch, buffers)
             if None in got:
                 raise RuntimeError("a value went missing during the benchmark")
-            moved += size * 8
-            i += 8
+            moved += size * per_call
+            i += per_call
         return moved / (time.perf_counter() - t) / 1e9
 
 
 def get_throughput(seeds: list[str], num_values: int, size: int, total_bytes: int,
-                   processes: int) -> float:
-    """Aggregate GB/s of ``processes`` client processes started together."""
+                   processes: int, *, batch: int = 8, shm: bool = True) -> float:
+    """Aggregate GB/s of ``processes`` client processes started together, each reading
+    ``batch`` values a call (``shm``: through shared memory where the node offers it)."""
     cmd = [sys.executable, "-m", "bench.cluster", "--worker", ",".join(seeds),
-           str(num_values), str(size), str(total_bytes)]
+           str(num_values), str(size), str(total_bytes), str(batch), str(int(shm))]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(processes)]
     rates = []
     for p in procs:
@@ -159,8 +161,10 @@ def table(results: dict[str, Any]) -> str:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        seeds, num_values, size, total = sys.argv[2].split(","), *map(int, sys.argv[3:6])
-        print(asyncio.run(_worker(seeds, num_values, size, total)))
+        seeds, num_values, size, total, batch, shm = \
+            sys.argv[2].split(","), *map(int, sys.argv[3:8])
+        print(asyncio.run(_worker(seeds, num_values, size, total, per_call=batch,
+                                  shm=bool(shm))))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5)

@@ -51,7 +51,10 @@ BENCH_HELP = {
                  "another, alternating rounds",
     "settle": "a busy 3-node cluster: lookups that leave a healthy node behind, and the "
               "replicas of the saves after them",
-    "placement_sim": "consistent-hash balance and movement on join/leave, 10-1000 nodes",
+    "placement_sim": "consistent-hash balance and movement on join/leave, 10-1000 nodes; "
+                     "copies over 100 hosts, 10 racks, 3 zones and what a host, rack or zone "
+                     "leaving moves",
+    "serve_nodes": "batch GET GB/s of kvpool serve --nodes 2 against one node, same host",
     "metrics_overhead": "throughput with metrics on vs off, and with tracing on",
     "gpu_kv": "GPU client: TTFT cold vs warm, load/store bandwidth (needs torch)",
     "gpu_check": "the short CUDA check script (needs a GPU)",

@@ -4,8 +4,9 @@ A node of weight ``w`` owns ``max(1, round(w * vnodes_per_weight))`` points
 on a 64-bit ring; point ``i`` of node ``id`` sits at
 ``xxh3_64(f"{id}#{i}")``. A key's position is the first 8 bytes of the chunk
 key read big-endian (chunk keys are xxh3-128 digests, already uniform), and
-its owners are the first ``r`` *distinct* nodes met walking clockwise from
-there (the first point at or after the position, wrapping at 2**64).
+its owners are ``r`` *distinct* nodes met walking clockwise from there (the
+first point at or after the position, wrapping at 2**64): the first ``r``
+of them, unless failure domains say otherwise.
 
 Failure domains: given each node's (zone, rack, host), the owners are spread
 as far as the map allows. The first owner is still the first node clockwise;
@@ -174,7 +175,8 @@ class Ring:
         return [[nodes[i] for i in row] for row in self.owner_indexes(key_positions(keys), r)]
 
     def owners(self, key: bytes, r: int = 1) -> list[str]:
-        """The first ``r`` distinct nodes clockwise from ``key``'s position."""
+        """``key``'s first ``r`` owners: distinct nodes clockwise from its position,
+        spread over failure domains (the module's docstring)."""
         return self.owners_many([key], r)[0]
 
 
