@@ -125,7 +125,7 @@ class Ring:
         n = len(owner)
         table = np.full((n, width), -1, dtype=np.int32)
         table[:, 0] = owner
-        totals = [len(np.unique(level)) for level in levels]
+        totals = [int(level.max()) + 1 for level in levels]  # ids are 0..k-1 at each level
         for column in range(1, width):
             chosen = levels[:, table[:, :column]]  # (4, n, column)
             # how many distinct zones, racks, hosts and nodes each row holds already
