@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._stats import fmt, save, summary
-from kvpool.server.local_cluster import LocalCluster
+from kvpool.cli.local_cluster import LocalCluster
 
 CHECKOUT = Path(__file__).resolve().parent.parent
 

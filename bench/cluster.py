@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvpool.cli.local_cluster import LocalCluster
 from kvpool.client import AsyncClient, Client
-from kvpool.server.local_cluster import LocalCluster
 
 MiB = 1 << 20
 NODE_ARGS = ["--no-ssd", "--dram-capacity", "1GiB"]

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cluster import fill, get_throughput
-from kvpool.server.local_cluster import free_ports
+from kvpool.cli.local_cluster import free_ports
 
 MiB = 1 << 20
 

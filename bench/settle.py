@@ -32,8 +32,8 @@ import urllib.request
 from typing import Any
 
 from bench._stats import save
+from kvpool.cli.local_cluster import LocalCluster
 from kvpool.client import Client
-from kvpool.server.local_cluster import LocalCluster
 
 NODE_ARGS = ["--no-ssd", "--dram-capacity", "2GiB"]
 

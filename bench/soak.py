@@ -69,8 +69,8 @@ from bench._attacks import (
     TlsNonReaders,
     UnauthenticatedPuts,
 )
+from kvpool.cli.local_cluster import LocalCluster, free_ports
 from kvpool.client import AsyncClient, Client
-from kvpool.server.local_cluster import LocalCluster, free_ports
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OPS = (("put", 0.08), ("get", 0.72), ("lookup", 0.10), ("exists", 0.06), ("delete", 0.04))

@@ -327,7 +327,7 @@ def _pool(nodes: int, tmp: Path) -> Iterator[str]:
         finally:
             node.stop()
         return
-    from kvpool.server.local_cluster import LocalCluster
+    from kvpool.cli.local_cluster import LocalCluster
 
     with LocalCluster(nodes, replication=min(2, nodes), data_dir=tmp / "cluster",
                       serve_args=["--dram-capacity", f"{12 // nodes + 1}GiB", "--no-ssd"]

@@ -10,6 +10,7 @@ on nodes with a tokens file. ``https://`` admin URLs are verified against
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import ssl
@@ -45,6 +46,10 @@ def admin_base(admin: str, like: str = "") -> str:
     list nodes' admin addresses without one, and a cluster's nodes all serve TLS or none).
     """
     admin = admin.rstrip("/")
+    if admin.startswith(("kvpool://", "kvpools://")):
+        raise AdminError(f"{admin} is a data address: the admin commands take a node's admin "
+                         "URL, http://host:port (its admin port: by default the data port + "
+                         "1, 7701)")
     if "://" in admin:
         return admin
     scheme = like.split("://", 1)[0] if "://" in like else "http"
@@ -85,6 +90,10 @@ def call_admin(url: str, body: dict[str, Any] | None = None, *, method: str | No
         except (ValueError, KeyError, TypeError):
             message = str(exc)
         raise AdminError(f"{url}: HTTP {exc.code} {message}", exc.code) from None
+    except http.client.HTTPException as exc:  # something answered, not in HTTP
+        raise AdminError(f"{url} did not answer in HTTP ({type(exc).__name__}): is that a "
+                         "data port? The admin API is on the node's admin port (by default "
+                         "the data port + 1, 7701)") from None
     except (OSError, ValueError) as exc:
         raise AdminError(f"cannot reach {url}: {exc}") from None
 

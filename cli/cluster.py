@@ -90,7 +90,7 @@ def _status(args: argparse.Namespace) -> int:
     for column in ("DRAM", "SSD"):  # used / capacity
         table.add_column(column, no_wrap=True)
     table.add_column("objects", no_wrap=True)
-    table.add_column("hit rate")
+    table.add_column("hit rate", no_wrap=True, min_width=6)  # "100.0%" whole
     if draining:
         table.add_column("drain")
     for node, stats in rows:

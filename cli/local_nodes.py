@@ -10,6 +10,7 @@ by the map as over any nodes, and the host label keeps two copies of a key off o
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import sys
@@ -18,10 +19,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvpool.protocol.errors import ConfigError
-from kvpool.server.config import NodeConfig, load_config
+from kvpool.server.config import NodeConfig, format_size, load_config, parse_size
 
 if TYPE_CHECKING:
-    from kvpool.server.local_cluster import LocalCluster
+    from kvpool.cli.local_cluster import LocalCluster
 
 __all__ = ["cluster_up", "serve_nodes"]
 
@@ -30,7 +31,7 @@ _WILDCARDS = ("", "0.0.0.0", "::")
 
 
 def cluster_up(args: argparse.Namespace) -> int:
-    from kvpool.server.local_cluster import LocalCluster
+    from kvpool.cli.local_cluster import LocalCluster
 
     serve_args = list(args.serve_args)
     if args.dram_capacity:
@@ -38,6 +39,8 @@ def cluster_up(args: argparse.Namespace) -> int:
     if not any(a.startswith(("--ssd-capacity", "--ssd-fraction")) for a in serve_args):
         # the nodes share one disk: together they take the half a single node would
         serve_args = ["--ssd-fraction", f"{0.5 / args.nodes:.4g}", *serve_args]
+    _check_room(args.nodes, args.base_port, "--base-port (0: any free ports)",
+                args.dram_capacity)
     cluster = LocalCluster(args.nodes, replication=args.replication, data_dir=args.data_dir,
                            base_port=args.base_port, serve_args=serve_args,
                            log_level=args.log_level, startup_timeout=args.startup_timeout)
@@ -51,7 +54,7 @@ def serve_nodes(args: argparse.Namespace, argv: Sequence[str]) -> int:
     ``--nodes``), each with its own ports (data port + 2i, admin port + 2i), data dir
     (``<data-dir>/n<i>``), a 1/N share of the DRAM and SSD a single node would take, and the
     host label of this machine (``--host-id``, default its hostname)."""
-    from kvpool.server.local_cluster import LocalCluster
+    from kvpool.cli.local_cluster import LocalCluster
 
     n = args.nodes
     config = load_config(args)  # every knob checked once, here, before N processes start
@@ -65,6 +68,7 @@ def serve_nodes(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if server.admin_port != server.data_port + 1:
         raise ConfigError("--nodes gives node i data port P + 2i and admin port P + 2i + 1: "
                           f"set --admin-port to --data-port + 1 ({server.data_port + 1})")
+    _check_room(n, server.data_port, "--data-port (node i takes it + 2i, and + 2i + 1)", "")
     host_id = server.host_id or socket.gethostname()
     advertise = server.advertise_host or server.host
     if advertise in _WILDCARDS:
@@ -81,6 +85,28 @@ def serve_nodes(args: argparse.Namespace, argv: Sequence[str]) -> int:
     print(f"kvpool: starting {n} nodes on host {host_id!r}, each with 1/{n} of the memory and "
           f"disk one node would take; cluster map: {source}", flush=True)
     return _run(cluster_map, restart=True)
+
+
+def _check_room(n: int, base_port: int, flag: str, dram: str) -> None:
+    """Before any node starts: the ports the nodes will take are free, and their DRAM
+    together fits the machine (``dram``: each node's --dram-capacity, '' = a fraction)."""
+    from kvpool.cli.local_cluster import busy_ports
+
+    if base_port:
+        busy = busy_ports(range(base_port, base_port + 2 * n))
+        if busy:
+            raise ConfigError(f"port{'s' if len(busy) > 1 else ''} "
+                              f"{', '.join(map(str, busy))} on 127.0.0.1 "
+                              f"{'are' if len(busy) > 1 else 'is'} in use (another kvpool "
+                              f"node?): the {n} nodes need ports {base_port}-"
+                              f"{base_port + 2 * n - 1}; pick others with {flag}")
+    if dram:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        each = parse_size(dram)
+        if n * each > total:
+            raise ConfigError(f"{n} nodes of --dram-capacity {format_size(each)} need "
+                              f"{format_size(n * each)}, more than this machine's memory "
+                              f"({format_size(total)}): lower --dram-capacity")
 
 
 def _shares(config: NodeConfig, n: int) -> list[str]:

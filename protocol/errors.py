@@ -12,6 +12,7 @@ wire travel as a :class:`Status` code and are rebuilt on the other side by
     ├── InvalidArgumentError     a call's argument out of range or of the wrong shape
     ├── ProtocolError            the byte stream is not a valid kvpool stream
     │   ├── BadFrameError        malformed or inconsistent frame
+    │   │   └── WrongPortError   HTTP where a frame was expected (admin port vs data port)
     │   ├── FrameTooLargeError   frame or batch larger than the peer allows
     │   ├── UnknownOpcodeError   opcode this peer does not implement
     │   └── VersionMismatchError HELLO with a protocol version we do not speak
@@ -59,6 +60,7 @@ __all__ = [
     "UnknownOpcodeError",
     "ValueTooLargeError",
     "VersionMismatchError",
+    "WrongPortError",
     "WrongOwnerError",
     "error_for_status",
     "status_for_error",
@@ -113,6 +115,11 @@ class ProtocolError(KvpoolError):
 
 class BadFrameError(ProtocolError):
     """A frame is malformed: bad magic, inconsistent lengths, truncated body."""
+
+
+class WrongPortError(BadFrameError):
+    """HTTP where a kvpool frame was expected: a client of the data protocol reached an
+    admin (HTTP) port, or an HTTP client reached a data port."""
 
 
 class FrameTooLargeError(ProtocolError):

@@ -68,7 +68,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from kvpool.protocol.errors import BadFrameError, Status
+from kvpool.protocol.errors import BadFrameError, Status, WrongPortError
 
 __all__ = [
     "CHECKSUM_TRAILER_SIZE",
@@ -100,6 +100,7 @@ __all__ = [
     "Op",
     "PutItemHeader",
     "Tier",
+    "bad_magic",
     "decode_commit_as",
     "decode_json",
     "decode_keys",
@@ -212,8 +213,27 @@ class FrameHeader:
     def unpack(cls, buf: bytes | bytearray | memoryview) -> FrameHeader:
         magic, op, status, request_id, count, epoch, body_len = _FRAME.unpack(buf)
         if magic != FRAME_MAGIC:
-            raise BadFrameError(f"bad frame magic {bytes(magic)!r}")
+            raise bad_magic(bytes(buf[:4]))
         return cls(op, request_id, count, body_len, status, epoch)
+
+
+#: how HTTP messages start: a reply, and requests (the methods' first two letters)
+_HTTP_REPLY = b"HTTP"
+_HTTP_REQUESTS = (b"GET ", b"POST", b"PUT ", b"HEAD", b"DELE", b"OPTI", b"PATC")
+
+
+def bad_magic(start: bytes) -> BadFrameError:
+    """The error for a frame that does not start with kvpool's magic; HTTP gets words
+    naming the port mix-up (a data client at an admin port, or an HTTP client at a data
+    port)."""
+    if start == _HTTP_REPLY:
+        return WrongPortError("the node answered in HTTP: this is an admin port, not a data "
+                              "port (a node's data port is by default its admin port - 1, "
+                              "7700)")
+    if start in _HTTP_REQUESTS:
+        return WrongPortError("an HTTP request on a kvpool data port: the admin HTTP API is "
+                              "on the node's admin port (by default the data port + 1, 7701)")
+    return BadFrameError(f"bad frame magic {start[:2]!r}")
 
 
 _PUT_ITEM = struct.Struct("<16sQII")

@@ -16,6 +16,7 @@ own buffers, ``bench/conn_memory.py``), and its reads are paused as on plain TCP
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from kvpool.protocol.errors import (
     BadFrameError,
     KvpoolError,
     PermissionDeniedError,
+    WrongPortError,
     status_for_error,
 )
 from kvpool.protocol.frames import Op, encode_error
@@ -42,6 +44,14 @@ from kvpool.tiers.dram import Entry, Slot
 __all__ = ["NodeConnection"]
 
 log = logging.getLogger("kvpool.server")
+
+
+def http_wrong_port(message: str, admin: tuple[str, int]) -> bytes:
+    """An HTTP 400 in the admin API's error shape, for an HTTP request on the data port."""
+    body = json.dumps({"error": {"type": "wrong_port", "message": (
+        f"{message}; this node's admin API: http://{admin[0]}:{admin[1]}")}}).encode()
+    return (b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)) + body
 
 
 class Timeouts:
@@ -419,8 +429,11 @@ class NodeConnection(asyncio.BufferedProtocol):
             self._handlers.stats.protocol_errors += 1
         log.info("%s: closing connection: %s: %s", self.peer, type(exc).__name__, exc)
         if self._transport is not None and not self._closing:
-            self._write(encode_error(op, request_id, status, str(exc),
-                                     epoch=self._handlers.epoch))
+            if isinstance(exc, WrongPortError):  # an HTTP client: an answer it can read
+                self._write([http_wrong_port(str(exc), self._handlers.addresses[1])])
+            else:
+                self._write(encode_error(op, request_id, status, str(exc),
+                                         epoch=self._handlers.epoch))
         self.close()
         self._parser.abort()
 

@@ -26,8 +26,16 @@ __all__ = ["bind_error", "bound_socket", "dram_tier", "lock_data_dir", "resolve_
 
 
 def resolve_dram_capacity(config: NodeConfig) -> int:
-    """The configured capacity, or ``capacity_fraction`` of available memory."""
+    """The configured capacity, or ``capacity_fraction`` of available memory; a capacity
+    above the machine's memory is refused (the arena is allocated as it fills: the node
+    would start, then be killed for memory long after)."""
     if config.dram.capacity_bytes:
+        total = psutil.virtual_memory().total
+        if config.dram.capacity_bytes > total:
+            raise ConfigError(
+                f"--dram-capacity {format_size(config.dram.capacity_bytes)} is more than this "
+                f"machine's memory ({format_size(total)}): lower it, or leave it out for "
+                f"--dram-fraction ({config.dram.capacity_fraction:g}) of the memory available")
         return config.dram.capacity_bytes
     return int(psutil.virtual_memory().available * config.dram.capacity_fraction)
 
@@ -106,6 +114,9 @@ def bind_error(exc: OSError, host: str, port: int, flag: str, env: str) -> str:
 def lock_data_dir(path: Path) -> int:
     """Take ``<path>/LOCK`` (flock) for this process's lifetime; ConfigError naming the
     holder when another node has it. The kernel drops the lock when the process dies."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--data-dir {path} is a file: give a directory (it is created "
+                          "when missing)")
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.cli.local_cluster import LocalCluster
 from kvpool.client import Client
 from kvpool.placement.keys import ChunkHasher, Namespace
-from kvpool.server.local_cluster import LocalCluster
 
 from .conftest import ROOT, http_json, start_node
 

@@ -21,13 +21,13 @@ from typing import cast
 import pytest
 import xxhash
 
+from kvpool.cli.local_cluster import LocalCluster
 from kvpool.client import AsyncClient, Client
 from kvpool.client._node import NodeClient
 from kvpool.placement.cluster_map import ClusterMap, NodeInfo, NodeState
 from kvpool.placement.keys import ChunkHasher, Namespace
 from kvpool.protocol.errors import WrongOwnerError
 from kvpool.protocol.frames import Op
-from kvpool.server.local_cluster import LocalCluster
 
 from .conftest import NodeProcess
 
@@ -590,6 +590,7 @@ def test_the_sync_clients_gets_on_a_cluster_ask_first_owners_with_no_event_loop(
         assert c.get_many(keys) == looped.get_many(keys) == [*values[:40], *[None] * 8]
 
 
+@pytest.mark.timeout(60)  # the hang guard: two GETs, one timeout of 1 s between them
 def test_a_sync_get_from_a_hung_first_owner_is_read_from_its_replica(
         cluster3: LocalCluster) -> None:
     """The first node of a key's list stopped (SIGSTOP): the sync GET's blocking round
@@ -607,22 +608,20 @@ def test_a_sync_get_from_a_hung_first_owner_is_read_from_its_replica(
         assert proc is not None
         proc.send_signal(signal.SIGSTOP)
         try:
-            start = time.monotonic()
             assert c.get(key) == value_for(key)
-            assert timeout <= time.monotonic() - start < 5 * timeout
-            assert not victim.trusted
-            start = time.monotonic()
+            assert victim.failures == 1 and not victim.trusted  # its timeout ran out once
             assert c.get(key) == value_for(key)
-            assert time.monotonic() - start < timeout / 2
+            assert victim.failures == 1  # not asked again (it would have timed out again)
         finally:
             proc.send_signal(signal.SIGCONT)
 
 
+@pytest.mark.timeout(60)  # what fails the test if the refresh waits the client's timeout
 def test_a_map_refresh_does_not_wait_for_a_hung_node(cluster3: LocalCluster) -> None:
     """A map refresh asks up to three nodes for the map: with one of them stopped
     (SIGSTOP) and not yet known to be, it takes the others' maps and leaves it behind
     (marked slow), as a lookup does, instead of waiting for its timeout."""
-    timeout = 5.0
+    timeout = 600.0
     with Client(cluster3.seeds, timeout=timeout) as c:
         router = c.async_client._router
         victim = router.ring_nodes[0]
@@ -631,9 +630,7 @@ def test_a_map_refresh_does_not_wait_for_a_hung_node(cluster3: LocalCluster) -> 
         epoch = router.map.epoch
         proc.send_signal(signal.SIGSTOP)
         try:
-            start = time.monotonic()
             c._run(c.async_client._refresh_map(epoch))
-            assert time.monotonic() - start < timeout / 5
             assert router.map is not None and router.map.epoch == epoch
             assert victim.suspect and not victim.trusted
         finally:

@@ -363,11 +363,9 @@ def test_docker_stop_shuts_a_node_down_gracefully(chunks: dict[bytes, bytes]) ->
     service = "kvpool-1"
     ref = container(service)
     grace = 30  # stop_grace_period in docker-compose.yml
-    started = time.monotonic()
     run("docker", "stop", "-t", str(grace), ref, timeout=grace + 30)
-    took = time.monotonic() - started
+    # exit code 0: it stopped on SIGTERM by itself (a SIGKILL after the grace is 137)
     assert inspect(ref, "{{.State.ExitCode}}") == "0"
-    assert took < grace
     assert "kvpool: stopped" in run("docker", "logs", "--tail", "5", ref)
     with client([SEEDS[1], SEEDS[2]]) as c:
         assert c.get_many(list(chunks)) == list(chunks.values())

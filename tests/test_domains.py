@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from kvpool.cli.local_cluster import LocalCluster, free_ports
 from kvpool.client import AsyncClient, Client
 from kvpool.placement.cluster_map import ClusterMap, NodeInfo
 from kvpool.protocol.errors import ConfigError
-from kvpool.server.local_cluster import LocalCluster, free_ports
 from kvpool.server.membership import Membership, StaticSource
 
 from .test_cluster import FAST, admin_json, node_exists, value_for

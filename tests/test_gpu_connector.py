@@ -316,7 +316,7 @@ def test_load_and_store_against_a_cluster(tmp_path: object) -> None:
     """The connector routes through the cluster client: chunks spread over the owners."""
     from pathlib import Path
 
-    from kvpool.server.local_cluster import LocalCluster
+    from kvpool.cli.local_cluster import LocalCluster
 
     layout = LAYOUTS["flash"]
     ns = layout.namespace(f"cluster-{os.urandom(4).hex()}", chunk_tokens=CHUNK)

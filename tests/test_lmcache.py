@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
+from kvpool.cli.local_cluster import LocalCluster
 from kvpool.client import Client
 from kvpool.protocol.frames import Op
-from kvpool.server.local_cluster import LocalCluster
 
 from .conftest import ROOT, NodeProcess, put_corrupt, start_node
 from .hostile_node import LyingNode, hello_with

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
+from kvpool.cli.local_cluster import LocalCluster
 from kvpool.client import Client
 from kvpool.protocol.frames import Op
-from kvpool.server.local_cluster import LocalCluster
 
 from .conftest import ROOT, NodeProcess, put_corrupt, start_node
 from .hostile_node import LyingNode, hello_with
@@ -189,11 +189,14 @@ def test_settings_fail_with_one_clear_line(tmp_path: Path) -> None:
          "extra": {}},
         {"do": "backend", "name": "c", "pool": "a", "url": "127.0.0.1:1",
          "extra": {"timeout_s": 0}},
+        {"do": "backend", "name": "d", "pool": "a", "url": "127.0.0.1:1",
+         "extra": {"shm": "maybe"}},
     ])
     errors = [r["error"] for r in results(run)]
     assert "unknown extra config key(s) ['kvpool_urll']" in errors[0]
     assert 'needs "kvpool_url"' in errors[1]
     assert "timeout_s must be > 0" in errors[2]
+    assert "shm must be true or false or null, got 'maybe' (str)" in errors[3]
     assert all("\n" not in e for e in errors)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from kvpool.cli.local_cluster import LocalCluster
 from kvpool.client import AsyncClient, Client
 from kvpool.client._shm_put import AHEAD_MAX_LEASES, LeasedPuts
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
@@ -27,7 +28,6 @@ from kvpool.protocol.frames import (
     decode_statuses,
     encode_commit_as,
 )
-from kvpool.server.local_cluster import LocalCluster
 
 from .conftest import http_json, no_loop, node_stats, shm_node, start_node, tokens_file
 

@@ -139,7 +139,7 @@ def test_tls_config_errors(tmp_path: Path, pki: dict[str, str]) -> None:
 
 def test_cluster_over_tls_with_tokens(pki: dict[str, str], tmp_path: Path) -> None:
     """Nodes reach each other (admin lookups) over TLS with the peer token, in raw scope."""
-    from kvpool.server.local_cluster import LocalCluster
+    from kvpool.cli.local_cluster import LocalCluster
 
     from .test_security import ADMIN, TOKENS, key, tokens_file
 

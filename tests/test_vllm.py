@@ -177,6 +177,10 @@ def test_connector_settings_fail_with_one_clear_line(tmp_path: Path) -> None:
     assert "chunk_format must be one of ('canonical', 'engine')" in errors["bad format"]
     assert "retry_after_s must be > 0, got 0" in errors["bad retry"]
     assert "save_queue_chunks must be an integer >= 1" in errors["bad queue"]
+    # JSON's types, strictly: "false" is not false, "256" not 256, true not a number
+    assert "shm must be true or false or null, got 'false' (str)" in errors["string shm"]
+    assert "chunk_tokens must be an integer, got '256' (str)" in errors["string chunk"]
+    assert "timeout_s must be a number, got True (bool)" in errors["bool timeout"]
     # vLLM makes FULL CUDA graphs piecewise for layer-wise loads only (a FULL replay never
     # runs wait_for_layer_load); async and sync loads are done before the forward
     assert result["piecewise"] == {"default": False, "async": False, "sync": False,
@@ -420,8 +424,8 @@ def test_vllm_serve_answers_from_a_cluster_after_a_restart_and_a_node_crash(
     most of the prompt's chunks killed (SIGKILL, as in a crash; it is also the first seed
     the new server tries). The same request is served from the surviving copies: the same
     text, the prompt's full chunks counted as cached, and no load failed."""
+    from kvpool.cli.local_cluster import LocalCluster, free_ports
     from kvpool.examples.models import smollm2_folder
-    from kvpool.server.local_cluster import LocalCluster, free_ports
 
     prompt = text_prompt(tokenizer, 1000, "serve")
     keys = chunk_keys(prompt)[:FULL]
@@ -466,7 +470,7 @@ def test_a_hung_cluster_node_costs_no_request_a_timeout_and_the_replicas_serve(
     A lookup settles only once an owner of each key answered: the other owner, slow on a
     busy host, is waited for (before, the third node's "not here" settled it: 4 chunks
     recomputed, twice in CI runs)."""
-    from kvpool.server.local_cluster import LocalCluster
+    from kvpool.cli.local_cluster import LocalCluster
 
     # well past what a loaded request takes on a busy 2-core VM (2.4-5.5 s, 16 s for the
     # whole prompt computed), so a TTFT under it says no request waited it out
@@ -582,7 +586,7 @@ def test_a_dead_or_hung_pool_costs_vllm_nothing_but_the_cache(prompts: list[list
     import socket
     import threading
 
-    from kvpool.server.local_cluster import free_ports
+    from kvpool.cli.local_cluster import free_ports
 
     (port,) = free_ports(1)
     dead = driver(tmp_path, "generate", {"prompts": prompts, "max_tokens": STEPS,

@@ -393,6 +393,9 @@ def settings_check() -> dict[str, Any]:
         "bad format": {"kvpool_url": "x:1", "chunk_format": "native"},
         "bad retry": {"kvpool_url": "x:1", "retry_after_s": 0},
         "bad queue": {"kvpool_url": "x:1", "save_queue_chunks": 0},
+        "string shm": {"kvpool_url": "x:1", "shm": "false"},
+        "string chunk": {"kvpool_url": "x:1", "chunk_tokens": "256"},
+        "bool timeout": {"kvpool_url": "x:1", "timeout_s": True},
     }
     out: dict[str, Any] = {}
     for name, extra in cases.items():

@@ -1,8 +1,9 @@
-"""A cluster of real node processes on 127.0.0.1: ``kvpool cluster up`` and the tests use it.
+"""Node processes on this host: ``kvpool cluster up``, ``kvpool serve --nodes N``, the
+tests and the benchmarks use it.
 
 Each node is a ``kvpool serve`` process with its own ports and data dir,
 all reading one static cluster file (``<data_dir>/cluster.toml``) written
-before they start. Nodes can be killed (SIGKILL) and restarted on the same
+before they start (or registering in etcd). Nodes can be killed (SIGKILL) and restarted on the same
 ports and data dir, which is what the failover tests do.
 """
 
@@ -26,9 +27,21 @@ from types import TracebackType
 from kvpool.placement.cluster_map import MAX_COPIES, ClusterMap, NodeInfo
 from kvpool.protocol.errors import ConfigError
 
-__all__ = ["LocalCluster", "LocalEtcd", "LocalNode", "free_ports"]
+__all__ = ["LocalCluster", "LocalEtcd", "LocalNode", "busy_ports", "free_ports"]
 
 READY = re.compile(r"kvpool: ready data=(\S+):(\d+) admin=(\S+)")
+
+
+def busy_ports(ports: Sequence[int], host: str = "127.0.0.1") -> list[int]:
+    """Those of ``ports`` that something holds now (cannot be bound)."""
+    busy = []
+    for port in ports:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                busy.append(port)
+    return busy
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -180,6 +193,9 @@ class LocalCluster:
         if host_ids and len(host_ids) != nodes:
             raise ConfigError(f"host_ids names {len(host_ids)} hosts for {nodes} nodes")
         self.data_dir = Path(data_dir)
+        if self.data_dir.exists() and not self.data_dir.is_dir():
+            raise ConfigError(f"--data-dir {self.data_dir} is a file: give a directory (it is "
+                              "created when missing)")
         ports = free_ports(2 * nodes) if base_port == 0 else \
             list(range(base_port, base_port + 2 * nodes))
         self.advertise = advertise
