@@ -130,6 +130,31 @@ def test_children_of_an_evicted_parent_go_next() -> None:
     assert next(lru.candidates()) == b"old"  # LRU keeps the orphans behind it
 
 
+def test_a_parent_stored_again_takes_back_its_children() -> None:
+    """A parent evicted and stored again heads its chain again: its children still held,
+    read again, leave before it (tail before head), as they did before it left. (Before:
+    the parent came back with no children, and left first, taking the chain's use with
+    it while its tail stayed.)"""
+    order = ChainFIFO({b"c1": b"p", b"c2": b"c1"}.get)
+    for key, depth in [(b"p", 0), (b"c1", 1), (b"c2", 2)]:
+        order.touch([(key, depth)])
+    order.discard(b"p", evicted=True)  # its children: the next to go
+    order.touch([(b"p", 0)])  # stored again (a ghost: into main)
+    order.touch([(b"c1", 1), (b"c2", 2)])  # the whole chain read again
+    ranked = list(order.candidates())
+    assert ranked.index(b"c2") < ranked.index(b"c1") < ranked.index(b"p"), ranked
+    # and a child stored while its parent is away (evicted lately) is linked when the
+    # parent comes back
+    order = ChainFIFO({b"c1": b"p"}.get)
+    order.touch([(b"p", 0)])
+    order.discard(b"p", evicted=True)
+    order.touch([(b"c1", 1)])
+    order.touch([(b"p", 0)])
+    order.touch([(b"c1", 1)])
+    ranked = list(order.candidates())
+    assert ranked.index(b"c1") < ranked.index(b"p"), ranked
+
+
 def test_a_ghost_stored_again_enters_main() -> None:
     """A chunk that left the small FIFO unused and comes back was asked for twice: it
     skips probation, and outlives a scan of one-offs."""

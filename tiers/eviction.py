@@ -137,8 +137,8 @@ class ChainFIFO:
     last walk ended.
     """
 
-    __slots__ = ("_evictions", "_ghost", "_main", "_parent_of", "_small", "_small_target",
-                 "_state")
+    __slots__ = ("_evictions", "_ghost", "_main", "_orphans", "_parent_of", "_small",
+                 "_small_target", "_state")
 
     #: the small FIFO's share of the chunks held
     SMALL_SHARE = 0.1
@@ -158,6 +158,10 @@ class ChainFIFO:
         self._evictions = 0
         self._small_target = 0.0
         self._state: dict[bytes, _Chunk] = {}
+        #: chunks held whose parent left this tier (or was a ghost when they came), by
+        #: the parent's key: the parent, stored again, takes them back as its children.
+        #: (A parent never held here, as on another node of a cluster, is not waited for.)
+        self._orphans: dict[bytes, set[bytes]] = {}
         self._parent_of = parent_of
 
     def __len__(self) -> int:
@@ -198,7 +202,8 @@ class ChainFIFO:
         state = self._state
         mark = self._ghost.pop(key, None)
         parent = self._parent_of(key) if self._parent_of is not None else None
-        state[key] = _Chunk(mark is None, parent)
+        chunk = state[key] = _Chunk(mark is None, parent)
+        chunk.children = self._orphans.pop(key, None)
         if mark is None:
             self._small[key] = None
         else:
@@ -215,6 +220,8 @@ class ChainFIFO:
                     up.children = {key}
                 else:
                     up.children.add(key)
+            elif parent in self._ghost:  # evicted here lately: it may come back
+                self._orphans.setdefault(parent, set()).add(key)
         return mark is not None
 
     def discard(self, key: bytes, *, evicted: bool = False) -> None:
@@ -228,8 +235,17 @@ class ChainFIFO:
             del self._main[key]
         if chunk.parent is not None:
             up = state.get(chunk.parent)
-            if up is not None and up.children:
-                up.children.discard(key)
+            if up is not None:
+                if up.children:
+                    up.children.discard(key)
+            else:
+                waiting = self._orphans.get(chunk.parent)
+                if waiting is not None:
+                    waiting.discard(key)
+                    if not waiting:
+                        del self._orphans[chunk.parent]
+        if chunk.children:  # they wait for it now (a chunk deleted or evicted alike)
+            self._orphans[key] = chunk.children
         if not evicted:
             return
         self._evictions += 1
