@@ -310,33 +310,15 @@ def kvpool_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProce
                           cwd=cwd)
 
 
-class ClusterUp:
-    """``kvpool cluster up`` as a user runs it, its output read as it comes."""
+class RunningCommand:
+    """A ``kvpool`` command as a user runs it, its output read as it comes."""
 
-    def __init__(self, tmp_path: Path, *flags: str, nodes: int = 2,
-                 serve: tuple[str, ...] = ("--no-ssd",)) -> None:
-        import threading
-
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool.cli", "cluster", "up", "--nodes", str(nodes),
-             "--replication", "2", "--base-port", "0", "--data-dir", str(tmp_path),
-             "--dram-capacity", "32MiB", *flags, "--", *serve],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    def __init__(self, *argv: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli", *argv],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
-        try:
-            self.seeds = self.wait_for(r"cluster ready, seeds (\S+)")[1]
-        except BaseException:  # no object for the test to stop: stop its nodes here
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-            raise
-        self.pids = {m[1]: int(m[2]) for m in (re.search(r"^  (n\d+) .* pid=(\d+)$", line)
-                                               for line in self.lines) if m}
-        self.admins = {m[1]: m[2] for m in (re.search(r"^  (n\d+) .* admin=(\S+)", line)
-                                            for line in self.lines) if m}
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -355,11 +337,39 @@ class ClusterUp:
         raise AssertionError(f"no {pattern!r} in:\n" + "\n".join(self.lines))
 
     def stop(self) -> str:
+        """Ctrl-C, as a user stops it: it must exit 0; its output."""
         self.proc.send_signal(signal.SIGINT)
-        self.proc.wait(30)
-        time.sleep(0.1)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        time.sleep(0.1)  # the reader's last lines
         assert self.proc.returncode == 0, "\n".join(self.lines)
         return "\n".join(self.lines)
+
+
+class ClusterUp(RunningCommand):
+    """``kvpool cluster up``, once it printed its seeds."""
+
+    def __init__(self, tmp_path: Path, *flags: str, nodes: int = 2,
+                 serve: tuple[str, ...] = ("--no-ssd",)) -> None:
+        super().__init__("cluster", "up", "--nodes", str(nodes), "--replication", "2",
+                         "--base-port", "0", "--data-dir", str(tmp_path),
+                         "--dram-capacity", "32MiB", *flags, "--", *serve)
+        try:
+            self.seeds = self.wait_for(r"cluster ready, seeds (\S+)")[1]
+        except BaseException:  # no object for the test to stop: stop its nodes here
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            raise
+        self.pids = {m[1]: int(m[2]) for m in (re.search(r"^  (n\d+) .* pid=(\d+)$", line)
+                                               for line in self.lines) if m}
+        self.admins = {m[1]: m[2] for m in (re.search(r"^  (n\d+) .* admin=(\S+)", line)
+                                            for line in self.lines) if m}
 
 
 def test_kvpool_cluster_up_command(tmp_path: Path) -> None:
