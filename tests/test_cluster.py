@@ -336,14 +336,19 @@ class RunningCommand:
             time.sleep(0.05)
         raise AssertionError(f"no {pattern!r} in:\n" + "\n".join(self.lines))
 
-    def stop(self) -> str:
-        """Ctrl-C, as a user stops it: it must exit 0; its output."""
+    def halt(self) -> bool:
+        """Ctrl-C, as a user stops it; SIGKILL if it has not exited 30 s later (False)."""
         self.proc.send_signal(signal.SIGINT)
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            raise
+            return False
+        return True
+
+    def stop(self) -> str:
+        """:meth:`halt`: it must exit 0 by itself; its output."""
+        assert self.halt(), "did not stop on Ctrl-C:\n" + "\n".join(self.lines)
         time.sleep(0.1)  # the reader's last lines
         assert self.proc.returncode == 0, "\n".join(self.lines)
         return "\n".join(self.lines)
@@ -360,11 +365,7 @@ class ClusterUp(RunningCommand):
         try:
             self.seeds = self.wait_for(r"cluster ready, seeds (\S+)")[1]
         except BaseException:  # no object for the test to stop: stop its nodes here
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+            self.halt()
             raise
         self.pids = {m[1]: int(m[2]) for m in (re.search(r"^  (n\d+) .* pid=(\d+)$", line)
                                                for line in self.lines) if m}
