@@ -179,6 +179,37 @@ def test_nodes_register_their_failure_domains_and_a_relabelled_node_moves(
         assert cmap.by_id["n0"].rack == "r1" and cmap.by_id["n1"].state == "up"
 
 
+def test_serve_nodes_joins_an_etcd_cluster_as_one_host(etcd: LocalEtcd, tmp_path: Path) -> None:
+    """``kvpool serve --nodes 2 --etcd``: two nodes register as ``<host>-n0/1`` with the
+    host label given, and a node of another host (its own ``kvpool serve``) joins beside
+    them: with replication 2 every key has a copy off the two-node host."""
+    from .test_domains import ServeNodes, spread_keys
+
+    prefix = "/kvpool/t-serve-nodes"
+    serve = ServeNodes(tmp_path / "box", 2, *FAST, "--etcd", etcd.endpoint, "--etcd-prefix",
+                       prefix, "--replication", "2", "--host-id", "box-1",
+                       "--log-level", "warning")
+    other = None
+    try:
+        seeds = serve.wait_for(r"cluster ready, seeds (\S+)")[1]
+        other = start_node(*FAST, "--etcd", etcd.endpoint, "--etcd-prefix", prefix,
+                           "--replication", "2", "--host-id", "box-2", "--node-id", "lone")
+        admin = serve.wait_for(r" admin=(\S+)")[1]
+        wait_for(lambda: len(served_map(admin).ring.nodes) == 3, "three nodes up")
+        cmap = served_map(admin)
+        assert {(n.id, n.host) for n in cmap.nodes} == \
+            {("box-1-n0", "box-1"), ("box-1-n1", "box-1"), ("lone", "box-2")}
+        keys = spread_keys(200)
+        assert all("lone" in owners[:2] for owners in cmap.preference(keys))
+        with Client(seeds) as c:
+            c.put_many(keys, [value_for(k) for k in keys])
+            assert c.get_many(keys) == [value_for(k) for k in keys]
+    finally:
+        if other is not None:
+            other.stop()
+        serve.stop()
+
+
 def test_a_killed_node_is_marked_down_when_its_lease_expires(etcd: LocalEtcd,
                                                              tmp_path: Path) -> None:
     with LocalCluster(3, replication=2, data_dir=tmp_path, etcd=etcd.endpoint,
