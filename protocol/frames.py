@@ -217,7 +217,7 @@ class FrameHeader:
         return cls(op, request_id, count, body_len, status, epoch)
 
 
-#: how HTTP messages start: a reply, and requests (the methods' first two letters)
+#: how HTTP messages start (their first four bytes): a reply, and requests by method
 _HTTP_REPLY = b"HTTP"
 _HTTP_REQUESTS = (b"GET ", b"POST", b"PUT ", b"HEAD", b"DELE", b"OPTI", b"PATC")
 

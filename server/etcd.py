@@ -231,7 +231,10 @@ class EtcdSource:
                 {"replication": self.replication, "fallbacks": 1}))
             await self._register()
             if self.auto_join:
-                await self._txn_create(self._key("nodes", me.id), json.dumps(me.to_dict()))
+                revision, kvs = await self._range_prefix()
+                entry = json.dumps(me.to_dict())
+                self._check_entry(revision, kvs, me.id, entry)
+                await self._txn_create(self._key("nodes", me.id), entry)
             await self._relabel(me)
             cmap = await self.read()
         except BaseException:
@@ -249,7 +252,7 @@ class EtcdSource:
         and weight kept): placement follows the labels the node says it has."""
         key = self._key("nodes", me.id)
         for _ in range(10):
-            _, kvs = await self._range_prefix()
+            revision, kvs = await self._range_prefix()
             current = kvs.get(key)
             if current is None:
                 return
@@ -259,11 +262,22 @@ class EtcdSource:
             relabelled = NodeInfo(**{**kept, **labels}).to_dict()
             if relabelled == entry:
                 return
+            self._check_entry(revision, kvs, me.id, json.dumps(relabelled))
             if await self._txn_replace(key, current, json.dumps(relabelled)):
                 log.info("node %s: failure domains in the map are now %s", me.id, labels)
                 return
         raise ConfigError(f"could not update node {me.id!r}'s labels in etcd: the entry kept "
                           "changing (10 tries)")
+
+    def _check_entry(self, revision: int, kvs: dict[str, str], node_id: str,
+                     entry: str) -> None:
+        """Refuse to write an entry that would make the map unreadable for every node (a
+        host named in two racks or zones): this node does not start, and says why."""
+        try:
+            self._build(max(revision, 1), {**kvs, self._key("nodes", node_id): entry})
+        except ConfigError as exc:
+            raise ConfigError(f"node {node_id!r} cannot join with these labels: {exc}") \
+                from None
 
     async def _register(self) -> None:
         assert self._me is not None

@@ -177,6 +177,21 @@ def test_nodes_register_their_failure_domains_and_a_relabelled_node_moves(
                  "n1's entry to move to rack r2")
         cmap = served_map(cluster.nodes[0].admin_url)
         assert cmap.by_id["n0"].rack == "r1" and cmap.by_id["n1"].state == "up"
+        # a node that would put box-a in a second rack is refused (the map would be
+        # unreadable for every node): it does not start, and says why
+        import subprocess
+        import sys
+
+        refused = subprocess.run(
+            [sys.executable, "-m", "kvpool.server", "serve", *FAST, "--etcd", etcd.endpoint,
+             "--etcd-prefix", "/kvpool/t-labels", "--node-id", "n9", "--host-id", "box-a",
+             "--rack", "r9", "--data-port", "0", "--admin-port", "0",
+             "--data-dir", str(tmp_path / "n9")],
+            capture_output=True, text=True, timeout=60, check=False)
+        assert refused.returncode == 2, refused.stderr
+        assert "cannot join with these labels: host 'box-a' is in two places" in \
+            refused.stderr
+        assert "n9" not in served_map(cluster.nodes[0].admin_url).by_id
 
 
 def test_serve_nodes_joins_an_etcd_cluster_as_one_host(etcd: LocalEtcd, tmp_path: Path) -> None:
