@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cluster import fill, get_throughput
-from kvpool.cli.local_cluster import free_ports
+from kvpool.cli.local_cluster import busy_ports, free_ports
 
 MiB = 1 << 20
 
@@ -44,7 +44,7 @@ class Served:
 
     def __init__(self, nodes: int, data_dir: str, dram: str) -> None:
         port = free_ports(1)[0]
-        while not all(free_ports_at(port, 2 * nodes)):
+        while busy_ports(range(port, port + 2 * nodes)):
             port = free_ports(1)[0]
         cmd = [sys.executable, "-m", "kvpool.cli", "serve", "--data-dir", data_dir,
                "--data-port", str(port), "--admin-port", str(port + 1), "--no-ssd",
@@ -75,21 +75,6 @@ class Served:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
-
-
-def free_ports_at(first: int, count: int) -> list[bool]:
-    """Whether each of ``count`` ports from ``first`` can be bound now."""
-    import socket
-
-    out = []
-    for port in range(first, first + count):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                out.append(True)
-            except OSError:
-                out.append(False)
-    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

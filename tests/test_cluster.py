@@ -302,12 +302,14 @@ async def test_frames_carry_the_epoch_of_the_map_that_routed_them(tmp_path: Path
             assert not any(await node_exists(cluster, 3, fresh))
 
 
-def kvpool_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """The kvpool command as a user runs it: no $KVPOOL_ADMIN, a wide terminal for tables."""
+def kvpool_cli(*args: str, cwd: Path | None = None,
+               columns: int = 200) -> subprocess.CompletedProcess[str]:
+    """The kvpool command as a user runs it: no $KVPOOL_ADMIN, a terminal ``columns`` wide
+    (wide by default, for tables)."""
     env = {k: v for k, v in os.environ.items() if k != "KVPOOL_ADMIN"}
     return subprocess.run([sys.executable, "-m", "kvpool.cli", *args], capture_output=True,
-                          text=True, timeout=60, check=False, env={**env, "COLUMNS": "200"},
-                          cwd=cwd)
+                          text=True, timeout=60, check=False,
+                          env={**env, "COLUMNS": str(columns)}, cwd=cwd)
 
 
 class RunningCommand:

@@ -8,7 +8,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,15 +18,13 @@ from kvpool.client import Client
 from kvpool.protocol.errors import KvpoolError
 
 from .conftest import NodeProcess
+from .test_cluster import kvpool_cli
 
 BIG = "100TiB"  # more memory than any machine this runs on
 
 
-def kvpool(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
-    return subprocess.run([sys.executable, "-m", "kvpool.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, check=False,
-                          env={**env, "COLUMNS": "80"})
+def kvpool(*args: str) -> subprocess.CompletedProcess[str]:
+    return kvpool_cli(*args, columns=80)  # a narrow terminal: tables must still fit
 
 
 def refused(result: subprocess.CompletedProcess[str], *words: str) -> str:
