@@ -88,7 +88,8 @@ class NodeInfo:
             if not isinstance(value, str) or len(value) > MAX_LABEL \
                     or not value.isprintable():
                 raise ConfigError(f"node {self.id!r}: {label} must be a printable string of at"
-                                  f" most {MAX_LABEL} characters, got {value!r}")
+                                  f" most {MAX_LABEL} characters, got "
+                                  f"{repr(value)[:MAX_LABEL + 2]}")  # (a map from a peer)
         try:
             object.__setattr__(self, "state", NodeState(self.state))
         except ValueError:
