@@ -35,8 +35,7 @@ from kvpool.client._node import NodeClient
 from kvpool.client._plans import Call, Plan, Sink
 from kvpool.client._routing import FIRST_ANSWER, Coverage, LeftBehind, Settle, grace
 from kvpool.client._routing import IntArray as Rows
-from kvpool.client._shm import ShmMapping, redeem
-from kvpool.client._shm_put import Ahead
+from kvpool.client._shm import Ahead, ShmMapping, redeem
 from kvpool.client._socket import busy_poll
 from kvpool.protocol.errors import KvpoolConnectionError
 from kvpool.protocol.frames import KEY_SIZE, PROTOCOL_VERSION, Op, encode_json

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
+from kvpool.client._shm import Ahead
 from kvpool.client._tracing import wire_context
 from kvpool.protocol.envelope import ChecksumTrailer
 from kvpool.protocol.errors import (
@@ -22,9 +23,6 @@ from kvpool.protocol.errors import (
 )
 from kvpool.protocol.frames import OP_FLAG_TRACE, SCOPED_OPS, Op, pack_frame_header
 from kvpool.protocol.parsers import Reply, ReplyParser, Segments, reply_mismatch
-
-if TYPE_CHECKING:
-    from kvpool.client._shm_put import Ahead
 
 __all__ = ["Connection", "request_head", "trailer_runs"]
 

@@ -31,6 +31,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -53,7 +54,7 @@ from kvpool.protocol.shm_index import (
     unpack_slot,
 )
 
-__all__ = ["TORN", "ShmIndex", "ShmMapping", "redeem"]
+__all__ = ["TORN", "Ahead", "ShmIndex", "ShmMapping", "redeem"]
 
 #: read outcome: the value was freed (and maybe reused) while it was copied
 TORN = 254
@@ -68,6 +69,19 @@ PARALLEL_MIN_BYTES = 2 << 20
 #: the arena is populated for writes in granules of this many bytes, each once
 #: (:meth:`ShmMapping._populate`)
 POPULATE_GRANULE = 64 << 10
+
+
+@dataclass(slots=True)
+class Ahead:
+    """Slots a COMMIT_AS reserved for a connection's next put of the same sizes (held by
+    the connection: ``Connection.put_ahead``; written by :mod:`kvpool.client._shm_put`)."""
+
+    lease: int
+    slots: list[ShmItem]
+    #: each slot's value length (envelope included), in order
+    lengths: tuple[int, ...]
+    #: time.monotonic() after which the slots are not written (half the node's lease)
+    usable_until: float
 
 
 def redeem(offer: dict[str, Any], timeout: float) -> tuple[int, int, bool]:

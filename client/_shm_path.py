@@ -21,13 +21,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Literal, overload
+from typing import Literal, overload
 
 from kvpool.client import _plans as plans
 from kvpool.client._connection import Connection
 from kvpool.client._plans import routed_by
 from kvpool.client._shm import HASH_SOURCE, TORN, ShmMapping
-from kvpool.client._shm_put import AheadHolder, LeasedPuts, ignore_result
+from kvpool.client._shm_put import AheadHolder, ArenaHost, LeasedPuts, ignore_result
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
 from kvpool.protocol.errors import KvpoolError, Status
 from kvpool.protocol.frames import (
@@ -38,9 +38,6 @@ from kvpool.protocol.frames import (
     encode_lease_ids,
 )
 from kvpool.protocol.parsers import TOO_SMALL, Reply, Segments
-
-if TYPE_CHECKING:
-    from kvpool.client._node import NodeClient
 
 __all__ = ["TOUCH_BATCH", "TOUCH_DELAY_S", "ShmPath"]
 
@@ -53,7 +50,7 @@ TOUCH_DELAY_S = 0.05
 class ShmPath:
     """One node's arena, as this client mapped it, and the ops that go through it."""
 
-    def __init__(self, node: NodeClient) -> None:
+    def __init__(self, node: ArenaHost) -> None:
         self.node = node
         #: the arena the node granted (None: TCP only, so far)
         self.mapping: ShmMapping | None = None

@@ -33,13 +33,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from kvpool.client import _plans as plans
 from kvpool.client._checks import reply_statuses
-from kvpool.client._connection import Connection
-from kvpool.client._shm import ShmMapping
+from kvpool.client._connection import Buffer, Connection
+from kvpool.client._options import ClientOptions
+from kvpool.client._shm import Ahead, ShmMapping
 from kvpool.protocol.errors import Status
 from kvpool.protocol.frames import (
     COMMIT_AGAIN,
@@ -49,30 +49,18 @@ from kvpool.protocol.frames import (
     encode_commit_as,
     encode_lease_ids,
 )
+from kvpool.protocol.parsers import Reply, Segments
 
-if TYPE_CHECKING:
-    from kvpool.client._node import NodeClient
-
-__all__ = ["AHEAD_MAX_BYTES", "AHEAD_MAX_LEASES", "Ahead", "AheadHolder", "LeasedPuts",
+__all__ = ["AHEAD_MAX_BYTES", "AHEAD_MAX_LEASES", "AheadHolder", "ArenaHost", "LeasedPuts",
            "ignore_result"]
+
+T = TypeVar("T")
 
 #: a connection holds slots ahead for at most this many bytes (and 1/16 of the arena) in
 #: all, in at most AHEAD_MAX_LEASES leases (puts in flight together each take one): they
 #: are memory taken from the cache until the next put
 AHEAD_MAX_BYTES = 64 << 20
 AHEAD_MAX_LEASES = 8
-
-
-@dataclass(slots=True)
-class Ahead:
-    """Slots a COMMIT_AS reserved for its connection's next put of the same sizes."""
-
-    lease: int
-    slots: list[ShmItem]
-    #: each slot's value length (envelope included), in order
-    lengths: tuple[int, ...]
-    #: time.monotonic() after which the slots are not written (half the node's lease)
-    usable_until: float
 
 
 def _max_held(shm: ShmMapping) -> int:
@@ -102,11 +90,29 @@ class AheadHolder(Protocol):
     def is_open(self) -> bool: ...
 
 
+class ArenaHost(plans.Host, Protocol):
+    """What the arena path reads and drives of the node client it belongs to (a
+    ``kvpool.client._node.NodeClient``; named here so the two modules do not import
+    each other)."""
+
+    options: ClientOptions
+    #: the map epoch its requests carry (0: none)
+    epoch: int
+
+    def connections(self) -> list[Connection]: ...
+
+    async def run(self, plan: plans.Plan[T], conn: Connection | None = None) -> T: ...
+
+    async def gather(self, calls: Sequence[tuple[Connection, int, int, Sequence[Buffer],
+                                                  Sequence[memoryview | Segments | None]
+                                                  | None]]) -> list[Reply]: ...
+
+
 class LeasedPuts:
     """The arena put of one node client (:meth:`plan`, and :meth:`put` on the loop), and
     the slots each of its connections holds ahead."""
 
-    def __init__(self, node: NodeClient) -> None:
+    def __init__(self, node: ArenaHost) -> None:
         self.node = node
         #: PUT_SHM leases that ended before their COMMIT (the values went again over TCP)
         self.expired = 0

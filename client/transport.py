@@ -21,8 +21,9 @@ a :class:`BlockingLink`: one request, then its reply, in the calling thread).
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from kvpool.client._connection import Buffer, Connection, request_head
 from kvpool.client._plans import Sink
@@ -43,10 +44,29 @@ from kvpool.protocol.parsers import (
     reply_mismatch,
 )
 
-if TYPE_CHECKING:
-    from kvpool.client._options import ClientOptions
+__all__ = ["BlockingLink", "LinkOptions", "MockHandler", "MockTransport", "TcpTransport",
+           "Transport"]
 
-__all__ = ["BlockingLink", "MockHandler", "MockTransport", "TcpTransport", "Transport"]
+
+class LinkOptions(Protocol):
+    """What a transport reads of the client's options (a ``ClientOptions``; named here
+    so the options, which default to TCP, and the transports do not import each
+    other)."""
+
+    @property
+    def timeout(self) -> float: ...
+
+    @property
+    def connect_timeout(self) -> float: ...
+
+    @property
+    def ssl(self) -> ssl.SSLContext | None: ...
+
+    @property
+    def scope_flags(self) -> int: ...
+
+    @property
+    def busy_poll_us(self) -> float: ...
 
 
 class BlockingLink(Protocol):
@@ -90,13 +110,13 @@ class Transport(Protocol):
     """Opens connections to a node: pooled ones for the async core (``make`` builds the
     client's end), and a blocking one for the sync client's loop-free calls."""
 
-    async def open(self, host: str, port: int, options: ClientOptions,
+    async def open(self, host: str, port: int, options: LinkOptions,
                    make: Callable[[], Connection]) -> Connection:
         """The connection, ready for HELLO; KvpoolConnectionError (or its timeout
         subclass) when the node cannot be reached."""
         ...
 
-    def open_blocking(self, host: str, port: int, options: ClientOptions) -> BlockingLink:
+    def open_blocking(self, host: str, port: int, options: LinkOptions) -> BlockingLink:
         """A blocking connection, ready for HELLO; errors as :meth:`open`'s."""
         ...
 
@@ -104,13 +124,13 @@ class Transport(Protocol):
 class TcpTransport:
     """A TCP socket per connection (TLS with ``options.ssl``)."""
 
-    def open_blocking(self, host: str, port: int, options: ClientOptions) -> BlockingLink:
+    def open_blocking(self, host: str, port: int, options: LinkOptions) -> BlockingLink:
         return BlockingConnection(host, port, timeout=options.timeout,
                                   connect_timeout=options.connect_timeout, ssl=options.ssl,
                                   scope_flags=options.scope_flags,
                                   busy_poll_us=options.busy_poll_us)
 
-    async def open(self, host: str, port: int, options: ClientOptions,
+    async def open(self, host: str, port: int, options: LinkOptions,
                    make: Callable[[], Connection]) -> Connection:
         loop = asyncio.get_running_loop()
         try:
@@ -146,7 +166,7 @@ class MockTransport:
         self._open: dict[str, list[_MockSocket]] = {}
         self._links: dict[str, list[_MockLink]] = {}
 
-    async def open(self, host: str, port: int, options: ClientOptions,
+    async def open(self, host: str, port: int, options: LinkOptions,
                    make: Callable[[], Connection]) -> Connection:
         address = f"{host}:{port}"
         if address in self.down:
@@ -158,7 +178,7 @@ class MockTransport:
         conn.connection_made(sock)  # type: ignore[arg-type]  # the calls Connection makes
         return conn
 
-    def open_blocking(self, host: str, port: int, options: ClientOptions) -> BlockingLink:
+    def open_blocking(self, host: str, port: int, options: LinkOptions) -> BlockingLink:
         address = f"{host}:{port}"
         if address in self.down:
             raise KvpoolConnectionError(
@@ -180,7 +200,7 @@ class _MockLink:
     frame, parsed as a node parses it, goes to the handler in the calling thread, and
     its reply is parsed as one received from a socket (into the caller's buffers)."""
 
-    def __init__(self, owner: MockTransport, address: str, options: ClientOptions) -> None:
+    def __init__(self, owner: MockTransport, address: str, options: LinkOptions) -> None:
         self._owner = owner
         self.peer = address
         self._options = options

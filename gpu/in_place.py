@@ -18,16 +18,62 @@ place").
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
+from kvpool.client import AsyncClient
+from kvpool.gpu.layout import KVLayout
+from kvpool.gpu.paged import Scatter
 from kvpool.protocol.errors import BufferTooSmallError
 
-if TYPE_CHECKING:
-    from kvpool.gpu.connector import AsyncPagedKVConnector
+__all__ = ["InPlaceTarget", "load_in_place"]
 
-__all__ = ["load_in_place"]
+
+class _Staging(Protocol):
+    @property
+    def host_view(self) -> memoryview: ...  # what a receive fills
+
+    @property
+    def chunk(self) -> torch.Tensor: ...  # the same bytes as the chunk array
+
+
+class _Counts(Protocol):
+    chunks_in_place: int
+    load_misses: int
+
+
+class InPlaceTarget(Protocol):
+    """What a load in place reads of its connector (an ``AsyncPagedKVConnector``; named
+    here so the connector and this module do not import each other)."""
+
+    @property
+    def client(self) -> AsyncClient: ...
+
+    @property
+    def layout(self) -> KVLayout: ...
+
+    @property
+    def caches(self) -> list[torch.Tensor]: ...
+
+    @property
+    def scatter(self) -> Scatter: ...
+
+    @property
+    def slots(self) -> Sequence[_Staging]: ...
+
+    @property
+    def chunk_tokens(self) -> int: ...
+
+    @property
+    def blocks_per_chunk(self) -> int: ...
+
+    @property
+    def chunk_nbytes(self) -> int: ...
+
+    @property
+    def stats(self) -> _Counts: ...
 
 
 class _ForeignChunk(Exception):
@@ -41,7 +87,7 @@ def _as_chunk(view: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> t
         return torch.frombuffer(view, dtype=torch.uint8).view(dtype).view(shape)
 
 
-async def load_in_place(conn: AsyncPagedKVConnector, keys: list[bytes], ids: torch.Tensor, *,
+async def load_in_place(conn: InPlaceTarget, keys: list[bytes], ids: torch.Tensor, *,
                         first: int, found: int, skip_blocks: int) -> int:
     """Chunks ``first..found-1`` of ``keys`` into ``conn``'s blocks (``ids``: the block of
     each of their blocks, in order), the first of them from its block ``skip_blocks``
