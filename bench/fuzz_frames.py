@@ -34,12 +34,12 @@ from typing import Any
 from kvpool.protocol.envelope import seal
 from kvpool.protocol.frames import Op, PutItemHeader, encode_frame, encode_json
 from kvpool.protocol.parsers import Limits
-from kvpool.server.connection import NodeConnection
-from kvpool.server.events import EventBus
-from kvpool.server.handlers import Handlers
-from kvpool.server.shm import ShmService
-from kvpool.server.stats import NodeStats
-from kvpool.server.tiering import TierManager
+from kvpool.server.admin.events import EventBus
+from kvpool.server.cold.tiering import TierManager
+from kvpool.server.data.connection import NodeConnection
+from kvpool.server.data.handlers import Handlers
+from kvpool.server.data.shm import ShmService
+from kvpool.server.data.stats import NodeStats
 from kvpool.tiers.dram import DramTier
 
 HELLO = b"".join(encode_frame(Op.HELLO, 1, [encode_json({"protocol": 1})]))

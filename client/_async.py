@@ -18,7 +18,7 @@ connection pool per node.
   UNPIN go to every live node of the list;
 - a node that fails is marked down with exponential back-off; a reply from a
   newer map epoch triggers a map refresh, and WRONG_OWNER a refresh and retry;
-- a node on the same host that grants it (see ``kvpool.server.shm``) serves
+- a node on the same host that grants it (see ``kvpool.server.data.shm``) serves
   GETs through shared memory: the client copies values straight from the
   node's arena (``shm=None``, the default: wherever a node offers it;
   ``True``: required, connecting fails otherwise; ``False``: always TCP).

@@ -75,7 +75,7 @@ def _read(name: str) -> str:
 
 
 def enable_etcd_auth() -> None:
-    from kvpool.server.etcd_auth import enable_auth
+    from kvpool.server.cluster.etcd_auth import enable_auth
 
     for _ in range(120):
         try:

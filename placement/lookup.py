@@ -1,7 +1,7 @@
 """A prefix-lookup request (the admin API's ``POST /v1/lookup`` body) -> chunk keys.
 
 Pure: bytes in, keys out. The node runs it inline for small bodies and in a
-short-lived child process for large ones (``kvpool.server.lookup_offload``):
+short-lived child process for large ones (``kvpool.server.admin.lookup_offload``):
 decoding 4M tokens of JSON takes ~0.35 s in one C call that holds the GIL, so
 a thread would not keep the event loop free.
 

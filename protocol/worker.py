@@ -1,6 +1,6 @@
 """The cold-tier worker's protocol: the messages between a node and its SSD worker.
 
-The worker (``server/ssd_worker.py``) is a child process that owns RocksDB and S3;
+The worker (``server/cold/ssd_worker.py``) is a child process that owns RocksDB and S3;
 it maps the node's DRAM arena and moves chunk bytes in place, so only small
 fixed-size messages cross the socketpair between them:
 
@@ -15,7 +15,7 @@ SSD tier's and the S3 tier's settings, as JSON on the worker's stdin); the comma
 carries only the process's plumbing (the RocksDB directory, inherited descriptors, the
 parent's pid).
 
-Pure: no I/O (the node's handle on the worker, ``server/ssd.py``, and the worker
+Pure: no I/O (the node's handle on the worker, ``server/cold/ssd.py``, and the worker
 itself do theirs).
 """
 

@@ -21,18 +21,21 @@ from kvpool.client import AsyncClient
 from kvpool.placement.cluster_map import ClusterMap, NodeState
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.parsers import Limits
-from kvpool.server.admin import make_admin_app
-from kvpool.server.admin_site import CappedSite, reserve_descriptors
-from kvpool.server.auth import TokenTable, load_tokens
+from kvpool.server.admin.api import make_admin_app
+from kvpool.server.admin.events import EventBus
+from kvpool.server.admin.metrics import NodeMetrics
+from kvpool.server.admin.site import CappedSite, reserve_descriptors
+from kvpool.server.admin.tracing import NodeTracing, tracing_configured
+from kvpool.server.cluster.etcd import EtcdSource
+from kvpool.server.cluster.handoff import Handoff
+from kvpool.server.cluster.membership import MapSource, Membership, StaticSource
+from kvpool.server.cold.ssd import SsdTier
+from kvpool.server.cold.tiering import TierManager
 from kvpool.server.config import ClusterConfig, NodeConfig, ServerConfig
-from kvpool.server.connection import NodeConnection
-from kvpool.server.etcd import EtcdSource
-from kvpool.server.events import EventBus
-from kvpool.server.handlers import Handlers
-from kvpool.server.handoff import Handoff
-from kvpool.server.hardening import forbid_dumps
-from kvpool.server.membership import MapSource, Membership, StaticSource
-from kvpool.server.metrics import NodeMetrics
+from kvpool.server.data.connection import NodeConnection
+from kvpool.server.data.handlers import Handlers
+from kvpool.server.data.shm import ShmService
+from kvpool.server.data.stats import NodeStats
 from kvpool.server.resources import (
     bind_error,
     bound_socket,
@@ -41,12 +44,9 @@ from kvpool.server.resources import (
     tiering_policy,
     worker_settings,
 )
-from kvpool.server.shm import ShmService
-from kvpool.server.ssd import SsdTier
-from kvpool.server.stats import NodeStats
-from kvpool.server.tiering import TierManager
-from kvpool.server.tls import client_context, server_context
-from kvpool.server.tracing import NodeTracing, tracing_configured
+from kvpool.server.security.auth import TokenTable, load_tokens
+from kvpool.server.security.hardening import forbid_dumps
+from kvpool.server.security.tls import client_context, server_context
 from kvpool.tiers.dram import DramTier
 
 __all__ = ["Node"]

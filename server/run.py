@@ -14,9 +14,9 @@ import os
 import signal
 
 from kvpool.protocol.errors import ConfigError
+from kvpool.server.cold.ssd import SsdUnavailableError
 from kvpool.server.config import NodeConfig, format_size, unknown_env_vars
 from kvpool.server.node import Node
-from kvpool.server.ssd import SsdUnavailableError
 
 __all__ = ["run_node"]
 

@@ -1,7 +1,7 @@
 """A node that lies: a real TCP server on 127.0.0.1 whose replies a test rewrites.
 
 :class:`LyingNode` parses each request frame as a node does, answers it as
-:class:`tests.mock_nodes.MockNode` does (the replies ``server/handlers.py`` encodes),
+:class:`tests.mock_nodes.MockNode` does (the replies ``server/data/handlers.py`` encodes),
 then hands the reply's bytes to ``tamper(op, reply) -> bytes``, which may change any
 byte of it: what a buggy, mismatched-version or compromised node sends. The clients
 under test connect to it over real sockets, as they connect to a node.

@@ -2,7 +2,7 @@
 
 Each :class:`MockNode` keeps what PUTs sent (envelope and payload, as a node stores
 them) in a dict and answers HELLO, CLUSTER, PUT, GET, EXISTS, LOOKUP and DELETE the
-way ``server/handlers.py`` encodes them. Under a cluster map it refuses keys it does
+way ``server/data/handlers.py`` encodes them. Under a cluster map it refuses keys it does
 not accept (WRONG_OWNER with its epoch) in frames routed by another epoch, as a
 node does. Routing logic only: the real node is what every other test runs.
 """

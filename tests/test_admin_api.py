@@ -13,8 +13,8 @@ import pytest
 
 from kvpool.client import Client
 from kvpool.placement.keys import Namespace
-from kvpool.server.admin import make_admin_app
-from kvpool.server.openapi import openapi_document
+from kvpool.server.admin.api import make_admin_app
+from kvpool.server.admin.openapi import openapi_document
 
 from .conftest import NodeProcess, start_node
 from .conftest import http_json as call

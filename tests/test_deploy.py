@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from kvpool.client import Client
-from kvpool.server.auth import Role, load_tokens
 from kvpool.server.config import load_config, unknown_env_vars
+from kvpool.server.security.auth import Role, load_tokens
 
 from .conftest import ROOT, start_node
 

@@ -28,7 +28,7 @@ import pytest
 
 from kvpool.client import AuthenticationError, Client
 from kvpool.protocol.envelope import seal
-from kvpool.server.auth import scope_key
+from kvpool.server.security.auth import scope_key
 from kvpool.tiers.s3 import object_name
 
 from .conftest import ROOT

@@ -16,7 +16,7 @@ from kvpool.cli.local_cluster import LocalCluster, free_ports
 from kvpool.client import AsyncClient, Client
 from kvpool.placement.cluster_map import ClusterMap, NodeInfo
 from kvpool.protocol.errors import ConfigError
-from kvpool.server.membership import Membership, StaticSource
+from kvpool.server.cluster.membership import Membership, StaticSource
 
 from .test_cluster import FAST, RunningCommand, admin_json, node_exists, value_for
 

@@ -20,8 +20,8 @@ from kvpool.cli.local_cluster import LocalCluster, LocalEtcd
 from kvpool.client import AsyncClient, Client
 from kvpool.client._node import NodeClient
 from kvpool.placement.cluster_map import ClusterMap, NodeInfo
-from kvpool.server.etcd import EtcdSource
-from kvpool.server.etcd_auth import enable_auth
+from kvpool.server.cluster.etcd import EtcdSource
+from kvpool.server.cluster.etcd_auth import enable_auth
 
 from .conftest import http_json, start_node
 from .test_cluster import value_for

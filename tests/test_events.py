@@ -1,11 +1,11 @@
-"""The KV event log (server/events.py): one log read by every subscriber at its own
+"""The KV event log (server/admin/events.py): one log read by every subscriber at its own
 cursor; a subscriber that stops reading is dropped once it falls a log behind."""
 
 from __future__ import annotations
 
 import asyncio
 
-from kvpool.server.events import SWEEP_EVERY, EventBus
+from kvpool.server.admin.events import SWEEP_EVERY, EventBus
 
 
 def publish(bus: EventBus, n: int, kind: str = "stored") -> None:

@@ -88,7 +88,8 @@ def _module_imports() -> dict[str, set[str]]:
                     up = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(up + ([base] if base else []))
                 targets = [f"{base}.{a.name}" for a in node.names]
-            for target in targets:
+            for imported in targets:
+                target = imported
                 while target and target not in modules:  # X.name may be a module or not
                     target = target.rpartition(".")[0]
                 if target and target != name:
@@ -108,7 +109,7 @@ def test_no_import_circle() -> None:
 
     def visit(module: str, path: list[str]) -> None:
         if module in path:
-            circles.append(path[path.index(module):] + [module])
+            circles.append([*path[path.index(module):], module])
             return
         if module in done:
             return

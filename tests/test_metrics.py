@@ -9,7 +9,7 @@ import urllib.request
 from pathlib import Path
 
 from kvpool.client import Client
-from kvpool.server.metrics import HISTOGRAM_NAME, METRICS, metrics_table
+from kvpool.server.admin.metrics import HISTOGRAM_NAME, METRICS, metrics_table
 
 from .conftest import NodeProcess, put_raw, start_node
 

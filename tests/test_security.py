@@ -20,7 +20,7 @@ from kvpool.client import (
 )
 from kvpool.protocol.envelope import seal
 from kvpool.protocol.frames import FrameHeader, Op, PutItemHeader, encode_frame, encode_json
-from kvpool.server.auth import load_tokens, scope_key
+from kvpool.server.security.auth import load_tokens, scope_key
 
 from .conftest import NodeProcess, http_json, start_node, tokens_file
 

@@ -12,7 +12,7 @@ import pytest
 
 from kvpool.protocol.envelope import Codec, seal
 from kvpool.protocol.worker import SsdStatus, WorkerSettings
-from kvpool.server.ssd import SsdTier, SsdUnavailableError
+from kvpool.server.cold.ssd import SsdTier, SsdUnavailableError
 from kvpool.tiers.dram import DramTier
 
 
@@ -133,7 +133,7 @@ def test_worker_bounds_fetched_values_and_queued_fetches(
     import socket
 
     from kvpool.protocol.worker import SsdOp
-    from kvpool.server import ssd_worker
+    from kvpool.server.cold import ssd_worker
     from kvpool.tiers.rocksdb import RocksDbTier
     from kvpool.tiers.s3 import S3Tier
 
@@ -165,7 +165,7 @@ def test_s3_ops_on_one_key_land_in_the_order_the_node_sent_them(
     import threading
 
     from kvpool.protocol.worker import REPLY, SsdOp
-    from kvpool.server import ssd_worker
+    from kvpool.server.cold import ssd_worker
     from kvpool.tiers.rocksdb import RocksDbTier
     from kvpool.tiers.s3 import S3Tier
 
@@ -204,7 +204,7 @@ def test_s3_log_is_read_in_order_and_forgets_what_the_node_applied(tmp_path: Pat
     """S3_KEYS from record ``offset`` on: the records before it are dropped (the log would
     otherwise grow with every upload and delete the worker ever saw)."""
     from kvpool.protocol.worker import S3_CHANGE, S3Change, SsdOp
-    from kvpool.server import ssd_worker
+    from kvpool.server.cold import ssd_worker
     from kvpool.tiers.rocksdb import RocksDbTier
 
     worker = ssd_worker.Worker(RocksDbTier(tmp_path, 4 << 20), memoryview(bytearray(64)))
@@ -231,7 +231,7 @@ def test_the_nodes_s3_mirror_skips_an_upload_logged_before_its_pending_delete() 
     """The node's side of that log: until the worker logs a DELETE the node sent, a
     PRESENT record of the key is from before it (stale); one after it counts again."""
     from kvpool.protocol.worker import S3_CHANGE, S3Change
-    from kvpool.server.s3_mirror import S3KeyMirror
+    from kvpool.server.cold.s3_mirror import S3KeyMirror
 
     def log(*records: tuple[int, int]) -> bytes:
         return b"".join(S3_CHANGE.pack(key(i), change) for i, change in records)

@@ -12,9 +12,9 @@ import pytest
 from kvpool.protocol.envelope import Codec, seal
 from kvpool.protocol.frames import Tier
 from kvpool.protocol.worker import WorkerSettings
-from kvpool.server.events import EventBus, Subscription
-from kvpool.server.ssd import SsdTier
-from kvpool.server.tiering import TieringPolicy, TierManager
+from kvpool.server.admin.events import EventBus, Subscription
+from kvpool.server.cold.ssd import SsdTier
+from kvpool.server.cold.tiering import TieringPolicy, TierManager
 from kvpool.tiers.dram import DramTier, Entry
 
 

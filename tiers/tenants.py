@@ -3,7 +3,7 @@
 The DRAM tier and the SSD tier each keep a :class:`TenantBytes`: the sums and the rule
 (how much must go before a value fits). Which chunks go is the tier's own choice. DRAM:
 the tenant's least recently used, unread ones, from its ledger's order. The SSD (the
-node's side of it, ``server/ssd.py``): the tenant's oldest writes, from
+node's side of it, ``server/cold/ssd.py``): the tenant's oldest writes, from
 :class:`TenantChunks`.
 """
 

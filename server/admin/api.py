@@ -1,5 +1,5 @@
 """The admin HTTP API (aiohttp); every route is in the OpenAPI document at ``/openapi.json``
-(:mod:`kvpool.server.openapi`).
+(:mod:`kvpool.server.admin.openapi`).
 
 Health (``/healthz``, ``/readyz``), ``/metrics``, stats, the cluster map and its
 changes, cluster-wide prefix lookup for callers that are not Python, KV events,
@@ -41,12 +41,12 @@ from kvpool.protocol.errors import (
 )
 from kvpool.protocol.frames import Op, tier_names
 from kvpool.protocol.json_limits import check_depth
-from kvpool.server.auth import ANONYMOUS, Principal, Role, TokenTable, stored_keys
-from kvpool.server.events import EVENT_TYPES, EventBus
-from kvpool.server.lookup_offload import LookupParser, LookupTooLargeError
-from kvpool.server.membership import StaticMapError
-from kvpool.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from kvpool.server.openapi import openapi_document
+from kvpool.server.admin.events import EVENT_TYPES, EventBus
+from kvpool.server.admin.lookup_offload import LookupParser, LookupTooLargeError
+from kvpool.server.admin.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from kvpool.server.admin.openapi import openapi_document
+from kvpool.server.cluster.membership import StaticMapError
+from kvpool.server.security.auth import ANONYMOUS, Principal, Role, TokenTable, stored_keys
 
 __all__ = ["make_admin_app"]
 
@@ -172,7 +172,7 @@ def _same_principal(digest: bytes | None, principal: Principal) -> Callable[[Tok
 
 def _role_needed(request: web.Request) -> Role:
     """Node administration needs an admin token; chunk routes and lookups ask the data
-    port's table (:func:`kvpool.server.auth.check`) for their op and scope instead."""
+    port's table (:func:`kvpool.server.security.auth.check`) for their op and scope instead."""
     path = request.path
     if path.startswith(("/v1/admin/", "/v1/events")) or (
             path.startswith("/v1/cluster/") and request.method == "POST"):

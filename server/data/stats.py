@@ -1,6 +1,6 @@
 """Plain integer counters of the data path (an OTel call per chunk costs 20-30 us here).
 
-:mod:`kvpool.server.metrics` exports them; the data path never calls OpenTelemetry.
+:mod:`kvpool.server.admin.metrics` exports them; the data path never calls OpenTelemetry.
 """
 
 from __future__ import annotations

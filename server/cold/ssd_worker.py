@@ -51,7 +51,7 @@ from kvpool.protocol.worker import (
     SsdStatus,
     WorkerSettings,
 )
-from kvpool.server.hardening import die_with_parent, forbid_dumps
+from kvpool.server.security.hardening import die_with_parent, forbid_dumps
 from kvpool.tiers.rocksdb import RocksDbTier
 from kvpool.tiers.s3 import S3Tier
 

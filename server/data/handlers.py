@@ -5,8 +5,8 @@ memoryviews, never copied) plus the DRAM entries that must stay acquired
 until those buffers have been written out. A GET that must promote chunks
 from a lower tier returns a coroutine instead; the connection awaits it and
 writes the reply when it is ready (replies carry request ids, so order is
-free). Where chunks live and move is :class:`~kvpool.server.tiering.TierManager`'s
-business (``server/tiering.py``).
+free). Where chunks live and move is :class:`~kvpool.server.cold.tiering.TierManager`'s
+business (``server/cold/tiering.py``).
 """
 
 from __future__ import annotations
@@ -37,16 +37,16 @@ from kvpool.protocol.frames import (
     pack_get_item,
 )
 from kvpool.protocol.parsers import Limits, PutItem, Request
-from kvpool.server.auth import ANONYMOUS, Role, TokenTable
-from kvpool.server.events import EventBus
-from kvpool.server.membership import Membership
-from kvpool.server.reply import Buffers, Pending, Reply
-from kvpool.server.session import Session
-from kvpool.server.shm import ShmService
-from kvpool.server.shm_ops import ShmOps
-from kvpool.server.stats import NodeStats
-from kvpool.server.tiering import TierManager
-from kvpool.server.tracing import NodeTracing, tier_span
+from kvpool.server.admin.events import EventBus
+from kvpool.server.admin.tracing import NodeTracing, tier_span
+from kvpool.server.cluster.membership import Membership
+from kvpool.server.cold.tiering import TierManager
+from kvpool.server.data.reply import Buffers, Pending, Reply
+from kvpool.server.data.session import Session
+from kvpool.server.data.shm import ShmService
+from kvpool.server.data.shm_ops import ShmOps
+from kvpool.server.data.stats import NodeStats
+from kvpool.server.security.auth import ANONYMOUS, Role, TokenTable
 from kvpool.tiers.dram import Entry, Slot
 
 __all__ = ["Handlers"]
@@ -56,7 +56,7 @@ _STATUS_OF_TIER = bytes([Status.NOT_FOUND] + [Status.OK] * 255)
 _ROUTED_OPS = frozenset({Op.PUT, Op.GET, Op.EXISTS, Op.DELETE, Op.LOOKUP, Op.PIN, Op.UNPIN,
                          Op.GET_SHM, Op.PUT_SHM, Op.COMMIT_AS})
 _PUT_OPS = frozenset({Op.PUT, Op.PUT_SHM, Op.COMMIT_AS})
-#: the same-host fast path's ops (server/shm_ops.py)
+#: the same-host fast path's ops (server/data/shm_ops.py)
 _SHM_OPS = (Op.GET_SHM, Op.RELEASE, Op.PUT_SHM, Op.COMMIT, Op.COMMIT_AS, Op.TOUCH)
 
 

@@ -69,13 +69,13 @@ from typing import Any
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.host import host_id
 from kvpool.protocol.parsers import PutItem, release_items
-from kvpool.server.session import Session
+from kvpool.server.data.session import Session
 from kvpool.tiers.arena_index import ArenaIndex
 from kvpool.tiers.dram import DramTier, Entry
 
 __all__ = ["Lease", "ShmService", "parse_allow"]
 
-log = logging.getLogger("kvpool.server.shm")
+log = logging.getLogger("kvpool.server.data.shm")
 
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 #: a ticket not redeemed within this many seconds is dropped

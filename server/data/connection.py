@@ -34,11 +34,11 @@ from kvpool.protocol.errors import (
 )
 from kvpool.protocol.frames import Op, encode_error
 from kvpool.protocol.parsers import Request, RequestParser, Reservation, Scoper
-from kvpool.server.auth import ANONYMOUS, TokenTable, check, scoper_for
-from kvpool.server.handlers import Handlers
-from kvpool.server.reply import Pending, Reply
-from kvpool.server.session import Session
-from kvpool.server.tls_replies import TLS_HIGH, TLS_LOW, TlsReplies
+from kvpool.server.data.handlers import Handlers
+from kvpool.server.data.reply import Pending, Reply
+from kvpool.server.data.session import Session
+from kvpool.server.security.auth import ANONYMOUS, TokenTable, check, scoper_for
+from kvpool.server.security.tls_replies import TLS_HIGH, TLS_LOW, TlsReplies
 from kvpool.tiers.dram import Entry, Slot
 
 __all__ = ["NodeConnection"]

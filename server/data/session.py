@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpool.server.auth import ANONYMOUS, Principal
+from kvpool.server.security.auth import ANONYMOUS, Principal
 
 __all__ = ["Session"]
 

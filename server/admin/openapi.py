@@ -1,6 +1,6 @@
 """The OpenAPI 3 document of the admin API, served at ``GET /openapi.json``.
 
-Every route of :func:`kvpool.server.admin.make_admin_app` is here (a test checks
+Every route of :func:`kvpool.server.admin.api.make_admin_app` is here (a test checks
 that the two agree) and CI runs schemathesis against a real node with it.
 """
 

@@ -2,7 +2,7 @@
 COMMIT_AS.
 
 They answer with where values lie in the shared arena instead of the values, under
-leases of the connection's session (``server/shm.py`` keeps the leases and grants);
+leases of the connection's session (``server/data/shm.py`` keeps the leases and grants);
 a GET_SHM reads, and a COMMIT stores, through the op table's own GET and PUT paths,
 so the tiers see one kind of read and one kind of write.
 """
@@ -22,10 +22,10 @@ from kvpool.protocol.frames import (
     encode_statuses,
 )
 from kvpool.protocol.parsers import PutItem, Request, release_items
-from kvpool.server.reply import Buffers, Pending, Reply
-from kvpool.server.session import Session
-from kvpool.server.shm import ShmService
-from kvpool.server.stats import NodeStats
+from kvpool.server.data.reply import Buffers, Pending, Reply
+from kvpool.server.data.session import Session
+from kvpool.server.data.shm import ShmService
+from kvpool.server.data.stats import NodeStats
 from kvpool.tiers.arena import ALIGN
 from kvpool.tiers.dram import DramTier, Entry, Slot
 

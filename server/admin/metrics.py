@@ -1,6 +1,6 @@
 """A node's metrics through OpenTelemetry: Prometheus at ``GET /metrics``, OTLP when configured.
 
-The data path only bumps plain counters (:mod:`kvpool.server.stats`); an OTel
+The data path only bumps plain counters (:mod:`kvpool.server.data.stats`); an OTel
 ``add()`` costs 20-30 us here, more than a small request. This module turns
 those counters into OpenTelemetry *observable* instruments, read when a
 reader collects: the Prometheus reader (on a registry of its own) on every
@@ -33,7 +33,7 @@ from prometheus_client.registry import Collector
 
 from kvpool.protocol.errors import Status
 from kvpool.protocol.frames import Op
-from kvpool.server.stats import LATENCY_BUCKETS
+from kvpool.server.data.stats import LATENCY_BUCKETS
 
 __all__ = ["METRICS", "CONTENT_TYPE", "Metric", "NodeMetrics", "metrics_table"]
 

@@ -32,15 +32,15 @@ from kvpool.protocol.worker import (
     WorkerSettings,
     decode_keys,
 )
-from kvpool.server.s3_mirror import S3KeyMirror
-from kvpool.server.worker_channel import SsdUnavailableError, WorkerChannel
+from kvpool.server.cold.s3_mirror import S3KeyMirror
+from kvpool.server.cold.worker_channel import SsdUnavailableError, WorkerChannel
 from kvpool.tiers.tenants import TenantChunks
 
 __all__ = ["SsdCounters", "SsdTier", "SsdUnavailableError"]
 
 _U64 = struct.Struct("<Q")
 
-log = logging.getLogger("kvpool.server.ssd")
+log = logging.getLogger("kvpool.server.cold.ssd")
 
 
 @dataclass(slots=True)
@@ -115,7 +115,7 @@ class SsdTier:
         if self.has_ssd:
             self.path.mkdir(parents=True, exist_ok=True)
         self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvpool.server.ssd_worker", "--path", str(self.path),
+            sys.executable, "-m", "kvpool.server.cold.ssd_worker", "--path", str(self.path),
             "--arena-fd", str(self._arena_fd), "--arena-size", str(self._arena_size),
             "--sock-fd", str(child.fileno()), "--parent-pid", str(os.getpid()),
             pass_fds=(self._arena_fd, child.fileno()), stdin=asyncio.subprocess.PIPE,

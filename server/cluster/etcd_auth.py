@@ -15,7 +15,7 @@ import urllib.request
 from typing import Any
 
 from kvpool.protocol.errors import ConfigError
-from kvpool.server.etcd import b64, prefix_end
+from kvpool.server.cluster.etcd import b64, prefix_end
 
 __all__ = ["auth_enabled", "enable_auth"]
 

@@ -5,7 +5,7 @@ from one of two sources behind :class:`MapSource`:
 
 - :class:`StaticSource`: a TOML file (``--cluster-file``) or ``--peers``;
   the node reads it again on SIGHUP. The epoch is the file's.
-- ``etcd`` (:mod:`kvpool.server.etcd`): the map lives in etcd; the epoch is
+- ``etcd`` (:mod:`kvpool.server.cluster.etcd`): the map lives in etcd; the epoch is
   etcd's revision.
 
 The data path asks :meth:`Membership.accepts` only for requests routed with

@@ -1,6 +1,6 @@
 """The admin port's listener: a connection cap, and descriptors kept for the data port.
 
-aiohttp serves the admin API (``server/admin.py``) with no bound on its connections: a
+aiohttp serves the admin API (``server/admin/api.py``) with no bound on its connections: a
 flood of idle connections to the admin port once took every descriptor of the process,
 and tenants' data connections were closed at accept. :class:`CappedSite` serves at most
 ``max_connections`` at once (a connection past that is closed as it is accepted), and

@@ -1,7 +1,7 @@
 """A node's tiers as one store: DRAM over the cold tier (SSD, and S3 below it).
 
 :class:`TierManager` decides where a chunk lives and moves it between tiers; the
-op table (``server/handlers.py``) decodes requests, calls it, and encodes its
+op table (``server/data/handlers.py``) decodes requests, calls it, and encodes its
 answers. Its rules, all here:
 
 - what lies below DRAM is the node's :class:`TieringPolicy` (``protocol/worker.py``):
@@ -36,9 +36,9 @@ from opentelemetry.trace import Tracer
 from kvpool.protocol.envelope import CODEC_NAMES
 from kvpool.protocol.frames import Tier
 from kvpool.protocol.worker import SsdStatus, TieringPolicy
-from kvpool.server.events import EventBus
-from kvpool.server.ssd import SsdTier, SsdUnavailableError
-from kvpool.server.tracing import tier_span
+from kvpool.server.admin.events import EventBus
+from kvpool.server.admin.tracing import tier_span
+from kvpool.server.cold.ssd import SsdTier, SsdUnavailableError
 from kvpool.tiers.dram import DramTier, Entry, Slot
 
 _SSD, _S3 = int(Tier.SSD), int(Tier.S3)
