@@ -32,7 +32,7 @@ BufferOrSegments = Buffer | list[Buffer] | tuple[Buffer, ...]
 
 #: a checksum trailer's value goes out in pieces of at most this size, each hashed once it
 #: is sent (while the node reads it; 1 MiB did better than 256 KiB, 512 KiB and 2 MiB
-#: on the 2-core VM, bench notes in docs/performance.md)
+#: on the 2-core VM, bench notes in docs/notebook/2026-12-06-peers.md)
 _PIECE = 1 << 20
 #: a run shorter than this is not sent ahead of its hashing (a write of its own would cost
 #: more than the overlap gains)

@@ -1,4 +1,4 @@
-"""The client half of the same-host fast path (the node half: ``kvpool.server.shm``).
+"""The client half of the same-host fast path (the node half: ``kvpool.server.data.shm``).
 
 A client on the node's host asks for the arena in HELLO, redeems the ticket
 on the node's abstract Unix socket and gets a read-only descriptor of the
@@ -152,7 +152,7 @@ def _copy(dst: memoryview, src: memoryview, hasher: Any, *, hash_source: bool = 
     With ``hold_gil`` (:func:`one_cpu`: nothing could run in parallel) a copy of up to a
     block is a memoryview assignment instead: numpy's few microseconds a call showed
     where a load copies many blocks of a few hundred KiB each (a vLLM engine-format load
-    into 30 layers' blocks, docs/performance.md).
+    into 30 layers' blocks, docs/notebook/2026-12-02-vllm.md).
     """
     n = src.nbytes
     if n <= _SMALL or (hold_gil and n <= _BLOCK):

@@ -11,8 +11,8 @@ meanwhile, another size) is received into a staging slot and scattered again fro
 there, so the blocks come out bit-exact either way.
 
 One thread, in order: on CPU the staging ring overlaps a receive (a copy) with a
-scatter, and here there is no receive. Measured in docs/performance.md ("Loads in
-place").
+scatter, and here there is no receive. Measured in docs/notebook/2026-12-02-vllm.md ("Loads
+in place").
 """
 
 from __future__ import annotations
