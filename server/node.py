@@ -21,6 +21,7 @@ from kvpool.client import AsyncClient
 from kvpool.placement.cluster_map import ClusterMap, NodeState
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.parsers import Limits
+from kvpool.protocol.worker import TieringPolicy
 from kvpool.server.admin.api import make_admin_app
 from kvpool.server.admin.events import EventBus
 from kvpool.server.admin.metrics import NodeMetrics
@@ -29,6 +30,7 @@ from kvpool.server.admin.tracing import NodeTracing, tracing_configured
 from kvpool.server.cluster.etcd import EtcdSource
 from kvpool.server.cluster.handoff import Handoff
 from kvpool.server.cluster.membership import MapSource, Membership, StaticSource
+from kvpool.server.cold.base import ColdTier, NoColdTier
 from kvpool.server.cold.ssd import SsdTier
 from kvpool.server.cold.tiering import TierManager
 from kvpool.server.config import ClusterConfig, NodeConfig, ServerConfig
@@ -102,7 +104,11 @@ class Node:
         self.stats = NodeStats(timed=config.server.metrics)
         self.limits = Limits(server.max_frame_bytes, server.max_batch, server.max_value_bytes)
         self.membership = Membership(map_source(config.cluster))
-        self.tiers = TierManager(self.dram, EventBus(server.node_id), tracer=self._tracer)
+        self._events = EventBus(server.node_id)
+        #: DRAM and the cold tier as one store, made by ``start`` once the cold tier runs
+        self._tiers: TierManager | None = None
+        #: what lies below DRAM (started by ``start``: the SSD worker's handle, or nothing)
+        self.cold: ColdTier = NoColdTier()
         security = config.security
         #: tokens -> tenant and role (empty: open mode); replaced whole on SIGHUP
         self.auth = load_tokens(security.auth_tokens) if security.auth_tokens else TokenTable()
@@ -115,7 +121,6 @@ class Node:
         self.peer_options: dict[str, Any] = {"token": security.peer_token, "scope": "raw",
                                              "ssl": client_context(security)}
         self.connections: set[NodeConnection] = set()
-        self.ssd: SsdTier | None = None
         self._peers: AsyncClient | None = None
         self.handoff: Handoff | None = None
         self._server: asyncio.Server | None = None
@@ -132,6 +137,13 @@ class Node:
         self.admin_address: tuple[str, int] = (server.host, server.admin_port)
 
     @property
+    def tiers(self) -> TierManager:
+        """DRAM and the cold tier as one store (the node has started)."""
+        if self._tiers is None:
+            raise RuntimeError("the node has not started")
+        return self._tiers
+
+    @property
     def handlers(self) -> Handlers:
         """The op table (the node has started)."""
         if self._handlers is None:
@@ -142,12 +154,16 @@ class Node:
         """The tracer of the spans tiers make (None: tracing is not configured)."""
         return self.tracing.tracer if self.tracing is not None else None
 
-    async def _start_ssd(self) -> None:
-        """The cold tier: its worker process, with the SSD tier, S3, or both (none: a
-        DRAM-only node), as the tiering policy says."""
+    async def _start_tiers(self) -> None:
+        """The cold tier (its worker process, with the SSD tier, S3, or both; none: a
+        DRAM-only node, as the tiering policy says), then the tier manager over it."""
         policy = tiering_policy(self.config)
-        if not policy.cold:
-            return
+        if policy.cold:
+            await self._start_cold(policy)
+        self._tiers = TierManager(self.dram, self.cold, self._events, policy=policy,
+                                  tracer=self._tracer)
+
+    async def _start_cold(self, policy: TieringPolicy) -> None:
         data_dir = Path(self.config.server.data_dir)
         if policy.ssd:
             self._dir_lock = lock_data_dir(data_dir)
@@ -155,12 +171,11 @@ class Node:
         # chunks waiting for their write-behind cannot be evicted: keep them to a
         # quarter of DRAM so a PUT always finds room (the rest is shed and counted)
         pending = min(self.config.ssd.max_pending_bytes, self.dram.arena.capacity // 4)
-        self.ssd = SsdTier(path, worker_settings(self.config, policy, path),
-                           arena_fd=self.dram.arena.fd, arena_size=self.dram.arena.capacity,
-                           max_pending_bytes=pending,
-                           full_retry_s=self.config.ssd.full_retry_s)
-        await self.ssd.start()
-        self.tiers.attach_cold(self.ssd, policy)
+        ssd = SsdTier(path, worker_settings(self.config, policy, path),
+                      arena_fd=self.dram.arena.fd, arena_size=self.dram.arena.capacity,
+                      max_pending_bytes=pending, full_retry_s=self.config.ssd.full_retry_s)
+        await ssd.start()
+        self.cold = ssd
 
     async def start(self) -> None:
         if self.config.security.auth_tokens and forbid_dumps():
@@ -173,7 +188,7 @@ class Node:
         self.data_address = self._server.sockets[0].getsockname()[:2]
         self.admin_address = admin_sock.getsockname()[:2]
         try:
-            await self._start_ssd()
+            await self._start_tiers()
         except BaseException:
             self._server.close()
             admin_sock.close()
@@ -192,7 +207,7 @@ class Node:
             self._server.close()
             admin_sock.close()
             raise
-        self.tiers.events.node_id = self.membership.node_id
+        self._events.node_id = self.membership.node_id
         extra_stats = await self._start_services()
         self._handlers = Handlers(
             self.membership.node_id, self.tiers, self.limits, self.stats, self.membership,
@@ -251,8 +266,7 @@ class Node:
     def _apply_quotas(self) -> None:
         quotas = self.auth.quotas
         self.dram.tenants.quotas = {t: q.dram_bytes for t, q in quotas.items() if q.dram_bytes}
-        if self.ssd is not None:
-            self.ssd.tenants.quotas = {t: q.ssd_bytes for t, q in quotas.items() if q.ssd_bytes}
+        self.cold.tenants.quotas = {t: q.ssd_bytes for t, q in quotas.items() if q.ssd_bytes}
 
     def reload(self) -> None:
         """SIGHUP: re-read the cluster map and the tokens file (a bad file keeps the old)."""
@@ -287,7 +301,7 @@ class Node:
 
     def tenant_usage(self) -> dict[str, dict[str, int]]:
         dram = self.dram.tenants.used
-        ssd = self.ssd.tenants.used if self.ssd is not None else {}
+        ssd = self.cold.tenants.used
         return {t: {"dram": dram.get(t, 0), "ssd": ssd.get(t, 0)}
                 for t in sorted(set(dram) | set(ssd))}
 
@@ -295,7 +309,7 @@ class Node:
         """Whether clients should be sent here (GET /readyz)."""
         if self._stopping:
             return False, "stopping"
-        if self.ssd is not None and not self.ssd.up:
+        if (self.cold.has_ssd or self.cold.has_s3) and not self.cold.up:
             return True, "ssd tier down: serving from DRAM only"
         me = self.membership.me()
         if self.membership.map is not None and me is None:
@@ -368,7 +382,7 @@ class Node:
 
     @property
     def events(self) -> EventBus:
-        return self.tiers.events
+        return self._events
 
     async def snapshot(self) -> dict[str, Any]:
         return await self.handlers.snapshot()
@@ -425,7 +439,7 @@ class Node:
         if self._server is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
-        self.tiers.events.close()  # ends open /v1/events streams
+        self._events.close()  # ends open /v1/events streams
         if self._admin is not None:
             await self._admin.cleanup()
         if self._peers is not None:
@@ -433,8 +447,7 @@ class Node:
         if self.handoff is not None:
             await self.handoff.stop()
         await self.membership.stop()
-        if self.ssd is not None:
-            await self.ssd.stop()
+        await self.cold.stop()
         if self._dir_lock is not None:  # the worker has exited: the data dir is free
             os.close(self._dir_lock)
             self._dir_lock = None

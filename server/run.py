@@ -14,7 +14,7 @@ import os
 import signal
 
 from kvpool.protocol.errors import ConfigError
-from kvpool.server.cold.ssd import SsdUnavailableError
+from kvpool.server.cold.ssd import SsdTier, SsdUnavailableError
 from kvpool.server.config import NodeConfig, format_size, unknown_env_vars
 from kvpool.server.node import Node
 
@@ -41,8 +41,8 @@ async def _serve(config: NodeConfig) -> None:
         f"{config.dram.capacity_fraction:.0%} of available memory"
     print(f"kvpool node {node.node_id}: DRAM tier {format_size(dram.capacity_bytes)} "
           f"({how})", flush=True)
-    if node.ssd is not None and node.ssd.has_ssd:
-        ssd = node.ssd
+    ssd = node.cold
+    if isinstance(ssd, SsdTier) and ssd.has_ssd:
         print(f"kvpool node {node.node_id}: SSD tier {format_size(ssd.capacity_bytes)}"
               f" in {ssd.path} ({config.ssd.codec}), {len(ssd.index)} chunks on disk",
               flush=True)

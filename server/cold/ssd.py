@@ -20,11 +20,11 @@ import socket
 import struct
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvpool.protocol.envelope import Codec
+from kvpool.protocol.envelope import CODEC_NAMES, Codec
 from kvpool.protocol.worker import (
     S3_LOG_PAGE,
     SsdOp,
@@ -32,36 +32,16 @@ from kvpool.protocol.worker import (
     WorkerSettings,
     decode_keys,
 )
+from kvpool.server.cold.base import ColdCounters
 from kvpool.server.cold.s3_mirror import S3KeyMirror
 from kvpool.server.cold.worker_channel import SsdUnavailableError, WorkerChannel
 from kvpool.tiers.tenants import TenantChunks
 
-__all__ = ["SsdCounters", "SsdTier", "SsdUnavailableError"]
+__all__ = ["SsdTier", "SsdUnavailableError"]
 
 _U64 = struct.Struct("<Q")
 
 log = logging.getLogger("kvpool.server.cold.ssd")
-
-
-@dataclass(slots=True)
-class SsdCounters:
-    writes: int = 0
-    write_bytes: int = 0
-    refused: int = 0
-    shed: int = 0
-    reads: int = 0
-    read_bytes: int = 0
-    read_misses: int = 0
-    corrupt: int = 0
-    errors: int = 0
-    evicted: int = 0
-    pending_writes: int = 0
-    pending_write_bytes: int = 0
-    #: times the tier took writes again after a full disk
-    recovered: int = 0
-    #: chunks not written below at their PUT: no reuse shown yet (``--ssd-admit reused``;
-    #: written later if one is read or looked up while in DRAM)
-    held_back: int = 0
 
 
 class SsdTier:
@@ -99,7 +79,7 @@ class SsdTier:
         #: serves SSD requests in order: those complete first and must not be indexed)
         self._writing: dict[bytes, int] = {}
         self._overtaken: dict[bytes, int] = {}
-        self.counters = SsdCounters()
+        self.counters = ColdCounters()
         self._proc: asyncio.subprocess.Process | None = None
         self._stderr_task: asyncio.Task[None] | None = None
         self._channel: WorkerChannel | None = None
@@ -394,6 +374,38 @@ class SsdTier:
         _, payload = await self._call(SsdOp.STATS)
         stats: dict[str, Any] = json.loads(payload)
         return stats
+
+    async def describe(self) -> dict[str, dict[str, Any]]:
+        """The SSD's counters and the worker's (``ssd``), and S3's (``s3``; with S3 alone
+        below DRAM, the node's side of it as ``s3.node``)."""
+        info: dict[str, Any] = {"name": "ssd", "up": self.up, "full": self.full,
+                                "capacity_bytes": self.capacity_bytes,
+                                "codec": CODEC_NAMES[self.codec],
+                                "num_objects": len(self.index),
+                                "raw_bytes": sum(self.index.values()), **asdict(self.counters)}
+        if self.up:
+            try:
+                async with asyncio.timeout(2):
+                    worker = await self.worker_stats()
+            except (SsdUnavailableError, TimeoutError):
+                info["worker"] = "no answer"
+            else:
+                for name in ("used_bytes", "hits", "misses", "insertions", "evictions",
+                             "rejections", "corrupt", "s3"):
+                    if name in worker:
+                        info[name] = worker[name]
+        out: dict[str, dict[str, Any]] = {}
+        s3 = info.pop("s3", None)
+        if self.has_ssd:
+            out["ssd"] = info
+        if s3 is not None:
+            out["s3"] = {"name": "s3", "keys_known": len(self.s3_index), **s3}
+            if not self.has_ssd:  # the node's side: worker up, uploads pending, shed
+                node = {"up": info["up"], **asdict(self.counters)}
+                out["s3"]["node"] = node
+                # what was not written below is S3's shed writes here (no SSD to shed)
+                out["s3"]["shed"] = out["s3"].get("shed", 0) + node["shed"]
+        return out
 
     # -- internals ------------------------------------------------------------------------
 

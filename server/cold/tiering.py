@@ -28,17 +28,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict
 from typing import Any
 
 from opentelemetry.trace import Tracer
 
-from kvpool.protocol.envelope import CODEC_NAMES
 from kvpool.protocol.frames import Tier
 from kvpool.protocol.worker import SsdStatus, TieringPolicy
 from kvpool.server.admin.events import EventBus
 from kvpool.server.admin.tracing import tier_span
-from kvpool.server.cold.ssd import SsdTier, SsdUnavailableError
+from kvpool.server.cold.base import ColdTier
+from kvpool.server.cold.worker_channel import SsdUnavailableError
 from kvpool.tiers.dram import DramTier, Entry, Slot
 
 _SSD, _S3 = int(Tier.SSD), int(Tier.S3)
@@ -50,32 +49,25 @@ __all__ = ["TierManager", "TieringPolicy"]
 class TierManager:
     """DRAM and the cold tier of one node: store, read (promoting), delete, evict, flush.
 
-    ``tracer``: gives the tracer for the spans of promotions (reads of a request, whose
-    span may be current), or None while tracing is off.
+    ``cold``: what lies below DRAM (:mod:`kvpool.server.cold.base`: the SSD worker's
+    handle, or ``NoColdTier()`` for a DRAM-only node), started; ``policy``: how chunks
+    go below (the node's config). ``tracer``: gives the tracer for the spans of
+    promotions (reads of a request, whose span may be current), or None while tracing
+    is off.
     """
 
-    def __init__(self, dram: DramTier, events: EventBus, *,
+    def __init__(self, dram: DramTier, cold: ColdTier, events: EventBus, *,
+                 policy: TieringPolicy | None = None,
                  tracer: Callable[[], Tracer | None] = lambda: None) -> None:
         self.dram = dram
+        self.cold = cold
         self.events = events
-        self.ssd: SsdTier | None = None
-        self.policy = TieringPolicy()
+        self.policy = policy or TieringPolicy()
         self.promotions = 0
         self._tracer = tracer
         dram.on_evict = self._evicted
         dram.on_expire = self._expired
-
-    def attach_cold(self, ssd: SsdTier, policy: TieringPolicy) -> None:
-        """The SSD tier (and S3 behind it), once its worker runs, and the policy for it."""
-        self.ssd = ssd
-        self.policy = policy
-        ssd.on_evicted = self._ssd_evicted
-
-    @property
-    def _cold(self) -> SsdTier | None:
-        """The cold tier while its worker is up (None: DRAM only, for now)."""
-        ssd = self.ssd
-        return ssd if ssd is not None and ssd.up else None
+        cold.on_evicted = self._cold_evicted
 
     # -- storing ----------------------------------------------------------------------
 
@@ -95,18 +87,16 @@ class TierManager:
     def through(self, committed: Sequence[Entry | None]) -> list[int]:
         """Indexes of ``committed`` whose PUT waits for S3 (write-through; chunks with a
         TTL never go below DRAM); empty: write every chunk behind."""
-        ssd = self.ssd
-        if not (self.policy.write_through and ssd is not None and ssd.has_s3):
+        if not (self.policy.write_through and self.cold.has_s3):
             return []
         return [i for i, e in enumerate(committed) if e is not None and e.expires_at is None]
 
     def write_behind(self, entries: Iterable[Entry]) -> None:
         """Queue each chunk for the tier below (held in DRAM meanwhile); a chunk with a
         TTL deletes its key's copies below instead."""
-        ssd = self.ssd
-        if ssd is None:
-            return  # (a worker that is down sheds, and counts, every write)
-        dram = self.dram
+        ssd, dram = self.cold, self.dram
+        if not (ssd.has_ssd or ssd.has_s3):
+            return  # nothing below (a tier that is down sheds, and counts, every write)
         reused_only = self.policy.admit == "reused"
         for entry in entries:
             if entry.expires_at is not None:
@@ -138,8 +128,7 @@ class TierManager:
 
     async def make_durable(self, entries: Sequence[Entry]) -> list[bool]:
         """Write-through: True for each chunk S3 has once this returns."""
-        ssd = self.ssd
-        assert ssd is not None
+        ssd = self.cold
         # chunks the index says S3 has: asked of S3 itself before they are acked as
         # durable (another node may have deleted one since this node's last LIST), and
         # held meanwhile, in case they have to be written after all
@@ -162,8 +151,7 @@ class TierManager:
 
     async def _write_durable(self, entries: Sequence[Entry]) -> list[bool]:
         """Write each chunk behind to the SSD and to S3; False where S3 lacks it after."""
-        ssd = self.ssd
-        assert ssd is not None
+        ssd = self.cold
         loop = asyncio.get_running_loop()
         waits: list[asyncio.Future[bool]] = []
         for entry in entries:
@@ -190,8 +178,8 @@ class TierManager:
 
     def below(self, keys: Sequence[bytes], entries: Sequence[Entry | None]) -> list[int]:
         """Indexes of the DRAM misses a lower tier may hold (:meth:`promote` them)."""
-        ssd = self._cold
-        if ssd is None:
+        ssd = self.cold
+        if not ssd.up:
             return []
         # with S3, a miss everywhere else asks S3 too: another node may have written the
         # chunk since our last LIST (EXISTS/LOOKUP never pay that round trip)
@@ -205,8 +193,7 @@ class TierManager:
         await asyncio.gather(*(self._promote(keys[i], entries, i) for i in which))
 
     async def _promote(self, key: bytes, entries: list[Entry | None], i: int) -> None:
-        ssd = self.ssd
-        assert ssd is not None
+        ssd = self.cold
         value_len = ssd.index.get(key)
         if value_len is None:
             if ssd.has_s3:
@@ -229,8 +216,7 @@ class TierManager:
 
     async def _promote_from_s3(self, key: bytes, entries: list[Entry | None], i: int) -> None:
         """Fetch ``key`` from S3 (the worker verifies it), into DRAM, then behind to SSD."""
-        ssd = self.ssd
-        assert ssd is not None and ssd.has_s3
+        ssd = self.cold
         with tier_span(self._tracer(), "kvpool.s3 read") as span:
             try:
                 value_len = await ssd.fetch(key)
@@ -269,8 +255,8 @@ class TierManager:
             peek = self.dram.peek
             self.reused(peek(key) for key, held in zip(keys, in_dram, strict=True) if held)
         codes = bytes(in_dram)  # Tier.DRAM is 1: True where DRAM holds the key
-        ssd = self._cold
-        if ssd is None or all(in_dram):
+        ssd = self.cold
+        if not ssd.up or all(in_dram):
             return codes
         found = bytearray(codes)
         index, s3_index = ssd.index, ssd.s3_index
@@ -287,8 +273,8 @@ class TierManager:
         deleted = self.dram.delete_many(keys)
         # the highest tier that held each key, for the removed events
         tiers = ["dram" if gone else "" for gone in deleted]
-        ssd = self._cold
-        if ssd is not None:
+        ssd = self.cold
+        if ssd.up:
             for i, key in enumerate(keys):
                 if ssd.holds(key):
                     if not deleted[i]:
@@ -319,8 +305,8 @@ class TierManager:
             for entry in self.dram.evict_where(keep):
                 counts["dram"] += 1
                 self._evicted(entry)
-        ssd = self._cold
-        if tier == "ssd" and ssd is not None:
+        ssd = self.cold
+        if tier == "ssd" and ssd.up:
             for key in list(ssd.index):
                 ssd.evict(key)
                 counts["ssd"] += 1
@@ -331,11 +317,11 @@ class TierManager:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         # polled: the queue drains through SSD-worker replies, which signal nothing else
-        while (ssd := self._cold) is not None and ssd.counters.pending_writes \
+        cold = self.cold
+        while cold.up and cold.counters.pending_writes \
                 and loop.time() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.01)
-        ssd = self._cold
-        pending = ssd.counters.pending_writes if ssd is not None else 0
+        pending = cold.counters.pending_writes if cold.up else 0
         return {"flushed": pending == 0, "pending_writes": pending}
 
     # -- what happened, and what is there -----------------------------------------------
@@ -344,9 +330,9 @@ class TierManager:
         """DRAM made room by dropping ``entry``: an evicted or demoted event."""
         if not self.events.subscribers:
             return
-        ssd = self._cold
+        ssd = self.cold
         lower = None
-        if ssd is not None:
+        if ssd.up:
             lower = "ssd" if entry.key in ssd.index else "s3" if entry.key in ssd.s3_index \
                 else None
         self.events.publish("demoted" if lower else "evicted", entry.key,
@@ -358,22 +344,21 @@ class TierManager:
             self.events.publish("expired", entry.key, tier="dram", parent=entry.parent,
                                 depth=entry.depth)
 
-    def _ssd_evicted(self, key: bytes) -> None:
+    def _cold_evicted(self, key: bytes) -> None:
         """The SSD dropped ``key`` to make room: an evicted or demoted event, unless DRAM
         still holds it (then this node's view of the chunk has not changed)."""
         if not self.events.subscribers or self.dram.contains(key):
             return
-        ssd = self.ssd
-        in_s3 = ssd is not None and key in ssd.s3_index
+        in_s3 = key in self.cold.s3_index
         self.events.publish("demoted" if in_s3 else "evicted", key,
                             tier="s3" if in_s3 else "ssd")
 
     def chunk_info(self, key: bytes) -> dict[str, Any] | None:
         """What this node knows of one chunk, without reading it (None: no tier has it)."""
         entry = self.dram.peek(key)
-        ssd = self._cold
-        on_ssd = ssd is not None and key in ssd.index
-        in_s3 = ssd is not None and key in ssd.s3_index
+        ssd = self.cold
+        on_ssd = ssd.up and key in ssd.index
+        in_s3 = ssd.up and key in ssd.s3_index
         tiers = [name for name, held in (("dram", entry is not None), ("ssd", on_ssd),
                                          ("s3", in_s3)) if held]
         if not tiers:
@@ -387,7 +372,6 @@ class TierManager:
                         depth=entry.depth, num_tokens=entry.num_tokens,
                         parent=entry.parent.hex() if entry.parent else None)
         elif on_ssd:
-            assert ssd is not None
             info["size_bytes"] = ssd.index[key]
         return info
 
@@ -395,38 +379,9 @@ class TierManager:
         """Each tier's counters (the stats snapshot's ``tiers``) and the manager's own."""
         dram = self.dram.stats()
         tiers: dict[str, Any] = {"dram": dram.to_dict()}
-        if self.ssd is not None:
-            cold = await _ssd_stats(self.ssd)
-            s3 = cold.pop("s3", None)
-            if self.ssd.has_ssd:
-                tiers["ssd"] = cold
-            if s3 is not None:
-                tiers["s3"] = {"name": "s3", "keys_known": len(self.ssd.s3_index), **s3}
-                if not self.ssd.has_ssd:  # the node's side: worker up, uploads pending, shed
-                    node = {"up": cold["up"], **asdict(self.ssd.counters)}
-                    tiers["s3"]["node"] = node
-                    # what was not written below is S3's shed writes here (no SSD to shed)
-                    tiers["s3"]["shed"] = tiers["s3"].get("shed", 0) + node["shed"]
+        tiers.update(await self.cold.describe())
         return {"tiers": tiers, "promotions": self.promotions,
                 "quota_evictions": self.dram.tenants.evictions,
                 "quota_rejections": self.dram.tenants.rejections,
-                "ssd_quota_evictions": self.ssd.tenants.evictions if self.ssd else 0}
+                "ssd_quota_evictions": self.cold.tenants.evictions}
 
-
-async def _ssd_stats(ssd: SsdTier) -> dict[str, Any]:
-    info: dict[str, Any] = {"name": "ssd", "up": ssd.up, "full": ssd.full,
-                            "capacity_bytes": ssd.capacity_bytes,
-                            "codec": CODEC_NAMES[ssd.codec], "num_objects": len(ssd.index),
-                            "raw_bytes": sum(ssd.index.values()), **asdict(ssd.counters)}
-    if ssd.up:
-        try:
-            async with asyncio.timeout(2):
-                worker = await ssd.worker_stats()
-        except (SsdUnavailableError, TimeoutError):
-            info["worker"] = "no answer"
-        else:
-            for name in ("used_bytes", "hits", "misses", "insertions", "evictions",
-                         "rejections", "corrupt", "s3"):
-                if name in worker:
-                    info[name] = worker[name]
-    return info
