@@ -18,7 +18,7 @@ Run: ``python -m bench.fuzz_frames -atheris_runs=200000`` (libFuzzer
 flags pass through; ``-max_total_time=600`` bounds it by time). A seed corpus
 of valid frames is written to ``~/.cache/kvpool/fuzz-corpus`` (or under
 ``$KVPOOL_CACHE_DIR``) on first use, and the corpus grows there. The
-hypothesis test ``tests/test_hostile.py`` does the same against a node process.
+hypothesis test ``tests/server/test_hostile.py`` does the same against a node process.
 """
 
 from __future__ import annotations

@@ -305,7 +305,7 @@ class AttackTarget:
             "bad_admin_bodies": BadAdminBodies(admin_urls, stop),
             "silent_subscribers": SilentSubscribers(admin_urls, stop),
             # under the admin cap (256): past it, the flood would shut the other admin
-            # attacks out too (tests/test_hostile_admin.py floods past the cap)
+            # attacks out too (tests/server/test_hostile_admin.py floods past the cap)
             "admin_flood": AdminFlood(admin_urls, stop, per_node=200),
         }
         self.latency_ms: list[float] = []

@@ -21,8 +21,7 @@ from kvpool.placement.cluster_map import ClusterMap
 from kvpool.protocol.errors import Status
 from kvpool.protocol.frames import FRAME_HEADER_SIZE, Op, encode_error
 from kvpool.protocol.parsers import RequestParser
-
-from .mock_nodes import MockNode
+from tests.mock_nodes import MockNode
 
 __all__ = ["LyingNode", "Tamper", "hello_with", "set_header", "untouched"]
 

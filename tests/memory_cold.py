@@ -1,5 +1,5 @@
 """A cold tier in this process's memory, for the tier manager's tests: no worker
-process, no files (``tests/test_tiering.py`` runs the same tests on the real worker).
+process, no files (``tests/server/test_tiering.py`` runs the same tests on the real worker).
 
 It keeps what the SSD worker's handle promises (``kvpool.server.cold.base.ColdTier``):
 writes complete on a later turn of the loop, as a worker's reply does, and copy the

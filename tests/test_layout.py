@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, NodeProcess
+from tests.conftest import ROOT, NodeProcess
 
 # package -> the kvpool packages it may import (DESIGN.md "Layout"; plus server -> client:
 # a node reaches its peers through the SDK, see docs/architecture.md)

