@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from kvpool.client import _plans as plans
-from kvpool.client._checks import checked_hello, reply_json
 from kvpool.client._node import NodeClient
 from kvpool.client._plans import Call, Plan, Sink
 from kvpool.client._routing import FIRST_ANSWER, Coverage, LeftBehind, Settle, grace
@@ -38,8 +37,7 @@ from kvpool.client._routing import IntArray as Rows
 from kvpool.client._shm import Ahead, ShmMapping, redeem
 from kvpool.client._socket import busy_poll
 from kvpool.protocol.errors import KvpoolConnectionError
-from kvpool.protocol.frames import KEY_SIZE, PROTOCOL_VERSION, Op, encode_json
-from kvpool.protocol.host import host_id
+from kvpool.protocol.frames import KEY_SIZE, Op
 from kvpool.protocol.parsers import Reply
 
 if TYPE_CHECKING:
@@ -143,21 +141,16 @@ class BlockingNode:
         self.close()
         options = node.options
         conn = options.connector.open_blocking(node.host, node.port, options)
-        request: dict[str, Any] = {"protocol": PROTOCOL_VERSION, "client": options.client_name}
-        if options.token:
-            request["token"] = options.token
         mapping = node.shm_path.mapping
         # a standalone node (epoch 0) whose arena the loop's connection mapped writable: this
         # link puts through it too (a cluster's puts run on the loop: its links ask no grant)
         writes = mapping is not None and mapping.writable and options.shm is not False \
             and options.over_tcp and node.epoch == 0
-        if writes:
-            request.update(shm=True, host=host_id())
         try:
-            info = checked_hello(node.node_id, reply_json(
-                node.node_id, node.check(conn.call(Op.HELLO, 0, [encode_json(request)])).body))
+            hello = plans.hello(node, options.client_name, options.token, arena=writes)
+            info = self._rounds(hello, next(hello), conn)
             conn.limit_values(info["max_value_bytes"])
-            self.shm_write = writes and self._granted(info.get("shm"))
+            self.shm_write = writes and self._granted(plans.arena_offer(info))
         except BaseException:
             conn.close()
             raise
@@ -168,10 +161,10 @@ class BlockingNode:
         self._conn = conn
         return conn
 
-    def _granted(self, offer: Any) -> bool:
+    def _granted(self, offer: dict[str, Any] | None) -> bool:
         """Redeem a HELLO's arena offer for this link's session (the node's arena is mapped
         anew if it is not the one mapped: a restarted node's); whether it may write it."""
-        if not isinstance(offer, dict) or "refused" in offer:
+        if offer is None:
             return False
         try:
             fd, index_fd, writable = redeem(offer, self.node.options.connect_timeout)

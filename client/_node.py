@@ -18,7 +18,6 @@ from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
 from kvpool.client import _plans as plans
-from kvpool.client._checks import checked_hello, reply_json
 from kvpool.client._connection import Buffer, BufferOrSegments, Connection
 from kvpool.client._options import SHM_PUT_MIN_BYTES, ClientOptions
 from kvpool.client._plans import routed_by
@@ -37,11 +36,8 @@ from kvpool.protocol.errors import (
 )
 from kvpool.protocol.frames import (
     KEY_SIZE,
-    PROTOCOL_VERSION,
     Op,
-    encode_json,
 )
-from kvpool.protocol.host import host_id
 from kvpool.protocol.parsers import Reply, Segments
 
 __all__ = ["DEFAULT_PORT", "SHM_PUT_MIN_BYTES", "Key", "NodeClient", "join_keys", "key_bytes",
@@ -384,25 +380,16 @@ class NodeClient:
             self.host, self.port, options,
             lambda: Connection(options.timeout, f"{self.host}:{self.port}"))
         conn.scope_flags = options.scope_flags
-        request: dict[str, Any] = {"protocol": PROTOCOL_VERSION,
-                                   "client": options.client_name}
-        if options.token:
-            request["token"] = options.token
-        if options.shm is not False and options.over_tcp:
-            request.update(shm=True, host=host_id())
         try:
-            reply = await self._call(conn, Op.HELLO, 0, [encode_json(request)])
-        except BaseException:
-            conn.close()
-            raise
-        try:
-            self.server_info = checked_hello(self.node_id, reply_json(self.node_id, reply.body))
+            self.server_info = await self.run(plans.hello(
+                self, options.client_name, options.token,
+                arena=options.shm is not False and options.over_tcp), conn)
         except BaseException:
             conn.close()
             raise
         conn.limit_values(self.server_info["max_value_bytes"])
-        offer = self.server_info.get("shm")
-        if isinstance(offer, dict) and "refused" not in offer:
+        offer = plans.arena_offer(self.server_info)
+        if offer is not None:
             try:  # in a thread: the node may share this event loop (a node's own peer client)
                 fd, index_fd, writable = await asyncio.get_running_loop().run_in_executor(
                     None, redeem, offer, options.connect_timeout)
@@ -417,7 +404,8 @@ class NodeClient:
                 conn.shm_write = writable
         elif options.shm:
             conn.close()
-            refused = offer.get("refused") if isinstance(offer, dict) else None
+            offered = self.server_info.get("shm")
+            refused = offered.get("refused") if isinstance(offered, dict) else None
             raise KvpoolConnectionError(
                 f"node {self.node_id} offers no shared-memory fast path: "
                 + (str(refused) if refused else "another host, or started with --no-shm"))

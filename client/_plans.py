@@ -20,7 +20,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from kvpool.client._checks import reply_json, reply_statuses
+from kvpool.client._checks import checked_hello, reply_json, reply_statuses
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, ChecksumTrailer, seal
 from kvpool.protocol.errors import (
     BadReplyError,
@@ -31,17 +31,21 @@ from kvpool.protocol.errors import (
 )
 from kvpool.protocol.frames import (
     KEY_SIZE,
+    PROTOCOL_VERSION,
     PUT_FLAG_CHECKSUM_AFTER,
     PUT_FLAG_PARENT,
     Op,
     PutItemHeader,
     decode_lookup,
+    encode_json,
 )
+from kvpool.protocol.host import host_id
 from kvpool.protocol.parsers import TOO_SMALL, Reply, Segments
 
-__all__ = ["Call", "Plan", "PutItem", "as_segments", "blob_part", "chunks", "drop_corrupt",
-           "exists", "flat_view", "frames", "get_tcp", "json_op", "lookup", "put_items",
-           "put_tcp", "routed_by", "rows_blob", "statuses", "too_small"]
+__all__ = ["Call", "Plan", "PutItem", "arena_offer", "as_segments", "blob_part", "chunks",
+           "drop_corrupt", "exists", "flat_view", "frames", "get_tcp", "hello", "json_op",
+           "lookup", "put_items", "put_tcp", "routed_by", "rows_blob", "statuses",
+           "too_small"]
 
 log = logging.getLogger("kvpool.client")
 #: the epoch of the cluster map the current call was routed by (0: the node's own
@@ -202,6 +206,25 @@ def statuses(node: Host, op: Op, blob: bytes) -> Plan[list[int]]:
     for part, reply in zip(parts, replies, strict=True):
         out += reply_statuses(node.node_id, reply.body, len(part))
     return out
+
+
+def hello(node: Host, client_name: str, token: str | None, *, arena: bool
+          ) -> Plan[dict[str, Any]]:
+    """HELLO, the first frame of every connection: the node's limits and offers, checked.
+    ``arena``: ask for its shared-memory arena (a client that may be on its host)."""
+    request: dict[str, Any] = {"protocol": PROTOCOL_VERSION, "client": client_name}
+    if token:
+        request["token"] = token
+    if arena:
+        request.update(shm=True, host=host_id())
+    (reply,) = yield [(Op.HELLO, 0, [encode_json(request)], None)]
+    return checked_hello(node.node_id, reply_json(node.node_id, reply.body))
+
+
+def arena_offer(info: dict[str, Any]) -> dict[str, Any] | None:
+    """The arena a HELLO reply offers to redeem (None: none offered, or refused)."""
+    offer = info.get("shm")
+    return offer if isinstance(offer, dict) and "refused" not in offer else None
 
 
 def json_op(node: Host, op: Op) -> Plan[dict[str, Any]]:
