@@ -717,16 +717,21 @@ def test_a_hung_node_costs_a_lookup_no_timeout_and_is_left_alone(
             others = [s for s in cluster3.seeds if not s.endswith(f":{victim}")]
             fresh = Client(others, timeout=timeout)  # meets the stopped node in its lookup
             fresh.connect()
-            start = time.monotonic()  # the stopped seed first: the next one is tried
-            with Client([f"127.0.0.1:{victim}", *others], timeout=timeout):  # alongside it
-                assert time.monotonic() - start < timeout / 5                # after 0.25 s
+            # clients whose timeout is longer than the test's own (pytest's timeout fails
+            # it if one of their calls waits for the stopped node): one whose first seed is
+            # the stopped node (the next one is tried alongside it after 0.25 s), and one on
+            # the loop; each leaves the stopped node behind in its first lookup
+            patient = [Client([f"127.0.0.1:{victim}", *others], timeout=3600),
+                       Client(others, timeout=3600, blocking=False)]
+            for client in patient:
+                assert client.lookup(keys) == 20
+                assert client.async_client._router.ring_nodes[0].suspect
             for client in (c, looped, fresh):
                 nodes = client.async_client._router.ring_nodes
-                start = time.monotonic()
                 assert client.lookup(keys) == 20
                 assert client.exists_many(keys) == [True] * 20 + [False] * 12
-                took = time.monotonic() - start
-                assert took < timeout / 5, took  # two grace periods at most, no timeout
+                # not waited for: left behind once (a call that waited out the timeout
+                # would have marked it down, not left it), and not asked again
                 assert [n.live for n in nodes] == [False, True, True]
                 assert [n.failures for n in nodes] == [1, 0, 0]  # asked once, then left
                 assert nodes[0].suspect and not nodes[0].trusted
@@ -738,16 +743,15 @@ def test_a_hung_node_costs_a_lookup_no_timeout_and_is_left_alone(
                 looped.exists_many(keys[:1])  # runs the loop the late request waits on
                 time.sleep(0.1)
             assert late.down_until - time.monotonic() > timeout  # timed out: down for long
-            for client in (c, looped):  # its back-off over, reads and writes still keep
-                # away from it, and a lookup probes it without waiting for it (the sync
-                # client's on the loop: a blocking reconnect would wait out the HELLO)
+            for client in patient:  # its back-off over, reads and writes still keep away
+                # from it, and a lookup probes it without waiting for it (the sync client's
+                # on the loop: a blocking reconnect would wait out the HELLO)
                 client.async_client._router.ring_nodes[0].down_until = time.monotonic()
-                start = time.monotonic()
                 assert client.get_many(keys[:20]) == [value_for(k, 64) for k in keys[:20]]
                 more = [os.urandom(16) for _ in range(16)]
                 client.put_many(more, [value_for(k, 64) for k in more])
                 assert client.lookup(keys) == 20
-                assert time.monotonic() - start < timeout / 5
                 assert client.get_many(more) == [value_for(k, 64) for k in more]
+                client.close()
         finally:
             proc.send_signal(signal.SIGCONT)
