@@ -471,9 +471,9 @@ def test_a_hung_cluster_node_costs_no_request_a_timeout_and_the_replicas_serve(
     recomputed, twice in CI runs)."""
     from kvpool.cli.local_cluster import LocalCluster
 
-    # well past what a loaded request takes on a busy 2-core VM (2.4-5.5 s, 16 s for the
-    # whole prompt computed), so a TTFT under it says no request waited it out
-    timeout_s = 20.0
+    # longer than the driver may run (300 s): a request that waited the hung node out
+    # fails the test (no clock assert; a loaded request takes 2.4-5.5 s here)
+    timeout_s = 3600.0
     with LocalCluster(3, replication=2, data_dir=tmp_path / "cluster",
                       serve_args=["--no-ssd", "--dram-capacity", "256MiB"]) as cluster:
         connector = {"kvpool_url": ",".join(cluster.seeds), "timeout_s": timeout_s}
@@ -496,8 +496,6 @@ def test_a_hung_cluster_node_costs_no_request_a_timeout_and_the_replicas_serve(
     said = [line for line in loaded["log"].splitlines() if " kvpool" in line]
     assert "Recovered from KV load failure" not in loaded["log"], said[-20:]
     assert "no pool calls for" not in loaded["log"], said[-20:]
-    # a functional bound (waiting out the hung node costs one timeout_s at least)
-    assert all(run["ttft_s"] < timeout_s for run in runs), [r["ttft_s"] for r in runs]
 
 
 def _serve_one(cmd: list[str], port: int, body: bytes, log_path: Path
