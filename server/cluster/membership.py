@@ -108,12 +108,16 @@ class Membership:
         self.map: ClusterMap | None = None
         self.node_id = ""
         self.listeners: list[Callable[[ClusterMap], None]] = []
+        #: this node's failure domains as its flags set them (host, rack, zone; unset
+        #: ones left out): a static map must agree, at start and at each reload
+        self.labels: dict[str, str] = {}
 
     async def start(self, node_id: str, data: tuple[str, int], admin: tuple[str, int],
                     labels: Mapping[str, str] | None = None) -> None:
         """Load the first map and find this node in it (``data``/``admin``: advertised;
         ``labels``: the failure domains set on this node, ``host``, ``rack``, ``zone``)."""
         labels = {k: v for k, v in (labels or {}).items() if v}
+        self.labels = labels
         if self.source is None:
             self.resolve_self(node_id, data)
             return
@@ -168,6 +172,9 @@ class Membership:
             return False
         try:
             new = self.source.reload()
+            me = new.by_id.get(self.node_id) if new is not None else None
+            if me is not None and isinstance(self.source, StaticSource):
+                check_labels(me, self.labels, self.source.describe())  # as at start
         except ConfigError as exc:
             log.error("cluster map reload from %s failed; keeping epoch %d: %s",
                       self.source.describe(), self.epoch, exc)

@@ -81,6 +81,29 @@ async def test_a_node_whose_labels_disagree_with_its_static_map_is_refused(
         await start("n1", {"host": "box-2"})
 
 
+async def test_a_reloaded_static_map_that_moves_this_node_is_refused(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """SIGHUP re-reads a static map: one that puts this node in another rack than its
+    flags say is refused as at start (the old map stays); one that agrees is taken."""
+    nodes = (NodeInfo(id="n0", data="127.0.0.1:7700", host="box-1", rack="r1"),
+             NodeInfo(id="n1", data="127.0.0.1:7702", host="box-2", rack="r2"))
+    path = tmp_path / "cluster.toml"
+    path.write_text(ClusterMap(epoch=1, replication=2, nodes=nodes).to_toml())
+    membership = Membership(StaticSource(file=str(path)))
+    await membership.start("n0", ("127.0.0.1", 7700), ("127.0.0.1", 7701),
+                           {"host": "box-1", "rack": "r1"})
+    moved = (NodeInfo(id="n0", data="127.0.0.1:7700", host="box-1", rack="r3"), nodes[1])
+    path.write_text(ClusterMap(epoch=2, replication=2, nodes=moved).to_toml())
+    assert membership.reload() is False
+    assert membership.epoch == 1
+    assert "--rack 'r1', but the cluster map" in caplog.text
+    weighed = (nodes[0], NodeInfo(id="n1", data="127.0.0.1:7702", host="box-2", rack="r2",
+                                  weight=2.0))
+    path.write_text(ClusterMap(epoch=3, replication=2, nodes=weighed).to_toml())
+    assert membership.reload() is True
+    assert membership.epoch == 3
+
+
 class ServeNodes(RunningCommand):
     """``kvpool serve --nodes N`` on free ports."""
 
