@@ -134,7 +134,7 @@ def test_sync_puts_through_the_arena_run_with_no_event_loop() -> None:
             shm = node_stats(node)["shm"]
             assert (shm["committed"], shm["released"], shm["open_leases"]) == (6, 1, 1)
             # the blocking link's own session holds the slots ahead; a new link, none
-            driver = fast._blocking_node(shm_node(fast))
+            driver = fast._free.driver(shm_node(fast))
             assert driver.shm_write and len(driver.put_ahead) == 1
             driver.close()
             assert not driver.shm_write and not driver.put_ahead

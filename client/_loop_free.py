@@ -1,0 +1,232 @@
+"""The sync client's calls that skip its event loop: :class:`LoopFree`.
+
+The sync :class:`~kvpool.client.Client` runs the async core on a loop of its own; it
+asks :class:`LoopFree` first, which answers a call here or says to run it on the
+loop. Two kinds of call skip the loop (a loop run costs ~40 us here, as much as copying
+1 MiB, and more than a small request's round trip):
+
+- a call to a standalone node that goes over TCP (every key op, GETs where the
+  node grants no shared memory, puts below ``shm_put_min_bytes``), and a put
+  through its arena (``client/_shm_put.py``), runs the
+  same op plans as the async core (:mod:`kvpool.client._plans`) on a blocking
+  socket of this client's own (:mod:`kvpool.client._blocking`), unless client
+  spans are recorded; so a sync client holds one connection more than its
+  pool. On a cluster, the key ops an engine's scheduler asks, ``exists*`` and
+  ``lookup*``, do the same on the blocking sockets of the nodes asked, every
+  frame sent before any reply is read
+  (:func:`~kvpool.client._blocking.run_parallel`). A cluster's GETs send their first
+  round so (each key to the first trusted node of its list; nodes whose arenas the
+  client has not mapped: a same-host node's GETs go through its arena), and read the
+  keys not found there on down their lists on the loop. A cluster's other calls run on
+  the loop (its routing is async).
+- a GET that a same-host node's arena index can answer whole is copied with
+  no request at all (``ShmPath.read_local``). The loop still runs before such a read
+  when the reads before it are due to be reported, or when it has not run for
+  ``TOUCH_DELAY_S`` (50 ms): so the client hears of a node that died (its
+  connection's end) before reading values frozen in its index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+from kvpool.client import _cluster_ops as cluster_ops
+from kvpool.client import _plans as plans
+from kvpool.client._async import AsyncClient, _sinks
+from kvpool.client._blocking import BlockingNode, run_parallel
+from kvpool.client._connection import BufferOrSegments
+from kvpool.client._node import Key, NodeClient, join_keys
+from kvpool.client._plans import rows_blob
+from kvpool.client._shm_path import TOUCH_DELAY_S, ShmPath
+from kvpool.protocol.frames import KEY_SIZE
+from kvpool.protocol.parsers import Segments
+
+__all__ = ["LoopFree"]
+
+T = TypeVar("T")
+
+
+class LoopFree:
+    """The blocking routes of one sync client: the loop it skips (``loop``, run under
+    ``lock`` by ``run``), the async core whose nodes and routing it shares (``core``),
+    and a blocking driver per node (:class:`~kvpool.client._blocking.BlockingNode`).
+    Each route returns None, having sent nothing, where the call runs on the loop."""
+
+    def __init__(self, core: AsyncClient, loop: asyncio.AbstractEventLoop,
+                 lock: threading.Lock, run: Callable[[Coroutine[Any, Any, Any]], Any], *,
+                 allowed: bool) -> None:
+        self.core, self.loop, self.lock, self.run = core, loop, lock, run
+        #: calls over TCP may run on blocking sockets (``Client(blocking=...)``)
+        self.allowed = allowed
+        #: until when (monotonic) reads through the index may skip the loop
+        self.loop_until = 0.0
+        #: the blocking TCP path to each node, by node id (made on first use)
+        self.drivers: dict[str, BlockingNode] = {}
+
+    def close(self) -> None:
+        for driver in self.drivers.values():
+            driver.close()
+        self.drivers.clear()
+
+    def _check_open(self) -> None:
+        if self.loop.is_closed():
+            raise RuntimeError("this kvpool Client is closed")
+
+    def read_in_place(self, key: Key, consume: Callable[[memoryview], None]) -> bool:
+        """:meth:`AsyncClient.read_in_place` in this thread (False: not possible here)."""
+        with self.lock:
+            self._check_open()
+            node = self.core.direct_node
+            if node is None or not node.shm_path.can_read_local:
+                return False
+            self.before_index_read(node.shm_path)
+            return self.core.read_in_place(key, consume)
+
+    def direct(self, plan_for: Callable[[NodeClient], plans.Plan[T] | None]
+                ) -> tuple[T] | None:
+        """Run the plan ``plan_for`` makes for a standalone node on the blocking TCP path,
+        in this thread with no event loop (:mod:`kvpool.client._blocking`): ``(result,)``.
+        None, having sent nothing, where the call runs on the loop instead: not yet
+        connected, a cluster, client spans to record, or ``plan_for`` returned None (the
+        call goes through shared memory)."""
+        with self.lock:
+            self._check_open()
+            node = self.core.direct_node if self.allowed else None
+            if node is None:
+                return None
+            plan = plan_for(node)
+            if plan is None:
+                return None
+            return (self.driver(node).run(plan),)
+
+    def driver(self, node: NodeClient) -> BlockingNode:
+        """The blocking driver for ``node`` (a new one after a reconnect or a new map made
+        a new NodeClient; drivers of nodes that left the map are closed then)."""
+        driver = self.drivers.get(node.node_id)
+        if driver is None or driver.node is not node:
+            current = {id(n) for n in self.core._node_clients()}
+            for node_id, old in list(self.drivers.items()):
+                if node_id == node.node_id or id(old.node) not in current:
+                    old.close()
+                    del self.drivers[node_id]
+            driver = self.drivers[node.node_id] = BlockingNode(node)
+        return driver
+
+    def cluster_codes(self, blob: bytes) -> bytes | None:
+        """``exists_codes`` against a cluster in this thread, with no event loop: the one
+        round of EXISTS frames the loop's fan-out would send (``Router.one_round``; on a
+        small cluster, the whole batch to every node), each sent before any reply is
+        read (``run_parallel``), with no client spans to record. As on the loop, a node
+        that fails is marked down, and each key's answer is the fastest tier the nodes
+        that answered for it gave (``codes_of_round``). None, where the call runs on the
+        loop instead: a map that round does not cover (one node, a node down, suspect or
+        draining), a node this client has no connection to yet (opening a blocking one
+        here would wait for its HELLO; the loop's settles without a hung node), a key no
+        node answered for (the loop raises the error), or WRONG_OWNER (the loop
+        refreshes the map and asks again). A reply from a newer map
+        epoch refreshes the map on the loop after the call."""
+        with self.lock:
+            self._check_open()
+            asked = self.core.one_round(blob) if self.allowed else None
+            if asked is None:
+                return None
+            drivers = [self.driver(node) for node, _ in asked]
+            if not all(d.linked or d.node.connections() for d in drivers):
+                return None  # a node met on no connection yet: the loop connects to it
+            outcomes = run_parallel([(driver, plans.exists(node, rows_blob(blob, rows)))
+                                     for driver, (node, rows) in zip(drivers, asked, strict=True)],
+                                    settle=[rows for _, rows in asked],
+                                    rule=self.core.settle_rule())
+            codes = cluster_ops.codes_of_round(len(blob) // KEY_SIZE, asked, outcomes)
+            newer = self.core._newer_epoch_seen()
+        if newer:
+            self.run(self.core._refresh_map(newer))
+        return codes
+
+    def before_index_read(self, shm: ShmPath) -> None:
+        """Run the loop if it has not run for a while, or reads wait to be reported: it
+        sends them, and hears of connections that ended meanwhile (a node that went
+        away), after which the index is not read."""
+        if shm.touch_due or time.monotonic() >= self.loop_until:
+            self.loop.run_until_complete(self.core.send_touches())
+            self.loop_until = time.monotonic() + TOUCH_DELAY_S
+
+    def get(self, keys: Sequence[Key], buffers: Sequence[BufferOrSegments] | None
+             ) -> list[memoryview | Segments | None] | None:
+        """A GET with no event loop, the path decided here once: the standalone node's arena
+        index if it holds every key; else, where the node's GETs go over TCP, its blocking
+        socket; on a cluster, :meth:`_cluster_read` first. None, having sent nothing: run the call
+        on the loop (spans to record, GET_SHM for keys the index lacks, or not yet
+        connected)."""
+        with self.lock:
+            self._check_open()
+            blob = join_keys(keys)
+            sinks = _sinks(keys, buffers) if buffers is not None else None
+            node = self.core.direct_node
+            if node is None:
+                first = self._cluster_read(blob, sinks)
+            else:
+                return self._direct_get(node, blob, sinks)
+        if first is None:
+            return None
+        results, missing, newer = first
+        if newer:
+            self.run(self.core._refresh_map(newer))
+        if missing:  # misses, corrupt chunks, nodes that failed: the loop's read goes on
+            rest = [sinks[i] for i in missing] if sinks is not None else None
+            views = self.run(self.core._get(rows_blob(blob, missing), rest))
+            for row, view in zip(missing, views, strict=True):
+                results[row] = view
+        return results
+
+    def _cluster_read(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None
+                      ) -> tuple[list[memoryview | Segments | None], list[int], int] | None:
+        """A cluster's GET, its first round in this thread with no event loop: each key to
+        the first trusted node of its list (``Router.read_round``), every frame sent before
+        any reply is read (``run_parallel``). The payloads (None where not found there), the
+        rows still to look for further down their lists (on the loop: misses, corrupt
+        chunks, and the keys of a node that failed, which is marked down, or answered
+        WRONG_OWNER), and a newer map epoch a reply named (0: none). None, having sent
+        nothing, where the read runs on the loop from the start: a map that round does not
+        cover (one node, a node draining, a key with no trusted node), client spans to
+        record, a node met on no connection yet, or a node whose arena this client mapped
+        (its GETs go through it)."""
+        asked = self.core.read_round(blob) if self.allowed else None
+        if asked is None or any(node.shm_path.mapping is not None for node, _ in asked):
+            return None
+        drivers = [self.driver(node) for node, _ in asked]
+        if not all(d.linked or d.node.connections() for d in drivers):
+            return None
+        outcomes = run_parallel([
+            (driver, plans.get_tcp(node, rows_blob(blob, rows),
+                                   [sinks[i] for i in rows] if sinks is not None else None))
+            for driver, (node, rows) in zip(drivers, asked, strict=True)])
+        results: list[memoryview | Segments | None] = [None] * (len(blob) // KEY_SIZE)
+        answers, _ = cluster_ops.round_answers(asked, outcomes)  # (refused: rows stay None)
+        for rows, views in answers:
+            for row, view in zip(rows.tolist(), views, strict=True):
+                results[row] = view
+        missing = [row for row, view in enumerate(results) if view is None]
+        return results, missing, self.core._newer_epoch_seen()
+
+    def _direct_get(self, node: NodeClient, blob: bytes,
+                    sinks: Sequence[memoryview | Segments] | None
+                    ) -> list[memoryview | Segments | None] | None:
+        """:meth:`get` from the standalone ``node`` (the caller holds the lock)."""
+        shm = node.shm_path
+        if shm.mapping is not None:  # a same-host node granted its arena
+            if shm.can_read_local:
+                self.before_index_read(shm)
+                if shm.can_read_local:
+                    found = shm.read_local(blob, sinks)
+                    if found is not None:
+                        return found
+            if shm.carries_gets:
+                return None
+        if not self.allowed:
+            return None
+        return self.driver(node).get(blob, sinks)
