@@ -15,7 +15,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvpool.protocol.worker import SsdStatus
-from kvpool.server.cold.base import ColdCounters, KeySet
+from kvpool.server.cold.base import ColdCounters, KeySet, QueuedWrites
 from kvpool.tiers.tenants import TenantBytes
 
 
@@ -34,8 +34,7 @@ class MemoryColdTier:
         self._ssd: dict[bytes, bytes] = {}
         self._index: dict[bytes, int] = {}
         self.s3: dict[bytes, bytes] = {}
-        self._writing: dict[bytes, int] = {}
-        self._overtaken: dict[bytes, int] = {}
+        self._writing = QueuedWrites()
         self._fetched: dict[bytes, bytes] = {}
 
     @property
@@ -56,7 +55,7 @@ class MemoryColdTier:
             return False
         self.counters.pending_writes += 1
         self.counters.pending_write_bytes += length
-        self._writing[key] = self._writing.get(key, 0) + 1
+        self._writing.queue(key)
         asyncio.get_running_loop().call_soon(
             self._written, key, offset, length, on_done, durable or not self.has_ssd)
         return True
@@ -66,13 +65,7 @@ class MemoryColdTier:
         c = self.counters
         c.pending_writes -= 1
         c.pending_write_bytes -= length
-        self._writing[key] -= 1
-        if not self._writing[key]:
-            del self._writing[key]
-        overtaken = self._overtaken.pop(key, 0)
-        if overtaken > 1:
-            self._overtaken[key] = overtaken - 1
-        if not overtaken:
+        if not self._writing.done(key):
             value = bytes(self.arena[offset : offset + length])
             if self.has_ssd:
                 self._ssd[key], self._index[key] = value, length
@@ -124,8 +117,7 @@ class MemoryColdTier:
         self._ssd.pop(key, None)
         self._index.pop(key, None)
         self.s3.pop(key, None)
-        if key in self._writing:
-            self._overtaken[key] = self._writing[key]
+        self._writing.overtake(key)
 
     async def describe(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}

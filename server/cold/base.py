@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from kvpool.protocol.worker import SsdStatus
 from kvpool.tiers.tenants import TenantBytes
 
-__all__ = ["ColdCounters", "ColdTier", "KeySet", "NoColdTier"]
+__all__ = ["ColdCounters", "ColdTier", "KeySet", "NoColdTier", "QueuedWrites"]
 
 
 @dataclass(slots=True)
@@ -41,6 +41,38 @@ class ColdCounters:
     #: chunks not written below at their PUT: no reuse shown yet (``--ssd-admit reused``;
     #: written later if one is read or looked up while in DRAM)
     held_back: int = 0
+
+
+class QueuedWrites:
+    """The writes of each key queued to a cold tier and not yet done, and the rule a
+    ``delete`` keeps: the writes of its key queued before it complete first (a tier
+    serves them in order) and must not be indexed as held."""
+
+    def __init__(self) -> None:
+        self._queued: dict[bytes, int] = {}
+        self._overtaken: dict[bytes, int] = {}
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._queued
+
+    def queue(self, key: bytes) -> None:
+        self._queued[key] = self._queued.get(key, 0) + 1
+
+    def overtake(self, key: bytes) -> None:
+        """A delete of ``key``: every write of it queued so far is overtaken."""
+        if key in self._queued:
+            self._overtaken[key] = self._queued[key]
+
+    def done(self, key: bytes) -> bool:
+        """A write of ``key`` completed; whether a delete overtook it (then the key is not
+        held, whatever the write's outcome)."""
+        self._queued[key] -= 1
+        if not self._queued[key]:
+            del self._queued[key]
+        overtaken = self._overtaken.pop(key, 0)
+        if overtaken > 1:
+            self._overtaken[key] = overtaken - 1
+        return overtaken > 0
 
 
 class KeySet(Protocol):

@@ -32,7 +32,7 @@ from kvpool.protocol.worker import (
     WorkerSettings,
     decode_keys,
 )
-from kvpool.server.cold.base import ColdCounters
+from kvpool.server.cold.base import ColdCounters, QueuedWrites
 from kvpool.server.cold.s3_mirror import S3KeyMirror
 from kvpool.server.cold.worker_channel import SsdUnavailableError, WorkerChannel
 from kvpool.tiers.tenants import TenantChunks
@@ -77,8 +77,7 @@ class SsdTier:
         self.tenants = self._quotas.tenants
         #: write-behinds queued per key, and how many of them a DELETE overtook (the worker
         #: serves SSD requests in order: those complete first and must not be indexed)
-        self._writing: dict[bytes, int] = {}
-        self._overtaken: dict[bytes, int] = {}
+        self._writing = QueuedWrites()
         self.counters = ColdCounters()
         self._proc: asyncio.subprocess.Process | None = None
         self._stderr_task: asyncio.Task[None] | None = None
@@ -233,7 +232,7 @@ class SsdTier:
             self._quotas.queue(tenant, length)
         c.pending_writes += 1
         c.pending_write_bytes += length
-        self._writing[key] = self._writing.get(key, 0) + 1
+        self._writing.queue(key)
         future = self._call(SsdOp.PUT_DURABLE if durable else SsdOp.PUT, key, offset, length)
         future.add_done_callback(lambda f: self._written(f, key, length, on_done,
                                                          durable=durable, tenant=tenant))
@@ -271,12 +270,7 @@ class SsdTier:
         c.pending_writes -= 1
         c.pending_write_bytes -= length
         self._quotas.arrived(tenant, length)
-        self._writing[key] -= 1
-        if not self._writing[key]:
-            del self._writing[key]
-        overtaken = self._overtaken.pop(key, 0)
-        if overtaken > 1:
-            self._overtaken[key] = overtaken - 1
+        overtaken = self._writing.done(key)
         stored = False
         if future.cancelled() or future.exception() is not None:
             c.errors += 1
@@ -357,8 +351,7 @@ class SsdTier:
         Queued write-behinds of ``key`` complete first, and are not indexed.
         """
         self._forget(key)
-        if key in self._writing:
-            self._overtaken[key] = self._writing[key]
+        self._writing.overtake(key)
         if self.up and self.has_s3:  # the worker logs one DELETED record for it
             self.s3_index.deleting(key)
         else:

@@ -190,3 +190,17 @@ async def test_a_cold_tier_that_went_down_leaves_dram_serving_alone() -> None:
     assert tiers.below([kept], entries) == []  # nothing is promoted from a tier that is down
     assert list(tiers.tiers([kept])) == [0]
     assert (await tiers.snapshot())["tiers"]["ssd"]["up"] is False
+
+
+async def test_a_delete_overtakes_the_writes_of_its_key_queued_before_it(
+        tiers: TierManager) -> None:
+    """A chunk deleted while its write-behind is still queued: the write completes first
+    (the tier serves them in order) but the key is not held below after either."""
+    cold = tiers.cold
+    key = b"q" * 16
+    put(tiers, key, value_of(30_000))
+    assert cold.counters.pending_writes == 1 and cold.holds(key)
+    assert tiers.delete([key]) == [True]
+    await settled(cold)
+    assert key not in cold.index and not cold.holds(key)
+    assert list(tiers.tiers([key])) == [0]
