@@ -115,6 +115,20 @@ __all__ = ["VllmCacheWrite", "Backoff", "KvpoolConnector", "KvpoolConnectorMetad
 
 log = logging.getLogger("kvpool.vllm")
 
+
+def _log_where_vllm_logs() -> None:
+    """kvpool's lines (the connector's start line, a node marked down) where vLLM prints
+    its own, in its format: vLLM configures its ``vllm`` logger only, so under ``vllm
+    serve`` kvpool's INFO lines went nowhere. Left alone where the application gave the
+    ``kvpool`` logger a handler, or vLLM's logging is off (``VLLM_CONFIGURE_LOGGING=0``)."""
+    ours, theirs = logging.getLogger("kvpool"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False  # (a root handler would print each line twice)
+
 _LOAD_MODES = ("async", "sync", "layer")
 #: quantized KV caches served: one byte an element with one scale per layer for K and one
 #: for V (per-token or per-block scales live beside the blocks: not mapped)
@@ -280,6 +294,7 @@ class KvpoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_where_vllm_logs()
         transfer = self._kv_transfer_config
         self.settings = KvpoolSettings.from_extra_config(
             dict(transfer.kv_connector_extra_config or {}))

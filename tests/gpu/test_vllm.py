@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import time
@@ -456,6 +457,83 @@ def test_vllm_serve_answers_from_a_cluster_after_a_restart_and_a_node_crash(
     assert "Recovered from KV load failure" not in first_log + second_log
 
 
+def _quick_start() -> tuple[str, str, str, str]:
+    """docs/vllm.md's quick start, as a user copies it: the node's line, the model's
+    line, the ``vllm serve`` command, and the request block (the install lines are what
+    ``.ci/run`` made $VLLM_CPU_PYTHON's environment with)."""
+    text = (ROOT / "docs" / "vllm.md").read_text()
+    section = text.split("## Quick start on a CPU, with no model hub", 1)[1]
+    setup, request = re.findall(r"```bash\n(.*?)```", section.split("\n## ", 1)[0], re.S)
+    lines = setup.splitlines()
+    node = next(line for line in lines if line.startswith("kvpool serve "))
+    model = next(line for line in lines if line.startswith("MODEL="))
+    serve = "\n".join(lines[lines.index(next(line for line in lines
+                                              if "kvpool.gpu.vllm_serve" in line)):])
+    return node, model, serve, request
+
+
+def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
+    """docs/vllm.md's quick start, its lines run by bash in vLLM's environment with only
+    the ports and the data dir changed (fixed ports would meet other tests'): a node,
+    ``vllm serve`` with the connector, the request; then vLLM stopped (SIGINT, as Ctrl-C)
+    and started again with the same line, the same request: the same text, and vLLM's
+    log says the prefix came from outside (``External prefix cache hit rate``) where the
+    first start's did not."""
+    from kvpool.cli.local_cluster import free_ports
+
+    node_line, model_line, serve, request = _quick_start()
+    data_port, admin_port, http_port = free_ports(3)
+    node_line = node_line.split("&", 1)[0].replace(
+        "--data-dir /tmp/kvpool-quick",
+        f"--data-dir {tmp_path / 'node'} --data-port {data_port} --admin-port {admin_port}")
+    serve = serve.replace("--port 8000", f"--port {http_port}").replace(
+        "127.0.0.1:7700", f"127.0.0.1:{data_port}")
+    request = request.replace("localhost:8000", f"localhost:{http_port}")
+    env = {**os.environ, "PATH": f"{Path(VLLM_PYTHON).parent}:{os.environ['PATH']}"}
+
+    def bash(script: str, log: Path | None = None) -> subprocess.Popen[str]:
+        return subprocess.Popen(["bash", "-euc", script], env=env, text=True,
+                                stdout=log.open("w") if log else subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    node = bash(node_line, tmp_path / "node.log")
+    try:
+        made = subprocess.run(["bash", "-euc", f'{model_line}\necho "$MODEL"'], env=env,
+                              capture_output=True, text=True, check=True, timeout=600)
+        model = made.stdout.strip().splitlines()[-1]
+        answers, logs = [], []
+        for start in range(2):
+            log = tmp_path / f"serve-{start}.log"
+            server = bash(f"MODEL={model}\n{serve}", log)
+            try:
+                _wait_healthy(http_port, server, log)
+                asked = subprocess.run(["bash", "-euc", request],
+                                       env=env, capture_output=True, text=True, check=True,
+                                       timeout=300)
+                answers.append(json.loads(asked.stdout))
+                # vLLM logs its stats every 10 s of activity: wait (bounded) for the line
+                for _ in range(120):
+                    if "External prefix cache hit rate" in log.read_text():
+                        break
+                    time.sleep(0.5)
+            finally:
+                os.killpg(server.pid, signal.SIGINT)  # Ctrl-C
+                try:
+                    server.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(server.pid, signal.SIGKILL)
+                    server.wait()
+            logs.append(log.read_text())
+    finally:
+        os.killpg(node.pid, signal.SIGTERM)
+        node.wait(30)
+    assert answers[1]["choices"][0]["text"] == answers[0]["choices"][0]["text"]
+    rates = [re.findall(r"External prefix cache hit rate: ([0-9.]+)%", log) for log in logs]
+    assert rates[0] and not any(float(r) for r in rates[0]), rates[0]
+    assert rates[1] and any(float(r) > 0 for r in rates[1]), rates[1]
+    assert "kvpool connector:" in logs[1] and "Recovered from KV load failure" not in logs[1]
+
+
 def test_a_hung_cluster_node_costs_no_request_a_timeout_and_the_replicas_serve(
         prompts: list[list[int]], baseline: list[list[int]], tmp_path: Path) -> None:
     """A 3-node cluster (replication 2): one engine stores the prompts; then the node
@@ -521,7 +599,7 @@ def _serve_one(cmd: list[str], port: int, body: bytes, log_path: Path
     return answer, log_path.read_text()
 
 
-def _wait_healthy(port: int, server: subprocess.Popen[bytes], log: Path,
+def _wait_healthy(port: int, server: subprocess.Popen[Any], log: Path,
                   timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
