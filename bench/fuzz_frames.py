@@ -35,6 +35,7 @@ from kvpool.protocol.envelope import seal
 from kvpool.protocol.frames import Op, PutItemHeader, encode_frame, encode_json
 from kvpool.protocol.parsers import Limits
 from kvpool.server.admin.events import EventBus
+from kvpool.server.cold.base import NoColdTier
 from kvpool.server.cold.tiering import TierManager
 from kvpool.server.data.connection import NodeConnection
 from kvpool.server.data.handlers import Handlers
@@ -111,7 +112,7 @@ class Harness:
         self.dram = DramTier(8 << 20)
         # the fast path's leases (never started: no socket; sessions are granted by flag)
         self.shm = ShmService(self.dram, lease_s=5.0)
-        self.handlers = Handlers("fuzz", TierManager(self.dram, EventBus("fuzz")),
+        self.handlers = Handlers("fuzz", TierManager(self.dram, NoColdTier(), EventBus("fuzz")),
                                  Limits(4 << 20, 64, 1 << 20), NodeStats(), shm=self.shm)
         self.registry: set[NodeConnection] = set()
         self.runs = 0
