@@ -87,7 +87,7 @@ class LoopFree:
             return self.core.read_in_place(key, consume)
 
     def direct(self, plan_for: Callable[[NodeClient], plans.Plan[T] | None]
-                ) -> tuple[T] | None:
+               ) -> tuple[T] | None:
         """Run the plan ``plan_for`` makes for a standalone node on the blocking TCP path,
         in this thread with no event loop (:mod:`kvpool.client._blocking`): ``(result,)``.
         None, having sent nothing, where the call runs on the loop instead: not yet
@@ -156,7 +156,7 @@ class LoopFree:
             self.loop_until = time.monotonic() + TOUCH_DELAY_S
 
     def get(self, keys: Sequence[Key], buffers: Sequence[BufferOrSegments] | None
-             ) -> list[memoryview | Segments | None] | None:
+            ) -> list[memoryview | Segments | None] | None:
         """A GET with no event loop, the path decided here once: the standalone node's arena
         index if it holds every key; else, where the node's GETs go over TCP, its blocking
         socket; on a cluster, :meth:`_cluster_read` first. None, having sent nothing: run the call
