@@ -10,7 +10,6 @@ by the map as over any nodes, and the host label keeps two copies of a key off o
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import socket
 import sys
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.protocol.errors import ConfigError
 from kvpool.server.config import NodeConfig, format_size, load_config, parse_size
+from kvpool.server.memory import memory_limit
 
 if TYPE_CHECKING:
     from kvpool.cli.local_cluster import LocalCluster
@@ -101,12 +101,13 @@ def _check_room(n: int, base_port: int, flag: str, dram: str) -> None:
                               f"node?): the {n} nodes need ports {base_port}-"
                               f"{base_port + 2 * n - 1}; pick others with {flag}")
     if dram:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        total = memory_limit()
         each = parse_size(dram)
         if n * each > total:
             raise ConfigError(f"{n} nodes of --dram-capacity {format_size(each)} need "
-                              f"{format_size(n * each)}, more than this machine's memory "
-                              f"({format_size(total)}): lower --dram-capacity")
+                              f"{format_size(n * each)}, more than the memory they may use "
+                              f"({format_size(total)}, the machine's or its container's "
+                              "limit): lower --dram-capacity")
 
 
 def _shares(config: NodeConfig, n: int) -> list[str]:

@@ -139,8 +139,9 @@ class ServerConfig:
 class DramConfig:
     capacity_bytes: int = knob(0, "DRAM tier capacity (0 = capacity_fraction of available memory)",
                                flag="--dram-capacity", env="KVPOOL_DRAM_CAPACITY", kind="size")
-    capacity_fraction: float = knob(0.5, "share of available memory used when capacity is 0",
-                                    flag="--dram-fraction", env="KVPOOL_DRAM_FRACTION")
+    capacity_fraction: float = knob(0.5, "share of available memory used when capacity is 0 "
+                                    "(within a container's cgroup memory limit, where one is "
+                                    "set)", flag="--dram-fraction", env="KVPOOL_DRAM_FRACTION")
     default_ttl_s: float = knob(0.0, "TTL for chunks stored without one (0 = no TTL)",
                                 flag="--default-ttl", env="KVPOOL_DEFAULT_TTL")
     allocate_ahead_bytes: int = knob(256 << 20, "memory allocated in the background ahead "

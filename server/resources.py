@@ -19,25 +19,41 @@ from kvpool.protocol.envelope import CODEC_BY_NAME
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.worker import S3Settings, TieringPolicy, WorkerSettings
 from kvpool.server.config import NodeConfig, format_size
+from kvpool.server.memory import cgroup_memory
 from kvpool.tiers.dram import DramTier
 
-__all__ = ["bind_error", "bound_socket", "dram_tier", "lock_data_dir", "resolve_dram_capacity",
-           "resolve_ssd_capacity", "tiering_policy", "worker_settings"]
+__all__ = ["bind_error", "bound_socket", "dram_tier", "lock_data_dir",
+           "memory_room", "resolve_dram_capacity", "resolve_ssd_capacity", "tiering_policy",
+           "worker_settings"]
+
+
+def memory_room() -> tuple[int, int]:
+    """The memory this node may use in all, and what of it is free now: the machine's
+    (``psutil``), within its container's cgroup limit where there is one."""
+    machine = psutil.virtual_memory()
+    total, available = machine.total, machine.available
+    cgroup = cgroup_memory()
+    if cgroup is not None:
+        limit, used = cgroup
+        total, available = min(total, limit), min(available, max(limit - used, 0))
+    return total, available
 
 
 def resolve_dram_capacity(config: NodeConfig) -> int:
     """The configured capacity, or ``capacity_fraction`` of available memory; a capacity
-    above the machine's memory is refused (the arena is allocated as it fills: the node
-    would start, then be killed for memory long after)."""
+    above the memory the node may use (the machine's, or its container's limit) is
+    refused (the arena is allocated as it fills: the node would start, then be killed
+    for memory long after)."""
+    total, available = memory_room()
     if config.dram.capacity_bytes:
-        total = psutil.virtual_memory().total
         if config.dram.capacity_bytes > total:
             raise ConfigError(
-                f"--dram-capacity {format_size(config.dram.capacity_bytes)} is more than this "
-                f"machine's memory ({format_size(total)}): lower it, or leave it out for "
-                f"--dram-fraction ({config.dram.capacity_fraction:g}) of the memory available")
+                f"--dram-capacity {format_size(config.dram.capacity_bytes)} is more than the "
+                f"memory this node may use ({format_size(total)}, the machine's or its "
+                f"container's limit): lower it, or leave it out for --dram-fraction "
+                f"({config.dram.capacity_fraction:g}) of the memory available")
         return config.dram.capacity_bytes
-    return int(psutil.virtual_memory().available * config.dram.capacity_fraction)
+    return int(available * config.dram.capacity_fraction)
 
 
 def dram_tier(config: NodeConfig) -> DramTier:

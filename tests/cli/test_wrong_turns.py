@@ -93,10 +93,10 @@ def test_a_file_given_as_data_dir_is_named(tmp_path: Path) -> None:
 def test_more_dram_than_the_machine_has_is_refused_before_starting(tmp_path: Path) -> None:
     refused(kvpool("serve", "--dram-capacity", BIG, "--data-dir", str(tmp_path / "one"),
                    "--data-port", "0", "--admin-port", "0"),
-            "more than this machine's memory", "--dram-capacity")
+            "more than the memory this node may use", "--dram-capacity")
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     each = f"{total // 2 + (1 << 30)}"  # fits one node, not three
     refused(kvpool("cluster", "up", "--nodes", "3", "--base-port", "0", "--dram-capacity", each,
                    "--data-dir", str(tmp_path / "three")),
-            "3 nodes", "more than this machine's memory")
+            "3 nodes", "more than the memory they may use")
     assert not (tmp_path / "three" / "n0").exists()
