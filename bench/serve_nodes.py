@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cluster import fill, get_throughput
-from kvpool.cli.local_cluster import busy_ports, free_ports
+from kvpool.cli.local_cluster import free_port_run
 
 MiB = 1 << 20
 
@@ -43,9 +43,7 @@ class Served:
     """``kvpool serve [--nodes N]`` in a process of its own, until :meth:`stop`."""
 
     def __init__(self, nodes: int, data_dir: str, dram: str) -> None:
-        port = free_ports(1)[0]
-        while busy_ports(range(port, port + 2 * nodes)):
-            port = free_ports(1)[0]
+        port = free_port_run(2 * nodes)
         cmd = [sys.executable, "-m", "kvpool.cli", "serve", "--data-dir", data_dir,
                "--data-port", str(port), "--admin-port", str(port + 1), "--no-ssd",
                "--dram-capacity", dram, "--log-level", "warning"]

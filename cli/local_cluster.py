@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -42,6 +43,22 @@ def busy_ports(ports: Sequence[int], host: str = "127.0.0.1") -> list[int]:
             except OSError:
                 busy.append(port)
     return busy
+
+
+def free_port_run(count: int, host: str = "127.0.0.1") -> int:
+    """The first of ``count`` consecutive ports free now, below the kernel's ephemeral
+    range (where it picks the local ports of outgoing connections and of port 0, so a
+    run there can be taken between this check and the bind); a small race remains."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, max(low - count, 10001))
+        if not busy_ports(range(base, base + count), host):
+            return base
+    raise ConfigError(f"no {count} consecutive free ports below {low} on {host}")
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
