@@ -129,6 +129,7 @@ def _log_where_vllm_logs() -> None:
     ours.setLevel(theirs.getEffectiveLevel())
     ours.propagate = False  # (a root handler would print each line twice)
 
+
 _LOAD_MODES = ("async", "sync", "layer")
 #: quantized KV caches served: one byte an element with one scale per layer for K and one
 #: for V (per-token or per-block scales live beside the blocks: not mapped)
