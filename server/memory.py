@@ -46,8 +46,8 @@ def cgroup_memory(root: Path = Path("/sys/fs/cgroup"),
                 limit_text = (folder / limit_file).read_text().strip()
             except OSError:
                 continue
-            if limit_text == "max" or int(limit_text) >= _NO_LIMIT:
-                continue
+            if not limit_text.isdigit() or int(limit_text) >= _NO_LIMIT:
+                continue  # "max" (v2's none), or nothing this reads as a limit
             try:
                 used = int((folder / use_file).read_text())
                 stat = dict(row.split() for row in (folder / "memory.stat").read_text()

@@ -53,6 +53,8 @@ def test_no_limit_is_none(tmp_path: Path) -> None:
     })
     me = tree(tmp_path, {"self": "4:memory:/x\n0::/x\n"}) / "self"
     assert cgroup_memory(root, me) is None
+    tree(root, {"x/memory.max": "garbage\n"})  # read as no limit, not an error at start
+    assert cgroup_memory(root, me) is None
     assert cgroup_memory(root, tmp_path / "no-such-file") is None
 
 
