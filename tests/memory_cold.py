@@ -16,6 +16,7 @@ from typing import Any
 
 from kvpool.protocol.worker import SsdStatus
 from kvpool.server.cold.base import ColdCounters, KeySet, QueuedWrites
+from kvpool.tiers.events import TierEvents
 from kvpool.tiers.tenants import TenantBytes
 
 
@@ -30,7 +31,7 @@ class MemoryColdTier:
         self.up = True
         self.counters = ColdCounters()
         self.tenants = TenantBytes()
-        self.on_evicted: Callable[[bytes], object] | None = None
+        self.events = TierEvents("ssd")
         self._ssd: dict[bytes, bytes] = {}
         self._index: dict[bytes, int] = {}
         self.s3: dict[bytes, bytes] = {}
@@ -110,8 +111,7 @@ class MemoryColdTier:
     def evict(self, key: bytes) -> None:
         self._ssd.pop(key, None)
         self._index.pop(key, None)
-        if self.on_evicted is not None:
-            self.on_evicted(key)
+        self.events.dropped(key, "room")
 
     def delete(self, key: bytes) -> None:
         self._ssd.pop(key, None)

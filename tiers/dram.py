@@ -20,6 +20,7 @@ from kvpool.tiers import room
 from kvpool.tiers.arena import ALIGN, Arena
 from kvpool.tiers.arena_index import ArenaIndex
 from kvpool.tiers.base import TierStats
+from kvpool.tiers.events import TierEvents
 from kvpool.tiers.eviction import Deadlines
 from kvpool.tiers.ledger import Ledger
 from kvpool.tiers.room import Places
@@ -127,10 +128,8 @@ class DramTier:
         self._entries = self._ledger.records  # (read here; changed through the ledger)
         self._deadlines: Deadlines[Entry] = Deadlines()  # TTLs
         self._stats = TierStats(self.name, self.arena.capacity)
-        #: called with each entry evicted to make room (not for deletes or expiry)
-        self.on_evict: Callable[[Entry], None] | None = None
-        #: called with each entry dropped because its TTL passed
-        self.on_expire: Callable[[Entry], None] | None = None
+        #: each entry dropped to make room or at its TTL (not deletes), reported with it
+        self.events = TierEvents(self.name)
         #: each tenant's bytes (reserved or stored) and quota
         self.tenants = TenantBytes()
         #: entries by where they lie (for room by place, when LRU order makes none)
@@ -419,8 +418,7 @@ class DramTier:
     def _expired(self, entry: Entry) -> None:
         self._remove(entry)
         self._stats.expirations += 1
-        if self.on_expire is not None:
-            self.on_expire(entry)
+        self.events.dropped(entry.key, "ttl", entry)
 
     def _insert(self, entry: Entry, ttl_s: float | None) -> None:
         old = self._entries.get(entry.key)
@@ -456,8 +454,7 @@ class DramTier:
     def _evict(self, entry: Entry) -> None:
         self._remove(entry, evicted=True)
         self._stats.evictions += 1
-        if self.on_evict is not None:
-            self.on_evict(entry)
+        self.events.dropped(entry.key, "room", entry)
 
     def _hole(self, nbytes: int) -> int | None:
         """Evict a contiguous run of entries around one of the next LRU victims, room for

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvpool.protocol.worker import SsdStatus
+from kvpool.tiers.events import TierEvents
 from kvpool.tiers.tenants import TenantBytes
 
 __all__ = ["ColdCounters", "ColdTier", "KeySet", "NoColdTier", "QueuedWrites"]
@@ -90,8 +91,8 @@ class ColdTier(Protocol):
     counters: ColdCounters
     #: the SSD bytes of each tenant with a quota, and the quotas (set by the node)
     tenants: TenantBytes
-    #: called with each key the tier dropped to make room (given by the tier manager)
-    on_evicted: Callable[[bytes], object] | None
+    #: where the tier reports each key it dropped to make room (the tier manager listens)
+    events: TierEvents
 
     @property
     def index(self) -> Mapping[bytes, int]:
@@ -169,7 +170,7 @@ class NoColdTier:
         self.s3_index: KeySet = frozenset()
         self.counters = ColdCounters()
         self.tenants = TenantBytes()
-        self.on_evicted: Callable[[bytes], object] | None = None
+        self.events = TierEvents("cold")
 
     up = False
     has_ssd = False

@@ -35,6 +35,7 @@ from kvpool.protocol.worker import (
 from kvpool.server.cold.base import ColdCounters, QueuedWrites
 from kvpool.server.cold.s3_mirror import S3KeyMirror
 from kvpool.server.cold.worker_channel import SsdUnavailableError, WorkerChannel
+from kvpool.tiers.events import TierEvents
 from kvpool.tiers.tenants import TenantChunks
 
 __all__ = ["SsdTier", "SsdUnavailableError"]
@@ -60,8 +61,8 @@ class SsdTier:
         self.full_retry_s = full_retry_s
         #: keys the worker knows to be in S3 (its writes, its LISTs), mirrored every s3_poll_s
         self.s3_index = S3KeyMirror()
-        #: called with each key the SSD dropped to make room (its capacity, a tenant's quota)
-        self.on_evicted: Callable[[bytes], object] | None = None
+        #: each key the SSD dropped to make room (its capacity, a tenant's quota)
+        self.events = TierEvents("ssd")
         self._s3_poll_s = s3_poll_s
         self._s3_task: asyncio.Task[None] | None = None
         self._full_task: asyncio.Task[None] | None = None
@@ -255,8 +256,7 @@ class SsdTier:
         self._forget(key)
         if self.up:
             self._call(SsdOp.EVICT, key).add_done_callback(self._count_failure)
-        if self.on_evicted is not None:
-            self.on_evicted(key)
+        self.events.dropped(key, "room")
 
     def _forget(self, key: bytes) -> None:
         """``key`` is no longer on the SSD (S3 is another matter)."""
@@ -282,8 +282,7 @@ class SsdTier:
             for i in range(0, len(evicted), 16):
                 self._forget(evicted[i : i + 16])
                 c.evicted += 1
-                if self.on_evicted is not None:
-                    self.on_evicted(evicted[i : i + 16])
+                self.events.dropped(evicted[i : i + 16], "room")
             if status == SsdStatus.OK:
                 if not overtaken:  # else: written, then deleted by the DELETE queued behind it
                     self._index(key, length, tenant, durable=durable)

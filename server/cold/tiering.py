@@ -39,6 +39,7 @@ from kvpool.server.admin.tracing import tier_span
 from kvpool.server.cold.base import ColdTier
 from kvpool.server.cold.worker_channel import SsdUnavailableError
 from kvpool.tiers.dram import DramTier, Entry, Slot
+from kvpool.tiers.events import Why
 
 _SSD, _S3 = int(Tier.SSD), int(Tier.S3)
 assert int(Tier.DRAM) == 1  # ``tiers`` writes DRAM hits as bytes of bools
@@ -65,9 +66,8 @@ class TierManager:
         self.policy = policy or TieringPolicy()
         self.promotions = 0
         self._tracer = tracer
-        dram.on_evict = self._evicted
-        dram.on_expire = self._expired
-        cold.on_evicted = self._cold_evicted
+        dram.events.listen(self)
+        cold.events.listen(self)
 
     # -- storing ----------------------------------------------------------------------
 
@@ -326,10 +326,18 @@ class TierManager:
 
     # -- what happened, and what is there -----------------------------------------------
 
-    def _evicted(self, entry: Entry) -> None:
-        """DRAM made room by dropping ``entry``: an evicted or demoted event."""
+    def dropped(self, tier: str, key: bytes, why: Why, entry: object) -> None:
+        """A tier let ``key`` go by itself (:mod:`kvpool.tiers.events`): the event it
+        means for this node's subscribers."""
         if not self.events.subscribers:
             return
+        if tier != self.dram.name:
+            self._cold_evicted(key)
+        elif isinstance(entry, Entry):
+            (self._expired if why == "ttl" else self._evicted)(entry)
+
+    def _evicted(self, entry: Entry) -> None:
+        """DRAM made room by dropping ``entry``: an evicted or demoted event."""
         ssd = self.cold
         lower = None
         if ssd.up:
@@ -340,14 +348,13 @@ class TierManager:
 
     def _expired(self, entry: Entry) -> None:
         """DRAM dropped ``entry`` at the end of its TTL (a chunk with a TTL is DRAM-only)."""
-        if self.events.subscribers:
-            self.events.publish("expired", entry.key, tier="dram", parent=entry.parent,
-                                depth=entry.depth)
+        self.events.publish("expired", entry.key, tier="dram", parent=entry.parent,
+                            depth=entry.depth)
 
     def _cold_evicted(self, key: bytes) -> None:
         """The SSD dropped ``key`` to make room: an evicted or demoted event, unless DRAM
         still holds it (then this node's view of the chunk has not changed)."""
-        if not self.events.subscribers or self.dram.contains(key):
+        if self.dram.contains(key):
             return
         in_s3 = key in self.cold.s3_index
         self.events.publish("demoted" if in_s3 else "evicted", key,

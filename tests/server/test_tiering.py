@@ -132,6 +132,22 @@ async def test_delete_reaches_every_tier_and_says_which_held_it(tiers: TierManag
     assert (await tiers.flush(5.0))["flushed"]
 
 
+async def test_the_cold_tier_reports_what_it_let_go_of(tiers: TierManager) -> None:
+    """A key the tier below dropped to make room is an ``evicted`` event when DRAM no
+    longer holds it, and no event while DRAM still does (the node's view is the same)."""
+    sub = tiers.events.subscribe(frozenset({"evicted", "demoted"}))
+    ssd = tiers.cold
+    held, gone = b"h" * 16, b"g" * 16
+    for key in (held, gone):
+        put(tiers, key, value_of(10_000))
+    await settled(ssd)
+    tiers.dram.delete_many([gone])
+    ssd.evict(held)
+    ssd.evict(gone)
+    assert drained(tiers.events, sub) == [("evicted", "ssd")]
+    assert list(tiers.tiers([held, gone])) == [Tier.DRAM, 0]
+
+
 async def test_dram_only_promotes_nothing() -> None:
     tiers = TierManager(DramTier(1 << 20), NoColdTier(), EventBus())
     key = b"d" * 16

@@ -395,3 +395,31 @@ def test_a_value_that_fits_only_once_blocked_holes_are_bypassed_is_still_stored(
     assert slot is not None and slot.offset >= 99 * PAGE  # beyond the last pin (page 98)
     assert all(tier.contains(k) for k in pins)
     assert tier.stats().evictions > 16  # more than the bound + a hole: LRU order went on
+
+
+def test_the_tier_reports_what_it_let_go_of_by_itself() -> None:
+    """Room made and TTLs passed reach the tier's event sink, with the entry; a delete
+    (asked for) does not; a second owner cannot listen."""
+    clock = FakeClock()
+    tier = DramTier(2 * PAGE, clock=clock, policy="lru")
+    heard: list[tuple[str, bytes, str, object]] = []
+
+    class Owner:
+        def dropped(self, tier: str, key: bytes, why: str, entry: object) -> None:
+            heard.append((tier, key, why, entry))
+
+    tier.events.listen(Owner())
+    tier.put(key(0), value_of(PAGE))
+    slot = tier.reserve(key(1), PAGE)
+    assert slot is not None
+    slot.view[:] = value_of(PAGE)
+    tier.commit([slot], ttl_s=[5.0])
+    tier.put(key(2), value_of(PAGE))  # room: key 0 goes
+    tier.delete(key(2))
+    clock.now += 6
+    assert not tier.contains(key(1))
+    assert [(t, k, w) for t, k, w, _ in heard] == [("dram", key(0), "room"),
+                                                  ("dram", key(1), "ttl")]
+    assert [getattr(e, "key", None) for *_, e in heard] == [key(0), key(1)]
+    with pytest.raises(ValueError, match="already reports"):
+        tier.events.listen(Owner())
