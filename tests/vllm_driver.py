@@ -185,8 +185,9 @@ def _off_cpu_worker(url: str, kind: str = "bhnc", **engine: Any) -> tuple[Any, A
     from vllm.engine.arg_utils import EngineArgs
 
     from kvpool.examples.models import smollm2_folder
+    from kvpool.gpu._vllm_layout import _layout
     from kvpool.gpu.layout import KVLayout
-    from kvpool.gpu.vllm import KvpoolConnector, _layout
+    from kvpool.gpu.vllm import KvpoolConnector
 
     transfer = KVTransferConfig(
         kv_connector="KvpoolConnector", kv_role="kv_both",
@@ -199,8 +200,8 @@ def _off_cpu_worker(url: str, kind: str = "bhnc", **engine: Any) -> tuple[Any, A
     layout = _layout(config, "canonical", on_cpu=False)
     if kind == "mla":  # (vLLM's MLA layout of a DeepSeek-style latent, on SmolLM2's config)
         layout = KVLayout.mla(30, 576, layout.dtype, 128)
-    connector.layout = layout
-    connector.load_enabled = connector.save_enabled = True
+    connector.state.layout = layout
+    connector.state.load_enabled = connector.state.save_enabled = True
     return connector, config
 
 
@@ -208,7 +209,8 @@ def _move(source: Any, target: Any, blocks: tuple[list[int], list[int]],
           tokens: list[int]) -> dict[str, Any]:
     """Save ``tokens`` from ``source``'s blocks ``blocks[0]`` and load them into
     ``target``'s ``blocks[1]`` through the node (the worker halves' own calls)."""
-    from kvpool.gpu.vllm import KvpoolConnectorMetadata, _Load, _Save
+    from kvpool.gpu._vllm_state import _Load, _Save
+    from kvpool.gpu.vllm import KvpoolConnectorMetadata
 
     source.bind_connector_metadata(KvpoolConnectorMetadata(
         saves=[_Save("s", tokens, blocks[0])]))
@@ -220,8 +222,8 @@ def _move(source: Any, target: Any, blocks: tuple[list[int], list[int]],
     target.start_load_kv(None)
     target.clear_connector_metadata()
     _until(target, set(), "l", 1)
-    return {"stored": source.stats.data["tokens_stored"],
-            "loaded": target.stats.data["tokens_loaded"],
+    return {"stored": source.state.stats.data["tokens_stored"],
+            "loaded": target.state.stats.data["tokens_loaded"],
             "load_errors": sorted(target.get_block_ids_with_load_errors())}
 
 
@@ -242,8 +244,9 @@ def formats_check(url: str) -> dict[str, Any]:
         group_kernel_blocks,
     )
 
+    from kvpool.gpu._vllm_layout import _layout, _own_layers
     from kvpool.gpu.layout import KVLayout
-    from kvpool.gpu.vllm import KvpoolConnector, _layout, _own_layers
+    from kvpool.gpu.vllm import KvpoolConnector
     from kvpool.protocol.errors import ConfigError
 
     out: dict[str, Any] = {}
@@ -278,17 +281,18 @@ def formats_check(url: str) -> dict[str, Any]:
         worker.register_kv_caches(caches)
         workers.append((worker, views))
     (source, src_views), (target, dst_views), (unscaled, _) = workers
-    out["fp8/registered"] = [target.layout.num_layers, target.namespace.dtype,
-                             unscaled.namespace.dtype]
+    out["fp8/registered"] = [target.state.layout.num_layers, target.state.namespace.dtype,
+                             unscaled.state.namespace.dtype]
     out["fp8/move"] = _move(source, target, ([2, 5], [6, 1]), tokens)
     out["fp8/bit_exact"] = all(
         bool(torch.equal(src_views[i][a], dst_views[i][b]))
         for i in range(30) for a, b in ((2, 6), (5, 1)))
     out["fp8/draft_untouched"] = not bool(torch.equal(src_views[30][2], dst_views[30][6]))
     scheduler = KvpoolConnector(source._vllm_config, KVConnectorRole.SCHEDULER)
-    before = scheduler.hasher.keys(tokens) == source.hasher.keys(tokens)
+    before = scheduler.state.hasher.keys(tokens) == source.state.hasher.keys(tokens)
     scheduler.set_xfer_handshake_metadata_pp_aware({(0, 0): source.get_handshake_metadata()})
-    out["fp8/handshake"] = [before, scheduler.hasher.keys(tokens) == source.hasher.keys(tokens)]
+    after = scheduler.state.hasher.keys(tokens) == source.state.hasher.keys(tokens)
+    out["fp8/handshake"] = [before, after]
     for worker, _ in workers:
         worker.shutdown()
     # a model's layers with their own caches
@@ -306,8 +310,8 @@ def formats_check(url: str) -> dict[str, Any]:
     whole, _ = _off_cpu_worker(url)
     _, whole_caches = _views(spec, 30, 6)
     whole.register_kv_caches({name(i): v for i, v in enumerate(whole_caches)})
-    split_caches = list(split._loader._async.caches)
-    out["kernel/ratio"] = [split._kernel_ratio, split.layout.block_size,
+    split_caches = list(split.worker_side.loader._async.caches)
+    out["kernel/ratio"] = [split.worker_side._kernel_ratio, split.state.layout.block_size,
                            list(split_caches[0].shape)]
     tokens = list(range(9000, 9256))
     out["kernel/move"] = _move(split, whole, ([4, 1], [0, 5]), tokens)
@@ -332,7 +336,7 @@ def formats_check(url: str) -> dict[str, Any]:
     mla = []
     for rank in (0, 0, 1):
         worker, _ = _off_cpu_worker(url, kind="mla")
-        worker._tp_rank = rank
+        worker.state.tp_rank = rank
         raw, views = _views(spec, 30, 4)
         raw.zero_()
         worker.register_kv_caches({name(i): v for i, v in enumerate(views)})
@@ -345,9 +349,10 @@ def formats_check(url: str) -> dict[str, Any]:
         CPUMLAImpl.do_kv_cache_update(None, kv_c, k_pe, view, slots, "auto", None)  # type: ignore[arg-type]
         latents.append(torch.cat([kv_c, k_pe.squeeze(1)], dim=-1))
     tokens = list(range(11000, 11256))
-    out["mla/namespace"] = [writer.namespace.kv_format, writer.namespace.tp_size,
-                            writer.namespace.num_kv_heads, writer.namespace.head_dim]
-    out["mla/savers"] = [writer._saver is not None, rank1._saver is not None]
+    out["mla/namespace"] = [writer.state.namespace.kv_format, writer.state.namespace.tp_size,
+                            writer.state.namespace.num_kv_heads, writer.state.namespace.head_dim]
+    out["mla/savers"] = [writer.worker_side.saves.saver is not None,
+                          rank1.worker_side.saves.saver is not None]
     out["mla/move"] = _move(writer, reader, ([3, 0], [2, 1]), tokens)
     out["mla/bit_exact"] = all(
         bool(torch.equal(read[i][2, 0], latents[i][:128]))
@@ -362,7 +367,7 @@ def _layout_kinds() -> dict[str, str]:
     from vllm.config import CacheConfig, ModelConfig, VllmConfig
 
     from kvpool.examples.models import smollm2_folder
-    from kvpool.gpu.vllm import _layout_kind
+    from kvpool.gpu._vllm_layout import _layout_kind
 
     model = ModelConfig(model=str(smollm2_folder()), dtype="bfloat16", enforce_eager=True)
     config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=128))
@@ -441,9 +446,9 @@ def starts_check() -> dict[str, Any]:
             staged.parallel_config.rank = rank
             try:
                 connector = KvpoolConnector(staged, KVConnectorRole.SCHEDULER)
-                ns = connector.namespace
+                ns = connector.state.namespace
                 out[f"{name}/{rank}"] = {
-                    "started": True, "enabled": connector.load_enabled,
+                    "started": True, "enabled": connector.state.load_enabled,
                     "num_layers": ns.num_layers, "kv_format": ns.kv_format}
             except Exception as exc:
                 out[f"{name}/{rank}"] = {"started": False,
@@ -512,13 +517,13 @@ def lookups_check(url: str, rounds: int) -> dict[str, Any]:
     request = SimpleNamespace(request_id="r", prompt_token_ids=list(range(1000)),
                               mm_features=None, lora_request=None)
     with Client(url, timeout=2.0) as kv:  # the prompt's chunks are there (honest replies)
-        keys = connector.hasher.keys(request.prompt_token_ids[:7 * 128])
+        keys = connector.state.hasher.keys(request.prompt_token_ids[:7 * 128])
         kv.put_many(keys, [b"chunk"] * len(keys))
     answers = []
     for _ in range(rounds):
-        connector.backoff.succeeded()  # each round asks the pool (no back-off between lies)
+        connector.state.backoff.succeeded()  # each round asks the pool (no back-off between lies)
         answers.append(list(connector.get_num_new_matched_tokens(request, 0)))
-    return {"answers": answers, "stats": dict(connector.stats.data)}
+    return {"answers": answers, "stats": dict(connector.state.stats.data)}
 
 
 def _worker(url: str, **extra: Any) -> Any:
@@ -539,7 +544,7 @@ def _worker(url: str, **extra: Any) -> Any:
     config = EngineArgs(model=str(smollm2_folder()), enforce_eager=True, block_size=128,
                         kv_transfer_config=transfer, max_model_len=8192).create_engine_config()
     connector = KvpoolConnector(config, KVConnectorRole.WORKER)
-    layout = connector.layout
+    layout = connector.state.layout
     g = torch.Generator().manual_seed(3)
     connector.register_kv_caches({
         f"model.layers.{i}.self_attn.attn":
@@ -569,12 +574,13 @@ def saves_check(url: str) -> dict[str, Any]:
 
     import torch
 
-    from kvpool.gpu.vllm import KvpoolConnectorMetadata, _Load, _Save
+    from kvpool.gpu._vllm_state import _Load, _Save
+    from kvpool.gpu.vllm import KvpoolConnectorMetadata
 
     out: dict[str, Any] = {}
     tokens = list(range(5000, 5300))  # two full chunks of 128 (blocks 2, 5; 3 is partial)
     worker = _worker(url, load_mode="async")
-    caches = worker._loader._async.caches
+    caches = worker.worker_side.loader._async.caches
     worker.bind_connector_metadata(KvpoolConnectorMetadata(
         saves=[_Save("r1", tokens[:256], [2, 5, 3])]))
     worker.wait_for_save()
@@ -591,7 +597,7 @@ def saves_check(url: str) -> dict[str, Any]:
     out["load_errors"] = sorted(worker.get_block_ids_with_load_errors())
     out["bit_exact"] = all(bool(torch.equal(c[a].view(torch.uint8), c[b].view(torch.uint8)))
                            for c in caches for a, b in ((2, 9), (5, 11)))
-    out["stats"] = dict(worker.stats.data)
+    out["stats"] = dict(worker.state.stats.data)
     worker.shutdown()
 
     with socket.create_server(("127.0.0.1", 0)) as server:
@@ -611,12 +617,13 @@ def saves_check(url: str) -> dict[str, Any]:
             _Save("r1", tokens[:256], [2, 5, 3]), _Save("r2", tokens[:128], [7])]))
         hung.wait_for_save()  # returns with r1's save in flight, r2's past the bound
         hung.clear_connector_metadata()
-        out["hung_in_flight"] = sorted(r for r, f in hung._saving.items() if not f.done())
-        out["hung_skipped"] = hung.stats.data["saves_skipped"]
+        saving = hung.worker_side.saves._saving
+        out["hung_in_flight"] = sorted(r for r, f in saving.items() if not f.done())
+        out["hung_skipped"] = hung.state.stats.data["saves_skipped"]
         out["hung_first"] = [sorted(x or ()) for x in hung.get_finished({"r1", "r2"})]
         hung.handle_preemptions(KvpoolConnectorMetadata(flush={"r1"}))  # waits for r1
         out["hung_after_flush"] = [sorted(x or ()) for x in hung.get_finished(set())]
-        out["hung_stats"] = dict(hung.stats.data)
+        out["hung_stats"] = dict(hung.state.stats.data)
         hung.shutdown()
         for conn in held:
             conn.close()
@@ -673,8 +680,9 @@ def streams_check(url: str) -> dict[str, Any]:
     loader and saver made to say they are on cuda:1 (see test_vllm.py)."""
     import torch
 
-    from kvpool.gpu import vllm as connector_module
-    from kvpool.gpu.vllm import KvpoolConnectorMetadata, _Load, _Save
+    from kvpool.gpu import _vllm_worker as worker_module
+    from kvpool.gpu._vllm_state import _Load, _Save
+    from kvpool.gpu.vllm import KvpoolConnectorMetadata
 
     calls: list[list[Any]] = []
     engine = _Recorder("engine", calls)
@@ -695,9 +703,10 @@ def streams_check(url: str) -> dict[str, Any]:
     torch.cuda.current_stream = current_stream  # type: ignore[assignment]
     torch.cuda.set_device = set_device  # type: ignore[assignment]
     worker = _worker(url, load_mode="async")
-    caches = worker._loader._async.caches
-    worker._loader = _OnCuda(worker._loader, "loader", calls)
-    worker._saver = _OnCuda(worker._saver, "saver", calls)
+    caches = worker.worker_side.loader._async.caches
+    side = worker.worker_side
+    side.loader = _OnCuda(side.loader, "loader", calls)
+    side.saves.saver = _OnCuda(side.saves.saver, "saver", calls)
     tokens = list(range(7000, 7300))
     worker.bind_connector_metadata(KvpoolConnectorMetadata(
         saves=[_Save("r1", tokens[:256], [2, 5, 3])]))
@@ -713,14 +722,14 @@ def streams_check(url: str) -> dict[str, Any]:
     _until(worker, set(), "r2", 1)
     loaded = list(calls)
     calls.clear()
-    load_io, save_io = connector_module._io_threads(torch.device("cuda", 1))
+    load_io, save_io = worker_module._io_threads(torch.device("cuda", 1))
     for io in (load_io, save_io):
         io.submit(lambda: None).result()
         io.shutdown()
     threads = list(calls)
     bit_exact = all(bool(torch.equal(c[a].view(torch.uint8), c[b].view(torch.uint8)))
                     for c in caches for a, b in ((2, 9), (5, 11)))
-    stats = dict(worker.stats.data)
+    stats = dict(worker.state.stats.data)
     worker.shutdown()
     return {"save": saved, "load": loaded, "threads": threads, "bit_exact": bit_exact,
             "stats": stats}
