@@ -1,5 +1,5 @@
 """The node's handle on its cold tier (the SSD, S3 below it, or S3 alone right below
-DRAM): spawns the worker process and talks to it (``worker_channel.py``).
+DRAM): the worker process (``worker_process.py``) as the data path sees it.
 
 Keeps the index the data path needs without any I/O: which keys are on SSD
 and the length of each RAW envelope (a DRAM slot is reserved with it before
@@ -15,10 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
-import socket
 import struct
-import sys
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -34,7 +31,8 @@ from kvpool.protocol.worker import (
 )
 from kvpool.server.cold.base import ColdCounters, QueuedWrites
 from kvpool.server.cold.s3_mirror import S3KeyMirror
-from kvpool.server.cold.worker_channel import SsdUnavailableError, WorkerChannel
+from kvpool.server.cold.worker_channel import SsdUnavailableError
+from kvpool.server.cold.worker_process import WorkerProcess
 from kvpool.tiers.events import TierEvents
 from kvpool.tiers.tenants import TenantChunks
 
@@ -68,8 +66,6 @@ class SsdTier:
         self._full_task: asyncio.Task[None] | None = None
         self.start_timeout_s = start_timeout_s
         self.max_pending_bytes = max_pending_bytes
-        self._arena_fd = arena_fd
-        self._arena_size = arena_size
         self.index: dict[bytes, int] = {}
         #: the chunks this node wrote for each tenant with a quota (chunks found on disk at
         #: start-up belong to no one: the tier forgot who wrote them)
@@ -80,9 +76,8 @@ class SsdTier:
         #: serves SSD requests in order: those complete first and must not be indexed)
         self._writing = QueuedWrites()
         self.counters = ColdCounters()
-        self._proc: asyncio.subprocess.Process | None = None
-        self._stderr_task: asyncio.Task[None] | None = None
-        self._channel: WorkerChannel | None = None
+        self._worker = WorkerProcess(path, settings, arena_fd=arena_fd,
+                                     arena_size=arena_size, on_lost=self._lost)
         self.up = False
         #: set when the worker reported a full disk: writes are shed from then on
         self.full: str | None = None
@@ -91,22 +86,9 @@ class SsdTier:
 
     async def start(self) -> None:
         """Spawn the worker and load its index; SsdUnavailableError if it cannot start."""
-        parent, child = socket.socketpair()
         if self.has_ssd:
             self.path.mkdir(parents=True, exist_ok=True)
-        self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvpool.server.cold.ssd_worker", "--path", str(self.path),
-            "--arena-fd", str(self._arena_fd), "--arena-size", str(self._arena_size),
-            "--sock-fd", str(child.fileno()), "--parent-pid", str(os.getpid()),
-            pass_fds=(self._arena_fd, child.fileno()), stdin=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE)
-        child.close()
-        assert self._proc.stdin is not None
-        self._proc.stdin.write(self.settings.encode())
-        self._proc.stdin.close()  # EOF: the worker has all of its settings
-        loop = asyncio.get_running_loop()
-        _, self._channel = await loop.create_unix_connection(
-            lambda: WorkerChannel(self._lost), sock=parent)
+        await self._worker.spawn()
         self.up = True
         try:
             async with asyncio.timeout(self.start_timeout_s):
@@ -114,15 +96,13 @@ class SsdTier:
         except (SsdUnavailableError, TimeoutError) as exc:
             why = str(exc) or type(exc).__name__
             await self.stop()  # the worker has exited after this: its stderr is complete
-            if self._proc.stderr is not None:
-                err = (await self._proc.stderr.read()).decode(errors="replace").strip()
-                why = err or why
+            why = await self._worker.stderr_text() or why
             raise SsdUnavailableError(f"SSD tier at {self.path} did not start: {why}") from exc
         self.index = decode_keys(payload)
         status, reason = await self._call(SsdOp.REOPEN)
         if status == SsdStatus.FULL:  # a full disk at start: its chunks are served read-only
             self._mark_full(reason.decode(errors="replace"))
-        self._stderr_task = asyncio.create_task(self._forward_stderr())
+        self._worker.forward_stderr()
         if self.has_s3:
             self._s3_task = asyncio.create_task(self._poll_s3_keys())
 
@@ -162,23 +142,10 @@ class SsdTier:
             if self.s3_index.apply(payload) < S3_LOG_PAGE:
                 return
 
-    async def _forward_stderr(self) -> None:
-        assert self._proc is not None and self._proc.stderr is not None
-        while line := await self._proc.stderr.readline():
-            log.warning("%s", line.decode(errors="replace").rstrip())
-
     async def stop(self) -> None:
         self.up = False
-        if self._channel is not None:
-            self._channel.close()  # the worker exits on EOF
-        if self._proc is not None and self._proc.returncode is None:
-            try:
-                async with asyncio.timeout(30):
-                    await self._proc.wait()
-            except TimeoutError:
-                self._proc.kill()
-                await self._proc.wait()
-        for task in (self._stderr_task, self._s3_task, self._full_task):
+        await self._worker.stop()
+        for task in (self._s3_task, self._full_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -370,44 +337,49 @@ class SsdTier:
     async def describe(self) -> dict[str, dict[str, Any]]:
         """The SSD's counters and the worker's (``ssd``), and S3's (``s3``; with S3 alone
         below DRAM, the node's side of it as ``s3.node``)."""
-        info: dict[str, Any] = {"name": "ssd", "up": self.up, "full": self.full,
-                                "capacity_bytes": self.capacity_bytes,
-                                "codec": CODEC_NAMES[self.codec],
-                                "num_objects": len(self.index),
-                                "raw_bytes": sum(self.index.values()), **asdict(self.counters)}
-        if self.up:
-            try:
-                async with asyncio.timeout(2):
-                    worker = await self.worker_stats()
-            except (SsdUnavailableError, TimeoutError):
-                info["worker"] = "no answer"
-            else:
-                for name in ("used_bytes", "hits", "misses", "insertions", "evictions",
-                             "rejections", "corrupt", "s3"):
-                    if name in worker:
-                        info[name] = worker[name]
-        out: dict[str, dict[str, Any]] = {}
-        s3 = info.pop("s3", None)
-        if self.has_ssd:
-            out["ssd"] = info
-        if s3 is not None:
-            out["s3"] = {"name": "s3", "keys_known": len(self.s3_index), **s3}
-            if not self.has_ssd:  # the node's side: worker up, uploads pending, shed
-                node = {"up": info["up"], **asdict(self.counters)}
-                out["s3"]["node"] = node
-                # what was not written below is S3's shed writes here (no SSD to shed)
-                out["s3"]["shed"] = out["s3"].get("shed", 0) + node["shed"]
-        return out
+        return await _describe(self)
 
     # -- internals ------------------------------------------------------------------------
 
     def _call(self, op: int, key: bytes = bytes(16), offset: int = 0,
               length: int = 0) -> asyncio.Future[tuple[int, bytes]]:
-        if not self.up or self._channel is None:
+        if not self.up:
             raise SsdUnavailableError("the SSD worker is not running")
-        return self._channel.call(op, key, offset, length)
+        return self._worker.call(op, key, offset, length)
 
     def _lost(self, exc: Exception | None) -> None:
-        if self.up and self._stderr_task is not None:  # started (start() says why it failed)
+        if self.up and self._worker.forwarding:  # started (start() says why it failed)
             log.error("SSD worker connection lost (%s); serving from DRAM only", exc)
         self.up = False
+
+
+async def _describe(tier: SsdTier) -> dict[str, dict[str, Any]]:
+    """:meth:`SsdTier.describe` (the tier's stats as the node reports them)."""
+    info: dict[str, Any] = {"name": "ssd", "up": tier.up, "full": tier.full,
+                            "capacity_bytes": tier.capacity_bytes,
+                            "codec": CODEC_NAMES[tier.codec],
+                            "num_objects": len(tier.index),
+                            "raw_bytes": sum(tier.index.values()), **asdict(tier.counters)}
+    if tier.up:
+        try:
+            async with asyncio.timeout(2):
+                worker = await tier.worker_stats()
+        except (SsdUnavailableError, TimeoutError):
+            info["worker"] = "no answer"
+        else:
+            for name in ("used_bytes", "hits", "misses", "insertions", "evictions",
+                         "rejections", "corrupt", "s3"):
+                if name in worker:
+                    info[name] = worker[name]
+    out: dict[str, dict[str, Any]] = {}
+    s3 = info.pop("s3", None)
+    if tier.has_ssd:
+        out["ssd"] = info
+    if s3 is not None:
+        out["s3"] = {"name": "s3", "keys_known": len(tier.s3_index), **s3}
+        if not tier.has_ssd:  # the node's side: worker up, uploads pending, shed
+            node = {"up": info["up"], **asdict(tier.counters)}
+            out["s3"]["node"] = node
+            # what was not written below is S3's shed writes here (no SSD to shed)
+            out["s3"]["shed"] = out["s3"].get("shed", 0) + node["shed"]
+    return out

@@ -34,23 +34,22 @@ import socket
 import struct
 import sys
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvpool.protocol.worker import (
     KEY_LEN,
     REPLY,
     REQUEST,
-    S3_CHANGE,
-    S3_LOG_PAGE,
     S3Change,
     S3Settings,
     SsdOp,
     SsdStatus,
     WorkerSettings,
 )
+from kvpool.server.cold.keyed_pool import KeyedPool
+from kvpool.server.cold.s3_changes import S3ChangeLog
 from kvpool.server.security.hardening import die_with_parent, forbid_dumps
 from kvpool.tiers.rocksdb import RocksDbTier
 from kvpool.tiers.s3 import S3Tier
@@ -96,17 +95,13 @@ class Worker:
         self.s3 = s3
         self._send_lock = threading.Lock()
         self._sock: socket.socket | None = None
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvpool-s3")
+        #: S3 calls, in order for each key
+        self._pool = KeyedPool(4, "kvpool-s3")
         self._s3_lock = threading.Lock()
         self._s3_pending = 0
         self._s3_max_pending = s3_settings.max_pending_bytes
-        #: S3_CHANGE records, in the order we learned of the changes, from record number
-        #: _s3_log_base on (the node has applied those before it: they are dropped)
-        self.s3_log: list[bytes] = []
-        self._s3_log_base = 0
-        self._s3_logged: set[bytes] = set()  # keys whose last record says PRESENT
-        #: per key with S3 work in flight, the work queued behind it (see _s3_in_order)
-        self._s3_queues: dict[bytes, deque[tuple[Callable[..., object], tuple[Any, ...]]]] = {}
+        #: what S3 holds, a change a record, for the node's mirror
+        self.s3_log = S3ChangeLog()
         self.s3_shed = 0
         self._staged: OrderedDict[bytes, bytes] = OrderedDict()  # fetched, not yet copied
         self._staged_bytes = 0
@@ -139,19 +134,7 @@ class Worker:
 
     def _s3_changed(self, key: bytes, present: bool) -> None:
         """The S3 tier's index gained or lost ``key`` (S3Tier.listener)."""
-        self._log_s3(key, S3Change.PRESENT if present else S3Change.GONE)
-
-    def _log_s3(self, key: bytes, change: int) -> None:
-        with self._s3_lock:
-            if change == S3Change.PRESENT:
-                if key in self._s3_logged:
-                    return
-                self._s3_logged.add(key)
-            elif key in self._s3_logged:
-                self._s3_logged.discard(key)
-            elif change == S3Change.GONE:  # not logged as present: nothing to take back
-                return
-            self.s3_log.append(S3_CHANGE.pack(key, change))
+        self.s3_log.log(key, S3Change.PRESENT if present else S3Change.GONE)
 
     def _upload(self, key: bytes, value: bytes) -> None:
         assert self.s3 is not None
@@ -184,32 +167,7 @@ class Worker:
     def _in_s3(self, key: bytes) -> bool:
         """S3 holds ``key`` and no S3 work on it (a delete, say) is queued or running."""
         assert self.s3 is not None
-        with self._s3_lock:
-            return self.s3.contains(key) and key not in self._s3_queues
-
-    def _s3_in_order(self, key: bytes, fn: Callable[..., object], *args: Any) -> None:
-        """Run ``fn(*args)`` on the pool once the S3 work queued before it for ``key`` is
-        done (work on different keys still runs in parallel)."""
-        with self._s3_lock:
-            queue = self._s3_queues.get(key)
-            if queue is not None:
-                queue.append((fn, args))
-                return
-            self._s3_queues[key] = deque()
-        self._pool.submit(self._s3_run, key, fn, args)
-
-    def _s3_run(self, key: bytes, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
-        while True:
-            try:
-                fn(*args)
-            except Exception as exc:  # keep going: the work behind it still has to run
-                print(f"kvpool ssd worker: S3: {type(exc).__name__}: {exc}", file=sys.stderr)
-            with self._s3_lock:
-                queue = self._s3_queues[key]
-                if not queue:
-                    del self._s3_queues[key]
-                    return
-                fn, args = queue.popleft()
+        return self.s3.contains(key) and not self._pool.busy(key)
 
     def _write_behind_s3(self, key: bytes, view: memoryview) -> None:
         if self.s3 is None or self._in_s3(key):
@@ -220,14 +178,14 @@ class Worker:
                 return
             self._s3_pending += len(view)
         # a copy: the node reuses the arena slot as soon as this PUT is answered
-        self._s3_in_order(key, self._upload, key, bytes(view))
+        self._pool.submit(key, self._upload, key, bytes(view))
 
     def _delete_s3(self, key: bytes) -> None:
         assert self.s3 is not None
         try:
             self.s3.delete(key)
         finally:  # the node counts these records (one per DELETE), failed or not
-            self._log_s3(key, S3Change.DELETED)
+            self.s3_log.log(key, S3Change.DELETED)
 
     def _fetch(self, request_id: int, key: bytes) -> None:
         try:
@@ -277,7 +235,7 @@ class Worker:
         # an index that says S3 has it may be stale (another node deleted it since our
         # last LIST): a durable ack asks S3 itself, and uploads if S3 lacks it
         upload = self._confirm_durable if self._in_s3(key) else self._upload_durable
-        self._s3_in_order(key, upload, request_id, key, bytes(view), evicted)
+        self._pool.submit(key, upload, request_id, key, bytes(view), evicted)
         return None
 
     def _put(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
@@ -311,7 +269,7 @@ class Worker:
                 self.fetch_shed += 1
                 return SsdStatus.MISS, b""
             self._fetches += 1
-        self._s3_in_order(key, self._fetch, request_id, key)
+        self._pool.submit(key, self._fetch, request_id, key)
         return None
 
     def _copy(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
@@ -333,7 +291,7 @@ class Worker:
     def _confirm_op(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
         if self.s3 is None:
             return SsdStatus.MISS, b""
-        self._s3_in_order(key, self._confirm, request_id, key)
+        self._pool.submit(key, self._confirm, request_id, key)
         return None
 
     def _reopen(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
@@ -348,7 +306,7 @@ class Worker:
     def _delete(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
         found = self.tier is not None and self.tier.delete(key)
         if self.s3 is not None:
-            self._s3_in_order(key, self._delete_s3, key)
+            self._pool.submit(key, self._delete_s3, key)
         return (SsdStatus.OK if found else SsdStatus.MISS), b""
 
     def _keys(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
@@ -358,13 +316,7 @@ class Worker:
     def _s3_keys(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
         """S3 log records from record ``offset`` on (the first the node has not applied:
         the ones before it are done with)."""
-        with self._s3_lock:
-            done = min(max(0, offset - self._s3_log_base), len(self.s3_log))
-            del self.s3_log[:done]
-            self._s3_log_base += done
-            start = max(0, offset - self._s3_log_base)
-            records = self.s3_log[start : start + S3_LOG_PAGE]
-        return SsdStatus.OK, b"".join(records)
+        return SsdStatus.OK, self.s3_log.page(offset)
 
     def _stats(self, request_id: int, key: bytes, offset: int, length: int) -> _Result:
         tier = self.tier
@@ -400,7 +352,7 @@ class Worker:
                     self._reply(request_id, *result)
         finally:
             self._stop.set()
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,9 +89,9 @@ async def test_index_survives_restart_and_tracks_evictions(dram: DramTier,
 
 
 async def test_worker_death_is_reported(dram: DramTier, ssd: SsdTier) -> None:
-    assert ssd._proc is not None
-    os.kill(ssd._proc.pid, signal.SIGKILL)
-    await ssd._proc.wait()
+    assert ssd._worker.proc is not None
+    os.kill(ssd._worker.proc.pid, signal.SIGKILL)
+    await ssd._worker.proc.wait()
     with pytest.raises(SsdUnavailableError):
         await ssd.worker_stats()
     assert not ssd.up
@@ -195,7 +195,7 @@ def test_s3_ops_on_one_key_land_in_the_order_the_node_sent_them(
             is None
     finally:
         gate.set()
-        worker._pool.shutdown(wait=True)
+        worker._pool.shutdown(drop_queued=False)
         node_end.close()
         worker_end.close()
 
@@ -214,17 +214,17 @@ def test_s3_log_is_read_in_order_and_forgets_what_the_node_applied(tmp_path: Pat
         assert reply is not None and reply[0] == SsdStatus.OK
         return list(S3_CHANGE.iter_unpack(reply[1]))
 
-    worker._log_s3(key(1), S3Change.PRESENT)
-    worker._log_s3(key(1), S3Change.PRESENT)  # no change: not logged again
-    worker._log_s3(key(2), S3Change.GONE)  # never logged present: nothing to take back
-    worker._log_s3(key(1), S3Change.DELETED)
-    worker._log_s3(key(2), S3Change.DELETED)  # one record per DELETE, logged or not
+    worker.s3_log.log(key(1), S3Change.PRESENT)
+    worker.s3_log.log(key(1), S3Change.PRESENT)  # no change: not logged again
+    worker.s3_log.log(key(2), S3Change.GONE)  # never logged present: nothing to take back
+    worker.s3_log.log(key(1), S3Change.DELETED)
+    worker.s3_log.log(key(2), S3Change.DELETED)  # one record per DELETE, logged or not
     assert read(0) == [(key(1), S3Change.PRESENT), (key(1), S3Change.DELETED),
                        (key(2), S3Change.DELETED)]
-    worker._log_s3(key(1), S3Change.PRESENT)  # written again after its delete
+    worker.s3_log.log(key(1), S3Change.PRESENT)  # written again after its delete
     assert read(3) == [(key(1), S3Change.PRESENT)]
-    assert len(worker.s3_log) == 1  # the 3 records the node applied are gone
-    assert read(4) == [] and worker.s3_log == []
+    assert len(worker.s3_log.records) == 1  # the 3 records the node applied are gone
+    assert read(4) == [] and worker.s3_log.records == []
 
 
 def test_the_nodes_s3_mirror_skips_an_upload_logged_before_its_pending_delete() -> None:
