@@ -27,8 +27,8 @@ slots and entries.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 from opentelemetry.trace import Tracer
 
@@ -37,14 +37,24 @@ from kvpool.protocol.worker import SsdStatus, TieringPolicy
 from kvpool.server.admin.events import EventBus
 from kvpool.server.admin.tracing import tier_span
 from kvpool.server.cold.base import ColdTier
+from kvpool.server.cold.reports import TierReports, chunk_info
 from kvpool.server.cold.worker_channel import SsdUnavailableError
 from kvpool.tiers.dram import DramTier, Entry, Slot
-from kvpool.tiers.events import Why
 
 _SSD, _S3 = int(Tier.SSD), int(Tier.S3)
 assert int(Tier.DRAM) == 1  # ``tiers`` writes DRAM hits as bytes of bools
 
 __all__ = ["TierManager", "TieringPolicy"]
+
+
+class Quota(Protocol):
+    """A tenant's limits (``TenantQuota`` of the tokens file); 0: none."""
+
+    @property
+    def dram_bytes(self) -> int: ...
+
+    @property
+    def ssd_bytes(self) -> int: ...
 
 
 class TierManager:
@@ -66,8 +76,8 @@ class TierManager:
         self.policy = policy or TieringPolicy()
         self.promotions = 0
         self._tracer = tracer
-        dram.events.listen(self)
-        cold.events.listen(self)
+        #: what subscribers hear (the tiers report what they drop there by themselves)
+        self.reports = TierReports(dram, cold, events)
 
     # -- storing ----------------------------------------------------------------------
 
@@ -77,11 +87,7 @@ class TierManager:
         checksum). Then either :meth:`write_behind` them, or, for the indexes
         :meth:`through` names, wait for :meth:`make_durable`."""
         committed = self.dram.commit(slots, ttl_s=ttl_s, pin=pin, parents=parents)
-        if self.events.subscribers:
-            for entry in committed:
-                if entry is not None:
-                    self.events.publish("stored", entry.key, tier="dram", parent=entry.parent,
-                                        depth=entry.depth)
+        self.reports.stored(committed)
         return committed
 
     def through(self, committed: Sequence[Entry | None]) -> list[int]:
@@ -244,7 +250,7 @@ class TierManager:
             self.dram.hold(entry)
             entries[i] = entry
             self.promotions += 1
-            self.events.publish("stored", entry.key, tier="dram", depth=entry.depth)
+            self.reports.stored([entry])
         return entry
 
     def tiers(self, keys: Sequence[bytes]) -> bytes:
@@ -282,10 +288,7 @@ class TierManager:
                             else "s3"
                     deleted[i] = True
                     ssd.delete(key)
-        if self.events.subscribers:
-            for key, tier in zip(keys, tiers, strict=True):
-                if tier:
-                    self.events.publish("removed", key, tier=tier)
+        self.reports.removed(keys, tiers)
         return deleted
 
     def evict(self, tier: str | None, namespace: bytes | None) -> dict[str, int]:
@@ -302,9 +305,9 @@ class TierManager:
                 def keep(entry: Entry) -> bool:
                     return bytes(dram.view(entry)[40:56]) != namespace  # envelope fingerprint
 
-            for entry in self.dram.evict_where(keep):
-                counts["dram"] += 1
-                self._evicted(entry)
+            gone = self.dram.evict_where(keep)
+            counts["dram"] = len(gone)
+            self.reports.evicted(gone)
         ssd = self.cold
         if tier == "ssd" and ssd.up:
             for key in list(ssd.index):
@@ -326,61 +329,20 @@ class TierManager:
 
     # -- what happened, and what is there -----------------------------------------------
 
-    def dropped(self, tier: str, key: bytes, why: Why, entry: object) -> None:
-        """A tier let ``key`` go by itself (:mod:`kvpool.tiers.events`): the event it
-        means for this node's subscribers."""
-        if not self.events.subscribers:
-            return
-        if tier != self.dram.name:
-            self._cold_evicted(key)
-        elif isinstance(entry, Entry):
-            (self._expired if why == "ttl" else self._evicted)(entry)
+    def set_quotas(self, quotas: Mapping[str, Quota]) -> None:
+        """Each tenant's DRAM and SSD bytes (a tenant with none: no limit there)."""
+        self.dram.tenants.quotas = {t: q.dram_bytes for t, q in quotas.items() if q.dram_bytes}
+        self.cold.tenants.quotas = {t: q.ssd_bytes for t, q in quotas.items() if q.ssd_bytes}
 
-    def _evicted(self, entry: Entry) -> None:
-        """DRAM made room by dropping ``entry``: an evicted or demoted event."""
-        ssd = self.cold
-        lower = None
-        if ssd.up:
-            lower = "ssd" if entry.key in ssd.index else "s3" if entry.key in ssd.s3_index \
-                else None
-        self.events.publish("demoted" if lower else "evicted", entry.key,
-                            tier=lower or "dram", parent=entry.parent, depth=entry.depth)
-
-    def _expired(self, entry: Entry) -> None:
-        """DRAM dropped ``entry`` at the end of its TTL (a chunk with a TTL is DRAM-only)."""
-        self.events.publish("expired", entry.key, tier="dram", parent=entry.parent,
-                            depth=entry.depth)
-
-    def _cold_evicted(self, key: bytes) -> None:
-        """The SSD dropped ``key`` to make room: an evicted or demoted event, unless DRAM
-        still holds it (then this node's view of the chunk has not changed)."""
-        if self.dram.contains(key):
-            return
-        in_s3 = key in self.cold.s3_index
-        self.events.publish("demoted" if in_s3 else "evicted", key,
-                            tier="s3" if in_s3 else "ssd")
+    def tenant_usage(self) -> dict[str, dict[str, int]]:
+        """Each tenant's bytes in DRAM and on the SSD."""
+        dram, ssd = self.dram.tenants.used, self.cold.tenants.used
+        return {t: {"dram": dram.get(t, 0), "ssd": ssd.get(t, 0)}
+                for t in sorted(set(dram) | set(ssd))}
 
     def chunk_info(self, key: bytes) -> dict[str, Any] | None:
         """What this node knows of one chunk, without reading it (None: no tier has it)."""
-        entry = self.dram.peek(key)
-        ssd = self.cold
-        on_ssd = ssd.up and key in ssd.index
-        in_s3 = ssd.up and key in ssd.s3_index
-        tiers = [name for name, held in (("dram", entry is not None), ("ssd", on_ssd),
-                                         ("s3", in_s3)) if held]
-        if not tiers:
-            return None
-        info: dict[str, Any] = {"key": key.hex(), "tiers": tiers, "pinned": False,
-                                "ttl_s": None, "last_access": None, "depth": None,
-                                "num_tokens": None, "parent": None, "size_bytes": None}
-        if entry is not None:
-            info.update(size_bytes=entry.length, pinned=entry.pinned,
-                        ttl_s=self.dram.ttl_left(entry), last_access=entry.last_access,
-                        depth=entry.depth, num_tokens=entry.num_tokens,
-                        parent=entry.parent.hex() if entry.parent else None)
-        elif on_ssd:
-            info["size_bytes"] = ssd.index[key]
-        return info
+        return chunk_info(self.dram, self.cold, key)
 
     async def snapshot(self) -> dict[str, Any]:
         """Each tier's counters (the stats snapshot's ``tiers``) and the manager's own."""
