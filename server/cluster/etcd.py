@@ -36,7 +36,7 @@ import base64
 import contextlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -44,7 +44,7 @@ import aiohttp
 from kvpool.placement.cluster_map import ClusterMap, NodeInfo, NodeState
 from kvpool.protocol.errors import ConfigError, KvpoolConnectionError
 
-__all__ = ["EtcdSource", "b64", "prefix_end"]
+__all__ = ["EtcdGateway", "EtcdSource", "b64", "prefix_end"]
 
 log = logging.getLogger("kvpool.server")
 
@@ -78,44 +78,35 @@ def _auth_refused(data: dict[str, Any]) -> bool:
     return any(text in message for text in _AUTH_ERRORS)
 
 
-class EtcdSource:
-    """The cluster map kept in etcd (see the module docstring)."""
+class EtcdGateway:
+    """etcd's v3 JSON gateway at ``endpoints`` (tried in turn; the next one after a failure),
+    as ``user`` where one is given (its auth token renewed once a call when etcd no longer
+    takes it); ``timeout_s`` a call, a watch's stream excepted."""
 
-    def __init__(self, endpoints: str, *, prefix: str = "/kvpool/default",
-                 lease_ttl_s: float = 5.0, auto_join: bool = True, replication: int = 1,
-                 timeout_s: float = 5.0, user: str = "", password: str = "") -> None:
-        self.endpoints = [e.strip().rstrip("/") for e in endpoints.split(",") if e.strip()]
-        if not self.endpoints:
-            raise ConfigError("--etcd needs at least one endpoint URL (http://host:2379)")
-        for e in self.endpoints:
-            if not e.startswith(("http://", "https://")):
-                raise ConfigError(f"etcd endpoint must be an http(s) URL, got {e!r}")
-        self.prefix = prefix.rstrip("/")
-        if not self.prefix.startswith("/"):
-            raise ConfigError(f"etcd prefix must start with '/', got {prefix!r}")
-        self.lease_ttl_s = lease_ttl_s
-        self.auto_join = auto_join
-        self.replication = replication
-        self.timeout_s = timeout_s
+    def __init__(self, endpoints: list[str], *, user: str = "", password: str = "",
+                 timeout_s: float = 5.0) -> None:
+        self.endpoints = endpoints
         self.user = user
         self._password = password
+        self.timeout_s = timeout_s
         #: etcd's auth token for ``user`` (sent as the Authorization header)
         self._token = ""
         self._session: aiohttp.ClientSession | None = None
-        self._lease = 0
-        self._me: NodeInfo | None = None
-        self._install: Callable[[ClusterMap], object] | None = None
-        self._tasks: list[asyncio.Task[None]] = []
         self._endpoint = 0
-        self.current: ClusterMap | None = None
 
-    def describe(self) -> str:
-        who = f" as {self.user}" if self.user else " without auth"
-        return f"etcd {','.join(self.endpoints)} prefix {self.prefix}{who}"
+    def open(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
 
-    # -- the gateway ----------------------------------------------------------------------
+    @property
+    def is_open(self) -> bool:
+        return self._session is not None
 
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """One JSON call, trying each endpoint once; KvpoolConnectionError if none answers.
         With a user, a call refused for its auth token authenticates again, once."""
         if self.user and not self._token:
@@ -160,41 +151,97 @@ class EtcdSource:
                     return data
             except (aiohttp.ClientError, TimeoutError) as exc:
                 errors.append(f"{url}: {exc!r}")
-                self._endpoint = (self._endpoint + 1) % len(self.endpoints)
+                self._next_endpoint()
         raise KvpoolConnectionError(f"no etcd endpoint answered: {'; '.join(errors)}")
 
-    def _key(self, *parts: str) -> str:
-        return "/".join([self.prefix, *parts])
+    def _next_endpoint(self) -> None:
+        self._endpoint = (self._endpoint + 1) % len(self.endpoints)
 
-    async def _range_prefix(self) -> tuple[int, dict[str, str]]:
-        data = await self._post("/v3/kv/range", {"key": b64(self.prefix + "/"),
-                                                 "range_end": prefix_end(self.prefix + "/")})
+    async def range_prefix(self, prefix: str) -> tuple[int, dict[str, str]]:
+        """The revision, and every key under ``prefix`` with its value."""
+        data = await self.post("/v3/kv/range", {"key": b64(prefix),
+                                                "range_end": prefix_end(prefix)})
         kvs = {_unb64(kv["key"]): _unb64(kv.get("value", "")) for kv in data.get("kvs", [])}
         return int(data["header"]["revision"]), kvs
 
-    async def _put(self, key: str, value: str, lease: int = 0) -> None:
+    async def put(self, key: str, value: str, lease: int = 0) -> None:
         body: dict[str, Any] = {"key": b64(key), "value": b64(value)}
         if lease:
             body["lease"] = str(lease)
-        await self._post("/v3/kv/put", body)
+        await self.post("/v3/kv/put", body)
 
-    async def _txn_create(self, key: str, value: str) -> bool:
+    async def create(self, key: str, value: str) -> bool:
         """Put ``key`` only if it does not exist; True if this call created it."""
-        data = await self._post("/v3/kv/txn", {
+        data = await self.post("/v3/kv/txn", {
             "compare": [{"key": b64(key), "target": "CREATE", "result": "EQUAL",
                          "create_revision": "0"}],
             "success": [{"request_put": {"key": b64(key), "value": b64(value)}}]})
         return bool(data.get("succeeded"))
 
-    async def _txn_replace(self, key: str, expect: str, value: str | None) -> bool:
+    async def replace(self, key: str, expect: str, value: str | None) -> bool:
         """Replace (or delete, for None) ``key`` only if it still holds ``expect``."""
         op = {"request_put": {"key": b64(key), "value": b64(value)}} if value is not None \
             else {"request_delete_range": {"key": b64(key)}}
-        data = await self._post("/v3/kv/txn", {
+        data = await self.post("/v3/kv/txn", {
             "compare": [{"key": b64(key), "target": "VALUE", "result": "EQUAL",
                          "value": b64(expect)}],
             "success": [op]})
         return bool(data.get("succeeded"))
+
+    async def watch(self, prefix: str, revision: int) -> AsyncIterator[dict[str, Any]]:
+        """The replies of a watch of ``prefix`` from ``revision`` on, one a change, until
+        the stream ends (aiohttp's errors, KvpoolConnectionError or ConfigError: a stale
+        token, renewed on the next call). The next call tries the next endpoint."""
+        assert self._session is not None
+        url = self.endpoints[self._endpoint] + "/v3/watch"
+        self._next_endpoint()
+        body = {"create_request": {"key": b64(prefix), "range_end": prefix_end(prefix),
+                                   "start_revision": str(revision + 1)}}
+        if self.user and not self._token:
+            await self._authenticate()
+        async with self._session.post(url, json=body, headers=self._headers(),
+                                      timeout=aiohttp.ClientTimeout(total=None)) as resp:
+            async for line in resp.content:
+                reply: dict[str, Any] = json.loads(line)
+                if _auth_refused(reply):  # a stale token: the next call renews it
+                    self._token = ""
+                    raise ConfigError(f"etcd watch refused: {reply}")
+                yield reply
+
+
+class EtcdSource:
+    """The cluster map kept in etcd (see the module docstring)."""
+
+    def __init__(self, endpoints: str, *, prefix: str = "/kvpool/default",
+                 lease_ttl_s: float = 5.0, auto_join: bool = True, replication: int = 1,
+                 timeout_s: float = 5.0, user: str = "", password: str = "") -> None:
+        self.endpoints = [e.strip().rstrip("/") for e in endpoints.split(",") if e.strip()]
+        if not self.endpoints:
+            raise ConfigError("--etcd needs at least one endpoint URL (http://host:2379)")
+        for e in self.endpoints:
+            if not e.startswith(("http://", "https://")):
+                raise ConfigError(f"etcd endpoint must be an http(s) URL, got {e!r}")
+        self.prefix = prefix.rstrip("/")
+        if not self.prefix.startswith("/"):
+            raise ConfigError(f"etcd prefix must start with '/', got {prefix!r}")
+        self.lease_ttl_s = lease_ttl_s
+        self.auto_join = auto_join
+        self.replication = replication
+        self.user = user
+        self.gateway = EtcdGateway(self.endpoints, user=user, password=password,
+                                   timeout_s=timeout_s)
+        self._lease = 0
+        self._me: NodeInfo | None = None
+        self._install: Callable[[ClusterMap], object] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.current: ClusterMap | None = None
+
+    def describe(self) -> str:
+        who = f" as {self.user}" if self.user else " without auth"
+        return f"etcd {','.join(self.endpoints)} prefix {self.prefix}{who}"
+
+    def _key(self, *parts: str) -> str:
+        return "/".join([self.prefix, *parts])
 
     # -- the map --------------------------------------------------------------------------
 
@@ -214,7 +261,7 @@ class EtcdSource:
                           fallbacks=int(config.get("fallbacks", 1)))
 
     async def read(self) -> ClusterMap:
-        revision, kvs = await self._range_prefix()
+        revision, kvs = await self.gateway.range_prefix(self.prefix + "/")
         cmap = self._build(revision, kvs)
         self.current = cmap
         return cmap
@@ -222,19 +269,18 @@ class EtcdSource:
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self, me: NodeInfo, install: Callable[[ClusterMap], object]) -> ClusterMap:
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-        self._session = aiohttp.ClientSession(timeout=timeout)
+        self.gateway.open()
         self._me = me
         self._install = install
         try:
-            await self._txn_create(self._key("config"), json.dumps(
+            await self.gateway.create(self._key("config"), json.dumps(
                 {"replication": self.replication, "fallbacks": 1}))
             await self._register()
             if self.auto_join:
-                revision, kvs = await self._range_prefix()
+                revision, kvs = await self.gateway.range_prefix(self.prefix + "/")
                 entry = json.dumps(me.to_dict())
                 self._check_entry(revision, kvs, me.id, entry)
-                await self._txn_create(self._key("nodes", me.id), entry)
+                await self.gateway.create(self._key("nodes", me.id), entry)
             await self._relabel(me)
             cmap = await self.read()
         except BaseException:
@@ -252,7 +298,7 @@ class EtcdSource:
         and weight kept): placement follows the labels the node says it has."""
         key = self._key("nodes", me.id)
         for _ in range(10):
-            revision, kvs = await self._range_prefix()
+            revision, kvs = await self.gateway.range_prefix(self.prefix + "/")
             current = kvs.get(key)
             if current is None:
                 return
@@ -263,7 +309,7 @@ class EtcdSource:
             if relabelled == entry:
                 return
             self._check_entry(revision, kvs, me.id, json.dumps(relabelled))
-            if await self._txn_replace(key, current, json.dumps(relabelled)):
+            if await self.gateway.replace(key, current, json.dumps(relabelled)):
                 log.info("node %s: failure domains in the map are now %s", me.id, labels)
                 return
         raise ConfigError(f"could not update node {me.id!r}'s labels in etcd: the entry kept "
@@ -281,9 +327,10 @@ class EtcdSource:
 
     async def _register(self) -> None:
         assert self._me is not None
-        grant = await self._post("/v3/lease/grant", {"TTL": str(max(1, round(self.lease_ttl_s)))})
+        ttl = str(max(1, round(self.lease_ttl_s)))
+        grant = await self.gateway.post("/v3/lease/grant", {"TTL": ttl})
         self._lease = int(grant["ID"])
-        await self._put(self._key("alive", self._me.id), json.dumps(self._me.to_dict()),
+        await self.gateway.put(self._key("alive", self._me.id), json.dumps(self._me.to_dict()),
                         self._lease)
 
     async def _keep_alive(self) -> None:
@@ -291,7 +338,7 @@ class EtcdSource:
         while True:
             await asyncio.sleep(interval)
             try:
-                data = await self._post("/v3/lease/keepalive", {"ID": str(self._lease)})
+                data = await self.gateway.post("/v3/lease/keepalive", {"ID": str(self._lease)})
                 if int(data.get("result", {}).get("TTL", 0)) <= 0:
                     log.warning("etcd lease expired (node was paused?); registering again")
                     await self._register()
@@ -300,43 +347,28 @@ class EtcdSource:
 
     async def _watch(self, revision: int) -> None:
         """Follow changes under the prefix; re-read and install the map after each."""
-        assert self._session is not None
         backoff = 0.2
         while True:
-            url = self.endpoints[self._endpoint] + "/v3/watch"
-            body = {"create_request": {"key": b64(self.prefix + "/"),
-                                       "range_end": prefix_end(self.prefix + "/"),
-                                       "start_revision": str(revision + 1)}}
             try:
-                if self.user and not self._token:
-                    await self._authenticate()
-                async with self._session.post(url, json=body, headers=self._headers(),
-                                              timeout=aiohttp.ClientTimeout(total=None)) as resp:
+                async for reply in self.gateway.watch(self.prefix + "/", revision):
                     backoff = 0.2
-                    async for line in resp.content:
-                        reply = json.loads(line)
-                        if _auth_refused(reply):  # a stale token: the next round renews it
-                            self._token = ""
-                            raise ConfigError(f"etcd watch refused: {reply}")
-                        result = reply.get("result", {})
-                        if not result.get("events"):
-                            continue
-                        cmap = await self._read_valid()
-                        if cmap is not None:
-                            revision = cmap.epoch
-                            assert self._install is not None
-                            self._install(cmap)
+                    if not reply.get("result", {}).get("events"):
+                        continue
+                    revision = self._install_valid(await self._read_valid(), revision)
             except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError,
                     KvpoolConnectionError, ConfigError) as exc:
                 log.warning("etcd watch interrupted (%s); again in %.1fs", exc, backoff)
-            self._endpoint = (self._endpoint + 1) % len(self.endpoints)
             await asyncio.sleep(backoff)
             backoff = min(5.0, backoff * 2)
-            cmap = await self._read_valid()
-            if cmap is not None:
-                revision = cmap.epoch
-                assert self._install is not None
-                self._install(cmap)
+            revision = self._install_valid(await self._read_valid(), revision)
+
+    def _install_valid(self, cmap: ClusterMap | None, revision: int) -> int:
+        """Install ``cmap`` (None: none was read); the revision to watch from."""
+        if cmap is None:
+            return revision
+        assert self._install is not None
+        self._install(cmap)
+        return cmap.epoch
 
     async def _read_valid(self) -> ClusterMap | None:
         try:
@@ -352,13 +384,11 @@ class EtcdSource:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
-        if self._session is not None:
-            if self._lease:
-                # a clean stop leaves at once rather than when the lease runs out
-                with contextlib.suppress(KvpoolConnectionError, ConfigError):
-                    await self._post("/v3/lease/revoke", {"ID": str(self._lease)})
-            await self._session.close()
-            self._session = None
+        if self.gateway.is_open and self._lease:
+            # a clean stop leaves at once rather than when the lease runs out
+            with contextlib.suppress(KvpoolConnectionError, ConfigError):
+                await self.gateway.post("/v3/lease/revoke", {"ID": str(self._lease)})
+        await self.gateway.close()
 
     def reload(self) -> ClusterMap | None:
         log.info("SIGHUP: the etcd map is followed by a watch; nothing to reload")
@@ -376,7 +406,7 @@ class EtcdSource:
         """
         key = self._key("nodes", node_id)
         for _ in range(10):  # optimistic concurrency: retry if another admin raced us
-            _, kvs = await self._range_prefix()
+            _, kvs = await self.gateway.range_prefix(self.prefix + "/")
             current = kvs.get(key)
             if action == "join":
                 if current is None:
@@ -387,16 +417,16 @@ class EtcdSource:
                         raise ConfigError(f"node {node_id!r} is not registered in etcd: give "
                                           "its 'data' (and 'admin') address to join it")
                     entry = NodeInfo(**{**merged, "state": NodeState.UP.value}).to_dict()
-                    done = await self._txn_create(key, json.dumps(entry))
+                    done = await self.gateway.create(key, json.dumps(entry))
                 else:
                     entry = {**json.loads(current), "state": NodeState.UP.value}
-                    done = await self._txn_replace(key, current, json.dumps(entry))
+                    done = await self.gateway.replace(key, current, json.dumps(entry))
             elif action in ("drain", "remove"):
                 if current is None:
                     raise ConfigError(f"node {node_id!r} is not in the cluster map")
                 value = None if action == "remove" else json.dumps(
                     {**json.loads(current), "state": NodeState.DRAINING.value})
-                done = await self._txn_replace(key, current, value)
+                done = await self.gateway.replace(key, current, value)
             else:
                 raise ConfigError(f"unknown cluster change {action!r}")
             if done:

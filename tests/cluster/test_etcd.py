@@ -333,7 +333,7 @@ async def test_a_stale_etcd_token_is_renewed(etcd_with_auth: tuple[str, Path]) -
     me = NodeInfo(id="solo", data="127.0.0.1:1", admin="127.0.0.1:2")
     try:
         first = await source.start(me, lambda cmap: None)
-        source._token = "stale.token"  # what etcd says after a restart or 5 idle minutes
+        source.gateway._token = "stale.token"  # what etcd says after a restart or 5 idle minutes
         await source.change("join", "other", {"data": "127.0.0.1:3", "admin": "127.0.0.1:4"})
         after = await source.read()
         assert sorted(after.by_id) == ["other", "solo"] and after.epoch > first.epoch
