@@ -10,41 +10,38 @@ import os
 import socket
 import ssl
 import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 from opentelemetry.trace import Tracer
 
-from kvpool.client import AsyncClient
 from kvpool.placement.cluster_map import ClusterMap, NodeState
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.parsers import Limits
-from kvpool.protocol.worker import TieringPolicy
 from kvpool.server.admin.api import make_admin_app
 from kvpool.server.admin.events import EventBus
-from kvpool.server.admin.metrics import NodeMetrics
+from kvpool.server.admin.metrics import MetricsFeed, NodeMetrics
 from kvpool.server.admin.site import CappedSite, reserve_descriptors
 from kvpool.server.admin.tracing import NodeTracing, tracing_configured
 from kvpool.server.cluster.etcd import EtcdSource
 from kvpool.server.cluster.handoff import Handoff
+from kvpool.server.cluster.lookup import ClusterLookup
 from kvpool.server.cluster.membership import MapSource, Membership, StaticSource
 from kvpool.server.cold.base import ColdTier, NoColdTier
-from kvpool.server.cold.ssd import SsdTier
 from kvpool.server.cold.tiering import TierManager
 from kvpool.server.config import ClusterConfig, NodeConfig, ServerConfig
-from kvpool.server.data.connection import NodeConnection
+from kvpool.server.data.connection import NodeConnection, close_all
 from kvpool.server.data.handlers import Handlers
 from kvpool.server.data.shm import ShmService
 from kvpool.server.data.stats import NodeStats
 from kvpool.server.resources import (
+    advertised,
     bind_error,
     bound_socket,
     dram_tier,
-    lock_data_dir,
+    start_cold,
     tiering_policy,
-    worker_settings,
 )
 from kvpool.server.security.auth import TokenTable, load_tokens
 from kvpool.server.security.hardening import forbid_dumps
@@ -104,7 +101,8 @@ class Node:
         self.stats = NodeStats(timed=config.server.metrics)
         self.limits = Limits(server.max_frame_bytes, server.max_batch, server.max_value_bytes)
         self.membership = Membership(map_source(config.cluster))
-        self._events = EventBus(server.node_id)
+        #: what happens to chunks on this node (``/v1/events``)
+        self.events = EventBus(server.node_id)
         #: DRAM and the cold tier as one store, made by ``start`` once the cold tier runs
         self._tiers: TierManager | None = None
         #: what lies below DRAM (started by ``start``: the SSD worker's handle, or nothing)
@@ -121,7 +119,10 @@ class Node:
         self.peer_options: dict[str, Any] = {"token": security.peer_token, "scope": "raw",
                                              "ssl": client_context(security)}
         self.connections: set[NodeConnection] = set()
-        self._peers: AsyncClient | None = None
+        #: the admin API's lookups (the cluster's, or this node's tiers when standalone)
+        self.lookup = ClusterLookup(self.membership,
+                                    lambda keys: self.tiers.tiers(keys),  # noqa: PLW0108 (made by start)
+                                    lambda: self.data_address, self.peer_options)
         self.handoff: Handoff | None = None
         self._server: asyncio.Server | None = None
         #: the flock on data_dir/LOCK, held while the node runs (an SSD tier in data_dir)
@@ -129,9 +130,9 @@ class Node:
         self._admin: web.AppRunner | None = None
         self.admin_site: CappedSite | None = None
         self._expiry_task: asyncio.Task[None] | None = None
-        self._metrics_task: asyncio.Task[None] | None = None
         self._stopping = False
-        self.metrics: NodeMetrics | None = None
+        #: the metrics and what keeps them current (None: metrics are off)
+        self.metrics: MetricsFeed | None = None
         self.shm: ShmService | None = None
         self.data_address: tuple[str, int] = (server.host, server.data_port)
         self.admin_address: tuple[str, int] = (server.host, server.admin_port)
@@ -159,23 +160,9 @@ class Node:
         DRAM-only node, as the tiering policy says), then the tier manager over it."""
         policy = tiering_policy(self.config)
         if policy.cold:
-            await self._start_cold(policy)
-        self._tiers = TierManager(self.dram, self.cold, self._events, policy=policy,
+            self.cold, self._dir_lock = await start_cold(self.config, self.dram, policy)
+        self._tiers = TierManager(self.dram, self.cold, self.events, policy=policy,
                                   tracer=self._tracer)
-
-    async def _start_cold(self, policy: TieringPolicy) -> None:
-        data_dir = Path(self.config.server.data_dir)
-        if policy.ssd:
-            self._dir_lock = lock_data_dir(data_dir)
-        path = data_dir / "ssd"
-        # chunks waiting for their write-behind cannot be evicted: keep them to a
-        # quarter of DRAM so a PUT always finds room (the rest is shed and counted)
-        pending = min(self.config.ssd.max_pending_bytes, self.dram.arena.capacity // 4)
-        ssd = SsdTier(path, worker_settings(self.config, policy, path),
-                      arena_fd=self.dram.arena.fd, arena_size=self.dram.arena.capacity,
-                      max_pending_bytes=pending, full_retry_s=self.config.ssd.full_retry_s)
-        await ssd.start()
-        self.cold = ssd
 
     async def start(self) -> None:
         if self.config.security.auth_tokens and forbid_dumps():
@@ -199,23 +186,24 @@ class Node:
         self._apply_quotas()
         try:
             server = self.config.server
-            await self.membership.start(server.node_id, self._advertised(self.data_address),
-                                        self._advertised(self.admin_address),
+            data, admin = (advertised(a, server.advertise_host)
+                           for a in (self.data_address, self.admin_address))
+            await self.membership.start(server.node_id, data, admin,
                                         {"host": server.host_id, "rack": server.rack,
                                          "zone": server.zone})
         except BaseException:
             self._server.close()
             admin_sock.close()
             raise
-        self._events.node_id = self.membership.node_id
+        self.events.node_id = self.membership.node_id
         extra_stats = await self._start_services()
         self._handlers = Handlers(
             self.membership.node_id, self.tiers, self.limits, self.stats, self.membership,
             auth=self.auth, idle_timeout_s=self.config.server.idle_timeout_s,
             addresses=(self.data_address, self.admin_address), shm=self.shm,
             tracing=self.tracing, extra_stats=extra_stats)
-        if self.metrics is not None and self.metrics.otlp:
-            self._metrics_task = asyncio.create_task(self._refresh_metrics_loop())
+        if self.metrics is not None:
+            self.metrics.start()
         server = self.config.server
         reserve_descriptors(server.max_connections, server.admin_max_connections)
         # keepalive_timeout: aiohttp's timer runs from accept, so a connection that never
@@ -234,7 +222,7 @@ class Node:
         """What runs beside the data path once the node has its id and map: hand-off
         (drain), metrics, the shared-memory service, tracing; the stats sections they
         add."""
-        host, port = self._advertised(self.data_address)
+        host, port = advertised(self.data_address, self.config.server.advertise_host)
         self.handoff = Handoff(self.dram, f"kvpool://{host}:{port}",
                                rate_bytes_s=self.config.cluster.drain_rate_bytes,
                                leave=lambda: self.membership.change("remove",
@@ -244,7 +232,9 @@ class Node:
         self.membership.listeners.append(self._map_changed)
         self._map_changed(self.membership.map)
         if self.config.server.metrics:
-            self.metrics = NodeMetrics(self.membership.node_id)
+            self.metrics = MetricsFeed(NodeMetrics(self.membership.node_id),
+                                       self.snapshot, self.stats,
+                                       self._node_states, interval_s=METRICS_REFRESH_S)
         if self.config.server.shm and sys.platform.startswith("linux"):
             self.shm = ShmService(self.dram, lease_s=self.config.server.shm_lease_s,
                                   allow=self.config.server.shm_allow,
@@ -264,9 +254,7 @@ class Node:
                               hello_timeout_s=server.hello_timeout_s)
 
     def _apply_quotas(self) -> None:
-        quotas = self.auth.quotas
-        self.dram.tenants.quotas = {t: q.dram_bytes for t, q in quotas.items() if q.dram_bytes}
-        self.cold.tenants.quotas = {t: q.ssd_bytes for t, q in quotas.items() if q.ssd_bytes}
+        self.tiers.set_quotas(self.auth.quotas)
 
     def reload(self) -> None:
         """SIGHUP: re-read the cluster map and the tokens file (a bad file keeps the old)."""
@@ -295,15 +283,8 @@ class Node:
     def admin_token(self) -> str:
         return self.config.server.admin_token
 
-    @property
-    def auth_table(self) -> TokenTable:
-        return self.auth
-
     def tenant_usage(self) -> dict[str, dict[str, int]]:
-        dram = self.dram.tenants.used
-        ssd = self.cold.tenants.used
-        return {t: {"dram": dram.get(t, 0), "ssd": ssd.get(t, 0)}
-                for t in sorted(set(dram) | set(ssd))}
+        return self.tiers.tenant_usage()
 
     def ready(self) -> tuple[bool, str]:
         """Whether clients should be sent here (GET /readyz)."""
@@ -335,25 +316,11 @@ class Node:
 
     async def metrics_text(self) -> bytes | None:
         """The Prometheus exposition for GET /metrics (None when metrics are off)."""
-        if self.metrics is None:
-            return None
-        await self._refresh_metrics()
-        return self.metrics.render()
+        return await self.metrics.text() if self.metrics is not None else None
 
-    async def _refresh_metrics(self) -> None:
-        assert self.metrics is not None
+    def _node_states(self) -> list[str]:
         cmap = self.membership.map
-        states = [n.state.value for n in cmap.nodes] if cmap is not None else ["up"]
-        self.metrics.update(await self.handlers.snapshot(), self.stats, states)
-
-    async def _refresh_metrics_loop(self) -> None:
-        """With OTLP on: keep the snapshot the exporter thread reads fresh."""
-        while True:
-            try:
-                await self._refresh_metrics()
-            except Exception:  # keep exporting the last snapshot; say why it is stale
-                log.exception("metrics snapshot failed")
-            await asyncio.sleep(METRICS_REFRESH_S)
+        return [n.state.value for n in cmap.nodes] if cmap is not None else ["up"]
 
     def _publish_epoch(self) -> None:
         if self.shm is not None and self.shm.index is not None:
@@ -369,20 +336,9 @@ class Node:
     def handoff_progress(self) -> dict[str, object]:
         return self.handoff.progress.to_dict() if self.handoff is not None else {}
 
-    def _advertised(self, address: tuple[str, int]) -> tuple[str, int]:
-        """The address peers and clients reach a bound socket by."""
-        host = self.config.server.advertise_host or address[0]
-        if host in ("0.0.0.0", "::", ""):
-            host = socket.gethostname()
-        return host, address[1]
-
     @property
     def node_id(self) -> str:
         return self.membership.node_id or self.config.server.node_id
-
-    @property
-    def events(self) -> EventBus:
-        return self._events
 
     async def snapshot(self) -> dict[str, Any]:
         return await self.handlers.snapshot()
@@ -392,19 +348,6 @@ class Node:
 
     def cluster_info(self) -> dict[str, Any]:
         return self.membership.to_dict(self.data_address, self.admin_address)
-
-    async def lookup(self, keys: Sequence[bytes]) -> list[int]:
-        """Tier codes of the leading ``keys`` held anywhere in the cluster (admin lookups)."""
-        if self.membership.map is None:
-            tiers = self.tiers.tiers(keys)
-            return list(tiers[: tiers.index(0)] if 0 in tiers else tiers)
-        if self._peers is None:
-            # the node asks its peers as any client would: through the SDK, seeded by itself
-            host, port = self.data_address
-            self._peers = AsyncClient(f"kvpool://{host}:{port}", client_name="kvpool-node",
-                                      shm=False, **self.peer_options)
-        codes = await self._peers.exists_codes(keys)
-        return list(codes[: codes.index(0)] if 0 in codes else codes)
 
     async def _expire_loop(self) -> None:
         interval = self.config.server.expire_interval_s
@@ -419,31 +362,20 @@ class Node:
     async def stop(self) -> None:
         """Stop accepting, let open connections flush their replies, then close."""
         self._stopping = True
-        if self._metrics_task is not None:
-            self._metrics_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._metrics_task
         if self._expiry_task is not None:
             self._expiry_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._expiry_task
         if self._server is not None:
             self._server.close()
-        for conn in list(self.connections):
-            conn.close()
-        # connections leave the registry in connection_lost; poll rather than wire an
-        # event through every connection, for a path that runs once per process
-        deadline = asyncio.get_running_loop().time() + self.config.server.shutdown_grace_s
-        while self.connections and asyncio.get_running_loop().time() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
+        await close_all(self.connections, self.config.server.shutdown_grace_s)
         if self._server is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
-        self._events.close()  # ends open /v1/events streams
+        self.events.close()  # ends open /v1/events streams
         if self._admin is not None:
             await self._admin.cleanup()
-        if self._peers is not None:
-            await self._peers.close()
+        await self.lookup.close()
         if self.handoff is not None:
             await self.handoff.stop()
         await self.membership.stop()
@@ -454,8 +386,6 @@ class Node:
         if self.shm is not None:
             await self.shm.stop()
         if self.metrics is not None:
-            if self._handlers is not None:
-                await self._refresh_metrics()  # the last export sees the final counters
-            self.metrics.shutdown()
+            await self.metrics.stop(final=self._handlers is not None)
         if self.tracing is not None:  # exports the spans still queued
             await asyncio.to_thread(self.tracing.shutdown)

@@ -18,6 +18,7 @@ import psutil
 from kvpool.protocol.envelope import CODEC_BY_NAME
 from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.worker import S3Settings, TieringPolicy, WorkerSettings
+from kvpool.server.cold.ssd import SsdTier
 from kvpool.server.config import NodeConfig, format_size
 from kvpool.server.memory import cgroup_memory
 from kvpool.tiers.dram import DramTier
@@ -148,3 +149,33 @@ def lock_data_dir(path: Path) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+async def start_cold(config: NodeConfig, dram: DramTier, policy: TieringPolicy
+                     ) -> tuple[SsdTier, int | None]:
+    """The cold tier's worker started (the SSD tier, S3 below it, or S3 alone, as
+    ``policy`` says), and the flock on the data directory when the SSD tier is in it."""
+    data_dir = Path(config.server.data_dir)
+    lock = lock_data_dir(data_dir) if policy.ssd else None
+    path = data_dir / "ssd"
+    # chunks waiting for their write-behind cannot be evicted: keep them to a quarter of
+    # DRAM so a PUT always finds room (the rest is shed and counted)
+    pending = min(config.ssd.max_pending_bytes, dram.arena.capacity // 4)
+    ssd = SsdTier(path, worker_settings(config, policy, path), arena_fd=dram.arena.fd,
+                  arena_size=dram.arena.capacity, max_pending_bytes=pending,
+                  full_retry_s=config.ssd.full_retry_s)
+    try:
+        await ssd.start()
+    except BaseException:
+        if lock is not None:
+            os.close(lock)
+        raise
+    return ssd, lock
+
+
+def advertised(address: tuple[str, int], advertise_host: str) -> tuple[str, int]:
+    """The address peers and clients reach a socket bound to ``address`` by."""
+    host = advertise_host or address[0]
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return host, address[1]

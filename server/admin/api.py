@@ -134,7 +134,7 @@ class AdminBackend(Protocol):
     def admin_token(self) -> str: ...
 
     @property
-    def auth_table(self) -> TokenTable: ...
+    def auth(self) -> TokenTable: ...
 
     def tenant_usage(self) -> dict[str, dict[str, int]]: ...
 
@@ -392,7 +392,7 @@ def make_admin_app(node: AdminBackend) -> web.Application:
         # token (401), and must not fail to encode (500)
         given = request.headers.get("Authorization", "")
         bearer = given[7:] if given.startswith("Bearer ") else ""
-        table = node.auth_table
+        table = node.auth
         needed = _role_needed(request)
         principal: Principal | None = None
         if token and hmac.compare_digest(given.encode("utf-8", "surrogateescape"),

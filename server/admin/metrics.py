@@ -17,8 +17,11 @@ from it (:func:`metrics_table`) and a test keeps them in step.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +38,9 @@ from kvpool.protocol.errors import Status
 from kvpool.protocol.frames import Op
 from kvpool.server.data.stats import LATENCY_BUCKETS
 
-__all__ = ["METRICS", "CONTENT_TYPE", "Metric", "NodeMetrics", "metrics_table"]
+__all__ = ["METRICS", "CONTENT_TYPE", "Metric", "MetricsFeed", "NodeMetrics", "metrics_table"]
+
+log = logging.getLogger("kvpool.server")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 Sample = tuple[float, dict[str, str]]
@@ -338,3 +343,49 @@ def metrics_table() -> str:
     rows.append(f"| `{HISTOGRAM_NAME}` | histogram | op | data-path request latency, frame "
                 "parsed to reply queued (Prometheus only) |")
     return "\n".join(rows) + "\n"
+
+
+class MetricsFeed:
+    """What keeps a node's :class:`NodeMetrics` current: a fresh snapshot for each scrape
+    (:meth:`text`) and, with OTLP on, every ``interval_s`` for the exporter's thread.
+    ``snapshot``: the op table's counters; ``stats``: the data path's; ``node_states``:
+    the state of each node of the map."""
+
+    def __init__(self, metrics: NodeMetrics, snapshot: Callable[[], Awaitable[Snapshot]],
+                 stats: Any, node_states: Callable[[], list[str]], *,
+                 interval_s: float) -> None:
+        self.metrics = metrics
+        self._snapshot, self._stats, self._states = snapshot, stats, node_states
+        self.interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def refresh(self) -> None:
+        self.metrics.update(await self._snapshot(), self._stats, self._states())
+
+    async def text(self) -> bytes:
+        """The Prometheus exposition, from counters read now."""
+        await self.refresh()
+        return self.metrics.render()
+
+    def start(self) -> None:
+        if self.metrics.otlp:
+            self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # keep exporting the last snapshot; say why it is stale
+                log.exception("metrics snapshot failed")
+            await asyncio.sleep(self.interval_s)
+
+    async def stop(self, *, final: bool) -> None:
+        """Stop refreshing; ``final``: one last refresh first, so the last export sees
+        the final counters; then shut the exporters down."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if final:
+            await self.refresh()
+        self.metrics.shutdown()

@@ -452,3 +452,16 @@ def _end_span(span: Span | None, reply: Reply | None, exc: BaseException | None 
     elif reply is not None and reply.num_bytes:
         span.set_attribute("kvpool.bytes", reply.num_bytes)
     span.end()
+
+
+async def close_all(connections: set[NodeConnection], grace_s: float) -> None:
+    """Close ``connections``, letting each flush the replies it owes, for at most
+    ``grace_s``."""
+    for conn in list(connections):
+        conn.close()
+    # connections leave the registry in connection_lost; poll rather than wire an event
+    # through every connection, for a path that runs once per process
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    while connections and loop.time() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.01)
