@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import xxhash
+from lmcache.v1.exceptions import IrrecoverableException
 from lmcache.v1.protocol import RemoteMetadata
 from lmcache.v1.storage_backend.connector import (
     ConnectorAdapter,
@@ -47,9 +48,10 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvpool.client import AsyncClient, KvpoolError
 from kvpool.gpu.settings import settings_from
-from kvpool.protocol.errors import BufferTooSmallError
+from kvpool.protocol.errors import BufferTooSmallError, ConfigError
 
-__all__ = ["KvpoolConnectorAdapter", "KvpoolRemoteConnector", "LMCacheSettings"]
+__all__ = ["KvpoolConnectorAdapter", "KvpoolRemoteConnector", "LMCacheConfigError",
+           "LMCacheSettings"]
 
 log = logging.getLogger("kvpool.lmcache")
 
@@ -99,12 +101,35 @@ class KvpoolConnectorAdapter(ConnectorAdapter):  # type: ignore[misc]
         return url.startswith(_PLUGIN) and extract_plugin_type(url[len(_PLUGIN):]) == "kvpool"
 
     def create_connector(self, context: ConnectorContext) -> RemoteConnector:
+        """LMCacheConfigError (LMCache does not swallow it) for settings that would leave
+        a backend that never connects, or a second backend on the same pool."""
         config = context.config
         extra = dict(config.extra_config or {}) if config is not None else {}
         name = context.plugin_name or (context.url[len(_PLUGIN):]
                                        if context.url.startswith(_PLUGIN) else "kvpool")
-        settings = LMCacheSettings.from_config(extra, name, context.url)
+        if context.url.startswith(_SCHEME):  # LMCache's remote_url: its legacy backend
+            ours = [plugin for plugin in (getattr(config, "remote_storage_plugins", None) or ())
+                    if extra.get(f"remote_storage_plugin.{plugin}.class_name")
+                    == type(self).__name__]
+            if ours:
+                raise LMCacheConfigError(
+                    f"kvpool LMCache plugin: remote_url {context.url} and "
+                    f"remote_storage_plugins {ours} both name kvpool: LMCache would run "
+                    "two remote backends on it; drop remote_url (the plugin block is the "
+                    "way LMCache loads kvpool)")
+        try:
+            settings = LMCacheSettings.from_config(extra, name, context.url)
+        except ConfigError as exc:
+            raise LMCacheConfigError(str(exc)) from None
         return KvpoolRemoteConnector(settings, context.loop, context.local_cpu_backend)
+
+
+class LMCacheConfigError(ConfigError, IrrecoverableException):  # type: ignore[misc]
+    """Settings of the plugin that cannot work. LMCache lets an
+    ``IrrecoverableException`` through where it logs other errors of a remote backend
+    and runs on without it: a ``remote_url`` backend then fails LMCache's start; a
+    plugin's is left out, with this line at ERROR ("Failed to create remote backend for
+    plugin kvpool: ..."), never made and left idle."""
 
 
 @dataclass

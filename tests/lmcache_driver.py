@@ -132,10 +132,72 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             "connector": type(inner).__name__}
 
 
+def storage(spec: dict[str, Any]) -> dict[str, Any]:
+    """LMCache's storage as vLLM's LMCache connector builds it: the config file named by
+    ``LMCACHE_CONFIG_FILE`` (``spec["config_file"]``) read by LMCache's own loader, then
+    ``CreateStorageBackends``. The backends made (or the error that stopped LMCache),
+    LMCache's WARNING and ERROR lines, and with ``round_trip`` a chunk put through the
+    kvpool backend and read back."""
+    import logging
+    import time
+
+    import torch
+    from lmcache.integration.vllm.utils import lmcache_get_or_create_config
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend import CreateStorageBackends
+    from lmcache.v1.storage_backend.remote_backend import RemoteBackend
+
+    os.environ["LMCACHE_CONFIG_FILE"] = spec["config_file"]
+    config = lmcache_get_or_create_config()
+    metadata = LMCacheMetadata(model_name="kvpool-test/lmcache", world_size=1,
+                               local_world_size=1, worker_id=0, local_worker_id=0,
+                               kv_dtype=torch.bfloat16, kv_shape=(LAYERS, 2, CHUNK, HEADS, DIM),
+                               chunk_size=CHUNK)
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(f"{record.levelname} {record.getMessage()}")
+
+    keep = Keep(logging.WARNING)
+    for name in list(logging.root.manager.loggerDict):  # LMCache's loggers do not propagate
+        if name.startswith("lmcache"):
+            logging.getLogger(name).addHandler(keep)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    try:
+        backends = CreateStorageBackends(config, metadata, loop, "cpu")
+    except Exception as exc:
+        return {"started": False, "error": f"{type(exc).__name__}: {exc}", "log": lines}
+    out: dict[str, Any] = {"started": True, "backends": list(backends), "log": lines}
+    remote = [b for b in backends.values() if isinstance(b, RemoteBackend)]
+    out["connected"] = [b.connection is not None for b in remote]
+    if spec.get("round_trip") and remote and remote[0].connection is not None:
+        local = backends["LocalCPUBackend"]
+        key = CacheEngineKey("kvpool-test/lmcache", 1, 0, 4242, torch.bfloat16)
+        obj = local.allocate([torch.Size([2, LAYERS, CHUNK, HEADS * DIM])], [torch.bfloat16],
+                             None)
+        _fill(obj, 7)
+        want = obj.tensor.clone()
+        remote[0].batched_submit_put_task([key], [obj])
+        for _ in range(200):  # the put runs on LMCache's loop
+            if remote[0].contains(key):
+                break
+            time.sleep(0.05)
+        got = remote[0].get_blocking(key)
+        out["round_trip"] = got is not None and bool(torch.equal(
+            got.tensor.view(torch.uint8), want.view(torch.uint8)))
+    for backend in backends.values():
+        backend.close()
+    loop.call_soon_threadsafe(loop.stop)
+    return out
+
+
 def main() -> int:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
-    out = run(spec)
+    out = storage(spec) if spec.get("mode") == "storage" else run(spec)
     with open(sys.argv[2], "w") as f:
         json.dump(out, f)
     return 0

@@ -121,6 +121,59 @@ def test_bad_settings_fail_with_one_clear_line(tmp_path: Path) -> None:
     assert not run["made"] and "set remote_storage_plugin.kvpool.url" in run["error"]
 
 
+def storage(tmp: Path, config: str, *, round_trip: bool = False) -> dict[str, Any]:
+    """LMCache's storage built as vLLM's LMCache connector builds it, from a config file
+    (``LMCACHE_CONFIG_FILE``, LMCache's own loader): see ``tests/lmcache_driver.py``."""
+    path = tmp / f"lmcache-{time.monotonic_ns()}.yaml"
+    path.write_text(config)
+    spec, out = tmp / f"spec-{time.monotonic_ns()}.json", tmp / f"out-{time.monotonic_ns()}.json"
+    spec.write_text(json.dumps({"mode": "storage", "config_file": str(path),
+                                "round_trip": round_trip}))
+    done = subprocess.run([PYTHON, "-m", "tests.lmcache_driver", str(spec), str(out)],
+                          capture_output=True, text=True, timeout=180, check=False, cwd=ROOT)
+    assert done.returncode == 0 and out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+_BASE = "chunk_size: 16\nlocal_cpu: true\nmax_local_cpu_size: 0.05\n"
+_PLUGIN = ("remote_storage_plugins: [\"kvpool\"]\nextra_config:\n"
+           "  remote_storage_plugin.kvpool.module_path: kvpool.gpu.lmcache\n"
+           "  remote_storage_plugin.kvpool.class_name: KvpoolConnectorAdapter\n")
+
+
+def test_the_documented_config_file_gives_lmcache_a_kvpool_backend(pool: NodeProcess,
+                                                                   tmp_path: Path) -> None:
+    """The README's LMCache config, as a file LMCache loads itself: one remote backend,
+    on kvpool, connected; a chunk put through it comes back bit for bit."""
+    run = storage(tmp_path, _BASE + _PLUGIN + f"  remote_storage_plugin.kvpool.url: {pool.url}\n",
+                  round_trip=True)
+    assert run["started"] and run["backends"] == ["LocalCPUBackend", "RemoteBackend-kvpool"]
+    assert run["connected"] == [True] and run["round_trip"] is True
+
+
+def test_config_mistakes_never_leave_an_idle_kvpool_backend(pool: NodeProcess,
+                                                           tmp_path: Path) -> None:
+    """A typo in the plugin's keys: no kvpool backend, and LMCache's ERROR line names the
+    key (before: a backend that never connected, behind one WARNING). remote_url kvpool://
+    beside the plugin: LMCache does not start, and the line says to drop remote_url
+    (before: two remote backends on one pool). remote_url alone: LMCache never loads
+    kvpool (it loads only the adapters remote_storage_plugins names): its backend stays
+    idle with LMCache's own warning, as docs/gpu.md says."""
+    typo = storage(tmp_path, _BASE + _PLUGIN + f"  remote_storage_plugin.kvpool.urll: {pool.url}\n")
+    assert typo["started"] and typo["backends"] == ["LocalCPUBackend"]
+    assert any(line.startswith("ERROR") and "remote_storage_plugin.kvpool.urll" in line
+               for line in typo["log"]), typo["log"]
+
+    both = storage(tmp_path, _BASE + f"remote_url: {pool.url}\n" + _PLUGIN
+                   + f"  remote_storage_plugin.kvpool.url: {pool.url}\n")
+    assert not both["started"] and "drop remote_url" in both["error"], both
+
+    alone = storage(tmp_path, _BASE + f"remote_url: {pool.url}\n")
+    assert alone["connected"] == [False]
+    assert any("No adapter found for URL" in line for line in alone["log"]), alone["log"]
+
+
 def test_a_three_node_cluster_serves_every_chunk_with_a_node_killed(tmp_path: Path) -> None:
     with LocalCluster(3, replication=2, data_dir=tmp_path / "c3",
                       serve_args=["--no-ssd", "--dram-capacity", "128MiB"]) as cluster:
