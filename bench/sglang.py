@@ -4,7 +4,7 @@
 
 One kvpool node (DRAM only) on 127.0.0.1; the measurement runs in the engines'
 environment (a python with ``sglang==0.5.23`` and kvpool: ``.ci/run`` makes it). A
-host pool of SGLang's ``page_first`` layout (:class:`HostPool`; SmolLM2-135M's
+host pool of SGLang's ``page_first`` layout (SGLang's own, :func:`host_pool`; SmolLM2-135M's
 geometry: 30 layers, 3 KV heads of 64, bf16; pages of 64 tokens, 1.47 MB each) and
 one batch of 128 pages (SGLang's ``STORAGE_BATCH_SIZE``) a call, in rounds that
 alternate the two sides:
@@ -23,6 +23,8 @@ backend/SDK ratio paired by round. Written to ``bench/results/sglang.json``.
 from __future__ import annotations
 
 import argparse
+import importlib.abc
+import importlib.machinery
 import json
 import os
 import statistics
@@ -36,66 +38,68 @@ from bench._stats import fmt, save, summary
 PAGES = 128  # SGLang's STORAGE_BATCH_SIZE: the pages of one batch call
 
 
-class HostPool:
-    """A stand-in for SGLang's MHA host pool (``MHATokenToKVPoolHost``, whose module does
-    not import beside vLLM: it pulls in torchvision through SGLang's model configs):
-    the buffer shapes and page addressing of sglang 0.5.23's ``pool_host/mha.py`` for
-    the ``layer_first``, ``page_first`` and ``page_first_direct`` layouts
-    (``init_kv_buffer``, ``get_page_buffer_meta``, ``get_data_page``,
-    ``get_dummy_flat_data_page``), in plain memory. Used by this benchmark and by
-    ``tests/sglang_driver.py``."""
+class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Empty modules for ``torchvision`` and ``gguf``, which SGLang's model configs import
+    at module level (its host pool module pulls them in) and this environment lacks:
+    PyPI's torchvision is a CUDA build that replaces vLLM's torch. Nothing in the host
+    pool uses them. Installed after transformers has found them absent, so it never uses
+    them either."""
 
-    def __init__(self, layout: str, page_size: int, pages: int, *, layers: int = 4,
-                 heads: int = 2, dim: int = 16) -> None:
-        import torch
+    roots = ("torchvision", "gguf")
 
-        self.layout, self.page_size, self.dtype = layout, page_size, torch.bfloat16
-        self.layer_num, self.head_num, self.head_dim = layers, heads, dim
-        self.page_num, self.size = pages, pages * page_size
-        if layout == "layer_first":
-            dims: tuple[int, ...] = (2, layers, self.size, heads, dim)
-        elif layout == "page_first":
-            dims = (2, self.size, layers, heads, dim)
-        elif layout == "page_first_direct":
-            dims = (2, pages, layers, page_size, heads, dim)
-        else:
-            raise ValueError(f"Unsupported layout: {layout}")
-        self.kv_buffer = torch.zeros(dims, dtype=self.dtype)
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name.split(".", maxsplit=1)[0] not in self.roots:
+            return None
+        return importlib.machinery.ModuleSpec(name, self, is_package=True)
 
-    def get_page_buffer_meta(self, indices: Any) -> tuple[list[int], list[int]]:
-        """Pointers and sizes of each page's K and V (per layer for layer_first)."""
-        assert len(indices) % self.page_size == 0
-        token = self.head_num * self.head_dim * self.dtype.itemsize
-        base = self.kv_buffer.data_ptr()
-        v_offset = self.layer_num * self.size * token
-        ptrs: list[int] = []
-        firsts = indices.tolist()[:: self.page_size]
-        if self.layout == "layer_first":
-            for first in firsts:
-                for layer in range(self.layer_num):
-                    k = base + first * token + layer * self.size * token
-                    ptrs += [k, k + v_offset]
-            return ptrs, [self.page_size * token] * len(ptrs)
-        for first in firsts:
-            k = base + first * self.layer_num * token
-            ptrs += [k, k + v_offset]
-        return ptrs, [self.layer_num * self.page_size * token] * len(ptrs)
+    def create_module(self, spec: Any) -> Any:
+        return _stand_in(spec.name)
 
-    def get_data_page(self, index: int, flat: bool = True) -> Any:
-        if self.layout == "layer_first":
-            page = self.kv_buffer[:, :, index : index + self.page_size]
-        elif self.layout == "page_first":
-            page = self.kv_buffer[:, index : index + self.page_size]
-        else:
-            real = index // self.page_size
-            page = self.kv_buffer[:, real : real + 1]
-        return page.flatten() if flat else page
+    def exec_module(self, module: Any) -> None:
+        module.__path__ = []
 
-    def get_dummy_flat_data_page(self) -> Any:
-        import torch
 
-        return torch.zeros((2, self.layer_num, self.page_size, self.head_num, self.head_dim),
-                           dtype=self.dtype).flatten()
+def _stand_in(name: str) -> Any:
+    import types
+
+    class StandIn(types.ModuleType):
+        def __getattr__(self, attr: str) -> Any:
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            sub = _stand_in(f"{self.__name__}.{attr}")
+            setattr(self, attr, sub)
+            return sub
+
+    module = StandIn(name)
+    module.__path__ = []
+    return module
+
+
+def host_pool(layout: str, page_size: int, pages: int, *, layers: int = 4, heads: int = 2,
+              dim: int = 16) -> Any:
+    """SGLang's own MHA host pool (``MHATokenToKVPoolHost``, bf16, plain memory) of at
+    least ``pages`` pages of ``page_size`` tokens, built on the CPU over SGLang's device
+    pool as SGLang's own storage tests build it (``layout``: ``layer_first``,
+    ``page_first`` or ``page_first_direct``)."""
+    import sys
+
+    if not any(isinstance(f, _StandIns) for f in sys.meta_path):
+        import transformers.utils.import_utils  # noqa: F401 (decides torchvision is absent)
+
+        sys.meta_path.insert(0, _StandIns())
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    device = MHATokenToKVPool((pages + 1) // 2 * page_size, page_size, torch.bfloat16, heads,
+                              dim, layers, "cpu", False, start_layer=0, end_layer=layers)
+    with host_memory_budget_scope(1 << 40):  # (the pool is sized here, not by free memory)
+        return MHATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info, 2, 0, page_size, layout,
+            pin_memory=False, device_capacity_tokens=device.size,
+            start_layer=device.start_layer, end_layer=device.end_layer,
+            write_back_staging=device.hicache_write_back_staging)
 
 
 def measure(url: str, rounds: int) -> dict[str, Any]:
@@ -107,7 +111,7 @@ def measure(url: str, rounds: int) -> dict[str, Any]:
     from kvpool.client import Client
 
     page_size = 64
-    pool = HostPool("page_first", page_size, PAGES, layers=30, heads=3, dim=64)
+    pool = host_pool("page_first", page_size, PAGES, layers=30, heads=3, dim=64)
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape))
     config = HiCacheStorageConfig(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,

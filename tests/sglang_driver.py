@@ -7,14 +7,13 @@ layer imports with the CPU torch: the backend is made the way SGLang's cache
 controller makes a ``dynamic`` backend (``StorageBackendFactory.create_backend`` with
 a real ``HiCacheStorageConfig``, then ``register_mem_pool_host``).
 
-The host pool is a **stand-in**, ``bench.sglang.HostPool``: SGLang's own
-``MHATokenToKVPoolHost`` does not import here (its module pulls in SGLang's model
-configs, which import torchvision; PyPI's torchvision is a CUDA build, and installing
-it breaks ``import vllm`` in this environment and replaces its torch). The stand-in
-has the same buffer shapes and page addressing as sglang 0.5.23's
-``pool_host/mha.py`` for the ``layer_first``, ``page_first`` and
-``page_first_direct`` layouts (``init_kv_buffer``, ``get_page_buffer_meta``,
-``get_data_page``, ``get_dummy_flat_data_page``), in plain (not pinned) memory.
+The host pool is SGLang's own (``MHATokenToKVPoolHost`` over SGLang's device pool,
+built on the CPU as SGLang's storage tests build it: ``bench.sglang.host_pool``), in
+plain (not pinned) memory. Its module imports SGLang's model configs, which import
+``torchvision`` and ``gguf`` at module level; neither is installed here (PyPI's
+torchvision is a CUDA build that breaks ``import vllm`` in this environment), so the
+driver gives those two empty stand-in modules, after transformers has decided they are
+absent; nothing in the pool uses them.
 
 SPEC: ``{"steps": [...]}``, each step a dict with ``"do"``:
 
@@ -46,9 +45,9 @@ from typing import Any
 
 
 def host_pool(layout: str, page_size: int, pages: int, **geometry: int) -> Any:
-    from bench.sglang import HostPool
+    from bench.sglang import host_pool as sglang_host_pool
 
-    return HostPool(layout, page_size, pages, **geometry)
+    return sglang_host_pool(layout, page_size, pages, **geometry)
 
 
 def indices(pool: Any, pages: list[int]) -> Any:
