@@ -5,6 +5,7 @@ finished requests' blocks stay held for a save."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from kvpool.client import Client, KvpoolError
@@ -34,6 +35,9 @@ class SchedulerSide:
         #: requests whose save was asked of the worker: their blocks are held when they
         #: finish until the worker reports the save done (``get_finished``)
         self._save_issued: set[str] = set()
+        #: waiting requests' lookups: (when, tokens asked, chunks found), reused for
+        #: ``lookup_reuse_s`` (vLLM asks at every step a request waits for blocks)
+        self._found: dict[str, tuple[float, int, int]] = {}
 
     def _pool(self) -> Client:
         if self._client is None:
@@ -58,16 +62,20 @@ class SchedulerSide:
         if not state.backoff.allow():
             data["backed_off"] += 1
             return 0, False
-        data["lookups"] += 1
-        data["tokens_looked_up"] += limit
-        try:
-            found = self._pool().lookup(state.hasher.keys(tokens[:limit]))
-        except KvpoolError as exc:
-            data["lookup_errors"] += 1
-            state.once("lookup", "lookup failed, treating it as a miss: %s", exc)
-            state.failed("lookup")
-            return 0, False
-        state.backoff.succeeded()
+        found = self._reused(request.request_id, limit)
+        if found is None:
+            data["lookups"] += 1
+            data["tokens_looked_up"] += limit
+            try:
+                found = self._pool().lookup(state.hasher.keys(tokens[:limit]))
+            except KvpoolError as exc:
+                data["lookup_errors"] += 1
+                state.once("lookup", "lookup failed, treating it as a miss: %s", exc)
+                state.failed("lookup")
+                return 0, False
+            state.backoff.succeeded()
+            if state.settings.lookup_reuse_s > 0:
+                self._found[request.request_id] = (time.monotonic(), limit, found)
         # never more than was asked, whatever a node said (the client checks it too)
         hit = min(found, limit // chunk) * chunk
         data["tokens_hit"] += hit
@@ -76,8 +84,23 @@ class SchedulerSide:
         self._matched[request.request_id] = num_computed_tokens
         return hit - num_computed_tokens, state.settings.load_mode == "async"
 
+    def _reused(self, request_id: str, limit: int) -> int | None:
+        """The chunks a lookup of this waiting request found, if it asked for the same
+        tokens within ``lookup_reuse_s`` (None: ask the pool)."""
+        seen = self._found.get(request_id)
+        if seen is None:
+            return None
+        when, asked, found = seen
+        if asked != limit or time.monotonic() - when > self.state.settings.lookup_reuse_s:
+            del self._found[request_id]
+            return None
+        self.state.stats.data["lookups_reused"] += 1
+        return found
+
     def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """vLLM gave ``request`` its blocks: the promised tokens become a load."""
+        """vLLM gave ``request`` its blocks: the promised tokens become a load (a later
+        ask, after a preemption, looks up anew)."""
+        self._found.pop(request.request_id, None)
         if num_external_tokens <= 0:
             return
         start = self._matched.pop(request.request_id, 0)
@@ -153,7 +176,7 @@ class SchedulerSide:
     def finished(self, request_id: str) -> bool:
         """True (hold the blocks) if a save of the request was asked: the worker reads them
         off the step and reports the save done through ``get_finished``."""
-        for table in (self._requests, self._loads, self._matched):
+        for table in (self._requests, self._loads, self._matched, self._found):
             table.pop(request_id, None)
         saving = request_id in self._save_issued
         self._save_issued.discard(request_id)

@@ -73,6 +73,10 @@ class KvpoolSettings:
     #: chunks queued or being saved at once; a save past it is skipped (counted as
     #: ``saves_skipped``): a pool that falls behind costs cache hits, never memory or time
     save_queue_chunks: int = 256
+    #: seconds the scheduler reuses a waiting request's lookup: vLLM asks again at every
+    #: step a request waits for blocks, and each ask would be a round trip on the
+    #: scheduler's step (0: ask every time; counted as ``lookups_reused``)
+    lookup_reuse_s: float = 1.0
     #: same-host shared memory: None = when the node offers it
     shm: bool | None = None
     #: "canonical" (engine-neutral chunks: any engine reads them) or "engine" (vLLM
@@ -93,6 +97,9 @@ class KvpoolSettings:
         if settings.load_mode not in _LOAD_MODES:
             raise ConfigError(f"kvpool connector: load_mode must be one of {_LOAD_MODES}, got "
                               f"{settings.load_mode!r}")
+        if settings.lookup_reuse_s < 0:
+            raise ConfigError(f"kvpool connector: lookup_reuse_s must be >= 0, got "
+                              f"{settings.lookup_reuse_s!r}")
         for name in ("chunk_tokens", "staging_slots", "save_queue_chunks"):
             value = getattr(settings, name)
             if not isinstance(value, int) or value < 1:
@@ -155,7 +162,7 @@ class KvpoolHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
 
 _COUNTERS = ("lookups", "lookup_errors", "tokens_looked_up", "tokens_hit", "tokens_loaded",
              "tokens_stored", "load_errors", "save_errors", "load_s", "save_s", "skipped",
-             "backed_off", "saves_skipped")
+             "backed_off", "saves_skipped", "lookups_reused")
 
 
 @dataclass

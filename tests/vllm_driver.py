@@ -492,10 +492,12 @@ def backoff_check() -> list[list[Any]]:
     return steps
 
 
-def lookups_check(url: str, rounds: int) -> dict[str, Any]:
+def lookups_check(url: str, rounds: int, reuse: bool = False) -> dict[str, Any]:
     """``get_num_new_matched_tokens`` of a scheduler-side connector, ``rounds`` times, for a
     1,000-token prompt (7 full chunks of 128 below its last token, stored first) against
-    ``url``."""
+    ``url``: each round another request with that prompt; with ``reuse``, one request
+    asked again while it waits, then after vLLM allocated its blocks (``reused``: the
+    answers, the stats after each)."""
     from types import SimpleNamespace
 
     from vllm.config import KVTransferConfig
@@ -519,9 +521,21 @@ def lookups_check(url: str, rounds: int) -> dict[str, Any]:
     with Client(url, timeout=2.0) as kv:  # the prompt's chunks are there (honest replies)
         keys = connector.state.hasher.keys(request.prompt_token_ids[:7 * 128])
         kv.put_many(keys, [b"chunk"] * len(keys))
+    if reuse:
+        steps = []
+        for step in ("ask", "ask again", "allocated", "ask after"):
+            if step == "allocated":
+                blocks = SimpleNamespace(get_block_ids=lambda: ([0] * 8,))
+                connector.update_state_after_alloc(request, blocks, 7 * 128)
+                continue
+            answer = list(connector.get_num_new_matched_tokens(request, 0))
+            steps.append([step, answer, connector.state.stats.data["lookups"],
+                          connector.state.stats.data["lookups_reused"]])
+        return {"reused": steps}
     answers = []
-    for _ in range(rounds):
+    for i in range(rounds):
         connector.state.backoff.succeeded()  # each round asks the pool (no back-off between lies)
+        request.request_id = f"r{i}"  # (a request waiting again would reuse its answer)
         answers.append(list(connector.get_num_new_matched_tokens(request, 0)))
     return {"answers": answers, "stats": dict(connector.state.stats.data)}
 
@@ -742,7 +756,8 @@ def main() -> int:
     if command in ("lookups", "saves", "streams", "formats"):
         with open(sys.argv[2]) as f:
             spec = json.load(f)
-        result = lookups_check(spec["url"], int(spec["rounds"])) if command == "lookups" \
+        result = lookups_check(spec["url"], int(spec["rounds"]), bool(spec.get("reuse"))) \
+            if command == "lookups" \
             else {"saves": saves_check, "streams": streams_check,
                   "formats": formats_check}[command](spec["url"])
     elif command not in checks:

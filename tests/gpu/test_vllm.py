@@ -239,6 +239,17 @@ def test_a_lying_node_never_makes_the_scheduler_promise_what_was_not_asked(tmp_p
     assert result["stats"]["lookup_errors"] >= 2, result["stats"]
 
 
+def test_a_waiting_request_asks_the_pool_once_not_at_every_step(pool: NodeProcess,
+                                                                tmp_path: Path) -> None:
+    """vLLM asks the connector at every step a request waits for blocks: the scheduler
+    reuses the pool's answer (``lookup_reuse_s``) instead of a round trip each time, and
+    asks anew once the request was given its blocks (after a preemption it waits again)."""
+    result = driver(tmp_path, "lookups", {"url": pool.url, "rounds": 1, "reuse": True})
+    assert result["reused"] == [["ask", [7 * 128, True], 1, 0],
+                                ["ask again", [7 * 128, True], 1, 1],
+                                ["ask after", [7 * 128, True], 2, 1]], result
+
+
 def test_saves_leave_the_step_and_hold_their_blocks_until_done(pool: NodeProcess,
                                                               tmp_path: Path) -> None:
     """The worker half over real caches and a real node: a save is queued and the step goes
