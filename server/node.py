@@ -362,6 +362,8 @@ class Node:
     async def stop(self) -> None:
         """Stop accepting, let open connections flush their replies, then close."""
         self._stopping = True
+        if self.metrics is not None:
+            await self.metrics.stop_refreshing()
         if self._expiry_task is not None:
             self._expiry_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -386,6 +388,6 @@ class Node:
         if self.shm is not None:
             await self.shm.stop()
         if self.metrics is not None:
-            await self.metrics.stop(final=self._handlers is not None)
+            await self.metrics.close(final=self._handlers is not None)
         if self.tracing is not None:  # exports the spans still queued
             await asyncio.to_thread(self.tracing.shutdown)

@@ -379,13 +379,18 @@ class MetricsFeed:
                 log.exception("metrics snapshot failed")
             await asyncio.sleep(self.interval_s)
 
-    async def stop(self, *, final: bool) -> None:
-        """Stop refreshing; ``final``: one last refresh first, so the last export sees
-        the final counters; then shut the exporters down."""
+    async def stop_refreshing(self) -> None:
+        """No more periodic refreshes (the node is stopping what they read)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+            self._task = None
+
+    async def close(self, *, final: bool) -> None:
+        """``final``: one last refresh, so the last export sees the final counters; then
+        shut the exporters down."""
+        await self.stop_refreshing()
         if final:
             await self.refresh()
         self.metrics.shutdown()
