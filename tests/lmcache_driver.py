@@ -41,11 +41,20 @@ def _fill(obj: Any, seed: int) -> None:
                  .to(tensor.dtype))
 
 
+def _metadata() -> Any:
+    """The test model's ``LMCacheMetadata``: bf16 chunks of CHUNK tokens."""
+    import torch
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    return LMCacheMetadata(model_name="kvpool-test/lmcache", world_size=1, local_world_size=1,
+                           worker_id=0, local_worker_id=0, kv_dtype=torch.bfloat16,
+                           kv_shape=(LAYERS, 2, CHUNK, HEADS, DIM), chunk_size=CHUNK)
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from lmcache.utils import CacheEngineKey
     from lmcache.v1.config import LMCacheEngineConfig
-    from lmcache.v1.metadata import LMCacheMetadata
     from lmcache.v1.storage_backend.connector import CreateConnector
     from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
@@ -55,10 +64,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             "remote_storage_plugin.kvpool.module_path": "kvpool.gpu.lmcache",
             "remote_storage_plugin.kvpool.class_name": "KvpoolConnectorAdapter",
             "remote_storage_plugin.kvpool.url": spec["url"], **spec.get("extra", {})})
-    metadata = LMCacheMetadata(model_name="kvpool-test/lmcache", world_size=1,
-                               local_world_size=1, worker_id=0, local_worker_id=0,
-                               kv_dtype=torch.bfloat16, kv_shape=(LAYERS, 2, CHUNK, HEADS, DIM),
-                               chunk_size=CHUNK)
+    metadata = _metadata()
     backend = LocalCPUBackend(config, metadata, dst_device="cpu")
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
@@ -136,7 +142,7 @@ def storage(spec: dict[str, Any]) -> dict[str, Any]:
     """LMCache's storage as vLLM's LMCache connector builds it: the config file named by
     ``LMCACHE_CONFIG_FILE`` (``spec["config_file"]``) read by LMCache's own loader, then
     ``CreateStorageBackends``. The backends made (or the error that stopped LMCache),
-    LMCache's WARNING and ERROR lines, and with ``round_trip`` a chunk put through the
+    LMCache's WARNING and ERROR lines (``lines``), and with ``round_trip`` a chunk put through the
     kvpool backend and read back."""
     import logging
     import time
@@ -144,16 +150,12 @@ def storage(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from lmcache.integration.vllm.utils import lmcache_get_or_create_config
     from lmcache.utils import CacheEngineKey
-    from lmcache.v1.metadata import LMCacheMetadata
     from lmcache.v1.storage_backend import CreateStorageBackends
     from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 
     os.environ["LMCACHE_CONFIG_FILE"] = spec["config_file"]
     config = lmcache_get_or_create_config()
-    metadata = LMCacheMetadata(model_name="kvpool-test/lmcache", world_size=1,
-                               local_world_size=1, worker_id=0, local_worker_id=0,
-                               kv_dtype=torch.bfloat16, kv_shape=(LAYERS, 2, CHUNK, HEADS, DIM),
-                               chunk_size=CHUNK)
+    metadata = _metadata()
     lines: list[str] = []
 
     class Keep(logging.Handler):
@@ -169,8 +171,8 @@ def storage(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         backends = CreateStorageBackends(config, metadata, loop, "cpu")
     except Exception as exc:
-        return {"started": False, "error": f"{type(exc).__name__}: {exc}", "log": lines}
-    out: dict[str, Any] = {"started": True, "backends": list(backends), "log": lines}
+        return {"started": False, "error": f"{type(exc).__name__}: {exc}", "lines": lines}
+    out: dict[str, Any] = {"started": True, "backends": list(backends), "lines": lines}
     remote = [b for b in backends.values() if isinstance(b, RemoteBackend)]
     out["connected"] = [b.connection is not None for b in remote]
     if spec.get("round_trip") and remote and remote[0].connection is not None:

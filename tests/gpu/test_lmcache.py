@@ -36,16 +36,22 @@ if not PYTHON or not Path(PYTHON).exists():
 pytestmark = pytest.mark.slow  # LMCache in the engines' environment
 
 
-def driver(tmp: Path, url: str, steps: list[dict[str, Any]],
-           extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    spec, out = tmp / f"spec-{time.monotonic_ns()}.json", tmp / f"out-{time.monotonic_ns()}.json"
-    spec.write_text(json.dumps({"url": url, "extra": extra or {}, "steps": steps}))
-    done = subprocess.run([PYTHON, "-m", "tests.lmcache_driver", str(spec), str(out)],
+def _run(tmp: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    """``tests/lmcache_driver.py`` on ``spec`` in LMCache's environment: its JSON answer
+    plus its ``log``."""
+    path, out = tmp / f"spec-{time.monotonic_ns()}.json", tmp / f"out-{time.monotonic_ns()}.json"
+    path.write_text(json.dumps(spec))
+    done = subprocess.run([PYTHON, "-m", "tests.lmcache_driver", str(path), str(out)],
                           capture_output=True, text=True, timeout=180, check=False, cwd=ROOT)
     assert done.returncode == 0 and out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.read_text())
     result["log"] = done.stdout + done.stderr
     return result
+
+
+def driver(tmp: Path, url: str, steps: list[dict[str, Any]],
+           extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    return _run(tmp, {"url": url, "extra": extra or {}, "steps": steps})
 
 
 @pytest.fixture
@@ -126,14 +132,7 @@ def storage(tmp: Path, config: str, *, round_trip: bool = False) -> dict[str, An
     (``LMCACHE_CONFIG_FILE``, LMCache's own loader): see ``tests/lmcache_driver.py``."""
     path = tmp / f"lmcache-{time.monotonic_ns()}.yaml"
     path.write_text(config)
-    spec, out = tmp / f"spec-{time.monotonic_ns()}.json", tmp / f"out-{time.monotonic_ns()}.json"
-    spec.write_text(json.dumps({"mode": "storage", "config_file": str(path),
-                                "round_trip": round_trip}))
-    done = subprocess.run([PYTHON, "-m", "tests.lmcache_driver", str(spec), str(out)],
-                          capture_output=True, text=True, timeout=180, check=False, cwd=ROOT)
-    assert done.returncode == 0 and out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
-    result: dict[str, Any] = json.loads(out.read_text())
-    return result
+    return _run(tmp, {"mode": "storage", "config_file": str(path), "round_trip": round_trip})
 
 
 _BASE = "chunk_size: 16\nlocal_cpu: true\nmax_local_cpu_size: 0.05\n"
@@ -163,7 +162,7 @@ def test_config_mistakes_never_leave_an_idle_kvpool_backend(pool: NodeProcess,
     typo = storage(tmp_path, _BASE + _PLUGIN + f"  remote_storage_plugin.kvpool.urll: {pool.url}\n")
     assert typo["started"] and typo["backends"] == ["LocalCPUBackend"]
     assert any(line.startswith("ERROR") and "remote_storage_plugin.kvpool.urll" in line
-               for line in typo["log"]), typo["log"]
+               for line in typo["lines"]), typo["lines"]
 
     both = storage(tmp_path, _BASE + f"remote_url: {pool.url}\n" + _PLUGIN
                    + f"  remote_storage_plugin.kvpool.url: {pool.url}\n")
@@ -171,7 +170,7 @@ def test_config_mistakes_never_leave_an_idle_kvpool_backend(pool: NodeProcess,
 
     alone = storage(tmp_path, _BASE + f"remote_url: {pool.url}\n")
     assert alone["connected"] == [False]
-    assert any("No adapter found for URL" in line for line in alone["log"]), alone["log"]
+    assert any("No adapter found for URL" in line for line in alone["lines"]), alone["lines"]
 
 
 def test_a_three_node_cluster_serves_every_chunk_with_a_node_killed(tmp_path: Path) -> None:
