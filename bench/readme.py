@@ -19,6 +19,7 @@ import json
 import re
 import statistics
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -138,19 +139,6 @@ _BLOCK = re.compile(r"(<!-- figures:(\w+) -->\n)((?:(?!<!-- ).)*?)(<!-- /figures
                     re.DOTALL)
 
 
-def _wrap(text: str, width: int = 88) -> str:
-    """``text`` in lines of at most ``width`` (the README's paragraphs are wrapped)."""
-    lines: list[str] = []
-    line = ""
-    for word in text.split():
-        if line and len(line) + 1 + len(word) > width:
-            lines.append(line)
-            line = word
-        else:
-            line = f"{line} {word}" if line else word
-    return "\n".join([*lines, line])
-
-
 def render(readme: str, figures: dict[str, Record]) -> str:
     """``readme`` with every figures block rendered from ``figures`` (ValueError for a
     block no renderer knows)."""
@@ -158,7 +146,9 @@ def render(readme: str, figures: dict[str, Record]) -> str:
         name = match.group(2)
         if name not in BLOCKS:
             raise ValueError(f"README.md: no renderer for figures block {name!r}")
-        return match.group(1) + _wrap(BLOCKS[name](figures)) + "\n" + match.group(4)
+        text = textwrap.fill(BLOCKS[name](figures), width=88, break_long_words=False,
+                             break_on_hyphens=False)  # (as the README's paragraphs are)
+        return match.group(1) + text + "\n" + match.group(4)
 
     return _BLOCK.sub(one, readme)
 

@@ -30,6 +30,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from typing import Any
 
 from bench._procs import run_json, start_node
@@ -59,18 +60,19 @@ class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__path__ = []
 
 
+class _StandIn(types.ModuleType):
+    """An empty module whose every attribute is another stand-in."""
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        sub = _stand_in(f"{self.__name__}.{attr}")
+        setattr(self, attr, sub)
+        return sub
+
+
 def _stand_in(name: str) -> Any:
-    import types
-
-    class StandIn(types.ModuleType):
-        def __getattr__(self, attr: str) -> Any:
-            if attr.startswith("__"):
-                raise AttributeError(attr)
-            sub = _stand_in(f"{self.__name__}.{attr}")
-            setattr(self, attr, sub)
-            return sub
-
-    module = StandIn(name)
+    module = _StandIn(name)
     module.__path__ = []
     return module
 
