@@ -39,14 +39,17 @@ class Saves:
         self._queued_chunks = 0
         self._lock = threading.Lock()
 
-    def queue(self, saves: Sequence[_Save], valid_until: dict[str, int], after: Any) -> None:
+    def queue(self, saves: Sequence[_Save], valid_until: dict[str, int],
+              engine_event: Callable[[], Any]) -> None:
         """Queue this step's saves and return: they read their blocks off the step.
         ``valid_until``: this step's requests whose load failed, the tokens valid before
-        the failure (no save stores blocks a failed load left empty); ``after``: the
-        engine's event the save thread waits for (CUDA)."""
+        the failure (no save stores blocks a failed load left empty); ``engine_event``
+        makes the event on the engine's stream the save thread waits for (CUDA; None
+        elsewhere)."""
         self._owed.update(save.req_id for save in saves)
         if self.saver is None or self.io is None:
             return  # owed all the same: reported done when the request finishes
+        after = engine_event()
         chunk = self.state.chunk_tokens
         limit = self.state.settings.save_queue_chunks
         for save in saves:

@@ -197,7 +197,7 @@ class WorkerSide:
         valid_until, self._valid_until = self._valid_until, {}
         if isinstance(meta, KvpoolConnectorMetadata) and meta.saves:
             # (this step's failed loads matter to this step's saves only)
-            self.saves.queue(meta.saves, valid_until, self._engine_event())
+            self.saves.queue(meta.saves, valid_until, self._engine_event)
 
     def finished(self, finished_req_ids: set[str]
                  ) -> tuple[set[str] | None, set[str] | None]:
