@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cgroup_memory", "memory_limit"]
+__all__ = ["cgroup_memory", "memory_limit", "within_limit"]
 
 #: a cgroup v1 limit at or above this is "no limit" (the kernel writes ~2^63)
 _NO_LIMIT = 1 << 60
@@ -59,9 +59,18 @@ def cgroup_memory(root: Path = Path("/sys/fs/cgroup"),
     return min(found) if found else None
 
 
+def within_limit(total: int, available: int) -> tuple[int, int]:
+    """The machine's ``total`` and ``available`` memory, within this process's cgroup
+    limit where one applies (available: what the limit leaves of it now)."""
+    cgroup = cgroup_memory()
+    if cgroup is None:
+        return total, available
+    limit, used = cgroup
+    return min(total, limit), min(available, max(limit - used, 0))
+
+
 def memory_limit() -> int:
     """The most memory this host lets a process use: its physical memory, or less where a
     cgroup limit applies."""
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    cgroup = cgroup_memory()
-    return min(physical, cgroup[0]) if cgroup is not None else physical
+    return within_limit(physical, physical)[0]

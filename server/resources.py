@@ -20,7 +20,7 @@ from kvpool.protocol.errors import ConfigError
 from kvpool.protocol.worker import S3Settings, TieringPolicy, WorkerSettings
 from kvpool.server.cold.ssd import SsdTier
 from kvpool.server.config import NodeConfig, format_size
-from kvpool.server.memory import cgroup_memory
+from kvpool.server.memory import within_limit
 from kvpool.tiers.dram import DramTier
 
 __all__ = ["bind_error", "bound_socket", "dram_tier", "lock_data_dir",
@@ -32,12 +32,7 @@ def memory_room() -> tuple[int, int]:
     """The memory this node may use in all, and what of it is free now: the machine's
     (``psutil``), within its container's cgroup limit where there is one."""
     machine = psutil.virtual_memory()
-    total, available = machine.total, machine.available
-    cgroup = cgroup_memory()
-    if cgroup is not None:
-        limit, used = cgroup
-        total, available = min(total, limit), min(available, max(limit - used, 0))
-    return total, available
+    return within_limit(machine.total, machine.available)
 
 
 def resolve_dram_capacity(config: NodeConfig) -> int:

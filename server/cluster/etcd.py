@@ -243,6 +243,10 @@ class EtcdSource:
     def _key(self, *parts: str) -> str:
         return "/".join([self.prefix, *parts])
 
+    async def _read_all(self) -> tuple[int, dict[str, str]]:
+        """The revision, and every key under the prefix with its value."""
+        return await self.gateway.range_prefix(self.prefix + "/")
+
     # -- the map --------------------------------------------------------------------------
 
     def _build(self, revision: int, kvs: dict[str, str]) -> ClusterMap:
@@ -261,7 +265,7 @@ class EtcdSource:
                           fallbacks=int(config.get("fallbacks", 1)))
 
     async def read(self) -> ClusterMap:
-        revision, kvs = await self.gateway.range_prefix(self.prefix + "/")
+        revision, kvs = await self._read_all()
         cmap = self._build(revision, kvs)
         self.current = cmap
         return cmap
@@ -277,7 +281,7 @@ class EtcdSource:
                 {"replication": self.replication, "fallbacks": 1}))
             await self._register()
             if self.auto_join:
-                revision, kvs = await self.gateway.range_prefix(self.prefix + "/")
+                revision, kvs = await self._read_all()
                 entry = json.dumps(me.to_dict())
                 self._check_entry(revision, kvs, me.id, entry)
                 await self.gateway.create(self._key("nodes", me.id), entry)
@@ -298,7 +302,7 @@ class EtcdSource:
         and weight kept): placement follows the labels the node says it has."""
         key = self._key("nodes", me.id)
         for _ in range(10):
-            revision, kvs = await self.gateway.range_prefix(self.prefix + "/")
+            revision, kvs = await self._read_all()
             current = kvs.get(key)
             if current is None:
                 return
@@ -406,7 +410,7 @@ class EtcdSource:
         """
         key = self._key("nodes", node_id)
         for _ in range(10):  # optimistic concurrency: retry if another admin raced us
-            _, kvs = await self.gateway.range_prefix(self.prefix + "/")
+            _, kvs = await self._read_all()
             current = kvs.get(key)
             if action == "join":
                 if current is None:

@@ -247,9 +247,10 @@ class SsdTier:
                 self._mark_full(evicted.decode(errors="replace"))
                 evicted = b""  # the payload is the reason, not evicted keys
             for i in range(0, len(evicted), 16):
-                self._forget(evicted[i : i + 16])
+                gone = evicted[i : i + 16]
+                self._forget(gone)
                 c.evicted += 1
-                self.events.dropped(evicted[i : i + 16], "room")
+                self.events.dropped(gone, "room")
             if status == SsdStatus.OK:
                 if not overtaken:  # else: written, then deleted by the DELETE queued behind it
                     self._index(key, length, tenant, durable=durable)
