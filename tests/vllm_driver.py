@@ -512,7 +512,10 @@ def lookups_check(url: str, rounds: int, reuse: bool = False) -> dict[str, Any]:
         kv_connector="KvpoolConnector", kv_role="kv_both",
         kv_connector_module_path="kvpool.gpu.vllm",
         kv_connector_extra_config={"kvpool_url": url, "timeout_s": 2.0,
-                                   "retry_after_s": 0.001})
+                                   "retry_after_s": 0.001,
+                                   # the reuse check asks again at once; a reuse time no
+                                   # pause of a loaded machine outlasts keeps it off the clock
+                                   "lookup_reuse_s": 3600.0})
     config = EngineArgs(model=str(smollm2_folder()), enforce_eager=True,
                         kv_transfer_config=transfer, max_model_len=8192).create_engine_config()
     connector = KvpoolConnector(config, KVConnectorRole.SCHEDULER)
