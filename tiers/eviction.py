@@ -6,16 +6,21 @@ Two policies, chosen per node (``--dram-policy``; docs/tiers.md has the measurem
 chained prefix chunks. A new chunk enters a small probationary FIFO (a tenth of the
 chunks); one that is read or looked up there before it reaches the FIFO's head moves to
 the main FIFO, one that is not leaves and is remembered as a ghost (its key only), and a
-ghost stored again enters main directly. Main gives each chunk one more pass per use
-(up to three) before it goes. Most chunks of a KV pool are never asked for again (the
-last chunks of a conversation's last turn, one-off documents): they leave from the
-small FIFO without pushing out chunks that will be hit. Rules for chains: a chunk is
-worth no more than its parent, so when a parent is evicted its children still held
-become the next to go (a prefix lookup stops at the parent anyway); a chunk chosen to
-go takes its descendants first, deepest first, so a chain's tail leaves before its head
-whenever it was stored; a batch enters deepest first; and a lookup that finds a
-chunk counts as a use (an engine that holds the prefix itself looks up and stores but
-reads nothing).
+ghost stored again enters main directly. Main gives a chunk used since its last pass
+one more pass (one, not S3-FIFO's three: reuse in a pool comes in sessions, a
+conversation's turns or an agent's steps, and a chunk used often in a session that has
+ended would outstay chunks of live ones). Most chunks of a KV pool are never asked for
+again (the last chunks of a conversation's last turn, one-off documents): they leave
+from the small FIFO without pushing out chunks that will be hit. Rules for chains: a
+chunk is worth no more than its parent, so when a parent is evicted its children still
+held become the next to go (a prefix lookup stops at the parent anyway); a chunk chosen
+to go takes its descendants first, deepest first, so a chain's tail leaves before its
+head whenever it was stored; a new chunk that extends a chain whose end was asked for
+again (its parent in main or used on probation, with no other child held) skips
+probation, as a live conversation's next turn; a batch is linked to its parents as if
+stored a chunk a call, and enters deepest first; and a lookup that finds a chunk
+counts as a use (an engine that holds the prefix itself looks up and stores but reads
+nothing).
 
 ``lru`` (:class:`PrefixAwareLRU`, the tiers' policy before ``chain``, kept for
 comparison and for the cold tiers): least recently used first; at equal recency, deepest
@@ -118,7 +123,7 @@ class _Chunk:
     __slots__ = ("children", "hint", "parent", "small", "uses")
 
     def __init__(self, small: bool, parent: bytes | None) -> None:
-        self.uses = 0  #: passes earned (0-3)
+        self.uses = 0  #: passes earned (0 to MAX_USES)
         self.small = small  #: in the small FIFO (else in main)
         self.parent = parent  #: its parent's key, where the writer said
         self.children: set[bytes] | None = None  #: its children held (linked when stored)
@@ -133,7 +138,7 @@ class ChainFIFO:
     children held) and one in its parent's set of children: about 420 bytes. Ghosts
     (keys only, about 250 bytes each) are at most :attr:`GHOSTS` per chunk held. O(1)
     per store, read and lookup; an eviction passes over chunks that earned another pass
-    (at most three passes per use) and walks to a chain's deepest chunk from where its
+    (one per use) and walks to a chain's deepest chunk from where its
     last walk ended.
     """
 
@@ -142,8 +147,8 @@ class ChainFIFO:
 
     #: the small FIFO's share of the chunks held
     SMALL_SHARE = 0.1
-    #: passes a chunk can earn in the main FIFO
-    MAX_USES = 3
+    #: passes a chunk can hold in the main FIFO (uses since its last pass, at most)
+    MAX_USES = 1
     #: ghosts kept, per chunk held
     GHOSTS = 8
     #: chunks the small FIFO's target grows (or shrinks) by at each ghost stored again
@@ -185,10 +190,18 @@ class ChainFIFO:
                 chunk.uses += 1
         if new is None:
             return ()
-        if len(new) > 1:
-            new.sort(key=lambda kd: -kd[1])  # deepest first: the tail leaves first
-        recalled = [key for key, _depth in new if self._admit(key)]
-        return recalled or ()
+        if len(new) == 1:
+            key = new[0][0]
+            recalled = self._admit(key)
+            (self._small if state[key].small else self._main)[key] = None
+            return (key,) if recalled else ()
+        new.sort(key=lambda kd: -kd[1])  # deepest first, else as given: the tail leaves first
+        # held parents first (linked to them, and ranked by them), then into the FIFOs
+        recalled_keys = [key for key, _depth in reversed(new) if self._admit(key)]
+        small, main = self._small, self._main
+        for key, _depth in new:
+            (small if state[key].small else main)[key] = None
+        return recalled_keys or ()
 
     def notice(self, keys: Iterable[bytes]) -> None:
         state = self._state
@@ -198,30 +211,30 @@ class ChainFIFO:
                 chunk.uses = 1
 
     def _admit(self, key: bytes) -> bool:
-        """Add ``key``; whether it came back as a ghost."""
+        """Hold ``key`` (the caller puts it in its FIFO); whether it came back as a ghost."""
         state = self._state
         mark = self._ghost.pop(key, None)
         parent = self._parent_of(key) if self._parent_of is not None else None
-        chunk = state[key] = _Chunk(mark is None, parent)
+        up = state.get(parent) if parent is not None else None
+        # a ghost stored again skips probation, and so does a chunk that extends a chain
+        # whose end was asked for again (in main, or used on probation) and has no other
+        # child held (a new branch of a shared prompt is not a next turn)
+        extends = up is not None and not up.children and (not up.small or up.uses > 0)
+        small = mark is None and not extends
+        chunk = state[key] = _Chunk(small, parent)
         chunk.children = self._orphans.pop(key, None)
-        if mark is None:
-            self._small[key] = None
-        else:
-            self._main[key] = None
-            if self.ADAPT and self._evictions - (mark >> 1) <= len(state):
-                # evicted lately: a bigger FIFO (the small one, or main) would have kept it
-                held = len(state)
-                target = self._small_target + (self.ADAPT if mark & 1 else -self.ADAPT)
-                self._small_target = min(max(target, self.SMALL_SHARE * held), 0.9 * held)
-        if parent is not None:
-            up = state.get(parent)
-            if up is not None:
-                if up.children is None:
-                    up.children = {key}
-                else:
-                    up.children.add(key)
-            elif parent in self._ghost:  # evicted here lately: it may come back
-                self._orphans.setdefault(parent, set()).add(key)
+        if mark is not None and self.ADAPT and self._evictions - (mark >> 1) <= len(state):
+            # evicted lately: a bigger FIFO (the small one, or main) would have kept it
+            held = len(state)
+            target = self._small_target + (self.ADAPT if mark & 1 else -self.ADAPT)
+            self._small_target = min(max(target, self.SMALL_SHARE * held), 0.9 * held)
+        if up is not None:
+            if up.children is None:
+                up.children = {key}
+            else:
+                up.children.add(key)
+        elif parent is not None and parent in self._ghost:  # evicted lately: it may come back
+            self._orphans.setdefault(parent, set()).add(key)
         return mark is not None
 
     def discard(self, key: bytes, *, evicted: bool = False) -> None:

@@ -168,6 +168,61 @@ def test_a_ghost_stored_again_enters_main() -> None:
     tier.close()
 
 
+def test_a_chain_stored_in_one_call_is_linked_as_one_stored_a_chunk_a_call() -> None:
+    """A batch (a vLLM save, a ``put_many``) enters deepest first, yet each chunk is
+    linked to its parent in the batch: when the head is evicted, the rest of the chain,
+    read since, goes next, as it does when stored a chunk a call. (Before: a batch's
+    chunks were not linked, and an older chunk that still serves went first.)"""
+    parents = {b"c1": b"p", b"c2": b"c1"}
+    for one_call in (True, False):
+        order = ChainFIFO(parents.get)
+        order.touch([(b"old", 0)])
+        chain = [(b"p", 0), (b"c1", 1), (b"c2", 2)]
+        if one_call:
+            order.touch(chain)
+        else:
+            for pair in chain:
+                order.touch([pair])
+        order.touch([(b"old", 0)])
+        order.touch([(b"c1", 1), (b"c2", 2)])
+        order.discard(b"p", evicted=True)
+        assert list(order.candidates())[:2] == [b"c2", b"c1"], one_call
+
+
+@pytest.mark.parametrize("proven", ["read", "stored_again"])
+def test_a_chunk_that_extends_a_proven_chain_skips_probation(proven: str) -> None:
+    """A conversation's next turn appends chunks to a context that was asked for again
+    (read on probation, or stored again as a ghost): they enter main, as their parent
+    did, and outlive a scan of one-offs. (Before: they went through probation and left
+    with the scan, so the turn after missed them.)"""
+    tier = DramTier(10 * PAGE)
+    turn = chunk_keys("conv", 5)
+    request(tier, turn[:3])
+    if proven == "stored_again":
+        one_offs(tier, 12, "early")  # the context left unused: a ghost
+    assert request(tier, turn) == (3 if proven == "read" else 0)  # stores turn[3:]
+    one_offs(tier, 12)
+    assert tier.lookup(turn) == 5
+    tier.close()
+
+
+def test_a_new_branch_of_a_shared_prefix_still_goes_through_probation() -> None:
+    """The rule above is for a chain's end only: a chunk whose parent already has a child
+    held (a system prompt that many contexts follow) starts on probation, or every new
+    context behind a shared prompt would skip it."""
+    tier = DramTier(10 * PAGE)
+    system = chunk_keys("sys", 1)
+    first = [*system, b"first".ljust(16, b"_")]
+    request(tier, first)
+    assert request(tier, first) == 2  # the prompt and its first follower: proven
+    other = [*system, b"other".ljust(16, b"_")]
+    assert request(tier, other) == 1
+    one_offs(tier, 12)
+    assert tier.lookup(other) == 1  # the prompt stays; the new branch left with the scan
+    assert tier.lookup(first) == 2
+    tier.close()
+
+
 def test_candidates_end_when_every_chunk_is_held_by_readers() -> None:
     """The tier skips chunks being read; the order offers each chunk once and stops."""
     tier = DramTier(3 * PAGE)
