@@ -45,6 +45,8 @@ BENCH_HELP = {
     "fill": "PUTs into a filling DRAM tier: memory allocated ahead vs page faults",
     "policy": "which chunks the DRAM tier keeps: prefix hit ratio per eviction policy vs "
               "the offline optimum, on request traces",
+    "index_miss": "same-host GETs the arena index cannot answer (misses, values it has no "
+                  "slot for): the client's own thread over TCP vs GET_SHM on its loop",
     "room": "a large value in a DRAM tier full of small ones: evicted bytes, LRU only vs "
             "bounded + by place",
     "cluster": "lookup latency and GET throughput, 1 node vs 3-node clusters",

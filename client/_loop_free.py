@@ -158,9 +158,10 @@ class LoopFree:
     def get(self, keys: Sequence[Key], buffers: Sequence[BufferOrSegments] | None
             ) -> list[memoryview | Segments | None] | None:
         """A GET with no event loop, the path decided here once: the standalone node's arena
-        index if it holds every key; else, where the node's GETs go over TCP, its blocking
-        socket; on a cluster, :meth:`_cluster_read` first. None, having sent nothing: run the call
-        on the loop (spans to record, GET_SHM for keys the index lacks, or not yet
+        index for the keys it holds, the blocking socket for the rest (misses, values the
+        index has no slot for); where the node's GETs go over TCP, its blocking socket; on a
+        cluster, :meth:`_cluster_read` first. None, having sent nothing: run the call on
+        the loop (spans to record, a tenant-scoped connection's GET_SHM, or not yet
         connected)."""
         with self.lock:
             self._check_open()
@@ -221,10 +222,20 @@ class LoopFree:
         if shm.mapping is not None:  # a same-host node granted its arena
             if shm.can_read_local:
                 self.before_index_read(shm)
-                if shm.can_read_local:
-                    found = shm.read_local(blob, sinks)
-                    if found is not None:
-                        return found
+                if shm.can_read_local and not self.allowed:  # all from the index, or the loop
+                    return shm.read_local(blob, sinks)
+                some = shm.read_local_some(blob, sinks) if shm.can_read_local else None
+                if some is not None:
+                    out, rest = some
+                    if rest:  # misses, values the index had no room for: one round trip
+                        # over TCP (GET_SHM runs on the loop: a thread hop each way and a
+                        # lease to release, 2-3x slower below ~256 KiB)
+                        again = self.driver(node).get(
+                            rows_blob(blob, rest),
+                            [sinks[i] for i in rest] if sinks is not None else None)
+                        for row, view in zip(rest, again, strict=True):
+                            out[row] = view
+                    return out
             if shm.carries_gets:
                 return None
         if not self.allowed:

@@ -166,6 +166,18 @@ class ShmPath:
         found = self._read_indexed(shm, blob, sinks, all_or_none=True)
         return found[0] if found is not None else None
 
+    def read_local_some(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None
+                        ) -> tuple[list[memoryview | Segments | None], list[int]] | None:
+        """What the arena index has of a GET, in this thread and with no event loop:
+        ``(payloads, rows it lacks)``, the reads noted for the next TOUCH; None, having read
+        nothing, where the index is of another map epoch (ask with :meth:`get`). As
+        :meth:`read_local`, only where :attr:`can_read_local`."""
+        shm = self.mapping
+        assert shm is not None and shm.index is not None
+        if shm.index.epoch != (routed_by.get() or self.node.epoch):
+            return None
+        return self._read_indexed(shm, blob, sinks, all_or_none=False)
+
     @property
     def can_read_local(self) -> bool:
         """Whether :meth:`read_local` may answer (a mapped index, a granted connection)."""

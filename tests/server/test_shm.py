@@ -27,6 +27,7 @@ from kvpool.protocol import pages
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, open_envelope
 from kvpool.protocol.errors import KvpoolConnectionError
 from kvpool.protocol.frames import ShmItem
+from kvpool.protocol.shm_index import WAYS, index_sets, set_of
 from kvpool.tiers.arena import Arena
 from tests.conftest import NodeProcess, http_json, node_stats, shm_node, start_node
 
@@ -180,7 +181,8 @@ def test_a_value_freed_mid_copy_is_never_returned_torn(replace_key: bool) -> Non
 def test_a_value_freed_while_copied_through_the_index_is_never_returned_torn(
         replace_key: bool) -> None:
     """No lease holds a value read through the index: the node frees it at once; the
-    client's generation check sees that and asks with GET_SHM instead."""
+    client's generation check sees that and asks again, over TCP (the sync client asks
+    for what the index lacks or had stale in its own thread)."""
     node = start_node("--dram-capacity", "16MiB", "--no-ssd")
     try:
         key, old = os.urandom(16), os.urandom(1 << 20)
@@ -192,12 +194,41 @@ def test_a_value_freed_while_copied_through_the_index_is_never_returned_torn(
             node_client = fast.async_client._router.standalone_node
             assert node_client is not None
             assert got == (None if replace_key else new[0])
-            # asked again: the index has the new value (or nothing, and GET_SHM finds none)
+            # asked again over TCP: the new value (or nothing)
             path = node_client.shm_path
-            assert (path.index_stale, path.index_hits) == (1, 0 if replace_key else 1)
-            assert fast.bytes_by_path == {"shm": 0 if replace_key else 1 << 20, "tcp": 0}
+            assert (path.index_stale, path.index_hits) == (1, 0)
+            assert fast.bytes_by_path == {"shm": 0, "tcp": 0 if replace_key else 1 << 20}
         shm = _shm_stats(node)
-        assert shm["leases"] == 0 and shm["index_items_out"] == (0 if replace_key else 1)
+        assert shm["leases"] == 0 and shm["index_items_out"] == 0
+    finally:
+        assert node.stop() == 0
+
+
+def test_what_the_index_lacks_is_asked_over_tcp_in_the_callers_thread() -> None:
+    """A same-host sync GET of keys the arena index cannot answer (a miss; a value whose
+    index set was full) goes over TCP from the caller's thread, beside what the index has:
+    one GET, no GET_SHM on the event loop (a lease and its release, 2-3x slower for values
+    below ~256 KiB: bench.index_miss)."""
+    capacity = 16 << 20
+    sets = index_sets(capacity)
+    node = start_node("--dram-capacity", str(capacity), "--no-ssd")
+    try:
+        same_set: list[bytes] = []
+        while len(same_set) < WAYS + 1:
+            key = os.urandom(16)
+            if set_of(key, sets) == 0:
+                same_set.append(key)
+        values = [os.urandom(4096) for _ in same_set]
+        with Client(node.url) as fast:
+            fast.put_many(same_set, values)  # the ninth finds its set full
+            assert node_stats(node)["shm"]["index"]["set_full"] == 1
+            before = node_stats(node)["requests"]
+            missing = os.urandom(16)
+            assert fast.get_many([*same_set, missing]) == [*values, None]
+            asked = node_stats(node)["requests"]
+            assert asked.get("get", 0) - before.get("get", 0) == 1
+            assert asked.get("get_shm", 0) == before.get("get_shm", 0)
+            assert fast.bytes_by_path == {"shm": WAYS * 4096, "tcp": 4096}
     finally:
         assert node.stop() == 0
 
