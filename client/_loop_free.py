@@ -222,11 +222,11 @@ class LoopFree:
         if shm.mapping is not None:  # a same-host node granted its arena
             if shm.can_read_local:
                 self.before_index_read(shm)
-                if shm.can_read_local and not self.allowed:  # all from the index, or the loop
-                    return shm.read_local(blob, sinks)
-                some = shm.read_local_some(blob, sinks) if shm.can_read_local else None
-                if some is not None:
-                    out, rest = some
+                # all from the index, or else (not ``allowed``) all on the loop
+                found = shm.read_local(blob, sinks, all_or_none=not self.allowed) \
+                    if shm.can_read_local else None
+                if found is not None:
+                    out, rest = found
                     if rest:  # misses, values the index had no room for: one round trip
                         # over TCP (GET_SHM runs on the loop: a thread hop each way and a
                         # lease to release, 2-3x slower below ~256 KiB)

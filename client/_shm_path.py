@@ -151,10 +151,13 @@ class ShmPath:
                 out[i] = payload
         return out
 
-    def read_local(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None
-                   ) -> list[memoryview | Segments | None] | None:
-        """The whole GET from the arena index, in this thread and with no event loop;
-        None where any key is not there (ask with :meth:`get`, which reads them all).
+    def read_local(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None, *,
+                   all_or_none: bool) -> tuple[list[memoryview | Segments | None],
+                                               list[int]] | None:
+        """What the arena index has of a GET, in this thread and with no event loop:
+        ``(payloads, rows it lacks)``, the reads noted for the next TOUCH. None, having
+        read nothing, where the index is of another map epoch, or (``all_or_none``) lacks
+        a key (ask with :meth:`get`, which reads them all).
 
         Only where :attr:`can_read_local` (the caller asks): with a connection that is,
         as far as this thread has seen, open -- the sync client runs its loop before
@@ -162,20 +165,11 @@ class ShmPath:
         went away.
         """
         shm = self.mapping
-        assert shm is not None
-        found = self._read_indexed(shm, blob, sinks, all_or_none=True)
-        return found[0] if found is not None else None
-
-    def read_local_some(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None
-                        ) -> tuple[list[memoryview | Segments | None], list[int]] | None:
-        """What the arena index has of a GET, in this thread and with no event loop:
-        ``(payloads, rows it lacks)``, the reads noted for the next TOUCH; None, having read
-        nothing, where the index is of another map epoch (ask with :meth:`get`). As
-        :meth:`read_local`, only where :attr:`can_read_local`."""
-        shm = self.mapping
         assert shm is not None and shm.index is not None
         if shm.index.epoch != (routed_by.get() or self.node.epoch):
             return None
+        if all_or_none:
+            return self._read_indexed(shm, blob, sinks, all_or_none=True)
         return self._read_indexed(shm, blob, sinks, all_or_none=False)
 
     @property
