@@ -448,7 +448,7 @@ class AsyncClient:
     async def send_touches(self) -> None:
         """Report the reads made through the arena index now (one TOUCH a node)."""
         for node in self._node_clients():
-            node.shm_path.touch_later()
+            node.shm_path.touches.later()
 
     @traced("exists_many")
     async def exists_many(self, keys: Sequence[Key]) -> list[bool]:
@@ -490,7 +490,7 @@ class AsyncClient:
         Reads through the arena index not yet reported (TOUCH) are reported first, so the
         counters include every read this client made."""
         await self.connect()
-        await asyncio.gather(*(node.shm_path.flush_touches() for node in self._node_clients()))
+        await asyncio.gather(*(node.shm_path.touches.flush() for node in self._node_clients()))
         node = self._router.standalone_node
         if node is not None:
             return await node.json_op(Op.STATS)

@@ -151,7 +151,7 @@ class LoopFree:
         """Run the loop if it has not run for a while, or reads wait to be reported: it
         sends them, and hears of connections that ended meanwhile (a node that went
         away), after which the index is not read."""
-        if shm.touch_due or time.monotonic() >= self.loop_until:
+        if shm.touches.due or time.monotonic() >= self.loop_until:
             self.loop.run_until_complete(self.core.send_touches())
             self.loop_until = time.monotonic() + TOUCH_DELAY_S
 

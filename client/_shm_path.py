@@ -6,7 +6,8 @@ write access). GETs copy what the arena index has with no request, then ask
 GET_SHM (a lease) for the rest, and fall back to TCP for values freed while
 they were copied; puts write into slots PUT_SHM (or the put before) reserved,
 COMMIT them (``client/_shm_put.py``), and send over TCP what a lease lost.
-Reads through the index are reported to the node later in one TOUCH.
+Reads through the index are reported to the node later in one TOUCH
+(``client/_touches.py``).
 
 It owns its TCP fallback, and so the choice of path: every GET and put of its
 node client comes here (:meth:`ShmPath.get`, :meth:`ShmPath.put`), and goes over
@@ -19,7 +20,6 @@ the same questions before its loop-free paths (:attr:`ShmPath.carries_gets`,
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Sequence
 from typing import Literal, overload
 
@@ -28,8 +28,9 @@ from kvpool.client._connection import Connection
 from kvpool.client._plans import routed_by
 from kvpool.client._shm import HASH_SOURCE, TORN, ShmMapping
 from kvpool.client._shm_put import AheadHolder, ArenaHost, LeasedPuts, ignore_result
+from kvpool.client._touches import TOUCH_BATCH, TOUCH_DELAY_S, Touches
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
-from kvpool.protocol.errors import KvpoolError, Status
+from kvpool.protocol.errors import Status
 from kvpool.protocol.frames import (
     KEY_SIZE,
     Op,
@@ -37,14 +38,9 @@ from kvpool.protocol.frames import (
     decode_shm_reply,
     encode_lease_ids,
 )
-from kvpool.protocol.parsers import TOO_SMALL, Reply, Segments
+from kvpool.protocol.parsers import TOO_SMALL, Segments
 
 __all__ = ["TOUCH_BATCH", "TOUCH_DELAY_S", "ShmPath"]
-
-#: reads through the arena index are reported to the node (TOUCH: its hit counts, byte
-#: counts and LRU recency) once this many are waiting, or this long after the first
-TOUCH_BATCH = 256
-TOUCH_DELAY_S = 0.05
 
 
 class ShmPath:
@@ -61,24 +57,12 @@ class ShmPath:
         #: values read through the index; found there but stale (asked with GET_SHM)
         self.index_hits = 0
         self.index_stale = 0
-        #: keys read through the index and not yet reported (TOUCH), since when
-        self._touched: list[bytes] = []
-        self._touched_count = 0
-        self._touched_since = 0.0
-        self._touch_timer: asyncio.TimerHandle | None = None
+        #: reads through the index not yet reported (TOUCH)
+        self.touches = Touches(node, self._conn)
 
     def close(self) -> None:
         """Stop the TOUCH timer (reads still to report are sent first, when a loop runs)."""
-        if self._touched:
-            try:
-                asyncio.get_running_loop()
-            except RuntimeError:  # no running loop: they are dropped
-                pass
-            else:
-                self.send_touch(None)
-        if self._touch_timer is not None:
-            self._touch_timer.cancel()
-            self._touch_timer = None
+        self.touches.close()
 
     def close_mapping(self) -> None:
         if self.mapping is not None:
@@ -142,7 +126,7 @@ class ShmPath:
         if not self.node.options.shm_index or shm.index is None:
             return await self._get_leased(conn, shm, blob, sinks)
         out, rest = self._read_indexed(shm, blob, sinks, all_or_none=False)
-        self.touch_later(conn)
+        self.touches.later(conn)
         if rest:
             again = await self._get_leased(conn, shm, plans.rows_blob(blob, rest),
                                            [sinks[i] for i in rest] if sinks is not None
@@ -242,10 +226,7 @@ class ShmPath:
         """Values read through the index, for the next TOUCH and the counters."""
         self.index_hits += count
         self.node.bytes_by_path["shm"] += nbytes
-        if not self._touched:
-            self._touched_since = time.monotonic()
-        self._touched.append(keys)
-        self._touched_count += count
+        self.touches.note(keys, count)
 
     def consume_local(self, key: bytes, fn: Callable[[memoryview], None]) -> bool:
         """Hand ``fn`` the value of ``key`` where it lies in the arena, found through the
@@ -268,57 +249,8 @@ class ShmPath:
             asyncio.get_running_loop()
         except RuntimeError:  # the sync client's: its next call on the loop reports it
             return True
-        self.touch_later()
+        self.touches.later()
         return True
-
-    @property
-    def touch_due(self) -> bool:
-        """Reads through the index wait to be reported: enough of them, or for long enough."""
-        return bool(self._touched) and (
-            self._touched_count >= TOUCH_BATCH
-            or time.monotonic() - self._touched_since >= TOUCH_DELAY_S)
-
-    def touch_later(self, conn: Connection | None = None) -> None:
-        """Send the reads through the index as one TOUCH now if due, else soon (a timer):
-        the node counts them and refreshes their recency. Needs the running loop."""
-        if not self._touched:
-            return
-        if self.touch_due:
-            self.send_touch(conn)
-        elif self._touch_timer is None:
-            self._touch_timer = asyncio.get_running_loop().call_later(
-                TOUCH_DELAY_S, self.send_touch, None)
-
-    async def flush_touches(self) -> None:
-        """Report the reads through the index now, and wait until the node has counted
-        them (so the stats asked next include them)."""
-        if self._touched:
-            sent = self.send_touch(None)
-            if sent:
-                await asyncio.wait(sent)
-
-    def send_touch(self, conn: Connection | None) -> list[asyncio.Future[Reply]]:
-        """The TOUCH frames sent (none: nothing to report, or no connection for it)."""
-        if self._touch_timer is not None:
-            self._touch_timer.cancel()
-            self._touch_timer = None
-        if conn is None or not conn.is_open:
-            conn = self._conn()
-        keys, count = b"".join(self._touched), self._touched_count
-        self._touched.clear()
-        self._touched_count = 0
-        sent: list[asyncio.Future[Reply]] = []
-        if conn is None:  # the connection is gone: so is what it would count
-            return sent
-        for part in plans.chunks(count, int(self.node.server_info["max_batch"])):
-            try:
-                touch = conn.send(Op.TOUCH, len(part), [plans.blob_part(keys, part)],
-                                  epoch=self.node.epoch)
-            except KvpoolError:
-                break
-            touch.add_done_callback(ignore_result)
-            sent.append(touch)
-        return sent
 
     async def _get_leased(self, conn: Connection, shm: ShmMapping, blob: bytes,
                           sinks: Sequence[memoryview | Segments] | None
