@@ -16,7 +16,7 @@ import contextlib
 import json
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,51 @@ _U64 = struct.Struct("<Q")
 log = logging.getLogger("kvpool.server.cold.ssd")
 
 
+class FullDisk:
+    """Whether the SSD takes writes: once the worker reports its disk full, the tier
+    serves what it holds and sheds writes, and asks the worker every ``retry_s`` to take
+    them again (``reopen``)."""
+
+    def __init__(self, path: Path, retry_s: float,
+                 reopen: Callable[[], Awaitable[tuple[int, bytes]]],
+                 counters: ColdCounters) -> None:
+        self.path = path
+        self.retry_s = retry_s
+        self._reopen = reopen
+        self._counters = counters
+        #: why the disk refuses writes (None: it takes them)
+        self.why: str | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def mark(self, why: str) -> None:
+        if self.why is not None:
+            return
+        self.why = why
+        log.error("SSD tier at %s is full (%s): it serves the chunks it holds and refuses "
+                  "writes; it tries again every %gs", self.path, why, self.retry_s)
+        self._task = asyncio.create_task(self._retry())
+
+    async def _retry(self) -> None:
+        while self.why is not None:
+            await asyncio.sleep(self.retry_s)
+            try:
+                status, why = await self._reopen()
+            except SsdUnavailableError:
+                return
+            if status == SsdStatus.OK:
+                log.warning("SSD tier at %s takes writes again", self.path)
+                self.why = None
+                self._counters.recovered += 1
+            else:
+                self.why = why.decode(errors="replace")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
 class SsdTier:
     """The worker's tiers as the data path sees them, with no I/O: which keys the SSD
     holds (and each one's length), which S3 holds (:class:`S3KeyMirror`), the
@@ -55,15 +100,12 @@ class SsdTier:
         to it as it starts."""
         self.path = path
         self.settings = settings
-        #: seconds between attempts to take writes again once the disk was full
-        self.full_retry_s = full_retry_s
         #: keys the worker knows to be in S3 (its writes, its LISTs), mirrored every s3_poll_s
         self.s3_index = S3KeyMirror()
         #: each key the SSD dropped to make room (its capacity, a tenant's quota)
         self.events = TierEvents("ssd")
         self._s3_poll_s = s3_poll_s
         self._s3_task: asyncio.Task[None] | None = None
-        self._full_task: asyncio.Task[None] | None = None
         self.start_timeout_s = start_timeout_s
         self.max_pending_bytes = max_pending_bytes
         self.index: dict[bytes, int] = {}
@@ -79,8 +121,9 @@ class SsdTier:
         self._worker = WorkerProcess(path, settings, arena_fd=arena_fd,
                                      arena_size=arena_size, on_lost=self._lost)
         self.up = False
-        #: set when the worker reported a full disk: writes are shed from then on
-        self.full: str | None = None
+        #: a full disk: writes shed until the worker takes them again
+        self.disk = FullDisk(path, full_retry_s, lambda: self._call(SsdOp.REOPEN),
+                             self.counters)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -101,33 +144,10 @@ class SsdTier:
         self.index = decode_keys(payload)
         status, reason = await self._call(SsdOp.REOPEN)
         if status == SsdStatus.FULL:  # a full disk at start: its chunks are served read-only
-            self._mark_full(reason.decode(errors="replace"))
+            self.disk.mark(reason.decode(errors="replace"))
         self._worker.forward_stderr()
         if self.has_s3:
             self._s3_task = asyncio.create_task(self._poll_s3_keys())
-
-    def _mark_full(self, why: str) -> None:
-        if self.full is not None:
-            return
-        self.full = why
-        log.error("SSD tier at %s is full (%s): it serves the chunks it holds and refuses "
-                  "writes; it tries again every %gs", self.path, why, self.full_retry_s)
-        self._full_task = asyncio.create_task(self._retry_writes())
-
-    async def _retry_writes(self) -> None:
-        """While the disk is full, ask the worker now and then to take writes again."""
-        while self.up and self.full is not None:
-            await asyncio.sleep(self.full_retry_s)
-            try:
-                status, why = await self._call(SsdOp.REOPEN)
-            except SsdUnavailableError:
-                return
-            if status == SsdStatus.OK:
-                log.warning("SSD tier at %s takes writes again", self.path)
-                self.full = None
-                self.counters.recovered += 1
-            else:
-                self.full = why.decode(errors="replace")
 
     async def _poll_s3_keys(self) -> None:
         while self.up:
@@ -145,13 +165,18 @@ class SsdTier:
     async def stop(self) -> None:
         self.up = False
         await self._worker.stop()
-        for task in (self._s3_task, self._full_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await self.disk.stop()
+        if self._s3_task is not None:
+            self._s3_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._s3_task
 
     # -- operations -----------------------------------------------------------------------
+
+    @property
+    def full(self) -> str | None:
+        """Why the disk refuses writes (None: it takes them)."""
+        return self.disk.why
 
     @property
     def capacity_bytes(self) -> int:
@@ -244,7 +269,7 @@ class SsdTier:
         else:
             status, evicted = future.result()
             if status == SsdStatus.FULL:
-                self._mark_full(evicted.decode(errors="replace"))
+                self.disk.mark(evicted.decode(errors="replace"))
                 evicted = b""  # the payload is the reason, not evicted keys
             for i in range(0, len(evicted), 16):
                 gone = evicted[i : i + 16]
