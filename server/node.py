@@ -34,6 +34,7 @@ from kvpool.server.config import ClusterConfig, NodeConfig, ServerConfig
 from kvpool.server.data.connection import NodeConnection, close_all
 from kvpool.server.data.handlers import Handlers
 from kvpool.server.data.shm import ShmService
+from kvpool.server.data.snapshot import node_snapshot
 from kvpool.server.data.stats import NodeStats
 from kvpool.server.resources import (
     advertised,
@@ -341,7 +342,7 @@ class Node:
         return self.membership.node_id or self.config.server.node_id
 
     async def snapshot(self) -> dict[str, Any]:
-        return await self.handlers.snapshot()
+        return await node_snapshot(self.handlers)
 
     async def change(self, action: str, node_id: str, fields: dict[str, Any]) -> ClusterMap:
         return await self.membership.change(action, node_id, fields)

@@ -45,6 +45,7 @@ from kvpool.server.data.reply import Buffers, Pending, Reply
 from kvpool.server.data.session import Session
 from kvpool.server.data.shm import ShmService
 from kvpool.server.data.shm_ops import ShmOps
+from kvpool.server.data.snapshot import node_snapshot
 from kvpool.server.data.stats import NodeStats
 from kvpool.server.security.auth import ANONYMOUS, Role, TokenTable
 from kvpool.tiers.dram import Entry, Slot
@@ -199,8 +200,7 @@ class Handlers:
             "epoch": self.epoch,
             "cluster": self.membership.map is not None,
             "idle_timeout_s": self.idle_timeout_s,
-            "tenant": principal.tenant,
-            "role": principal.role.name.lower(),
+            "tenant": principal.tenant, "role": principal.role.name.lower(),
             # PUT items may carry their checksum after the value (PUT_FLAG_CHECKSUM_AFTER)
             "checksum_after": True,
         }
@@ -345,36 +345,9 @@ class Handlers:
         return self._stats_reply(request)
 
     async def _stats_reply(self, request: Request) -> Reply:
-        return self._reply(request, [encode_json(await self.snapshot())])
+        return self._reply(request, [encode_json(await node_snapshot(self))])
 
     # -- helpers --------------------------------------------------------------------------
-
-    async def snapshot(self) -> dict[str, Any]:
-        store = await self.store.snapshot()
-        dram = store["tiers"]["dram"]  # the tiers' snapshot has DRAM's counters already
-        return {
-            "node_id": self.node_id,
-            "protocol": PROTOCOL_VERSION,
-            "uptime_s": round(time.time() - self.started_at, 3),
-            "capacity_bytes": dram["capacity_bytes"],
-            "used_bytes": dram["used_bytes"],
-            "num_objects": dram["num_objects"],
-            "evictions": dram["evictions"],
-            "promotions": store["promotions"],
-            "cluster_epoch": self.epoch,
-            "wrong_owner": self.wrong_owner,
-            "auth": {"mode": "open" if self.auth.open else "tokens",
-                     "tokens": len(self.auth.entries), "failures": self.auth_failures,
-                     "quota_evictions": store["quota_evictions"],
-                     "quota_rejections": store["quota_rejections"],
-                     "ssd_quota_evictions": store["ssd_quota_evictions"]},
-            "events": {"subscribers": len(self.events.subscribers),
-                       "published": self.events.published, "lost": self.events.lost,
-                       "dropped": self.events.dropped},
-            "tiers": store["tiers"],
-            **self.stats.to_dict(),
-            **{name: fn() for name, fn in self.extra_stats.items()},
-        }
 
     def _pin(self, request: Request, pinned: bool) -> Reply:
         done = self.dram.pin_many(request.keys, pinned)
