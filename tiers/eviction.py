@@ -16,7 +16,7 @@ chunk is worth no more than its parent, so when a parent is evicted its children
 held become the next to go (a prefix lookup stops at the parent anyway); a chunk chosen
 to go takes its descendants first, deepest first, so a chain's tail leaves before its
 head whenever it was stored; a new chunk that extends a chain whose end was asked for
-again (its parent in main or used on probation, with no other child held) skips
+again (its parent in main or used on probation, and never a parent before) skips
 probation, as a live conversation's next turn; a batch is linked to its parents as if
 stored a chunk a call, and enters deepest first; and a lookup that finds a chunk
 counts as a use (an engine that holds the prefix itself looks up and stores but reads
@@ -126,7 +126,8 @@ class _Chunk:
         self.uses = 0  #: passes earned (0 to MAX_USES)
         self.small = small  #: in the small FIFO (else in main)
         self.parent = parent  #: its parent's key, where the writer said
-        self.children: set[bytes] | None = None  #: its children held (linked when stored)
+        #: its children held, linked when stored (None: it never had one here)
+        self.children: set[bytes] | None = None
         #: where the last walk from it to its deepest descendant ended (_leaf)
         self.hint: bytes | None = None
 
@@ -217,9 +218,9 @@ class ChainFIFO:
         parent = self._parent_of(key) if self._parent_of is not None else None
         up = state.get(parent) if parent is not None else None
         # a ghost stored again skips probation, and so does a chunk that extends a chain
-        # whose end was asked for again (in main, or used on probation) and has no other
-        # child held (a new branch of a shared prompt is not a next turn)
-        extends = up is not None and not up.children and (not up.small or up.uses > 0)
+        # whose end was asked for again (in main, or used on probation) and never had a
+        # child here (a new branch of a shared prompt is not a next turn)
+        extends = up is not None and up.children is None and (not up.small or up.uses > 0)
         small = mark is None and not extends
         chunk = state[key] = _Chunk(small, parent)
         chunk.children = self._orphans.pop(key, None)

@@ -207,8 +207,8 @@ def test_a_chunk_that_extends_a_proven_chain_skips_probation(proven: str) -> Non
 
 
 def test_a_new_branch_of_a_shared_prefix_still_goes_through_probation() -> None:
-    """The rule above is for a chain's end only: a chunk whose parent already has a child
-    held (a system prompt that many contexts follow) starts on probation, or every new
+    """The rule above is for a chain's end only: a chunk whose parent has had a child
+    (a system prompt that many contexts follow) starts on probation, or every new
     context behind a shared prompt would skip it."""
     tier = DramTier(10 * PAGE)
     system = chunk_keys("sys", 1)
@@ -220,6 +220,13 @@ def test_a_new_branch_of_a_shared_prefix_still_goes_through_probation() -> None:
     one_offs(tier, 12)
     assert tier.lookup(other) == 1  # the prompt stays; the new branch left with the scan
     assert tier.lookup(first) == 2
+    # and once every follower has left, the prompt is still a branching point, not a
+    # chain's end: the next follower starts on probation too
+    assert tier.delete_many([first[1], other[1]]) == [True, False]
+    late = [*system, b"late".ljust(16, b"_")]
+    assert request(tier, late) == 1
+    one_offs(tier, 12, "again")
+    assert tier.lookup(late) == 1
     tier.close()
 
 
