@@ -54,7 +54,8 @@ class ShmPath:
         self.puts = LeasedPuts(node)
         #: fast-path values freed while they were copied (fetched again over TCP)
         self.shm_torn = 0
-        #: values read through the index; found there but stale (asked with GET_SHM)
+        #: values read through the index; found there but stale (asked again: GET_SHM, or
+        #: over TCP from the sync client's thread)
         self.index_hits = 0
         self.index_stale = 0
         #: reads through the index not yet reported (TOUCH)
