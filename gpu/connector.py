@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from kvpool.client import AsyncClient, Client
+from kvpool.gpu._direct import DirectBlocks
 from kvpool.gpu.in_place import load_in_place
 from kvpool.gpu.layout import CPU_ATTN_KINDS, KVLayout
 from kvpool.gpu.paged import Scatter, gather, gather_scratch_shape, scatter, scatter_for
@@ -93,6 +94,21 @@ class _Slot:
     #: reads the engine's strided blocks into it, then reorders them into ``chunk``)
     scratch: torch.Tensor | None = None
     busy: Awaitable[Any] | None = field(default=None, repr=False)
+
+    @classmethod
+    def make(cls, layout: KVLayout, chunk_tokens: int, device: torch.device) -> _Slot:
+        """A slot for one chunk (host memory pinned, and a device copy, on CUDA)."""
+        cuda = device.type == "cuda"
+        host = torch.empty(layout.chunk_nbytes(chunk_tokens), dtype=torch.uint8,
+                           pin_memory=cuda)
+        on_device = torch.empty_like(host, device=device) if cuda else host
+        chunk = on_device.view(layout.dtype).view(layout.chunk_shape(chunk_tokens))
+        event = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]
+        scratch = None
+        if layout.kind == "bhnc":
+            scratch = torch.empty(gather_scratch_shape(layout, chunk_tokens),
+                                  dtype=layout.dtype, device=device)
+        return cls(host, on_device, chunk, host.numpy().data.cast("B"), event, scratch)
 
 
 def tokens_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
@@ -165,30 +181,12 @@ class AsyncPagedKVConnector:
         self.direct = direct
         #: chunks in flight at once (receives or puts); the staging ring's size
         self.depth = staging_slots
-        self.slots = [] if direct else [self._make_slot() for _ in range(staging_slots)]
-        # each layer's bytes as one flat view, for direct transfers (segments of the
-        # blocks, no copies)
-        self._flat = [c.view(torch.uint8).numpy().data.cast("B")
-                      for c in self.caches] if direct else []
-        #: K and V planes of a layer's tensor (flash, blocks_first: 2; blocks that hold
-        #: both, or MLA's one latent: 1), and one block of one plane's bytes
-        self._planes = 2 if layout.kind in ("flash", "blocks_first") else 1
-        self._block_bytes = self.caches[0].nbytes // (self.num_blocks * self._planes)
-        #: where a direct load puts the blocks of a chunk the engine already holds
-        self._scratch: memoryview | None = None
+        self.slots = [] if direct else [_Slot.make(layout, self.chunk_tokens, self.device)
+                                         for _ in range(staging_slots)]
+        #: the chunks' bytes where they lie in the blocks (direct transfers)
+        self.blocks = DirectBlocks(layout, self.caches, self.num_blocks, self.blocks_per_chunk,
+                                   self.chunk_nbytes) if direct else None
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-copy")
-
-    def _make_slot(self) -> _Slot:
-        host = torch.empty(self.chunk_nbytes, dtype=torch.uint8, pin_memory=self.cuda)
-        device = torch.empty_like(host, device=self.device) if self.cuda else host
-        chunk = device.view(self.layout.dtype).view(self.layout.chunk_shape(self.chunk_tokens))
-        view = host.numpy().data.cast("B")
-        event = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
-        scratch = None
-        if self.layout.kind == "bhnc":
-            scratch = torch.empty(gather_scratch_shape(self.layout, self.chunk_tokens),
-                                  dtype=self.layout.dtype, device=self.device)
-        return _Slot(host, device, chunk, view, event, scratch)
 
     def close(self) -> None:
         self._copier.shutdown(wait=True)
@@ -197,45 +195,8 @@ class AsyncPagedKVConnector:
 
     def _segments(self, ids: list[int], chunk: int, skip_blocks: int = 0
                   ) -> list[bytes | bytearray | memoryview]:
-        """The chunk's bytes where they lie in the engine's blocks, in payload order: one
-        view per run of consecutive blocks per layer (and K/V plane). The bytes of the
-        chunk's first ``skip_blocks`` blocks go to a scratch buffer instead: blocks the
-        engine already holds, which other requests may be reading, are never written."""
-        b = self.blocks_per_chunk
-        mine = ids[chunk * b:(chunk + 1) * b]
-        kind = self.layout.kind
-        size = self._block_bytes
-        if kind == "flash":  # [2, N, ...]: plane kv's block at (kv * N + block)
-            starts = [[(kv * self.num_blocks + block) * size for block in mine]
-                      for kv in range(2)]
-        elif kind == "blocks_first":  # [N, 2, ...]: (2 * block + kv)
-            starts = [[(2 * block + kv) * size for block in mine] for kv in range(2)]
-        else:
-            starts = [[block * size for block in mine]]
-        # (start, end) byte ranges of a layer, runs of adjacent blocks merged; None: scratch
-        ranges: list[tuple[int, int] | None] = []
-        for plane in range(self._planes):
-            for j, start in enumerate(starts[plane]):
-                last = ranges[-1] if ranges else None
-                if j < skip_blocks:
-                    ranges.append(None)
-                elif last is not None and j > skip_blocks and last[1] == start:
-                    ranges[-1] = (last[0], start + size)
-                else:
-                    ranges.append((start, start + size))
-        if skip_blocks and self._scratch is None:
-            self._scratch = memoryview(bytearray(self.chunk_nbytes))
-        used = 0
-        out: list[bytes | bytearray | memoryview] = []
-        for layer in self._flat:
-            for span in ranges:
-                if span is None:
-                    assert self._scratch is not None
-                    out.append(self._scratch[used:used + size])
-                    used += size
-                else:
-                    out.append(layer[span[0]:span[1]])
-        return out
+        assert self.blocks is not None  # (direct transfers only)
+        return self.blocks.segments(ids, chunk, skip_blocks)
 
     def _block_ids(self, ids: list[int]) -> torch.Tensor:
         tensor = torch.tensor(ids, dtype=torch.long).to(self.device)
