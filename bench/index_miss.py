@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from bench._procs import start_node
 from bench._stats import save
-from bench.throughput import percentile
+from bench.throughput import interleaved
 from kvpool.client import Client
 from kvpool.protocol.shm_index import WAYS, index_sets, set_of
 
@@ -66,20 +65,10 @@ def measure(samples: int, rounds: int) -> dict[str, Any]:
                 series[f"value the index lacks, on the loop (GET_SHM, {label})"] = \
                     _get(looped, lacked)
             full = own.stats()["shm"]["index"]["set_full"]
-            times: dict[str, list[float]] = {name: [] for name in series}
-            for _ in range(rounds):
-                for name, fn in series.items():
-                    for _ in range(50):
-                        fn()  # warm, after the other series' block
-                    for _ in range(max(1, samples // rounds)):
-                        started = time.perf_counter()
-                        fn()
-                        times[name].append((time.perf_counter() - started) * 1e6)
+            us = interleaved(series, samples, rounds, scale=1e6)
     finally:
         node.stop()
-    return {"set_full": full, "samples": samples, "rounds": rounds,
-            "us": {name: {"p50": percentile(t, 0.5), "p99": percentile(t, 0.99)}
-                   for name, t in times.items()}}
+    return {"set_full": full, "samples": samples, "rounds": rounds, "us": us}
 
 
 def main(argv: list[str] | None = None) -> None:

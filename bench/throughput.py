@@ -522,6 +522,13 @@ def small_latency(clients: tuple[Client, Client, Client], rds: Any, port: int,
     if rds is not None:
         rds.set(key, value)
         series["redis get (4 KiB)"] = lambda: rds.get(key)
+    return interleaved(series, samples, rounds)
+
+
+def interleaved(series: dict[str, Callable[[], object]], samples: int, rounds: int, *,
+                scale: float = 1e3) -> dict[str, dict[str, float]]:
+    """p50/p99 of one call of each series (seconds x ``scale``: ms by default), the series
+    taking turns in ``rounds`` blocks, each block warmed by 50 calls first."""
     times: dict[str, list[float]] = {name: [] for name in series}
     for _ in range(rounds):
         for name, fn in series.items():
@@ -530,7 +537,7 @@ def small_latency(clients: tuple[Client, Client, Client], rds: Any, port: int,
             for _ in range(max(1, samples // rounds)):
                 t = time.perf_counter()
                 fn()
-                times[name].append((time.perf_counter() - t) * 1e3)
+                times[name].append((time.perf_counter() - t) * scale)
     return {name: {"p50": percentile(t, 0.5), "p99": percentile(t, 0.99)}
             for name, t in times.items()}
 
