@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Literal, overload
 
 from kvpool.client import _plans as plans
 from kvpool.client._connection import Connection
 from kvpool.client._plans import routed_by
-from kvpool.client._shm import HASH_SOURCE, TORN, ShmMapping
+from kvpool.client._shm import HASH_SOURCE, TORN, ShmIndex, ShmMapping
 from kvpool.client._shm_put import AheadHolder, ArenaHost, LeasedPuts, ignore_result
 from kvpool.client._touches import TOUCH_BATCH, TOUCH_DELAY_S, Touches
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
@@ -126,7 +125,10 @@ class ShmPath:
             return await self.node.run(plans.get_tcp(self.node, blob, sinks), conn)
         if not self.node.options.shm_index or shm.index is None:
             return await self._get_leased(conn, shm, blob, sinks)
-        out, rest = self._read_indexed(shm, blob, sinks, all_or_none=False)
+        found = self._read_indexed(shm, blob, sinks, all_or_none=False)
+        if found is None:  # an index of another map: GET_SHM answers WRONG_OWNER, or the map
+            return await self._get_leased(conn, shm, blob, sinks)
+        out, rest = found
         self.touches.later(conn)
         if rest:
             again = await self._get_leased(conn, shm, plans.rows_blob(blob, rest),
@@ -150,12 +152,8 @@ class ShmPath:
         went away.
         """
         shm = self.mapping
-        assert shm is not None and shm.index is not None
-        if shm.index.epoch != (routed_by.get() or self.node.epoch):
-            return None
-        if all_or_none:
-            return self._read_indexed(shm, blob, sinks, all_or_none=True)
-        return self._read_indexed(shm, blob, sinks, all_or_none=False)
+        assert shm is not None
+        return self._read_indexed(shm, blob, sinks, all_or_none=all_or_none)
 
     @property
     def can_read_local(self) -> bool:
@@ -168,29 +166,24 @@ class ShmPath:
         """An open connection granted the arena (as far as this thread has seen)."""
         return next((conn for conn in self.node.connections() if conn.shm), None)
 
-    @overload
-    def _read_indexed(self, shm: ShmMapping, blob: bytes,
-                      sinks: Sequence[memoryview | Segments] | None, *, all_or_none: Literal[False]
-                      ) -> tuple[list[memoryview | Segments | None], list[int]]: ...
-
-    @overload
-    def _read_indexed(self, shm: ShmMapping, blob: bytes,
-                      sinks: Sequence[memoryview | Segments] | None, *, all_or_none: Literal[True]
-                      ) -> tuple[list[memoryview | Segments | None], list[int]] | None: ...
+    def _of_this_map(self, index: ShmIndex) -> bool:
+        """Whether ``index`` is of the map this call is routed by (else the node answers
+        WRONG_OWNER, or with the map: ask it)."""
+        return index.epoch == (routed_by.get() or self.node.epoch)
 
     def _read_indexed(self, shm: ShmMapping, blob: bytes,
                       sinks: Sequence[memoryview | Segments] | None, *, all_or_none: bool
                       ) -> tuple[list[memoryview | Segments | None], list[int]] | None:
         """Copy what the arena index has: ``(payloads, rows not read)``, the reads noted
-        for the next TOUCH. ``all_or_none``: None, having copied nothing, unless every
-        key is there (then copies that came out stale give None too: nothing is noted)."""
+        for the next TOUCH. None, having copied nothing, where the index is of another
+        map, or (``all_or_none``) unless every key is there (then copies that came out
+        stale give None too: nothing is noted)."""
         index = shm.index
         assert index is not None
+        if not self._of_this_map(index):
+            return None
         count = len(blob) // KEY_SIZE
         out: list[memoryview | Segments | None] = [None] * count
-        # GET_SHM answers WRONG_OWNER, or with the map
-        if index.epoch != (routed_by.get() or self.node.epoch):
-            return None if all_or_none else (out, list(range(count)))
         rows: list[int] = []
         jobs: list[tuple[ShmItem, memoryview | Segments | None]] = []
         checksums: list[int] = []
@@ -236,7 +229,7 @@ class ShmPath:
         x86-64 (HASH_SOURCE)."""
         shm = self.mapping
         assert shm is not None and shm.index is not None
-        if not HASH_SOURCE or shm.index.epoch != (routed_by.get() or self.node.epoch):
+        if not HASH_SOURCE or not self._of_this_map(shm.index):
             return False
         slot = shm.index.find(key)
         if slot is None:
