@@ -10,20 +10,20 @@ chunk being sent is never overwritten mid-send.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvpool.protocol.envelope import Codec, EnvelopeHeader
 from kvpool.protocol.errors import CorruptChunkError
 from kvpool.protocol.shm_index import IndexSlot
-from kvpool.tiers import room
 from kvpool.tiers.arena import ALIGN, Arena
 from kvpool.tiers.arena_index import ArenaIndex
 from kvpool.tiers.base import TierStats
 from kvpool.tiers.events import TierEvents
 from kvpool.tiers.eviction import Deadlines
 from kvpool.tiers.ledger import Ledger
-from kvpool.tiers.room import Places
+from kvpool.tiers.room import Places, Room
 from kvpool.tiers.tenants import TenantBytes
 
 __all__ = ["DramTier", "Entry", "Slot"]
@@ -61,23 +61,6 @@ def _index_slot(entry: Entry, arena: Arena, now: float) -> IndexSlot:
                      entry.checksum, expires)
 
 
-def _tenant_victims(entries: Iterable[Entry], tenant: str, need: int) -> list[Entry] | None:
-    """``tenant``'s entries not being read, from ``entries`` in order, until they hold
-    ``need`` bytes; None if they never do."""
-    victims = []
-    for entry in entries:
-        if entry.tenant == tenant and entry.readers == 0:
-            victims.append(entry)
-            need -= entry.length
-            if need <= 0:
-                return victims
-    return None
-
-
-def _evictable(entry: Entry) -> bool:
-    return entry.readers == 0 and not entry.pinned
-
-
 class Slot:
     """Arena memory reserved for one incoming value (a parser Reservation)."""
 
@@ -110,7 +93,45 @@ class Slot:
             self._tier.tenants.charge(self.tenant, -self.length)
 
 
-class DramTier:
+class _ZeroCopy(Protocol):
+    def acquire_many(self, keys: Sequence[bytes]) -> list[Entry | None]: ...
+    def view(self, entry: Entry) -> memoryview: ...
+    def release(self, entry: Entry) -> None: ...
+    def reserve(self, key: bytes, nbytes: int, tenant: str | None = None) -> Slot | None: ...
+    def commit(self, slots: Sequence[Slot]) -> list[Entry | None]: ...
+    def delete_many(self, keys: Sequence[bytes]) -> list[bool]: ...
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+
+class _Copies:
+    """The narrow Tier interface (``tiers/base.py``) over the zero-copy calls: values as
+    copies, one key a call; for tiers and tools, not the data path."""
+
+    def get(self: _ZeroCopy, key: bytes) -> bytes | None:
+        (entry,) = self.acquire_many([key])
+        if entry is None:
+            return None
+        try:
+            return bytes(self.view(entry))
+        finally:
+            self.release(entry)
+
+    def put(self: _ZeroCopy, key: bytes, value: bytes | bytearray | memoryview) -> bool:
+        data = memoryview(value).cast("B")
+        slot = self.reserve(key, len(data))
+        if slot is None:
+            return False
+        slot.view[:] = data
+        return self.commit([slot])[0] is not None
+
+    def delete(self: _ZeroCopy, key: bytes) -> bool:
+        return self.delete_many([key])[0]
+
+    def contains(self: _ZeroCopy, key: bytes) -> bool:
+        return self.contains_many([key])[0]
+
+
+class DramTier(_Copies):
     """Byte-bounded store over an :class:`Arena`, evicting by ``policy`` (a name from
     ``tiers/eviction.py``: ``chain``, or ``lru``)."""
 
@@ -134,6 +155,7 @@ class DramTier:
         self.tenants = TenantBytes()
         #: entries by where they lie (for room by place, when LRU order makes none)
         self._places: Places[Entry] = Places(self.arena)
+        self._room = Room(self.arena, self._ledger, self._places, self._evict)
         #: where co-located clients look values up with no request (see attach_index)
         self.index: ArenaIndex | None = None
 
@@ -154,41 +176,16 @@ class DramTier:
         if arena.extent(nbytes) > arena.capacity:
             self._stats.rejections += 1
             return None
-        if tenant is not None and not self._within_quota(tenant, nbytes):
+        if tenant is not None and not self._room.within_quota(self.tenants, tenant, nbytes):
             self._stats.rejections += 1
             self.tenants.rejections += 1
             return None
-        offset = arena.alloc(nbytes)
-        budget = room.LRU_BOUND * arena.extent(nbytes)  # then by place (tiers/room.py)
-        by_place = True
-        while offset is None:
-            if budget <= 0 and by_place:  # LRU order made no hole within its budget
-                by_place = False
-                offset = self._hole(nbytes)
-                continue
-            victim = self._next_victim()  # (every hole blocked: LRU order alone, as before)
-            if victim is None:
-                break
-            self._evict(victim)
-            budget -= arena.extent(victim.length)
-            offset = arena.alloc(nbytes)
+        offset = self._room.make(nbytes)
         if offset is None:
             self._stats.rejections += 1
             return None
         self.tenants.charge(tenant, nbytes)
         return Slot(self, key, offset, nbytes, tenant)
-
-    def _within_quota(self, tenant: str, nbytes: int) -> bool:
-        """Evict ``tenant``'s own chunks until ``nbytes`` more fit its quota; False if not."""
-        need = self.tenants.excess(tenant, nbytes)
-        if not need:  # 0: fits; None: never fits
-            return need == 0
-        entries = self._entries
-        victims = _tenant_victims((entries[k] for k in self._ledger.candidates()), tenant, need)
-        for victim in victims or ():
-            self._evict(victim)
-            self.tenants.evictions += 1
-        return victims is not None
 
     def commit(self, slots: Sequence[Slot], *, ttl_s: Sequence[float | None] | None = None,
                pin: Sequence[bool] | None = None,
@@ -365,30 +362,7 @@ class DramTier:
                 n += 1
         return n
 
-    # -- the Tier interface (copies; for tiers and tools, not the data path) --------------
-
-    def get(self, key: bytes) -> bytes | None:
-        (entry,) = self.acquire_many([key])
-        if entry is None:
-            return None
-        try:
-            return bytes(self.view(entry))
-        finally:
-            self.release(entry)
-
-    def put(self, key: bytes, value: bytes | bytearray | memoryview) -> bool:
-        data = memoryview(value).cast("B")
-        slot = self.reserve(key, len(data))
-        if slot is None:
-            return False
-        slot.view[:] = data
-        return self.commit([slot])[0] is not None
-
-    def delete(self, key: bytes) -> bool:
-        return self.delete_many([key])[0]
-
-    def contains(self, key: bytes) -> bool:
-        return self.contains_many([key])[0]
+    # -- the Tier interface: get / put / delete / contains from _Copies; stats ----------
 
     def stats(self) -> TierStats:
         s = self._stats
@@ -401,6 +375,7 @@ class DramTier:
     def close(self) -> None:
         self._ledger = Ledger()
         self._entries = self._ledger.records
+        self._room = Room(self.arena, self._ledger, self._places, self._evict)
         if self.index is not None:
             self.index.close()
             self.index = None
@@ -455,21 +430,3 @@ class DramTier:
         self._remove(entry, evicted=True)
         self._stats.evictions += 1
         self.events.dropped(entry.key, "room", entry)
-
-    def _hole(self, nbytes: int) -> int | None:
-        """Evict a contiguous run of entries around one of the next LRU victims, room for
-        ``nbytes``; its offset, or None."""
-        entries = self._entries
-        victims = self._places.hole((entries[k] for k in self._ledger.candidates()),
-                                    self.arena.extent(nbytes), _evictable)
-        for victim in victims or ():
-            self._evict(victim)
-        return self.arena.alloc(nbytes) if victims is not None else None
-
-    def _next_victim(self) -> Entry | None:
-        entries = self._entries
-        first = self._ledger.first()
-        if first is not None and entries[first].readers == 0:  # (most calls)
-            return entries[first]
-        return next((e for k in self._ledger.candidates() if (e := entries[k]).readers == 0),
-                    None)

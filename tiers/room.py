@@ -20,8 +20,10 @@ from collections.abc import Callable, Iterable
 from typing import Generic, Protocol, TypeVar
 
 from kvpool.tiers.arena import Arena
+from kvpool.tiers.ledger import Ledger, Record
+from kvpool.tiers.tenants import TenantBytes
 
-__all__ = ["LRU_BOUND", "MAX_SEEDS", "Places"]
+__all__ = ["LRU_BOUND", "MAX_SEEDS", "Places", "Room"]
 
 #: bytes one reservation may evict in LRU order, in multiples of the value's extent
 LRU_BOUND = 1
@@ -37,7 +39,19 @@ class Placed(Protocol):
     def length(self) -> int: ...
 
 
+class Evictable(Placed, Record, Protocol):
+    @property
+    def readers(self) -> int: ...
+
+    @property
+    def pinned(self) -> bool: ...
+
+    @property
+    def tenant(self) -> str | None: ...
+
+
 E = TypeVar("E", bound=Placed)
+V = TypeVar("V", bound=Evictable)
 
 
 class Places(Generic[E]):
@@ -98,3 +112,84 @@ class Places(Generic[E]):
                     continue
             return None
         return taken
+
+
+class Room(Generic[V]):
+    """Room in an arena for one value, taken from a :class:`Ledger`'s eviction order:
+    its first victims up to ``LRU_BOUND`` times the value's extent, then a hole by place
+    around one of the next, then that order alone (every hole blocked). ``evict`` drops
+    one entry (the tier's bookkeeping); entries being read are never taken."""
+
+    __slots__ = ("_arena", "_evict", "_ledger", "_places")
+
+    def __init__(self, arena: Arena, ledger: Ledger[V], places: Places[V],
+                 evict: Callable[[V], None]) -> None:
+        self._arena = arena
+        self._ledger = ledger
+        self._places = places
+        self._evict = evict
+
+    def make(self, nbytes: int) -> int | None:
+        """The offset of ``nbytes`` allocated in the arena, evicting as needed; None if
+        nothing more can be evicted and they still do not fit."""
+        arena = self._arena
+        offset = arena.alloc(nbytes)
+        budget = LRU_BOUND * arena.extent(nbytes)
+        by_place = True
+        while offset is None:
+            if budget <= 0 and by_place:  # eviction order made no hole within its budget
+                by_place = False
+                offset = self._hole(nbytes)
+                continue
+            victim = self._next_victim()  # (every hole blocked: eviction order alone)
+            if victim is None:
+                break
+            self._evict(victim)
+            budget -= arena.extent(victim.length)
+            offset = arena.alloc(nbytes)
+        return offset
+
+    def within_quota(self, tenants: TenantBytes, tenant: str, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit ``tenant``'s quota once its own entries not being
+        read are evicted, in eviction order, as needed (counted in ``tenants``); if they
+        never would, nothing is evicted."""
+        need = tenants.excess(tenant, nbytes)
+        if not need:  # 0: fits; None: never fits
+            return need == 0
+        records = self._ledger.records
+        victims = []
+        for key in self._ledger.candidates():
+            entry = records[key]
+            if entry.tenant == tenant and entry.readers == 0:
+                victims.append(entry)
+                need -= entry.length
+                if need <= 0:
+                    break
+        else:
+            return False
+        for victim in victims:
+            self._evict(victim)
+        tenants.evictions += len(victims)
+        return True
+
+    def _hole(self, nbytes: int) -> int | None:
+        """Evict a contiguous run of entries around one of the next victims, room for
+        ``nbytes``; its offset, or None."""
+        records = self._ledger.records
+        victims = self._places.hole((records[k] for k in self._ledger.candidates()),
+                                    self._arena.extent(nbytes), _evictable)
+        for victim in victims or ():
+            self._evict(victim)
+        return self._arena.alloc(nbytes) if victims is not None else None
+
+    def _next_victim(self) -> V | None:
+        records = self._ledger.records
+        first = self._ledger.first()
+        if first is not None and records[first].readers == 0:  # (most calls)
+            return records[first]
+        return next((e for k in self._ledger.candidates() if (e := records[k]).readers == 0),
+                    None)
+
+
+def _evictable(entry: Evictable) -> bool:
+    return entry.readers == 0 and not entry.pinned
