@@ -1,16 +1,13 @@
 """One client connection on a node: an ``asyncio.BufferedProtocol``.
 
 Bytes are received by the request parser straight into DRAM arena slots;
-replies go out with ``writelines`` as memoryviews of the arena. The write
-buffer's high-water mark is 0, so ``pause_writing``/``resume_writing`` tell
-exactly when every queued reply has left the process: until then the
-entries it references stay acquired (never evicted or reused), and no more
-requests are read from this client (backpressure).
+replies go out with ``writelines`` as memoryviews of the arena (``writer.py``:
+the entries a reply references stay acquired until it has left the process), and
+while replies wait no more requests are read from this client (backpressure).
 
-TLS encrypts from its own buffers, so there replies are copied piece by piece
-(``tls_replies.py``): a TLS client that does not read costs the node a bounded
-amount, however many values its GETs name (1.1 MiB measured with the TLS layer's
-own buffers, ``bench/conn_memory.py``), and its reads are paused as on plain TCP.
+A TLS client that does not read costs the node a bounded amount, however many
+values its GETs name (1.1 MiB measured with the TLS layer's own buffers,
+``bench/conn_memory.py``), and its reads are paused as on plain TCP.
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Sequence
 from typing import cast
 
 from opentelemetry import trace
@@ -37,9 +33,9 @@ from kvpool.protocol.parsers import Request, RequestParser, Reservation, Scoper
 from kvpool.server.data.handlers import Handlers
 from kvpool.server.data.reply import Pending, Reply
 from kvpool.server.data.session import Session
+from kvpool.server.data.writer import ReplyWriter
 from kvpool.server.security.auth import ANONYMOUS, TokenTable, check, scoper_for
-from kvpool.server.security.tls_replies import TLS_HIGH, TLS_LOW, TlsReplies
-from kvpool.tiers.dram import Entry, Slot
+from kvpool.tiers.dram import Slot
 
 __all__ = ["NodeConnection"]
 
@@ -127,17 +123,13 @@ class NodeConnection(asyncio.BufferedProtocol):
         #: 3.11, and a request asked it up to twice
         self._loop = asyncio.get_running_loop()
         self._rejected = False
-        self._tls = False
         self._parser = RequestParser(handlers.limits, reserve=self._reserve,
                                      hold_after_hello=True)
         self._scoper: Scoper | None = None
         #: whose DRAM quota this connection's PUTs count against (None: no one's)
         self._quota_tenant: str | None = None
         self._transport: asyncio.Transport | None = None
-        self._held: list[Entry] = []
-        #: TLS only: replies not yet copied into the transport, in order
-        self._outgoing = TlsReplies(handlers.dram.release)
-        self._write_paused = False
+        self._replies = ReplyWriter(handlers.dram.release)
         self._hello_done = False
         self._closing = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -157,14 +149,7 @@ class NodeConnection(asyncio.BufferedProtocol):
                         len(self._registry))
             self._transport.abort()
             return
-        # TLS encrypts replies later, from its own backlog of our buffers, and its flow
-        # control misbehaves with a 0 high-water mark: replies are copied out of the arena
-        # piece by piece as the transport drains (see the module doc)
-        self._tls = transport.get_extra_info("sslcontext") is not None
-        if self._tls:
-            self._transport.set_write_buffer_limits(high=TLS_HIGH, low=TLS_LOW)
-        else:
-            self._transport.set_write_buffer_limits(high=0, low=0)
+        self._replies.attach(self._transport)
         self._registry.add(self)
         stats.connections_open += 1
         stats.connections_total += 1
@@ -223,19 +208,15 @@ class NodeConnection(asyncio.BufferedProtocol):
         return None
 
     def pause_writing(self) -> None:
-        self._write_paused = True
+        self._replies.paused = True
         self._timeouts.paused_since = self._loop.time()
         if self._transport is not None and not self._closing:
             self._transport.pause_reading()
 
     def resume_writing(self) -> None:
-        self._write_paused = False
         self._timeouts.paused_since = None
-        self._release_held()
-        if self._outgoing:
-            self._pump()
-            if self._write_paused:  # the pump filled the transport again
-                return
+        if not self._replies.resumed():  # TLS replies copied in filled the transport again
+            return
         if self._transport is not None and not self._closing:
             self._transport.resume_reading()
 
@@ -247,8 +228,7 @@ class NodeConnection(asyncio.BufferedProtocol):
             self._transport = None
             return
         self._parser.abort()
-        self._release_held()
-        self._outgoing.drop()
+        self._replies.drop()
         if self._handlers.shm is not None:
             self._handlers.shm.close_session(self._session)
         self._registry.discard(self)
@@ -261,8 +241,8 @@ class NodeConnection(asyncio.BufferedProtocol):
         """Stop reading; close once queued replies are written (graceful shutdown)."""
         if self._transport is not None and not self._closing:
             self._closing = True
-            if self._outgoing:  # TLS replies still to copy: closed once they are
-                self._outgoing.close_when_sent = True
+            if self._replies.copying:  # TLS replies still to copy: closed once they are
+                self._replies.close_when_sent()
                 self._transport.pause_reading()
             else:
                 self._transport.close()
@@ -330,8 +310,9 @@ class NodeConnection(asyncio.BufferedProtocol):
         header = request.header
         self._handlers.stats.error(status_for_error(exc), header.op)
         if self._transport is not None and not self._closing:
-            self._write(encode_error(header.op, header.request_id, status_for_error(exc),
-                                     str(exc), epoch=self._handlers.epoch))
+            self._replies.write(encode_error(header.op, header.request_id,
+                                             status_for_error(exc), str(exc),
+                                             epoch=self._handlers.epoch))
 
     def recheck(self, table: TokenTable) -> bool:
         """After a tokens reload: close (True) unless the token still means the same."""
@@ -362,11 +343,7 @@ class NodeConnection(asyncio.BufferedProtocol):
             self._fail(header.op, header.request_id, exc)
             return False
         if isinstance(reply, Reply):
-            self._send(reply)
-            _end_span(span, reply)
-            stats = self._handlers.stats
-            if stats.timed:
-                stats.observe(header.op, time.perf_counter() - started)
+            self._send(header.op, reply, started, span)
         else:  # waits on the SSD tier; its reply goes out when ready, under its request id
             task = self._loop.create_task(
                 self._finish(header.op, header.request_id, reply, started, span))
@@ -387,39 +364,18 @@ class NodeConnection(asyncio.BufferedProtocol):
             _end_span(span, None, exc)
             self._fail(op, request_id, exc)
             return
-        self._send(reply)
+        self._send(op, reply, started, span)
+
+    def _send(self, op: int, reply: Reply, started: float, span: Span | None) -> None:
+        if self._transport is None or self._closing:
+            for entry in reply.held:  # the client is gone: nothing will read these views
+                self._handlers.dram.release(entry)
+        else:
+            self._replies.write(reply.buffers, reply.held)
         _end_span(span, reply)
         stats = self._handlers.stats
         if stats.timed:
             stats.observe(op, time.perf_counter() - started)
-
-    def _send(self, reply: Reply) -> None:
-        if self._transport is None or self._closing:
-            for entry in reply.held:  # the client is gone: nothing will read these views
-                self._handlers.dram.release(entry)
-            return
-        self._write(reply.buffers, reply.held)
-
-    def _write(self, buffers: Sequence[bytes | bytearray | memoryview],
-               held: Sequence[Entry] = ()) -> None:
-        """Queue a reply; ``held`` entries are released once nothing reads their views."""
-        assert self._transport is not None
-        if self._tls:
-            self._outgoing.add(buffers, held)
-            self._pump()
-            return
-        self._transport.writelines(buffers)
-        if held:
-            if self._write_paused:
-                self._held.extend(held)
-            else:
-                for entry in held:
-                    self._handlers.dram.release(entry)
-
-    def _pump(self) -> None:
-        """TLS: copy queued replies into the transport until it is full (pause_writing)."""
-        if self._transport is not None:
-            self._outgoing.pump(self._transport, lambda: self._write_paused)
 
     def _fail(self, op: int, request_id: int, exc: BaseException) -> None:
         """Reply with the error, then close this connection (and only this one)."""
@@ -430,17 +386,12 @@ class NodeConnection(asyncio.BufferedProtocol):
         log.info("%s: closing connection: %s: %s", self.peer, type(exc).__name__, exc)
         if self._transport is not None and not self._closing:
             if isinstance(exc, WrongPortError):  # an HTTP client: an answer it can read
-                self._write([http_wrong_port(str(exc), self._handlers.addresses[1])])
+                self._replies.write([http_wrong_port(str(exc), self._handlers.addresses[1])])
             else:
-                self._write(encode_error(op, request_id, status, str(exc),
-                                         epoch=self._handlers.epoch))
+                self._replies.write(encode_error(op, request_id, status, str(exc),
+                                                 epoch=self._handlers.epoch))
         self.close()
         self._parser.abort()
-
-    def _release_held(self) -> None:
-        held, self._held = self._held, []
-        for entry in held:
-            self._handlers.dram.release(entry)
 
 
 def _end_span(span: Span | None, reply: Reply | None, exc: BaseException | None = None) -> None:
