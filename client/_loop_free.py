@@ -36,13 +36,14 @@ from typing import Any, TypeVar
 
 from kvpool.client import _cluster_ops as cluster_ops
 from kvpool.client import _plans as plans
-from kvpool.client._async import AsyncClient, _sinks
+from kvpool.client._async import AsyncClient, _sinks, put_args, raise_put_errors
 from kvpool.client._blocking import BlockingNode, run_parallel
 from kvpool.client._connection import BufferOrSegments
 from kvpool.client._node import Key, NodeClient, join_keys
 from kvpool.client._plans import rows_blob
 from kvpool.client._shm_path import TOUCH_DELAY_S, ShmPath
-from kvpool.protocol.frames import KEY_SIZE
+from kvpool.protocol.errors import Status
+from kvpool.protocol.frames import KEY_SIZE, Op
 from kvpool.protocol.parsers import Segments
 
 __all__ = ["LoopFree"]
@@ -52,20 +53,32 @@ T = TypeVar("T")
 
 class LoopFree:
     """The blocking routes of one sync client: the loop it skips (``loop``, run under
-    ``lock`` by ``run``), the async core whose nodes and routing it shares (``core``),
+    ``lock`` by :meth:`run`), the async core whose nodes and routing it shares (``core``),
     and a blocking driver per node (:class:`~kvpool.client._blocking.BlockingNode`).
     Each route returns None, having sent nothing, where the call runs on the loop."""
 
-    def __init__(self, core: AsyncClient, loop: asyncio.AbstractEventLoop,
-                 lock: threading.Lock, run: Callable[[Coroutine[Any, Any, Any]], Any], *,
+    def __init__(self, core: AsyncClient, loop: asyncio.AbstractEventLoop, *,
                  allowed: bool) -> None:
-        self.core, self.loop, self.lock, self.run = core, loop, lock, run
+        self.core, self.loop = core, loop
+        #: one call at a time, on the loop or off it
+        self.lock = threading.Lock()
         #: calls over TCP may run on blocking sockets (``Client(blocking=...)``)
         self.allowed = allowed
         #: until when (monotonic) reads through the index may skip the loop
         self.loop_until = 0.0
         #: the blocking TCP path to each node, by node id (made on first use)
         self.drivers: dict[str, BlockingNode] = {}
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` to completion on the loop, in this thread."""
+        with self.lock:
+            if self.loop.is_closed():
+                coro.close()
+                raise RuntimeError("this kvpool Client is closed")
+            try:
+                return self.loop.run_until_complete(coro)
+            finally:
+                self.loop_until = time.monotonic() + TOUCH_DELAY_S
 
     def close(self) -> None:
         for driver in self.drivers.values():
@@ -102,6 +115,52 @@ class LoopFree:
             if plan is None:
                 return None
             return (self.driver(node).run(plan),)
+
+    def put(self, keys: Sequence[Key], values: Sequence[BufferOrSegments], *,
+            ttl: float | None, pin: bool, chunk_indexes: Sequence[int] | None,
+            num_tokens: int, fingerprint: bytes, parents: Sequence[Key | None] | None
+            ) -> bool:
+        """``put_many`` to a standalone node with no event loop: through its arena where
+        the blocking link was granted it, else over TCP; raises what the node refused.
+        False, having sent nothing: run it on the loop."""
+        bkeys, bparents, ttl_ms, flags = put_args(keys, values, ttl=ttl, pin=pin,
+                                                  chunk_indexes=chunk_indexes,
+                                                  num_tokens=num_tokens, parents=parents)
+
+        def plan_for(node: NodeClient) -> plans.Plan[list[int]] | None:
+            items = plans.put_items(node, bkeys, values, ttl_ms=ttl_ms, flags=flags,
+                                    chunk_indexes=chunk_indexes, parents=bparents)
+            return node.shm_path.put_plan(self.driver(node), items, num_tokens=num_tokens,
+                                          fingerprint=fingerprint)
+
+        done = self.direct(plan_for)
+        if done is None:
+            return False
+        raise_put_errors(bkeys, done[0], [s == Status.OK for s in done[0]])
+        return True
+
+    def exists(self, blob: bytes) -> bytes | None:
+        """The keys' EXISTS codes from a cluster (:meth:`cluster_codes`) or a standalone
+        node with no event loop; None, having sent nothing: run it on the loop."""
+        codes = self.cluster_codes(blob)
+        if codes is not None:
+            return codes
+        done = self.direct(lambda node: plans.exists(node, blob))
+        return done[0] if done is not None else None
+
+    def lookup(self, blob: bytes) -> bytes | None:
+        """Tier codes of the leading keys held (LOOKUP), as :meth:`exists`."""
+        codes = self.cluster_codes(blob)
+        if codes is not None:
+            return cluster_ops.held_prefix(codes)
+        done = self.direct(lambda node: plans.lookup(node, blob))
+        return bytes(done[0]) if done is not None else None
+
+    def oks(self, op: Op, blob: bytes) -> list[bool] | None:
+        """DELETE, PIN or UNPIN of a standalone node's keys with no event loop: whether
+        each was done; None, having sent nothing: run it on the loop."""
+        done = self.direct(lambda node: plans.statuses(node, op, blob))
+        return [s == Status.OK for s in done[0]] if done is not None else None
 
     def driver(self, node: NodeClient) -> BlockingNode:
         """The blocking driver for ``node`` (a new one after a reconnect or a new map made

@@ -13,31 +13,23 @@ from __future__ import annotations
 
 import asyncio
 import ssl as ssl_module
-import threading
-import time
 from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 from opentelemetry.trace import TracerProvider
 
-from kvpool.client import _cluster_ops as cluster_ops
-from kvpool.client import _plans as plans
 from kvpool.client._async import (
     AsyncClient,
     _bytearrays,
-    put_args,
-    raise_put_errors,
 )
 from kvpool.client._connection import BufferOrSegments
 from kvpool.client._loop_free import LoopFree
-from kvpool.client._node import Key, NodeClient, join_keys, key_bytes
+from kvpool.client._node import Key, join_keys, key_bytes
 from kvpool.client._options import BUSY_POLL_US, SHM_PUT_MIN_BYTES
-from kvpool.client._shm_path import TOUCH_DELAY_S
 from kvpool.client.transport import Transport
 from kvpool.placement.cluster_map import ClusterMap
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
-from kvpool.protocol.errors import Status
 from kvpool.protocol.frames import Op, tier_names
 
 __all__ = ["Client"]
@@ -46,16 +38,25 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def _oks(statuses: list[int]) -> list[bool]:
-    return [s == Status.OK for s in statuses]
-
-
 def _new_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - Windows
         return asyncio.new_event_loop()
     return uvloop.new_event_loop()
+
+
+class _Core(Generic[T]):
+    """A read-only attribute of the sync client that is its async core's (same doc)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self.__doc__ = getattr(AsyncClient, name).__doc__
+
+    def __get__(self, client: Client | None, owner: type[Client]) -> T:
+        if client is None:
+            return cast(T, self)
+        return cast(T, getattr(client._async, self._name))
 
 
 class Client:
@@ -84,18 +85,7 @@ class Client:
                                   shm_index=shm_index, transport=transport,
                                   busy_poll_us=busy_poll_us)
         self._loop = _new_loop()
-        self._lock = threading.Lock()
-        self._free = LoopFree(self._async, self._loop, self._lock, self._run, allowed=blocking)
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        with self._lock:
-            if self._loop.is_closed():
-                coro.close()
-                raise RuntimeError("this kvpool Client is closed")
-            try:
-                return self._loop.run_until_complete(coro)
-            finally:
-                self._free.loop_until = time.monotonic() + TOUCH_DELAY_S
+        self._free = LoopFree(self._async, self._loop, allowed=blocking)
 
     @property
     def async_client(self) -> AsyncClient:
@@ -104,48 +94,23 @@ class Client:
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine of :attr:`async_client` to completion on this client's loop."""
-        return self._run(coro)
+        return self._free.run(coro)
 
-    @property
-    def server_info(self) -> dict[str, Any]:
-        return self._async.server_info
-
-    @property
-    def num_corrupt(self) -> int:
-        return self._async.num_corrupt
-
-    @property
-    def num_left_behind(self) -> int:
-        """:attr:`AsyncClient.num_left_behind`."""
-        return self._async.num_left_behind
-
-    @property
-    def bytes_by_path(self) -> dict[str, int]:
-        """Payload bytes GETs received through shared memory ("shm") and over TCP ("tcp")."""
-        return self._async.bytes_by_path
-
-    @property
-    def put_bytes_by_path(self) -> dict[str, int]:
-        """Payload bytes PUTs stored through shared memory ("shm") and over TCP ("tcp")."""
-        return self._async.put_bytes_by_path
-
-    @property
-    def map(self) -> ClusterMap | None:
-        """The map this client routes by (see :attr:`AsyncClient.map`)."""
-        return self._async.map
-
-    @property
-    def epoch(self) -> int:
-        """The cluster-map epoch this client routes by (0 = standalone node)."""
-        return self._async.epoch
+    server_info = _Core[dict[str, Any]]("server_info")
+    num_corrupt = _Core[int]("num_corrupt")
+    num_left_behind = _Core[int]("num_left_behind")
+    bytes_by_path = _Core[dict[str, int]]("bytes_by_path")
+    put_bytes_by_path = _Core[dict[str, int]]("put_bytes_by_path")
+    map = _Core[ClusterMap | None]("map")
+    epoch = _Core[int]("epoch")
 
     def connect(self) -> None:
-        self._run(self._async.connect())
+        self.run(self._async.connect())
 
     def close(self) -> None:
         self._free.close()
         if not self._loop.is_closed():
-            self._run(self._async.close())
+            self.run(self._async.close())
             self._loop.run_until_complete(asyncio.sleep(0))
             self._loop.close()
 
@@ -158,8 +123,8 @@ class Client:
         self.close()
 
     def put(self, key: Key, value: BufferOrSegments, *, ttl: float | None = None, pin: bool = False,
-            chunk_index: int = 0, num_tokens: int = 0,
-            fingerprint: bytes = ZERO_FINGERPRINT, parent: Key | None = None) -> None:
+            chunk_index: int = 0, num_tokens: int = 0, fingerprint: bytes = ZERO_FINGERPRINT,
+            parent: Key | None = None) -> None:
         self.put_many([key], [value], ttl=ttl, pin=pin, chunk_indexes=[chunk_index],
                       num_tokens=num_tokens, fingerprint=fingerprint,
                       parents=[parent] if parent is not None else None)
@@ -167,38 +132,20 @@ class Client:
     def put_many(self, keys: Sequence[Key], values: Sequence[BufferOrSegments], *,
                  ttl: float | None = None, pin: bool = False,
                  chunk_indexes: Sequence[int] | None = None, num_tokens: int = 0,
-                 fingerprint: bytes = ZERO_FINGERPRINT,
-                 parents: Sequence[Key | None] | None = None) -> None:
-        bkeys, bparents, ttl_ms, flags = put_args(keys, values, ttl=ttl, pin=pin,
-                                                  chunk_indexes=chunk_indexes,
-                                                  num_tokens=num_tokens, parents=parents)
-
-        def plan_for(node: NodeClient) -> plans.Plan[list[int]] | None:
-            items = plans.put_items(node, bkeys, values, ttl_ms=ttl_ms, flags=flags,
-                                    chunk_indexes=chunk_indexes, parents=bparents)
-            # through the arena where the blocking link was granted it, else over TCP
-            return node.shm_path.put_plan(self._free.driver(node), items,
-                                          num_tokens=num_tokens, fingerprint=fingerprint)
-
-        done = self._free.direct(plan_for)
-        if done is None:
-            self._run(self._async.put_many(keys, values, ttl=ttl, pin=pin,
-                                           chunk_indexes=chunk_indexes, num_tokens=num_tokens,
-                                           fingerprint=fingerprint, parents=parents))
-            return
-        raise_put_errors(bkeys, done[0], [s == Status.OK for s in done[0]])
+                 fingerprint: bytes = ZERO_FINGERPRINT, parents: Sequence[Key | None] | None = None
+                 ) -> None:
+        done = self._free.put(keys, values, ttl=ttl, pin=pin, chunk_indexes=chunk_indexes,
+                              num_tokens=num_tokens, fingerprint=fingerprint, parents=parents)
+        if not done:
+            self.run(self._async.put_many(keys, values, ttl=ttl, pin=pin,
+                                          chunk_indexes=chunk_indexes, num_tokens=num_tokens,
+                                          fingerprint=fingerprint, parents=parents))
 
     def get(self, key: Key) -> bytearray | None:
-        done = self._free.get((key,), None)
-        if done is None:
-            return self._run(self._async.get_many((key,)))[0]
-        return _bytearrays(done)[0]
+        return self.get_many((key,))[0]
 
     def get_into(self, key: Key, buffer: BufferOrSegments) -> int | None:
-        done = self._free.get((key,), (buffer,))
-        if done is None:
-            return self._run(self._async.get_many_into((key,), (buffer,)))[0]
-        return len(done[0]) if done[0] is not None else None
+        return self.get_many_into((key,), (buffer,))[0]
 
     def read_in_place(self, key: Key, consume: Callable[[memoryview], None]) -> bool:
         """:meth:`AsyncClient.read_in_place`: ``consume`` runs in this thread."""
@@ -206,77 +153,59 @@ class Client:
 
     def get_many(self, keys: Sequence[Key]) -> list[bytearray | None]:
         done = self._free.get(keys, None)
-        return _bytearrays(done) if done is not None else self._run(self._async.get_many(keys))
+        return _bytearrays(done) if done is not None else self.run(self._async.get_many(keys))
 
     def get_many_into(self, keys: Sequence[Key], buffers: Sequence[BufferOrSegments]
                       ) -> list[int | None]:
         done = self._free.get(keys, buffers)
         if done is None:
-            return self._run(self._async.get_many_into(keys, buffers))
+            return self.run(self._async.get_many_into(keys, buffers))
         return [len(r) if r is not None else None for r in done]
-
-    def _either(self, plan_for: Callable[[NodeClient], plans.Plan[T] | None],
-                post: Callable[[T], R], coro: Callable[[], Coroutine[Any, Any, R]]) -> R:
-        """``post`` of the blocking path's result, or else ``coro()`` run on the loop (the
-        async twin of the call: the same checks, errors and spans)."""
-        done = self._free.direct(plan_for)
-        return post(done[0]) if done is not None else self._run(coro())
 
     def exists(self, key: Key) -> bool:
         return self.exists_many([key])[0]
 
     def exists_many(self, keys: Sequence[Key]) -> list[bool]:
-        return self._exists(join_keys(keys), lambda codes: list(map(bool, codes)),
-                            lambda: self._async.exists_many(keys))
+        codes = self._free.exists(join_keys(keys))
+        if codes is None:
+            return self.run(self._async.exists_many(keys))
+        return list(map(bool, codes))
 
     def exists_tiers(self, keys: Sequence[Key]) -> list[str | None]:
-        return self._exists(join_keys(keys), tier_names, lambda: self._async.exists_tiers(keys))
+        codes = self._free.exists(join_keys(keys))
+        return tier_names(codes) if codes is not None else self.run(self._async.exists_tiers(keys))
 
     def exists_codes(self, keys: bytes | Sequence[Key]) -> bytes:
         blob = keys if isinstance(keys, bytes) else join_keys(keys)
-        return self._exists(blob, lambda codes: codes, lambda: self._async.exists_codes(blob))
-
-    def _exists(self, blob: bytes, post: Callable[[bytes], R],
-                coro: Callable[[], Coroutine[Any, Any, R]]) -> R:
-        """``post`` of the keys' EXISTS codes: from a cluster or a standalone node with no
-        event loop where it can, else ``coro()`` on the loop."""
-        codes = self._free.cluster_codes(blob)
-        if codes is not None:
-            return post(codes)
-        return self._either(lambda node: plans.exists(node, blob), post, coro)
+        codes = self._free.exists(blob)
+        return codes if codes is not None else self.run(self._async.exists_codes(blob))
 
     def delete(self, key: Key) -> bool:
         return self.delete_many([key])[0]
 
     def delete_many(self, keys: Sequence[Key]) -> list[bool]:
-        blob = join_keys(keys)
-        return self._either(lambda node: plans.statuses(node, Op.DELETE, blob), _oks,
-                            lambda: self._async.delete_many(keys))
+        oks = self._free.oks(Op.DELETE, join_keys(keys))
+        return oks if oks is not None else self.run(self._async.delete_many(keys))
 
     def lookup(self, keys: Sequence[Key]) -> int:
         return len(self.lookup_tiers(keys))
 
     def lookup_tiers(self, keys: Sequence[Key]) -> list[str]:
-        blob = join_keys(keys)
-        codes = self._free.cluster_codes(blob)
-        if codes is not None:
-            return cast(list[str], tier_names(cluster_ops.held_prefix(codes)))
-        return self._either(lambda node: plans.lookup(node, blob),
-                            lambda codes: cast(list[str], tier_names(codes)),
-                            lambda: self._async.lookup_tiers(keys))
+        codes = self._free.lookup(join_keys(keys))
+        if codes is None:
+            return self.run(self._async.lookup_tiers(keys))
+        return cast(list[str], tier_names(codes))
 
     def pin(self, key: Key) -> bool:
-        blob = key_bytes(key)
-        return self._either(lambda node: plans.statuses(node, Op.PIN, blob),
-                            lambda statuses: _oks(statuses)[0], lambda: self._async.pin(key))
+        oks = self._free.oks(Op.PIN, key_bytes(key))
+        return oks[0] if oks is not None else self.run(self._async.pin(key))
 
     def unpin(self, key: Key) -> bool:
-        blob = key_bytes(key)
-        return self._either(lambda node: plans.statuses(node, Op.UNPIN, blob),
-                            lambda statuses: _oks(statuses)[0], lambda: self._async.unpin(key))
+        oks = self._free.oks(Op.UNPIN, key_bytes(key))
+        return oks[0] if oks is not None else self.run(self._async.unpin(key))
 
     def stats(self) -> dict[str, Any]:
-        return self._run(self._async.stats())
+        return self.run(self._async.stats())
 
     def cluster_map(self) -> dict[str, Any]:
-        return self._run(self._async.cluster_map())
+        return self.run(self._async.cluster_map())
