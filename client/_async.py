@@ -66,8 +66,7 @@ from kvpool.client._node import (
 )
 from kvpool.client._options import BUSY_POLL_US, SHM_PUT_MIN_BYTES, ClientOptions
 from kvpool.client._plans import as_segments, flat_view
-from kvpool.client._router import Router, Rows
-from kvpool.client._routing import Settle
+from kvpool.client._router import Router
 from kvpool.client._tracing import _tracer, explicit_tracer, traced
 from kvpool.client.transport import Transport
 from kvpool.placement.cluster_map import ClusterMap
@@ -75,7 +74,6 @@ from kvpool.protocol.envelope import ZERO_FINGERPRINT
 from kvpool.protocol.errors import (
     CapacityError,
     KvpoolConnectionError,
-    KvpoolError,
     NotDurableError,
     Status,
     error_for_status,
@@ -229,14 +227,14 @@ class AsyncClient:
 
     @property
     def num_corrupt(self) -> int:
-        return self._router.num_corrupt_gone + sum(n.num_corrupt for n in self._node_clients())
+        return self._router.num_corrupt_gone + self._router.total(lambda n: n.num_corrupt)
 
     @property
     def num_left_behind(self) -> int:
         """How many times a lookup or EXISTS on a cluster stopped waiting for a node that was
         still silent once every key had its answer (the node is then kept from reads and
         writes until it answers: docs/cluster.md)."""
-        return self._router.left_behind_gone + sum(n.left_behind for n in self._node_clients())
+        return self._router.left_behind_gone + self._router.total(lambda n: n.left_behind)
 
     @property
     def epoch(self) -> int:
@@ -249,50 +247,37 @@ class AsyncClient:
         standalone node's own one-node map (epoch 0, ``map.is_standalone``)."""
         return self._router.map
 
-    def _connected(self) -> bool:
-        return self.map is not None
-
     async def connect(self) -> None:
         """Reach the first seed that answers (otherwise the first call does): see
         :func:`_reach`."""
-        if self._connected():
-            return
-        async with self._connect_lock:
-            if self._connected():  # another task connected while this one waited
-                return
-            node, cmap = await _reach(self.seeds, self.options, self._router)
-            self._router.install(cmap, seed=node)
+        if self.map is None:
+            async with self._connect_lock:
+                if self._router.map is None:  # (else another task connected meanwhile)
+                    node, cmap = await _reach(self.seeds, self.options, self._router)
+                    self._router.install(cmap, seed=node)
 
     async def close(self) -> None:
         self._router.close()
 
-    def _node_clients(self) -> list[NodeClient]:
-        """Every node's client (one for a standalone node)."""
-        return list(self._router.nodes.values())
-
     @property
     def shm_retries(self) -> int:
         """Fast-path values freed while being copied, and so fetched again over TCP."""
-        return sum(n.shm_path.shm_torn for n in self._node_clients())
+        return self._router.total(lambda n: n.shm_path.shm_torn)
 
     @property
     def shm_index_hits(self) -> int:
         """Values read through the nodes' arena indexes, with no request."""
-        return sum(n.shm_path.index_hits for n in self._node_clients())
+        return self._router.total(lambda n: n.shm_path.index_hits)
 
     @property
     def bytes_by_path(self) -> dict[str, int]:
         """Payload bytes GETs received through shared memory ("shm") and over TCP ("tcp")."""
-        return self._by_path(lambda n: n.bytes_by_path)
+        return self._router.by_path(lambda n: n.bytes_by_path)
 
     @property
     def put_bytes_by_path(self) -> dict[str, int]:
         """Payload bytes PUTs stored through shared memory ("shm") and over TCP ("tcp")."""
-        return self._by_path(lambda n: n.put_bytes_by_path)
-
-    def _by_path(self, counts: Callable[[NodeClient], dict[str, int]]) -> dict[str, int]:
-        return {path: sum(counts(n)[path] for n in self._node_clients())
-                for path in ("shm", "tcp")}
+        return self._router.by_path(lambda n: n.put_bytes_by_path)
 
     async def __aenter__(self) -> AsyncClient:
         await self.connect()
@@ -381,45 +366,15 @@ class AsyncClient:
         return [len(r) if r is not None else None for r in results]
 
     @property
-    def direct_node(self) -> NodeClient | None:
-        """The standalone node, when a call to it may run in the caller's thread with no
-        event loop: no client spans to record. The sync client then reads through the
-        node's arena index (``node.shm_path``) or runs the op plans on a blocking
-        connection its transport opens (:mod:`kvpool.client._blocking`); which one is
-        the node's to say (:attr:`ShmPath.carries_gets`, :meth:`ShmPath.carries_put`)."""
-        node = self._router.standalone_node
-        return node if node is not None and _tracer(self) is None else None
+    def router(self) -> Router:
+        """The map this client routes by and a :class:`NodeClient` per node (what the sync
+        facade's blocking routes share: ``client/_loop_free.py``)."""
+        return self._router
 
-    def one_round(self, blob: bytes) -> list[tuple[NodeClient, Rows]] | None:
-        """A cluster's EXISTS of the keys ``blob`` as one round of frames the caller may
-        send in its own thread with no event loop (the sync client's blocking fan-out):
-        :meth:`Router.one_round <kvpool.client._router.Router.one_round>`, and no client
-        spans to record."""
-        return self._router.one_round(blob) if _tracer(self) is None else None
-
-    def settle_rule(self) -> Settle:
-        """What settles a key of :meth:`one_round`'s EXISTS (the router's
-        :meth:`~kvpool.client._router.Router.settle_rule`)."""
-        return self._router.settle_rule()
-
-    def read_round(self, blob: bytes) -> list[tuple[NodeClient, Rows]] | None:
-        """A cluster's GET of the keys ``blob``, its first round (each key's first trusted
-        owner), for the sync client's blocking links: :meth:`Router.read_round
-        <kvpool.client._router.Router.read_round>`, and no client spans to record."""
-        return self._router.read_round(blob) if _tracer(self) is None else None
-
-    def _newer_epoch_seen(self) -> int:
-        """A map epoch newer than the one this client routes by, named by a reply while no
-        loop ran (0: none); :meth:`_refresh_map` fetches it."""
-        router = self._router
-        if router.map is not None and router.newer_epoch > router.map.epoch:
-            return router.newer_epoch
-        return 0
-
-    async def _refresh_map(self, min_epoch: int = 0) -> None:
-        """Fetch the cluster map from a few live nodes and route by the newest."""
-        self._router.newer_epoch = 0  # asked for once, whatever the nodes give
-        await self._router.refresh(min_epoch)
+    @property
+    def records_spans(self) -> bool:
+        """Whether calls record client spans now (an SDK tracer provider is installed)."""
+        return _tracer(self) is not None
 
     def read_in_place(self, key: Key, consume: Callable[[memoryview], None]) -> bool:
         """Hand ``consume`` the payload of ``key`` where it lies in a same-host node's
@@ -433,8 +388,8 @@ class AsyncClient:
         read bytes of no value, and the caller must redo what it did with them from a
         copy it asks for (``get_into``). Runs ``consume`` in the calling thread; the
         read is reported to the node like other reads through the index."""
-        node = self.direct_node
-        if node is None or not node.shm_path.can_read_local:
+        node = self._router.standalone_node
+        if node is None or not node.shm_path.can_read_local or self.records_spans:
             return False
         return node.shm_path.consume_local(key_bytes(key), consume)
 
@@ -442,13 +397,8 @@ class AsyncClient:
     def can_read_in_place(self) -> bool:
         """Whether :meth:`read_in_place` may answer True now (a standalone same-host node
         whose arena index this client reads; no client spans to record)."""
-        node = self.direct_node
-        return node is not None and node.shm_path.can_read_local
-
-    async def send_touches(self) -> None:
-        """Report the reads made through the arena index now (one TOUCH a node)."""
-        for node in self._node_clients():
-            node.shm_path.touches.later()
+        node = self._router.standalone_node
+        return node is not None and node.shm_path.can_read_local and not self.records_spans
 
     @traced("exists_many")
     async def exists_many(self, keys: Sequence[Key]) -> list[bool]:
@@ -474,13 +424,8 @@ class AsyncClient:
 
         One round trip: against a cluster, every owner is asked in parallel.
         """
-        blob = join_keys(keys)
         await self.connect()
-        node = self._router.standalone_node
-        if node is not None:  # the node's own LOOKUP stops at its first miss
-            codes: Sequence[int] = await node.lookup(blob)
-        else:
-            codes = cluster_ops.held_prefix(await self.exists_codes(blob))
+        codes = await cluster_ops.lookup(self._router, join_keys(keys))
         return cast(list[str], tier_names(codes))  # no zeros: the held prefix
 
     @traced("stats")
@@ -490,31 +435,17 @@ class AsyncClient:
         Reads through the arena index not yet reported (TOUCH) are reported first, so the
         counters include every read this client made."""
         await self.connect()
-        await asyncio.gather(*(node.shm_path.touches.flush() for node in self._node_clients()))
+        await asyncio.gather(*(node.shm_path.touches.flush()
+                               for node in self._router.nodes.values()))
         node = self._router.standalone_node
         if node is not None:
             return await node.json_op(Op.STATS)
-        nodes = list(self._router.nodes.values())
-        answers = await asyncio.gather(*(n.json_op(Op.STATS) for n in nodes),
-                                       return_exceptions=True)
-        out: dict[str, Any] = {}
-        for node, answer in zip(nodes, answers, strict=True):
-            if isinstance(answer, KvpoolError):
-                out[node.node_id] = {"error": str(answer)}
-            elif isinstance(answer, BaseException):
-                raise answer
-            else:
-                out[node.node_id] = answer
-        return {"epoch": self.epoch, "nodes": out}
+        return {"epoch": self.epoch, "nodes": await cluster_ops.node_stats(self._router)}
 
     async def cluster_map(self) -> dict[str, Any]:
         """The map as a node serves it (a one-node map for a standalone node)."""
         await self.connect()
-        node = self._router.standalone_node
-        if node is not None:  # its own view: the address it serves on, "source"
-            return await node.json_op(Op.CLUSTER)
-        assert self.map is not None
-        return self.map.to_dict()
+        return await cluster_ops.map_dict(self._router)
 
     # -- ops routed by the map ---------------------------------------------------------
 

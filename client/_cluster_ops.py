@@ -16,8 +16,9 @@ sends the batch to that node whole (:meth:`Router.ask_sole`).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -27,7 +28,7 @@ from kvpool.client._node import NodeClient
 from kvpool.client._plans import rows_blob
 from kvpool.client._router import Router, Rows
 from kvpool.client._routing import LeftBehind
-from kvpool.protocol.errors import KvpoolConnectionError, Status, WrongOwnerError
+from kvpool.protocol.errors import KvpoolConnectionError, KvpoolError, Status, WrongOwnerError
 from kvpool.protocol.frames import KEY_SIZE, Op
 from kvpool.protocol.parsers import Segments
 
@@ -193,6 +194,15 @@ def round_answers(asked: Sequence[tuple[NodeClient, Rows]], outcomes: Sequence[T
     return answers, refused
 
 
+async def lookup(router: Router, blob: bytes) -> Sequence[int]:
+    """Tier codes of the leading keys held: a standalone node's own LOOKUP (it stops at
+    its first miss), a cluster's EXISTS up to the first key none holds."""
+    node = router.standalone_node
+    if node is not None:
+        return await node.lookup(blob)
+    return held_prefix(await exists_codes(router, blob))
+
+
 def held_prefix(codes: bytes) -> bytes:
     """A cluster's LOOKUP: the EXISTS ``codes`` of a prefix's keys up to the first miss."""
     return codes[: codes.index(0)] if 0 in codes else codes
@@ -214,3 +224,30 @@ async def statuses(router: Router, op: Op, blob: bytes) -> list[bool]:
 
     await router.fan_out(blob, send, absorb, per_row="all")
     return done.tolist()
+
+
+async def node_stats(router: Router) -> dict[str, Any]:
+    """Each node's STATS by node id, asked at once; ``{"error": ...}`` for a node that
+    failed with a kvpool error (any other error is raised)."""
+    nodes = list(router.nodes.values())
+    answers = await asyncio.gather(*(n.json_op(Op.STATS) for n in nodes),
+                                   return_exceptions=True)
+    out: dict[str, Any] = {}
+    for node, answer in zip(nodes, answers, strict=True):
+        if isinstance(answer, KvpoolError):
+            out[node.node_id] = {"error": str(answer)}
+        elif isinstance(answer, BaseException):
+            raise answer
+        else:
+            out[node.node_id] = answer
+    return out
+
+
+async def map_dict(router: Router) -> dict[str, Any]:
+    """The map as a node serves it: a standalone node's own view (the address it serves
+    on, "source"), or the cluster map the client routes by."""
+    node = router.standalone_node
+    if node is not None:
+        return await node.json_op(Op.CLUSTER)
+    assert router.map is not None
+    return router.map.to_dict()

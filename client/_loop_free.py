@@ -60,6 +60,7 @@ class LoopFree:
     def __init__(self, core: AsyncClient, loop: asyncio.AbstractEventLoop, *,
                  allowed: bool) -> None:
         self.core, self.loop = core, loop
+        self.router = core.router
         #: one call at a time, on the loop or off it
         self.lock = threading.Lock()
         #: calls over TCP may run on blocking sockets (``Client(blocking=...)``)
@@ -80,6 +81,38 @@ class LoopFree:
             finally:
                 self.loop_until = time.monotonic() + TOUCH_DELAY_S
 
+    @property
+    def direct_node(self) -> NodeClient | None:
+        """The standalone node, when a call to it may run in this thread with no event
+        loop: no client spans to record. Calls then read through the node's arena index
+        (``node.shm_path``) or run the op plans on a blocking connection its transport
+        opens (:mod:`kvpool.client._blocking`); which one is the node's to say
+        (:attr:`ShmPath.carries_gets`, :meth:`ShmPath.carries_put`)."""
+        node = self.router.standalone_node
+        return node if node is not None and not self.core.records_spans else None
+
+    def _spanless(self) -> bool:
+        """Calls over TCP may skip the loop now: allowed, and no client spans to record."""
+        return self.allowed and not self.core.records_spans
+
+    def _newer_epoch_seen(self) -> int:
+        """A map epoch newer than the one the client routes by, named by a reply while no
+        loop ran (0: none); :meth:`_refresh_map` fetches it."""
+        router = self.router
+        if router.map is not None and router.newer_epoch > router.map.epoch:
+            return router.newer_epoch
+        return 0
+
+    async def _refresh_map(self, min_epoch: int) -> None:
+        self.router.newer_epoch = 0  # asked for once, whatever the nodes give
+        await self.router.refresh(min_epoch)
+
+    async def _send_touches(self) -> None:
+        """Report the reads made through the arena index now (one TOUCH a node), on the
+        loop."""
+        for node in self.router.nodes.values():
+            node.shm_path.touches.later()
+
     def close(self) -> None:
         for driver in self.drivers.values():
             driver.close()
@@ -93,7 +126,7 @@ class LoopFree:
         """:meth:`AsyncClient.read_in_place` in this thread (False: not possible here)."""
         with self.lock:
             self._check_open()
-            node = self.core.direct_node
+            node = self.direct_node
             if node is None or not node.shm_path.can_read_local:
                 return False
             self.before_index_read(node.shm_path)
@@ -108,7 +141,7 @@ class LoopFree:
         call goes through shared memory)."""
         with self.lock:
             self._check_open()
-            node = self.core.direct_node if self.allowed else None
+            node = self.direct_node if self.allowed else None
             if node is None:
                 return None
             plan = plan_for(node)
@@ -167,7 +200,7 @@ class LoopFree:
         a new NodeClient; drivers of nodes that left the map are closed then)."""
         driver = self.drivers.get(node.node_id)
         if driver is None or driver.node is not node:
-            current = {id(n) for n in self.core._node_clients()}
+            current = {id(n) for n in self.router.nodes.values()}
             for node_id, old in list(self.drivers.items()):
                 if node_id == node.node_id or id(old.node) not in current:
                     old.close()
@@ -190,7 +223,7 @@ class LoopFree:
         epoch refreshes the map on the loop after the call."""
         with self.lock:
             self._check_open()
-            asked = self.core.one_round(blob) if self.allowed else None
+            asked = self.router.one_round(blob) if self._spanless() else None
             if asked is None:
                 return None
             drivers = [self.driver(node) for node, _ in asked]
@@ -199,11 +232,11 @@ class LoopFree:
             outcomes = run_parallel([(driver, plans.exists(node, rows_blob(blob, rows)))
                                      for driver, (node, rows) in zip(drivers, asked, strict=True)],
                                     settle=[rows for _, rows in asked],
-                                    rule=self.core.settle_rule())
+                                    rule=self.router.settle_rule())
             codes = cluster_ops.codes_of_round(len(blob) // KEY_SIZE, asked, outcomes)
-            newer = self.core._newer_epoch_seen()
+            newer = self._newer_epoch_seen()
         if newer:
-            self.run(self.core._refresh_map(newer))
+            self.run(self._refresh_map(newer))
         return codes
 
     def before_index_read(self, shm: ShmPath) -> None:
@@ -211,7 +244,7 @@ class LoopFree:
         sends them, and hears of connections that ended meanwhile (a node that went
         away), after which the index is not read."""
         if shm.touches.due or time.monotonic() >= self.loop_until:
-            self.loop.run_until_complete(self.core.send_touches())
+            self.loop.run_until_complete(self._send_touches())
             self.loop_until = time.monotonic() + TOUCH_DELAY_S
 
     def get(self, keys: Sequence[Key], buffers: Sequence[BufferOrSegments] | None
@@ -226,7 +259,7 @@ class LoopFree:
             self._check_open()
             blob = join_keys(keys)
             sinks = _sinks(keys, buffers) if buffers is not None else None
-            node = self.core.direct_node
+            node = self.direct_node
             if node is None:
                 first = self._cluster_read(blob, sinks)
             else:
@@ -235,10 +268,10 @@ class LoopFree:
             return None
         results, missing, newer = first
         if newer:
-            self.run(self.core._refresh_map(newer))
+            self.run(self._refresh_map(newer))
         if missing:  # misses, corrupt chunks, nodes that failed: the loop's read goes on
             rest = [sinks[i] for i in missing] if sinks is not None else None
-            views = self.run(self.core._get(rows_blob(blob, missing), rest))
+            views = self.run(cluster_ops.get(self.router, rows_blob(blob, missing), rest))
             for row, view in zip(missing, views, strict=True):
                 results[row] = view
         return results
@@ -255,7 +288,7 @@ class LoopFree:
         cover (one node, a node draining, a key with no trusted node), client spans to
         record, a node met on no connection yet, or a node whose arena this client mapped
         (its GETs go through it)."""
-        asked = self.core.read_round(blob) if self.allowed else None
+        asked = self.router.read_round(blob) if self._spanless() else None
         if asked is None or any(node.shm_path.mapping is not None for node, _ in asked):
             return None
         drivers = [self.driver(node) for node, _ in asked]
@@ -271,7 +304,7 @@ class LoopFree:
             for row, view in zip(rows.tolist(), views, strict=True):
                 results[row] = view
         missing = [row for row, view in enumerate(results) if view is None]
-        return results, missing, self.core._newer_epoch_seen()
+        return results, missing, self._newer_epoch_seen()
 
     def _direct_get(self, node: NodeClient, blob: bytes,
                     sinks: Sequence[memoryview | Segments] | None

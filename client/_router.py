@@ -78,6 +78,15 @@ class Router:
         #: cancelled on close
         self._background: set[asyncio.Future[Any]] = set()
 
+    def total(self, count: Callable[[NodeClient], int]) -> int:
+        """``count`` summed over the nodes this client has a NodeClient for."""
+        return sum(count(node) for node in self.nodes.values())
+
+    def by_path(self, counts: Callable[[NodeClient], dict[str, int]]) -> dict[str, int]:
+        """Per-path ("shm", "tcp") ``counts`` summed over the nodes."""
+        return {path: sum(counts(node)[path] for node in self.nodes.values())
+                for path in ("shm", "tcp")}
+
     def close(self) -> None:
         for task in list(self._background):
             task.cancel()

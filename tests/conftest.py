@@ -230,7 +230,7 @@ def text_prompt(tokenizer: Any, n: int, topic: str) -> list[int]:
 
 
 class NoLoop:
-    """Stands in for a sync client's event loop (``client._loop = NoLoop(client._loop)``)
+    """Stands in for a sync client's event loop (``client._free.loop = NoLoop(client._free.loop)``)
     and fails the test if it is run: the calls made meanwhile took a loop-free path."""
 
     def __init__(self, loop: Any) -> None:
@@ -249,12 +249,12 @@ class NoLoop:
 @contextlib.contextmanager
 def no_loop(client: Any) -> Iterator[None]:
     """Within it, the sync ``client`` fails the test if it runs its event loop."""
-    loop = client._loop
-    client._loop = NoLoop(loop)
+    loop = client._free.loop
+    client._free.loop = NoLoop(loop)
     try:
         yield
     finally:
-        client._loop = loop
+        client._free.loop = loop
 
 
 def node_stats(node: NodeProcess) -> dict[str, Any]:

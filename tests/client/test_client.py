@@ -282,9 +282,7 @@ def test_client_takes_a_seed_string_and_kvpool_url(node: NodeProcess,
 
 
 #: AsyncClient coroutines with no blocking twin, and why
-NO_SYNC_TWIN = {
-    "send_touches": "the sync client reports its index reads itself, before its next call",
-}
+NO_SYNC_TWIN: dict[str, str] = {}
 
 
 def test_every_async_coroutine_has_a_sync_twin_with_the_same_signature() -> None:
@@ -315,8 +313,8 @@ def test_sync_calls_over_tcp_run_no_event_loop(node: NodeProcess) -> None:
     thread on its blocking socket, with the same results the loop gives."""
     k, v = rkey(), os.urandom(300_000)
     with Client(node.url, shm=False) as c:
-        loop = c._loop
-        c._loop = NoLoop(loop)  # type: ignore[assignment]
+        loop = c._free.loop
+        c._free.loop = NoLoop(loop)  # type: ignore[assignment]
         try:
             c.put(k, v, pin=True)
             assert c.get(k) == v
@@ -333,7 +331,7 @@ def test_sync_calls_over_tcp_run_no_event_loop(node: NodeProcess) -> None:
                 c.put(k, v)
                 c.get_into(k, bytearray(10))
         finally:
-            c._loop = loop
+            c._free.loop = loop
         assert c.bytes_by_path == {"shm": 0, "tcp": 2 * len(v)}
 
 

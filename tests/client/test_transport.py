@@ -58,10 +58,10 @@ def test_the_sync_client_runs_on_a_mock_transport_with_no_node(blocking: bool) -
     keys = [rkey() for _ in range(10)]
     values = [os.urandom(100 + i) for i in range(10)]
     with Client("127.0.0.1:7700", transport=mock.transport, blocking=blocking) as c:
-        assert c.async_client.direct_node is not None
-        loop = c._loop
+        assert c._free.direct_node is not None
+        loop = c._free.loop
         if blocking:
-            c._loop = NoLoop(loop)  # type: ignore[assignment]
+            c._free.loop = NoLoop(loop)  # type: ignore[assignment]
         c.put_many(keys, values)
         assert [n for op, n in node.seen if op == Op.PUT] == [4, 4, 2]
         assert set(node.store) == set(keys)
@@ -73,7 +73,7 @@ def test_the_sync_client_runs_on_a_mock_transport_with_no_node(blocking: bool) -
         assert c.lookup([*keys[:5], rkey(), keys[6]]) == 5
         assert c.delete_many([keys[0], rkey()]) == [True, False]
         assert c.get(keys[0]) is None
-        c._loop = loop
+        c._free.loop = loop
         assert c.map is not None and c.map.is_standalone and c.epoch == 0
     assert c.bytes_by_path["shm"] == 0
 
@@ -86,8 +86,8 @@ def test_the_sync_clients_blocking_link_fails_and_recovers_as_a_socket_would() -
     node = mock.nodes["127.0.0.1:7700"]
     key = rkey()
     with Client("127.0.0.1:7700", transport=mock.transport, timeout=0.2) as c:
-        loop = c._loop
-        c._loop = NoLoop(loop)  # type: ignore[assignment]
+        loop = c._free.loop
+        c._free.loop = NoLoop(loop)  # type: ignore[assignment]
         c.put(key, b"v")
         node.silent.add(Op.GET)
         with pytest.raises(KvpoolTimeoutError, match=r"GET to 127\.0\.0\.1:7700 got no reply"):
@@ -100,7 +100,7 @@ def test_the_sync_clients_blocking_link_fails_and_recovers_as_a_socket_would() -
         mock.transport.drop("127.0.0.1:7700")
         with pytest.raises(KvpoolConnectionError, match="connection refused"):
             c.get(key)
-        c._loop = loop
+        c._free.loop = loop
 
 
 async def test_a_corrupt_value_is_a_miss_and_is_deleted_where_it_lay() -> None:
@@ -224,13 +224,13 @@ def test_the_sync_clients_blocking_link_refuses_a_reply_to_another_request() -> 
 
     mock.transport.handler = misnumbered
     with Client("127.0.0.1:7700", transport=mock.transport) as c:
-        loop = c._loop
-        c._loop = NoLoop(loop)  # type: ignore[assignment]
+        loop = c._free.loop
+        c._free.loop = NoLoop(loop)  # type: ignore[assignment]
         try:
             with pytest.raises(KvpoolConnectionError, match="answered request"):
                 c.exists(rkey())
         finally:
-            c._loop = loop
+            c._free.loop = loop
 
 
 def one_request(listener: socket.socket) -> tuple[socket.socket, FrameHeader]:

@@ -533,7 +533,7 @@ def test_a_long_outage_raises_only_kvpool_errors(tmp_path: Path) -> None:
                 except Exception as exc:
                     assert isinstance(exc, KvpoolError), repr(exc)
                     raised[type(exc).__name__] = raised.get(type(exc).__name__, 0) + 1
-        failures = [n.failures for n in client.async_client._node_clients()]
+        failures = [n.failures for n in client.async_client.router.nodes.values()]
         client.close()
     assert max(failures) > 1100, failures  # the loop went past where 2.0 ** n overflows
     assert sum(raised.values()) >= 2500, raised
@@ -593,7 +593,7 @@ def test_the_sync_clients_gets_on_a_cluster_ask_first_owners_with_no_event_loop(
             assert c.get_many_into(keys[:40], buffers) == [4096] * 40
             assert c.get(keys[7]) == values[7]
         assert buffers == values[:40]
-        first = c.async_client.read_round(keys[1])
+        first = c.async_client.router.read_round(keys[1])
         assert first is not None and len(first) == 1
         assert c.run(first[0][0].statuses(Op.DELETE, keys[1])) == [0]  # there only
         with pytest.raises(AssertionError, match="event loop ran"), no_loop(c):
@@ -613,7 +613,7 @@ def test_a_sync_get_from_a_hung_first_owner_is_read_from_its_replica(
     with Client(cluster3.seeds, shm=False, timeout=timeout) as c:
         c.put(key, value_for(key))
         assert c.exists(key)
-        first = c.async_client.read_round(key)
+        first = c.async_client.router.read_round(key)
         assert first is not None
         victim = first[0][0]
         proc = next(n.proc for n in cluster3.nodes if n.data_port == victim.port)
@@ -642,7 +642,7 @@ def test_a_map_refresh_does_not_wait_for_a_hung_node(cluster3: LocalCluster) -> 
         epoch = router.map.epoch
         proc.send_signal(signal.SIGSTOP)
         try:
-            c._run(c.async_client._refresh_map(epoch))
+            c.run(c._free._refresh_map(epoch))
             assert router.map is not None and router.map.epoch == epoch
             assert victim.suspect and not victim.trusted
         finally:
