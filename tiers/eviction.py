@@ -122,12 +122,13 @@ class _Chunk:
 
     __slots__ = ("children", "hint", "parent", "small", "uses")
 
-    def __init__(self, small: bool, parent: bytes | None) -> None:
+    def __init__(self, small: bool, parent: bytes | None,
+                 children: set[bytes] | None) -> None:
         self.uses = 0  #: passes earned (0 to MAX_USES)
         self.small = small  #: in the small FIFO (else in main)
         self.parent = parent  #: its parent's key, where the writer said
         #: its children held, linked when stored (None: it never had one here)
-        self.children: set[bytes] | None = None
+        self.children = children
         #: where the last walk from it to its deepest descendant ended (_leaf)
         self.hint: bytes | None = None
 
@@ -178,6 +179,16 @@ class ChainFIFO:
 
     def touch(self, batch: Iterable[tuple[bytes, int]]) -> Sequence[bytes]:
         state = self._state
+        if type(batch) is list and len(batch) == 1:  # (most calls: one chunk)
+            key = batch[0][0]
+            chunk = state.get(key)
+            if chunk is not None:
+                if chunk.uses < self.MAX_USES:
+                    chunk.uses += 1
+                return ()
+            recalled = self._admit(key)
+            (self._small if state[key].small else self._main)[key] = None
+            return (key,) if recalled else ()
         most = self.MAX_USES
         new: list[tuple[bytes, int]] | None = None
         for key, depth in batch:
@@ -222,8 +233,8 @@ class ChainFIFO:
         # child here (a new branch of a shared prompt is not a next turn)
         extends = up is not None and up.children is None and (not up.small or up.uses > 0)
         small = mark is None and not extends
-        chunk = state[key] = _Chunk(small, parent)
-        chunk.children = self._orphans.pop(key, None)
+        state[key] = _Chunk(small, parent, self._orphans.pop(key, None) if self._orphans
+                            else None)
         if mark is not None and self.ADAPT and self._evictions - (mark >> 1) <= len(state):
             # evicted lately: a bigger FIFO (the small one, or main) would have kept it
             held = len(state)
@@ -250,7 +261,7 @@ class ChainFIFO:
         if chunk.parent is not None:
             up = state.get(chunk.parent)
             if up is not None:
-                if up.children:
+                if up.children is not None:
                     up.children.discard(key)
             else:
                 waiting = self._orphans.get(chunk.parent)
@@ -275,9 +286,15 @@ class ChainFIFO:
                 (self._small if orphan.small else self._main).move_to_end(child, last=False)
 
     def first(self) -> bytes | None:
-        head = self._probation_head()
-        if head is not None:  # (the common case, as candidates() starts)
-            return self._leaf(head)
+        # (inlined _probation_head, and _leaf of a head with no children: every store
+        # into a full tier asks this)
+        small = self._small
+        n = len(small)
+        if n and n > self._small_target and n > self.SMALL_SHARE * len(self._state):
+            head = next(iter(small))
+            chunk = self._state[head]
+            if not chunk.uses:  # (the common case, as candidates() starts)
+                return head if not chunk.children else self._leaf(head)
         return next(self.candidates(), None)
 
     def candidates(self) -> Iterator[bytes]:
@@ -295,13 +312,11 @@ class ChainFIFO:
         """The small FIFO's head when it is the next to go as it stands (unused, and the
         small FIFO over its target); else None (the general walk decides)."""
         small = self._small
-        if not small:
+        n = len(small)
+        if not n or n <= self._small_target or n <= self.SMALL_SHARE * len(self._state):
             return None
         key = next(iter(small))
-        if self._state[key].uses or len(small) <= self.SMALL_SHARE * len(self._state) \
-                or len(small) <= self._small_target:
-            return None
-        return key
+        return None if self._state[key].uses else key
 
     def _leaf(self, head: bytes) -> bytes:
         """A deepest descendant of ``head`` held (``head`` itself if none), by first
