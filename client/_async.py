@@ -262,12 +262,12 @@ class AsyncClient:
     @property
     def shm_retries(self) -> int:
         """Fast-path values freed while being copied, and so fetched again over TCP."""
-        return self._router.total(lambda n: n.shm_path.shm_torn)
+        return self._router.total(lambda n: n.path.shm_torn)
 
     @property
     def shm_index_hits(self) -> int:
         """Values read through the nodes' arena indexes, with no request."""
-        return self._router.total(lambda n: n.shm_path.index_hits)
+        return self._router.total(lambda n: n.path.index_hits)
 
     @property
     def bytes_by_path(self) -> dict[str, int]:
@@ -389,16 +389,16 @@ class AsyncClient:
         copy it asks for (``get_into``). Runs ``consume`` in the calling thread; the
         read is reported to the node like other reads through the index."""
         node = self._router.standalone_node
-        if node is None or not node.shm_path.can_read_local or self.records_spans:
+        if node is None or not node.path.can_read_local or self.records_spans:
             return False
-        return node.shm_path.consume_local(key_bytes(key), consume)
+        return node.path.consume_local(key_bytes(key), consume)
 
     @property
     def can_read_in_place(self) -> bool:
         """Whether :meth:`read_in_place` may answer True now (a standalone same-host node
         whose arena index this client reads; no client spans to record)."""
         node = self._router.standalone_node
-        return node is not None and node.shm_path.can_read_local and not self.records_spans
+        return node is not None and node.path.can_read_local and not self.records_spans
 
     @traced("exists_many")
     async def exists_many(self, keys: Sequence[Key]) -> list[bool]:
@@ -435,7 +435,7 @@ class AsyncClient:
         Reads through the arena index not yet reported (TOUCH) are reported first, so the
         counters include every read this client made."""
         await self.connect()
-        await asyncio.gather(*(node.shm_path.touches.flush()
+        await asyncio.gather(*(node.path.touches.flush()
                                for node in self._router.nodes.values()))
         node = self._router.standalone_node
         if node is not None:

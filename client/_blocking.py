@@ -27,16 +27,15 @@ import logging
 import select
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from kvpool.client import _plans as plans
 from kvpool.client._node import NodeClient
 from kvpool.client._plans import Call, Plan, Sink
 from kvpool.client._routing import FIRST_ANSWER, Coverage, LeftBehind, Settle, grace
 from kvpool.client._routing import IntArray as Rows
-from kvpool.client._shm import Ahead, ShmMapping, redeem
+from kvpool.client._shm import Ahead
 from kvpool.client._socket import busy_poll
-from kvpool.protocol.errors import KvpoolConnectionError
 from kvpool.protocol.frames import KEY_SIZE, Op
 from kvpool.protocol.parsers import Reply
 
@@ -68,8 +67,8 @@ class BlockingNode:
         #: those given up, released with the next put (``client/_shm_put.py``)
         self.put_ahead: list[Ahead] = []
         self.put_unwanted: list[Ahead] = []
-        #: the node's arena as mapped when the link said HELLO (None: none was)
-        self._arena: ShmMapping | None = None
+        #: the region the node granted as it was when the link said HELLO (None: none was)
+        self._grant: object | None = None
 
     def close(self) -> None:
         if self._conn is not None:
@@ -134,46 +133,32 @@ class BlockingNode:
         conn = self._conn
         node = self.node
         if conn is not None and not conn.stale(self._idle_s) \
-                and self._arena is node.shm_path.mapping:
+                and self._grant is node.path.grant:
             return conn
         # (a new arena mapped since its HELLO, as after a node's restart: a new link, whose
         # HELLO asks for a grant of it, so that puts go through it again)
         self.close()
         options = node.options
         conn = options.connector.open_blocking(node.host, node.port, options)
-        mapping = node.shm_path.mapping
-        # a standalone node (epoch 0) whose arena the loop's connection mapped writable: this
-        # link puts through it too (a cluster's puts run on the loop: its links ask no grant)
-        writes = mapping is not None and mapping.writable and options.shm is not False \
-            and options.over_tcp and node.epoch == 0
+        # a standalone node (epoch 0) whose region the loop's connection was granted for
+        # writes: this link puts through it too (a cluster's puts run on the loop: its links
+        # ask no grant)
+        path = node.path
+        writes = path.writable and path.asks_grant and node.epoch == 0
         try:
             hello = plans.hello(node, options.client_name, options.token, arena=writes)
             info = self._rounds(hello, next(hello), conn)
             conn.limit_values(info["max_value_bytes"])
-            self.shm_write = writes and self._granted(plans.arena_offer(info))
+            self.shm_write = writes and path.link_grant(info)
         except BaseException:
             conn.close()
             raise
-        self._arena = node.shm_path.mapping
+        self._grant = path.grant
         self._idle_s = float(info.get("idle_timeout_s") or 0)
         if not node.server_info:  # a cluster's node this client has not yet said HELLO to
             node.server_info = info  # on its loop: the plans read its limits
         self._conn = conn
         return conn
-
-    def _granted(self, offer: dict[str, Any] | None) -> bool:
-        """Redeem a HELLO's arena offer for this link's session (the node's arena is mapped
-        anew if it is not the one mapped: a restarted node's); whether it may write it."""
-        if offer is None:
-            return False
-        try:
-            fd, index_fd, writable = redeem(offer, self.node.options.connect_timeout)
-        except KvpoolConnectionError as exc:
-            log.info("%s: blocking puts go over TCP: %s", self.node.node_id, exc)
-            return False
-        self.node.adopt_arena(offer, fd, index_fd, writable)
-        return writable
-
 
 def run_parallel(runs: Sequence[tuple[BlockingNode, Plan[T]]], *,
                  settle: list[Rows] | None = None, rule: Settle = FIRST_ANSWER

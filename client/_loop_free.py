@@ -41,7 +41,8 @@ from kvpool.client._blocking import BlockingNode, run_parallel
 from kvpool.client._connection import BufferOrSegments
 from kvpool.client._node import Key, NodeClient, join_keys
 from kvpool.client._plans import rows_blob
-from kvpool.client._shm_path import TOUCH_DELAY_S, ShmPath
+from kvpool.client._shm_path import TOUCH_DELAY_S
+from kvpool.client.paths import NodePath
 from kvpool.protocol.errors import Status
 from kvpool.protocol.frames import KEY_SIZE, Op
 from kvpool.protocol.parsers import Segments
@@ -85,9 +86,9 @@ class LoopFree:
     def direct_node(self) -> NodeClient | None:
         """The standalone node, when a call to it may run in this thread with no event
         loop: no client spans to record. Calls then read through the node's arena index
-        (``node.shm_path``) or run the op plans on a blocking connection its transport
+        (``node.path``) or run the op plans on a blocking connection its transport
         opens (:mod:`kvpool.client._blocking`); which one is the node's to say
-        (:attr:`ShmPath.carries_gets`, :meth:`ShmPath.carries_put`)."""
+        (:attr:`NodePath.carries_gets`, :meth:`NodePath.carries_put`)."""
         node = self.router.standalone_node
         return node if node is not None and not self.core.records_spans else None
 
@@ -111,7 +112,7 @@ class LoopFree:
         """Report the reads made through the arena index now (one TOUCH a node), on the
         loop."""
         for node in self.router.nodes.values():
-            node.shm_path.touches.later()
+            node.path.touches.later()
 
     def close(self) -> None:
         for driver in self.drivers.values():
@@ -127,9 +128,9 @@ class LoopFree:
         with self.lock:
             self._check_open()
             node = self.direct_node
-            if node is None or not node.shm_path.can_read_local:
+            if node is None or not node.path.can_read_local:
                 return False
-            self.before_index_read(node.shm_path)
+            self.before_index_read(node.path)
             return self.core.read_in_place(key, consume)
 
     def direct(self, plan_for: Callable[[NodeClient], plans.Plan[T] | None]
@@ -163,7 +164,7 @@ class LoopFree:
         def plan_for(node: NodeClient) -> plans.Plan[list[int]] | None:
             items = plans.put_items(node, bkeys, values, ttl_ms=ttl_ms, flags=flags,
                                     chunk_indexes=chunk_indexes, parents=bparents)
-            return node.shm_path.put_plan(self.driver(node), items, num_tokens=num_tokens,
+            return node.path.put_plan(self.driver(node), items, num_tokens=num_tokens,
                                           fingerprint=fingerprint)
 
         done = self.direct(plan_for)
@@ -239,11 +240,11 @@ class LoopFree:
             self.run(self._refresh_map(newer))
         return codes
 
-    def before_index_read(self, shm: ShmPath) -> None:
+    def before_index_read(self, path: NodePath) -> None:
         """Run the loop if it has not run for a while, or reads wait to be reported: it
         sends them, and hears of connections that ended meanwhile (a node that went
         away), after which the index is not read."""
-        if shm.touches.due or time.monotonic() >= self.loop_until:
+        if path.touches.due or time.monotonic() >= self.loop_until:
             self.loop.run_until_complete(self._send_touches())
             self.loop_until = time.monotonic() + TOUCH_DELAY_S
 
@@ -289,7 +290,7 @@ class LoopFree:
         record, a node met on no connection yet, or a node whose arena this client mapped
         (its GETs go through it)."""
         asked = self.router.read_round(blob) if self._spanless() else None
-        if asked is None or any(node.shm_path.mapping is not None for node, _ in asked):
+        if asked is None or any(node.path.grant is not None for node, _ in asked):
             return None
         drivers = [self.driver(node) for node, _ in asked]
         if not all(d.linked or d.node.connections() for d in drivers):
@@ -310,13 +311,13 @@ class LoopFree:
                     sinks: Sequence[memoryview | Segments] | None
                     ) -> list[memoryview | Segments | None] | None:
         """:meth:`get` from the standalone ``node`` (the caller holds the lock)."""
-        shm = node.shm_path
-        if shm.mapping is not None:  # a same-host node granted its arena
-            if shm.can_read_local:
-                self.before_index_read(shm)
+        path = node.path
+        if path.grant is not None:  # the node granted a region (a same-host node: its arena)
+            if path.can_read_local:
+                self.before_index_read(path)
                 # all from the index, or else (not ``allowed``) all on the loop
-                found = shm.read_local(blob, sinks, all_or_none=not self.allowed) \
-                    if shm.can_read_local else None
+                found = path.read_local(blob, sinks, all_or_none=not self.allowed) \
+                    if path.can_read_local else None
                 if found is not None:
                     out, rest = found
                     if rest:  # misses, values the index had no room for: one round trip
@@ -328,7 +329,7 @@ class LoopFree:
                         for row, view in zip(rest, again, strict=True):
                             out[row] = view
                     return out
-            if shm.carries_gets:
+            if path.carries_gets:
                 return None
         if not self.allowed:
             return None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
@@ -21,14 +20,13 @@ from kvpool.client import _plans as plans
 from kvpool.client._connection import Buffer, BufferOrSegments, Connection
 from kvpool.client._options import SHM_PUT_MIN_BYTES, ClientOptions
 from kvpool.client._plans import routed_by
-from kvpool.client._shm import ShmMapping, redeem
 from kvpool.client._shm_path import ShmPath
+from kvpool.client.paths import NodePath, OneSidedTransport
 from kvpool.placement.keys import key_from_hex
 from kvpool.protocol.errors import (
     ConfigError,
     InvalidArgumentError,
     InvalidKeyError,
-    KvpoolConnectionError,
     KvpoolTimeoutError,
     Status,
     WrongOwnerError,
@@ -163,8 +161,11 @@ class NodeClient:
                  node_id: str = "") -> None:
         self.host, self.port = host, port
         self.options = options = options or ClientOptions()
-        #: the same-host fast path (its mapping, once a node grants one)
-        self.shm_path = ShmPath(self)
+        #: how GETs and puts travel (``client/paths.py``): the transport's one-sided path,
+        #: else the same-host arena path (TCP until a node on this host grants its arena)
+        connector = options.connector
+        self.path: NodePath = connector.one_sided(self) \
+            if isinstance(connector, OneSidedTransport) else ShmPath(self)
         #: payload bytes received, by path ("shm", "tcp")
         self.bytes_by_path = {"shm": 0, "tcp": 0}
         #: payload bytes stored, by path
@@ -239,27 +240,11 @@ class NodeClient:
     def close(self) -> None:
         """Close the connections (reads through the index still to report are sent first,
         when the caller's loop runs)."""
-        self.shm_path.close()
+        self.path.close()
         for i, conn in enumerate(self._slots):
             if conn is not None:
                 conn.close()
             self._slots[i] = None
-
-    def close_mapping(self) -> None:
-        self.shm_path.close_mapping()
-
-    def adopt_arena(self, offer: dict[str, Any], fd: int, index_fd: int, writable: bool) -> None:
-        """The arena a HELLO's offer named, redeemed (``fd``, ``index_fd``): mapped, unless
-        it is the one mapped already (the descriptors are then closed). A restarted node
-        has a new arena; a changed grant, another mapping."""
-        mapping = self.shm_path.mapping
-        if mapping is None or mapping.socket != offer["socket"] or mapping.writable != writable:
-            self.close_mapping()
-            self.shm_path.mapping = ShmMapping(fd, offer, writable=writable, index_fd=index_fd)
-            return
-        os.close(fd)
-        if index_fd >= 0:
-            os.close(index_fd)
 
     def connections(self) -> list[Connection]:
         """The pool's open connections (as far as this thread has seen)."""
@@ -280,14 +265,14 @@ class NodeClient:
         conn = await self._connection()
         items = plans.put_items(self, bkeys, values, ttl_ms=ttl_ms, flags=flags,
                                 chunk_indexes=chunk_indexes, parents=parents)
-        return await self.shm_path.put(conn, items, num_tokens=num_tokens,
+        return await self.path.put(conn, items, num_tokens=num_tokens,
                                        fingerprint=fingerprint)
 
     async def get(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None
                   ) -> list[memoryview | Segments | None]:
         """Payload views (None for misses and corrupt chunks, which are deleted here),
         through the arena or over TCP (:meth:`ShmPath.get` decides)."""
-        return await self.shm_path.get(await self._connection(), blob, sinks)
+        return await self.path.get(await self._connection(), blob, sinks)
 
     async def exists(self, blob: bytes) -> bytes:
         """One tier code per key, 0 where absent."""
@@ -383,30 +368,14 @@ class NodeClient:
         try:
             self.server_info = await self.run(plans.hello(
                 self, options.client_name, options.token,
-                arena=options.shm is not False and options.over_tcp), conn)
+                arena=self.path.asks_grant), conn)
         except BaseException:
             conn.close()
             raise
         conn.limit_values(self.server_info["max_value_bytes"])
-        offer = plans.arena_offer(self.server_info)
-        if offer is not None:
-            try:  # in a thread: the node may share this event loop (a node's own peer client)
-                fd, index_fd, writable = await asyncio.get_running_loop().run_in_executor(
-                    None, redeem, offer, options.connect_timeout)
-            except KvpoolConnectionError as exc:
-                if options.shm:
-                    conn.close()
-                    raise
-                log.info("%s: using TCP: %s", self.node_id, exc)
-            else:
-                self.adopt_arena(offer, fd, index_fd, writable)
-                conn.shm = True
-                conn.shm_write = writable
-        elif options.shm:
+        try:
+            await self.path.redeem(self.server_info, conn)
+        except BaseException:
             conn.close()
-            offered = self.server_info.get("shm")
-            refused = offered.get("refused") if isinstance(offered, dict) else None
-            raise KvpoolConnectionError(
-                f"node {self.node_id} offers no shared-memory fast path: "
-                + (str(refused) if refused else "another host, or started with --no-shm"))
+            raise
         return conn

@@ -92,7 +92,7 @@ class Router:
             task.cancel()
         for node in self.nodes.values():
             node.close()
-            node.close_mapping()
+            node.path.release()
 
     async def fan_out(self, blob: bytes, send: Send[T], absorb: Absorb[T], *, per_row: str,
                       sequential: bool = False) -> None:

@@ -26,6 +26,7 @@ from kvpool.client import _plans as plans
 from kvpool.client._connection import Connection
 from kvpool.client._plans import routed_by
 from kvpool.client._shm import HASH_SOURCE, TORN, ShmIndex, ShmMapping
+from kvpool.client._shm_grant import ArenaGrant
 from kvpool.client._shm_put import AheadHolder, ArenaHost, LeasedPuts, ignore_result
 from kvpool.client._touches import TOUCH_BATCH, TOUCH_DELAY_S, Touches
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
@@ -42,13 +43,12 @@ from kvpool.protocol.parsers import TOO_SMALL, Segments
 __all__ = ["TOUCH_BATCH", "TOUCH_DELAY_S", "ShmPath"]
 
 
-class ShmPath:
-    """One node's arena, as this client mapped it, and the ops that go through it."""
+class ShmPath(ArenaGrant):
+    """One node's arena, as this client mapped it, and the ops that go through it (the
+    first :class:`kvpool.client.paths.NodePath`)."""
 
     def __init__(self, node: ArenaHost) -> None:
-        self.node = node
-        #: the arena the node granted (None: TCP only, so far)
-        self.mapping: ShmMapping | None = None
+        super().__init__(node)
         #: puts through the arena (PUT_SHM, or slots held ahead; COMMIT or COMMIT_AS)
         self.puts = LeasedPuts(node)
         #: fast-path values freed while they were copied (fetched again over TCP)
@@ -64,10 +64,7 @@ class ShmPath:
         """Stop the TOUCH timer (reads still to report are sent first, when a loop runs)."""
         self.touches.close()
 
-    def close_mapping(self) -> None:
-        if self.mapping is not None:
-            self.mapping.close()
-            self.mapping = None
+    # -- the data path --------------------------------------------------------------------
 
     @property
     def shm_put_expired(self) -> int:

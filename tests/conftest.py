@@ -268,7 +268,7 @@ def node_stats(node: NodeProcess) -> dict[str, Any]:
 def shm_node(client: Client) -> NodeClient:
     """A sync client's standalone node, which granted it the shared-memory arena."""
     node = client.async_client._router.standalone_node
-    assert node is not None and node.shm_path.mapping is not None
+    assert node is not None and node.path.mapping is not None
     return node
 
 

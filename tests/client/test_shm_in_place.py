@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 
 
 def _mapping(client: Client) -> ShmMapping:
-    mapping = shm_node(client).shm_path.mapping
+    mapping = shm_node(client).path.mapping
     assert mapping is not None
     return mapping
 
@@ -91,7 +91,7 @@ def test_a_value_freed_while_it_is_read_answers_false() -> None:
             assert calls == [1 << 20]  # it ran: the caller must redo what it did
             assert len(generations) == 1 and generations[0][0] != generations[0][1]
             node_client = fast.async_client._router.standalone_node
-            assert node_client is not None and node_client.shm_path.index_stale == 1
+            assert node_client is not None and node_client.path.index_stale == 1
             seen: list[bytes] = []
             assert fast.read_in_place(key, lambda view: seen.append(bytes(view)))
             assert seen == [new]
@@ -176,6 +176,6 @@ def test_a_chunk_freed_while_scattered_is_loaded_again_from_a_copy() -> None:
             for want, got in zip(src, dst, strict=True):
                 assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
             node_client = client.async_client._router.standalone_node
-            assert node_client is not None and node_client.shm_path.index_stale == 1
+            assert node_client is not None and node_client.path.index_stale == 1
     finally:
         assert node.stop() == 0

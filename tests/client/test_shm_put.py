@@ -37,7 +37,7 @@ PAGE = 4096
 
 
 def _puts(client: Client) -> LeasedPuts:
-    return shm_node(client).shm_path.puts
+    return shm_node(client).path.puts
 
 
 def _extent(nbytes: int) -> int:
@@ -95,7 +95,7 @@ async def test_puts_in_flight_together_each_take_slots_held_ahead() -> None:
                                shm_put_min_bytes=64 * KIB) as fast:
             node_client = fast._router.standalone_node
             assert node_client is not None
-            puts = node_client.shm_path.puts
+            puts = node_client.path.puts
             for keys, values in rounds:
                 await asyncio.gather(*(fast.put(k, v) for k, v in zip(keys, values,
                                                                      strict=True)))
@@ -160,13 +160,13 @@ def test_sync_puts_go_through_a_restarted_nodes_new_arena() -> None:
     try:
         with Client(node.url, shm=True, pool_size=1) as fast:
             fast.put(keys[0], values[0])
-            before = shm_node(fast).shm_path.mapping
+            before = shm_node(fast).path.mapping
             assert node.stop() == 0
             node = start_node("--dram-capacity", "64MiB", "--no-ssd", "--data-port", str(port))
             with no_loop(fast):
                 fast.put(keys[1], values[1])
             assert fast.put_bytes_by_path == {"shm": 2 << 20, "tcp": 0}
-            mapping = shm_node(fast).shm_path.mapping
+            mapping = shm_node(fast).path.mapping
             assert mapping is not None and mapping is not before and mapping.writable
             with Client(node.url, shm=False) as tcp:
                 assert tcp.get_many(keys) == [None, values[1]]
@@ -224,7 +224,7 @@ def test_a_node_without_commit_as_gets_put_shm_and_commit() -> None:
         keys = [os.urandom(16) for _ in range(3)]
         values = [os.urandom(1 << 20) for _ in keys]
         with Client(node.url, shm=True, pool_size=1) as fast:
-            shm_node(fast).shm_path.mapping.commit_as = False  # as an older node's offer says
+            shm_node(fast).path.mapping.commit_as = False  # as an older node's offer says
             for key, value in zip(keys, values, strict=True):
                 fast.put(key, value)
             assert fast.get_many(keys) == values
@@ -327,7 +327,7 @@ def test_a_commit_as_refused_as_wrong_owner_gives_its_slots_back(tmp_path: Any) 
             async with AsyncClient(cluster.seeds[0], shm=True) as client:
                 await client.exists_many(keys)  # connects to every node
                 node = client._router.nodes["n0"]
-                assert node.shm_path.mapping is not None
+                assert node.path.mapping is not None
                 conn = await node._connection()
                 head = PutItemHeader(mine, ENVELOPE_HEADER_SIZE + 8192)
                 reply = node.check(await conn.send(Op.PUT_SHM, 1, [head.pack()],

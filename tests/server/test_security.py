@@ -165,10 +165,10 @@ def test_only_admins_may_write_through_shared_memory(secured: NodeProcess) -> No
         assert admin.bytes_by_path == {"shm": len(value), "tcp": 0}
         tenant = acme.async_client._router.standalone_node
         operator = admin.async_client._router.standalone_node
-        assert tenant is not None and tenant.shm_path.mapping is None  # never offered the arena
+        assert tenant is not None and tenant.path.mapping is None  # never offered the arena
         # the arena index holds stored (scoped) keys: a scoped admin reads through GET_SHM
-        assert operator is not None and operator.shm_path.mapping is not None
-        assert operator.shm_path.mapping.index is None and admin.async_client.shm_index_hits == 0
+        assert operator is not None and operator.path.mapping is not None
+        assert operator.path.mapping.index is None and admin.async_client.shm_index_hits == 0
 
 
 def test_admin_api_needs_tokens_and_roles(secured: NodeProcess) -> None:

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 
 
 def _mapping(client: Client) -> ShmMapping:
-    mapping = shm_node(client).shm_path.mapping
+    mapping = shm_node(client).path.mapping
     assert mapping is not None
     return mapping
 
@@ -195,7 +195,7 @@ def test_a_value_freed_while_copied_through_the_index_is_never_returned_torn(
             assert node_client is not None
             assert got == (None if replace_key else new[0])
             # asked again over TCP: the new value (or nothing)
-            path = node_client.shm_path
+            path = node_client.path
             assert (path.index_stale, path.index_hits) == (1, 0)
             assert fast.bytes_by_path == {"shm": 0, "tcp": 0 if replace_key else 1 << 20}
         shm = _shm_stats(node)
@@ -260,7 +260,7 @@ def test_pages_reused_between_the_hash_and_the_copy_are_never_returned(
             assert got is None  # deleted: the index read was stale, GET_SHM finds nothing
             node_client = fast.async_client._router.standalone_node
             assert node_client is not None
-            assert (node_client.shm_path.index_stale, node_client.shm_path.index_hits) == (1, 0)
+            assert (node_client.path.index_stale, node_client.path.index_hits) == (1, 0)
             assert fast.bytes_by_path == {"shm": 0, "tcp": 0}
     finally:
         assert node.stop() == 0
@@ -501,7 +501,7 @@ CRASH = """
 import os, sys
 from kvpool.client import Client
 with Client(sys.argv[1], shm=True, shm_index=False) as c:
-    c.async_client._router.standalone_node.shm_path.mapping.after_copy = lambda item: os._exit(3)
+    c.async_client._router.standalone_node.path.mapping.after_copy = lambda item: os._exit(3)
     c.get(bytes.fromhex(sys.argv[2]))
 """
 
@@ -630,7 +630,7 @@ def test_slots_not_committed_in_time_are_given_back_and_the_put_goes_over_tcp() 
             fast.put(key, value)
             assert fast.put_bytes_by_path == {"shm": 0, "tcp": 1 << 20}
             node_client = fast.async_client._router.standalone_node
-            assert node_client is not None and node_client.shm_path.shm_put_expired == 1
+            assert node_client is not None and node_client.path.shm_put_expired == 1
             assert fast.get(key) == value
         stats = node_stats(node)
         assert (stats["shm"]["expired"], stats["shm"]["committed"]) == (1, 0)
@@ -660,7 +660,7 @@ CRASH_WRITER = """
 import os, sys
 from kvpool.client import Client
 with Client(sys.argv[1], shm=True) as c:
-    c.async_client._router.standalone_node.shm_path.mapping.write = lambda *a, **k: os._exit(3)
+    c.async_client._router.standalone_node.path.mapping.write = lambda *a, **k: os._exit(3)
     c.put(os.urandom(16), os.urandom(1 << 20))
 """
 
