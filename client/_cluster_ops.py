@@ -6,12 +6,13 @@
 - get: nodes of the list one after another until one has the key, then the nodes
   that are draining (a chunk may still sit on the node moving out);
 - exists: every live node of the list at once (draining nodes for what they did not
-  find), the fastest tier wins (``codes_of_round``: the same merge of a round the sync
-  client sent itself, on blocking sockets);
+  find), the fastest tier wins;
 - DELETE, PIN, UNPIN: every live node of the list; done where any node did it.
 
 A one-node map (a standalone node, or a cluster of one) needs none of this: each op
-sends the batch to that node whole (:meth:`Router.ask_sole`).
+sends the batch to that node whole (:meth:`Router.ask_sole`). GET and EXISTS are round
+plans (``get_rounds``, ``exists_rounds``; ``client/_rounds.py``) that the loop's driver
+runs here and the sync client's blocking driver runs in its own thread.
 """
 
 from __future__ import annotations
@@ -26,15 +27,15 @@ import numpy.typing as npt
 from kvpool.client._connection import BufferOrSegments
 from kvpool.client._node import NodeClient
 from kvpool.client._plans import rows_blob
+from kvpool.client._rounds import RoundPlan, Routes, fan_out, then_each
 from kvpool.client._router import Router, Rows
-from kvpool.client._routing import LeftBehind
-from kvpool.protocol.errors import KvpoolConnectionError, KvpoolError, Status, WrongOwnerError
+from kvpool.protocol.errors import KvpoolError, Status
 from kvpool.protocol.frames import KEY_SIZE, Op
 from kvpool.protocol.parsers import Segments
 
 T = TypeVar("T")
 
-__all__ = ["codes_of_round", "exists_codes", "get", "held_prefix", "put", "round_answers",
+__all__ = ["exists_codes", "exists_rounds", "get", "get_rounds", "held_prefix", "put",
            "statuses"]
 
 
@@ -76,16 +77,23 @@ async def get(router: Router, blob: bytes, sinks: Sequence[memoryview | Segments
     views = await router.ask_sole(lambda node: node.get(blob, sinks))
     if views is not None:
         return views
-    n = len(blob) // KEY_SIZE
-    results: list[memoryview | Segments | None] = [None] * n
+    results: list[memoryview | Segments | None] = [None] * (len(blob) // KEY_SIZE)
 
-    def send(node: NodeClient, rows: npt.NDArray[np.intp]
-             ) -> Awaitable[list[memoryview | Segments | None]]:
-        return node.get(rows_blob(blob, rows),
-                        [sinks[i] for i in rows] if sinks is not None else None)
+    def send(node: NodeClient, rows: Rows) -> Awaitable[list[memoryview | Segments | None]]:
+        return node.get(rows_blob(blob, rows), [sinks[i] for i in rows]
+                        if sinks is not None else None)
 
-    def absorb(rows: npt.NDArray[np.intp], views: list[memoryview | Segments | None]
-               ) -> npt.NDArray[np.bool_]:
+    await router.drive(get_rounds(router, blob, results), send)
+    return results
+
+
+def get_rounds(routes: Routes, blob: bytes, results: list[memoryview | Segments | None]
+               ) -> RoundPlan[None]:
+    """A cluster GET's rounds (each node asked for some keys' payloads), filling
+    ``results``: nodes of each key's list one after another until one has it, then the
+    nodes that are draining (a chunk may still sit on the node moving out)."""
+
+    def absorb(rows: Rows, views: list[memoryview | Segments | None]) -> npt.NDArray[np.bool_]:
         hit = np.zeros(len(rows), dtype=bool)
         for j, (row, view) in enumerate(zip(rows.tolist(), views, strict=True)):
             if view is not None:
@@ -93,19 +101,11 @@ async def get(router: Router, blob: bytes, sinks: Sequence[memoryview | Segments
                 hit[j] = True
         return hit  # a hit ends the key's search
 
-    await router.fan_out(blob, send, absorb, per_row="all", sequential=True)
-    missing = np.array([i for i, r in enumerate(results) if r is None], dtype=np.intp)
-    for node in router.draining():  # a chunk may still sit on the node that is moving out
-        if not len(missing):
-            break
-        try:
-            views = await send(node, missing)
-        except KvpoolConnectionError as exc:
-            node.mark_down(exc)
-            continue
-        hit = absorb(missing, views)
-        missing = missing[~hit]
-    return results
+    yield from fan_out(routes, blob, absorb, per_row="all", sequential=True)
+    draining = routes.draining()
+    if draining:
+        missing = np.array([i for i, r in enumerate(results) if r is None], dtype=np.intp)
+        yield from then_each(draining, 0, missing, absorb)
 
 
 async def exists_codes(router: Router, blob: bytes) -> bytes:
@@ -114,25 +114,31 @@ async def exists_codes(router: Router, blob: bytes) -> bytes:
     if codes is not None:
         return codes
 
-    def send(node: NodeClient, rows: npt.NDArray[np.intp]) -> Awaitable[bytes]:
+    def send(node: NodeClient, rows: Rows) -> Awaitable[bytes]:
         return node.exists(rows_blob(blob, rows))
 
+    return await router.drive(exists_rounds(router, blob), send)
+
+
+def exists_rounds(routes: Routes, blob: bytes) -> RoundPlan[bytes]:
+    """A cluster EXISTS's rounds (each node asked for some keys' tier codes): the live
+    nodes of each key's list at once (a node marked down (hung, say) is asked again once
+    its back-off ends, not on every call: a scheduler asks for every request), then the
+    draining nodes for the keys none had. Each key's code: the fastest tier any node
+    gave."""
     best = np.full(len(blob) // KEY_SIZE, ABSENT, dtype=np.uint8)
 
-    def absorb(rows: npt.NDArray[np.intp], codes: bytes) -> None:
+    def absorb(rows: Rows, codes: bytes) -> None:
         fastest(best, rows, codes)
 
-    # the live nodes only: a node marked down (hung, say) is asked again once its
-    # back-off ends, not on every call (a scheduler asks for every request)
-    await router.fan_out(blob, send, absorb, per_row="live")
-    for node in router.draining():
-        missing = np.flatnonzero(best == ABSENT)
-        if not len(missing):
-            break
-        try:
-            absorb(missing, await send(node, missing))
-        except KvpoolConnectionError as exc:
-            node.mark_down(exc)
+    def found(rows: Rows, codes: bytes) -> npt.NDArray[np.bool_]:
+        fastest(best, rows, codes)
+        return np.asarray(best[rows] != ABSENT, dtype=bool)
+
+    yield from fan_out(routes, blob, absorb, per_row="live")
+    draining = routes.draining()
+    if draining:
+        yield from then_each(draining, 0, np.flatnonzero(best == ABSENT), found)
     return codes_of(best)
 
 
@@ -151,47 +157,6 @@ def codes_of(best: npt.NDArray[np.uint8]) -> bytes:
     """``best`` as ``exists_codes`` returns it: 0 where no node has the key."""
     best[best == ABSENT] = 0
     return best.tobytes()
-
-
-def codes_of_round(n: int, asked: Sequence[tuple[NodeClient, Rows]],
-                   outcomes: Sequence[bytes | Exception]) -> bytes | None:
-    """:func:`exists_codes` of ``n`` keys from one round of EXISTS the caller ran itself
-    (:meth:`Router.one_round <kvpool.client._router.Router.one_round>`: each node and
-    the rows it was asked about; an answer or the exception of each), merged as the
-    fan-out merges: each key's code is the fastest tier the nodes that answered for it
-    gave (:func:`round_answers` for the nodes that did not). None where the round is not
-    the answer: a key no node answered for, or WRONG_OWNER (the fan-out then asks
-    again)."""
-    best = np.full(n, ABSENT, dtype=np.uint8)
-    answered = np.zeros(n, dtype=bool)
-    answers, refused = round_answers(asked, outcomes)
-    for rows, codes in answers:
-        fastest(best, rows, codes)
-        answered[rows] = True
-    return codes_of(best) if answered.all() and not refused else None
-
-
-def round_answers(asked: Sequence[tuple[NodeClient, Rows]], outcomes: Sequence[T | Exception]
-                  ) -> tuple[list[tuple[Rows, T]], bool]:
-    """The answers of one round the sync client sent itself (each node and the rows it was
-    asked about; the answer or the exception of each), each with its rows, taken as the
-    fan-out takes them: a node that failed is marked down, a straggler left behind (marked
-    slow already) is passed over, and whether a node answered WRONG_OWNER is said; any
-    other error is raised (the loop would raise it too: a buffer too small, say)."""
-    answers: list[tuple[Rows, T]] = []
-    refused = False
-    for (node, rows), outcome in zip(asked, outcomes, strict=True):
-        if isinstance(outcome, WrongOwnerError):
-            refused = True
-        elif isinstance(outcome, LeftBehind):
-            continue
-        elif isinstance(outcome, KvpoolConnectionError):
-            node.mark_down(outcome)
-        elif isinstance(outcome, Exception):
-            raise outcome
-        else:
-            answers.append((rows, outcome))
-    return answers, refused
 
 
 async def lookup(router: Router, blob: bytes) -> Sequence[int]:

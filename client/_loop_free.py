@@ -32,7 +32,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from kvpool.client import _cluster_ops as cluster_ops
 from kvpool.client import _plans as plans
@@ -40,7 +40,10 @@ from kvpool.client._async import AsyncClient, _sinks, put_args, raise_put_errors
 from kvpool.client._blocking import BlockingNode, run_parallel
 from kvpool.client._connection import BufferOrSegments
 from kvpool.client._node import Key, NodeClient, join_keys
-from kvpool.client._plans import rows_blob
+from kvpool.client._plans import Plan, rows_blob
+from kvpool.client._rounds import Refresh, Round, RoundPlan
+from kvpool.client._router import Rows, Send
+from kvpool.client._routing import FIRST_ANSWER
 from kvpool.client._shm_path import TOUCH_DELAY_S
 from kvpool.client.paths import NodePath
 from kvpool.protocol.errors import Status
@@ -50,6 +53,7 @@ from kvpool.protocol.parsers import Segments
 __all__ = ["LoopFree"]
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class LoopFree:
@@ -210,35 +214,60 @@ class LoopFree:
         return driver
 
     def cluster_codes(self, blob: bytes) -> bytes | None:
-        """``exists_codes`` against a cluster in this thread, with no event loop: the one
-        round of EXISTS frames the loop's fan-out would send (``Router.one_round``; on a
-        small cluster, the whole batch to every node), each sent before any reply is
-        read (``run_parallel``), with no client spans to record. As on the loop, a node
-        that fails is marked down, and each key's answer is the fastest tier the nodes
-        that answered for it gave (``codes_of_round``). None, where the call runs on the
-        loop instead: a map that round does not cover (one node, a node down, suspect or
-        draining), a node this client has no connection to yet (opening a blocking one
-        here would wait for its HELLO; the loop's settles without a hung node), a key no
-        node answered for (the loop raises the error), or WRONG_OWNER (the loop
-        refreshes the map and asks again). A reply from a newer map
-        epoch refreshes the map on the loop after the call."""
+        """``exists_codes`` against a cluster, its round plan (``exists_rounds``) run in
+        this thread as far as :meth:`_rounds` can. None, having sent nothing, for a
+        standalone node (the caller's :meth:`direct` path) or where the whole call runs
+        on the loop (client spans to record, or not yet connected)."""
+        if self.router.map is None or self.router.standalone_node is not None \
+                or not self._spanless():
+            return None
+        return self._rounds(cluster_ops.exists_rounds(self.router, blob),
+                            lambda node, rows: plans.exists(node, rows_blob(blob, rows)),
+                            lambda node, rows: node.exists(rows_blob(blob, rows)),
+                            reads=False)
+
+    def _rounds(self, plan: RoundPlan[R], node_plan: Callable[[NodeClient, Rows], Plan[Any]],
+                send: Send[Any], *, reads: bool) -> R:
+        """Run a cluster op's round plan (``client/_rounds.py``) in this thread: each
+        round's frames (``node_plan``) on the nodes' blocking links, every frame sent
+        before any reply is read (``run_parallel``; a settling round leaves its stragglers
+        behind, as on the loop), while a round's nodes are all trusted and met on a
+        connection already (a blocking HELLO here would wait out a hung node's timeout;
+        the loop's settles without it) and, for ``reads``, none carries GETs through a
+        region it granted. From the first round that is not, or a map refresh, the plan
+        goes on on the loop (``Router.drive``, with ``send``). A reply from a newer map
+        epoch refreshes the map on the loop."""
+        step: Round | Refresh | None = None
+        outcomes: list[Any] | None = None
         with self.lock:
             self._check_open()
-            asked = self.router.one_round(blob) if self._spanless() else None
-            if asked is None:
-                return None
-            drivers = [self.driver(node) for node, _ in asked]
-            if not all(d.linked or d.node.connections() for d in drivers):
-                return None  # a node met on no connection yet: the loop connects to it
-            outcomes = run_parallel([(driver, plans.exists(node, rows_blob(blob, rows)))
-                                     for driver, (node, rows) in zip(drivers, asked, strict=True)],
-                                    settle=[rows for _, rows in asked],
-                                    rule=self.router.settle_rule())
-            codes = cluster_ops.codes_of_round(len(blob) // KEY_SIZE, asked, outcomes)
+            while True:
+                try:
+                    step = plan.send(outcomes)
+                except StopIteration as done:
+                    step, result = None, cast(R, done.value)
+                    break
+                if isinstance(step, Refresh) or not self._sendable(step, reads=reads):
+                    break
+                outcomes = cast(list[Any], run_parallel(
+                    [(self.driver(node), node_plan(node, rows)) for node, rows in step.asked],
+                    settle=[rows for _, rows in step.asked] if step.settle is not None
+                    else None, rule=step.settle or FIRST_ANSWER))
             newer = self._newer_epoch_seen()
         if newer:
             self.run(self._refresh_map(newer))
-        return codes
+        if step is not None:
+            result = self.run(self.router.drive(plan, send, pending=step))
+        return result
+
+    def _sendable(self, round_: Round, *, reads: bool) -> bool:
+        """Whether :meth:`_rounds` sends ``round_`` itself (see there)."""
+        for node, _ in round_.asked:
+            if not node.trusted or (reads and node.path.grant is not None):
+                return False
+            if not (self.driver(node).linked or node.connections()):
+                return False  # a node met on no connection yet: the loop connects to it
+        return True
 
     def before_index_read(self, path: NodePath) -> None:
         """Run the loop if it has not run for a while, or reads wait to be reported: it
@@ -253,59 +282,28 @@ class LoopFree:
         """A GET with no event loop, the path decided here once: the standalone node's arena
         index for the keys it holds, the blocking socket for the rest (misses, values the
         index has no slot for); where the node's GETs go over TCP, its blocking socket; on a
-        cluster, :meth:`_cluster_read` first. None, having sent nothing: run the call on
-        the loop (spans to record, a tenant-scoped connection's GET_SHM, or not yet
-        connected)."""
+        cluster, its round plan (``get_rounds``) by :meth:`_rounds`. None, having sent
+        nothing: run the call on the loop (spans to record, a tenant-scoped connection's
+        GET_SHM, or not yet connected)."""
         with self.lock:
             self._check_open()
             blob = join_keys(keys)
             sinks = _sinks(keys, buffers) if buffers is not None else None
             node = self.direct_node
-            if node is None:
-                first = self._cluster_read(blob, sinks)
-            else:
+            if node is not None:
                 return self._direct_get(node, blob, sinks)
-        if first is None:
+        if self.router.map is None or not self._spanless():
             return None
-        results, missing, newer = first
-        if newer:
-            self.run(self._refresh_map(newer))
-        if missing:  # misses, corrupt chunks, nodes that failed: the loop's read goes on
-            rest = [sinks[i] for i in missing] if sinks is not None else None
-            views = self.run(cluster_ops.get(self.router, rows_blob(blob, missing), rest))
-            for row, view in zip(missing, views, strict=True):
-                results[row] = view
-        return results
-
-    def _cluster_read(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None
-                      ) -> tuple[list[memoryview | Segments | None], list[int], int] | None:
-        """A cluster's GET, its first round in this thread with no event loop: each key to
-        the first trusted node of its list (``Router.read_round``), every frame sent before
-        any reply is read (``run_parallel``). The payloads (None where not found there), the
-        rows still to look for further down their lists (on the loop: misses, corrupt
-        chunks, and the keys of a node that failed, which is marked down, or answered
-        WRONG_OWNER), and a newer map epoch a reply named (0: none). None, having sent
-        nothing, where the read runs on the loop from the start: a map that round does not
-        cover (one node, a node draining, a key with no trusted node), client spans to
-        record, a node met on no connection yet, or a node whose arena this client mapped
-        (its GETs go through it)."""
-        asked = self.router.read_round(blob) if self._spanless() else None
-        if asked is None or any(node.path.grant is not None for node, _ in asked):
-            return None
-        drivers = [self.driver(node) for node, _ in asked]
-        if not all(d.linked or d.node.connections() for d in drivers):
-            return None
-        outcomes = run_parallel([
-            (driver, plans.get_tcp(node, rows_blob(blob, rows),
-                                   [sinks[i] for i in rows] if sinks is not None else None))
-            for driver, (node, rows) in zip(drivers, asked, strict=True)])
         results: list[memoryview | Segments | None] = [None] * (len(blob) // KEY_SIZE)
-        answers, _ = cluster_ops.round_answers(asked, outcomes)  # (refused: rows stay None)
-        for rows, views in answers:
-            for row, view in zip(rows.tolist(), views, strict=True):
-                results[row] = view
-        missing = [row for row, view in enumerate(results) if view is None]
-        return results, missing, self._newer_epoch_seen()
+
+        def some(rows: Rows) -> list[memoryview | Segments] | None:
+            return [sinks[i] for i in rows] if sinks is not None else None
+
+        self._rounds(cluster_ops.get_rounds(self.router, blob, results),
+                     lambda node, rows: plans.get_tcp(node, rows_blob(blob, rows), some(rows)),
+                     lambda node, rows: node.get(rows_blob(blob, rows), some(rows)),
+                     reads=True)
+        return results
 
     def _direct_get(self, node: NodeClient, blob: bytes,
                     sinks: Sequence[memoryview | Segments] | None

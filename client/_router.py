@@ -21,8 +21,7 @@ import functools
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -30,28 +29,19 @@ import numpy.typing as npt
 from kvpool.client._checks import checked_map
 from kvpool.client._node import NodeClient
 from kvpool.client._options import ClientOptions
-from kvpool.client._plans import routed_by, rows_blob
-from kvpool.client._routing import (
-    FIRST_ANSWER,
-    Coverage,
-    LeftBehind,
-    Settle,
-    grace,
-    pick,
-    pick_live,
-)
+from kvpool.client._plans import routed_by
+from kvpool.client._rounds import Absorb, Refresh, Round, RoundPlan, fan_out
+from kvpool.client._routing import FIRST_ANSWER, Coverage, LeftBehind, Settle, grace
 from kvpool.placement.cluster_map import ClusterMap, NodeState
-from kvpool.placement.ring import key_positions
 from kvpool.protocol.errors import KvpoolConnectionError, WrongOwnerError
-from kvpool.protocol.frames import KEY_SIZE, Op
+from kvpool.protocol.frames import Op
 
 __all__ = ["Router"]
 
 log = logging.getLogger("kvpool.client")
 T = TypeVar("T")
+R = TypeVar("R")
 
-#: map refreshes a single call may wait for before giving up on WRONG_OWNER
-_MAX_REFRESHES = 3
 _CLUSTER_FIELDS = ("epoch", "replication", "fallbacks", "nodes")
 
 
@@ -64,6 +54,8 @@ class Router:
         self.nodes: dict[str, NodeClient] = {}
         #: ``nodes`` in ring order (the map's node indexes)
         self.ring_nodes: list[NodeClient] = []
+        #: ``nodes`` the map marks draining
+        self._draining: list[NodeClient] = []
         #: the node, when this client routes by a standalone node's map (epoch 0)
         self.standalone_node: NodeClient | None = None
         #: corrupt chunks, and stragglers left behind, counted by node clients no longer
@@ -96,70 +88,57 @@ class Router:
 
     async def fan_out(self, blob: bytes, send: Send[T], absorb: Absorb[T], *, per_row: str,
                       sequential: bool = False) -> None:
-        """Send each key to nodes of its preference list and hand every answer to ``absorb``.
+        """:func:`kvpool.client._rounds.fan_out` run on the loop, ``send(node, rows)``
+        asking one node about the keys at batch positions ``rows``."""
+        await self.drive(fan_out(self, blob, absorb, per_row=per_row, sequential=sequential),
+                         send)
 
-        ``send(node, rows)`` asks one node about the keys at batch positions
-        ``rows``; ``absorb(rows, answer)`` takes its answer and may return a
-        mask of keys that need no more answers (a GET hit). ``per_row``: how
-        many nodes answer for a key ("owners": the replication factor; "all":
-        the whole list, at once; "live": the list's live nodes at once, a node
-        marked down only where none of it is live (a probe), and a key is done
-        once a node answered: a question that must not wait on a hung node
-        each time, EXISTS). ``sequential`` asks one node per key per
-        round (reads stop at the first hit); otherwise all the nodes still
-        needed are asked at once. Nodes that fail are marked down and the key
-        moves on down its list; WRONG_OWNER refreshes the map and starts over
-        the keys not done. Raises KvpoolConnectionError for keys no node
-        answered for (the node's own error where one node's failure is all
-        there is to say, as for a standalone node).
-        """
-        n = len(blob) // KEY_SIZE
-        state = _FanOut(send, absorb, np.zeros(n, dtype=np.intp), np.zeros(n, dtype=bool), {},
-                        self._background)
-        positions: npt.NDArray[np.uint64] | None = None
-        refreshes = 0
+    async def drive(self, plan: RoundPlan[R], send: Send[Any],
+                    pending: Round | Refresh | None = None) -> R:
+        """Run a round plan (``client/_rounds.py``) on the loop: each round's nodes asked
+        at once with ``send``, the map refreshed where it says. ``pending``: a step the
+        plan yielded already (the sync client's driver hands its plan over so)."""
+        step = pending
+        outcomes: list[Any] | None = None
         while True:
-            # the map may be replaced while this call waits: route by one snapshot of it
-            cmap, ring_nodes = self.map, self.ring_nodes
-            assert cmap is not None
-            if len(ring_nodes) == 1:  # every key's list is that node: nothing to look up
-                stale = await state.deliver(cmap.epoch, ring_nodes,
-                                            [np.flatnonzero(~state.done)], count=1)
-            elif per_row != "owners" and not sequential and cmap.width == len(ring_nodes):
-                # every key's list is every node (a small cluster) and all of it is asked at
-                # once: what ``rounds`` would send, with no ring lookup or picks (~0.15 ms
-                # of a 512-key lookup on 3 nodes here)
-                rows = np.flatnonzero(~state.done)
-                asked = live_or_all(ring_nodes) if per_row == "live" else ring_nodes
-                stale = await state.deliver(cmap.epoch, asked, [rows] * len(asked),
-                                            count=answers_needed(per_row, cmap),
-                                            settle=settling(cmap, ring_nodes)
-                                            if per_row == "live" else None)
+            if step is None:
+                try:
+                    step = plan.send(outcomes)
+                except StopIteration as done:
+                    return cast(R, done.value)
+            if isinstance(step, Refresh):
+                await self.refresh(min_epoch=step.epoch)
+                outcomes = None
             else:
-                if positions is None:
-                    positions = key_positions(blob)
-                stale = await state.rounds(cmap, ring_nodes, positions, per_row=per_row,
-                                           sequential=sequential)
-            if stale is None or refreshes >= _MAX_REFRESHES:
-                break
-            refreshes += 1
-            await self.refresh(min_epoch=stale)
-        unanswered = np.flatnonzero(state.answered == 0)
-        if len(unanswered):
-            if len(state.failed) == 1 and stale is None:  # one node's failure says it all
-                raise next(iter(state.failed.values()))
-            raise KvpoolConnectionError(
-                f"no node of the preference list answered for {len(unanswered)} of {n} keys "
-                f"(e.g. {rows_blob(blob, unanswered[:1]).hex()}); "
-                f"nodes down: {[x.node_id for x in ring_nodes if not x.live]}")
+                outcomes = await self._ask(step, send)
+            step = None
+
+    async def _ask(self, round_: Round, send: Send[T]) -> list[T | BaseException]:
+        """Each node of ``round_`` asked its rows at once: its answer or its exception,
+        in order (``LeftBehind``: a straggler a settling round stopped waiting for)."""
+        # the frames say which map routed them, even if a newer one is installed before
+        # they are sent (the tasks gather makes copy this context)
+        token = routed_by.set(round_.epoch)
+        try:
+            if len(round_.asked) == 1:  # awaited in this task: a task costs loop turns
+                node, rows = round_.asked[0]
+                try:
+                    return [await send(node, rows)]
+                except Exception as exc:  # handed on as gather would
+                    return [exc]
+            nodes = [node for node, _ in round_.asked]
+            rows_of = [rows for _, rows in round_.asked]
+            if round_.settle is not None:
+                return await gather_settled(nodes, rows_of, send, self._background,
+                                            round_.settle)
+            return list(await asyncio.gather(
+                *(send(node, rows) for node, rows in round_.asked), return_exceptions=True))
+        finally:
+            routed_by.reset(token)
 
     def draining(self) -> list[NodeClient]:
         """Live nodes the map marks draining: they own nothing but may still hold chunks."""
-        cmap = self.map
-        if cmap is None:
-            return []
-        return [self.nodes[n.id] for n in cmap.nodes
-                if n.state == NodeState.DRAINING and self.nodes[n.id].live]
+        return [node for node in self._draining if node.live] if self._draining else []
 
     @property
     def sole_node(self) -> NodeClient | None:
@@ -227,63 +206,13 @@ class Router:
         self.map = cmap
         self.nodes = nodes
         self.ring_nodes = [nodes[i] for i in cmap.ring.nodes]
+        self._draining = [nodes[n.id] for n in cmap.nodes if n.state == NodeState.DRAINING]
         self.standalone_node = self.ring_nodes[0] if cmap.is_standalone else None
         if cmap.is_standalone:
             log.info("kvpool: standalone node %s at %s", cmap.nodes[0].id, cmap.nodes[0].data)
         else:
             log.info("kvpool cluster map epoch %d: %d nodes, replication %d", cmap.epoch,
                      len(cmap.nodes), cmap.replication)
-
-    def read_round(self, blob: bytes) -> list[tuple[NodeClient, Rows]] | None:
-        """What :meth:`fan_out`'s first round of a read sends (``sequential``: each key to
-        the first trusted node of its list), for a caller that sends it itself (the sync
-        client's blocking GET): each node with the batch positions of its keys. None unless
-        that round is plain: a map of two or more nodes, none draining, and a trusted node
-        in every key's list (else the fan-out probes a node, on the loop)."""
-        cmap, ring = self.map, self.ring_nodes
-        if cmap is None or len(ring) < 2 or self.draining():
-            return None
-        n = len(blob) // KEY_SIZE
-        table = cmap.ring.owner_indexes(key_positions(blob), cmap.width)
-        trusted = np.array([node.trusted for node in ring], dtype=bool)
-        picks = pick(table, np.zeros(table.shape, dtype=bool), trusted,
-                     np.arange(n, dtype=np.intp))
-        asked = [(ring[p.node], p.rows) for p in picks]
-        if not asked or not all(trusted[p.node] for p in picks):
-            return None
-        return asked
-
-    def settle_rule(self) -> Settle:
-        """What settles a key of an EXISTS on the map routed by now (:func:`settling`)."""
-        return settling(self.map, self.ring_nodes) if self.map is not None else FIRST_ANSWER
-
-    def one_round(self, blob: bytes) -> list[tuple[NodeClient, Rows]] | None:
-        """What :meth:`fan_out` with ``per_row="live"`` sends (the live nodes of each key's
-        list, at once: EXISTS), for a caller that sends it itself (the sync client's
-        blocking fan-out): each node with the batch positions of the keys it is asked
-        about. Where every key's list is every node, that is every live node and the whole
-        batch; else the picks of the fan-out's first round. None unless that round is all
-        there is to it: a map of two or more nodes, none draining, a live node in every
-        key's list (else the fan-out probes a node marked down), and none of them
-        :attr:`~kvpool.client._node.NodeClient.suspect` (its back-off over, a node that
-        fell silent is probed on the loop, where its reconnect and HELLO settle with the
-        request; a blocking reconnect would wait out its timeout)."""
-        cmap, ring = self.map, self.ring_nodes
-        if cmap is None or len(ring) < 2 or self.draining():
-            return None
-        n = len(blob) // KEY_SIZE
-        if cmap.width == len(ring):  # every key's list is every node: no ring lookup
-            everything = np.arange(n, dtype=np.intp)
-            asked = [(node, everything) for node in ring if node.live]
-        else:
-            table = cmap.ring.owner_indexes(key_positions(blob), cmap.width)
-            picks = pick_live(table, np.zeros(table.shape, dtype=bool),
-                              np.array([node.live for node in ring], dtype=bool),
-                              np.arange(n, dtype=np.intp))
-            asked = [(ring[p.node], p.rows) for p in picks]
-        if not asked or any(not node.live or node.suspect for node, _ in asked):
-            return None
-        return asked
 
     def _on_newer_epoch(self, epoch: int) -> None:
         if self.map is None or epoch <= self.map.epoch:
@@ -418,114 +347,3 @@ def _straggler_done(node: NodeClient, task: asyncio.Future[object]) -> None:
 
 Rows = npt.NDArray[np.intp]
 Send = Callable[[NodeClient, Rows], Awaitable[T]]
-Absorb = Callable[[Rows, T], "npt.NDArray[np.bool_] | None"]
-
-
-def answers_needed(per_row: str, cmap: ClusterMap) -> int:
-    """How many nodes must answer for a key before a fan-out of ``per_row`` is done with
-    it: every node of its list ("all"), one ("live": all the live ones were asked at
-    once), or its owners ("owners")."""
-    return {"all": cmap.width, "live": 1}.get(per_row, cmap.num_owners)
-
-
-def settling(cmap: ClusterMap, ring_nodes: list[NodeClient]) -> Settle:
-    """What settles a key of an EXISTS or lookup on ``cmap``: an answer from one of its
-    owners at least (:meth:`Settle.for_map`), one node of its list allowed to be silent
-    while every node of the map is trusted."""
-    return Settle.for_map(cmap.width, cmap.num_owners,
-                          healthy=all(node.trusted for node in ring_nodes))
-
-
-def live_or_all(nodes: list[NodeClient]) -> list[NodeClient]:
-    """The live ones of ``nodes``; all of them where none is (probes)."""
-    return [node for node in nodes if node.live] or nodes
-
-
-@dataclass
-class _FanOut(Generic[T]):
-    """One fan-out: what it sends, what takes the answers, and what it has heard so far."""
-
-    send: Send[T]
-    absorb: Absorb[T]
-    answered: Rows  #: answers per key
-    done: npt.NDArray[np.bool_]  #: keys that need no more answers
-    failed: dict[str, KvpoolConnectionError]  #: by node id, the last failure
-    background: set[asyncio.Future[Any]]  #: where stragglers' requests are kept (the router's)
-
-    async def rounds(self, cmap: ClusterMap, ring_nodes: list[NodeClient],
-                     positions: npt.NDArray[np.uint64], *, per_row: str, sequential: bool
-                     ) -> int | None:
-        """Ask nodes down each key's preference list, a round at a time, until every key
-        has its answers or its list is spent; the newest epoch a WRONG_OWNER named."""
-        table = cmap.ring.owner_indexes(positions, cmap.width)
-        tried = np.zeros(table.shape, dtype=bool)
-        width = table.shape[1]
-        count = answers_needed(per_row, cmap)
-        for _ in range(width):
-            rows = np.flatnonzero(~self.done & ~tried.all(axis=1))
-            if not len(rows):
-                break
-            # a read or a write waits for its nodes: one that let a deadline pass or fell
-            # behind is left to the questions that do not (EXISTS settles without it)
-            live = np.array([node.live if per_row == "live" else node.trusted
-                             for node in ring_nodes], dtype=bool)
-            if sequential:
-                picks = pick(table, tried, live, rows)
-            elif per_row == "live":
-                picks = pick_live(table, tried, live, rows)
-            else:
-                # ask as many more nodes as are still needed, one frame a node
-                picks = pick(table, tried, live, rows, per_row=count - self.answered[rows])
-            if not picks:
-                break
-            stale = await self.deliver(cmap.epoch, [ring_nodes[p.node] for p in picks],
-                                       [p.rows for p in picks], count=count,
-                                       settle=settling(cmap, ring_nodes)
-                                       if per_row == "live" else None)
-            if stale is not None:
-                return stale
-        return None
-
-    async def deliver(self, epoch: int, nodes: list[NodeClient], rows: list[Rows], *,
-                      count: int, settle: Settle | None = None) -> int | None:
-        """Send each node its rows (in parallel), absorb the answers, mark failing nodes
-        down; keys with ``count`` answers are done. ``settle``: stop waiting for
-        stragglers once each key has those answers (:func:`gather_settled`). The newest
-        epoch a WRONG_OWNER named."""
-        # the frames say which map routed them, even if a newer one is installed before
-        # they are sent (the tasks gather makes copy this context)
-        token = routed_by.set(epoch)
-        try:
-            if len(nodes) == 1:  # awaited in this task: a task of its own costs loop turns
-                try:
-                    outcomes: list[T | BaseException] = [await self.send(nodes[0], rows[0])]
-                except Exception as exc:  # handed on as gather would
-                    outcomes = [exc]
-            elif settle is not None:
-                outcomes = await gather_settled(nodes, rows, self.send, self.background,
-                                                settle)
-            else:
-                outcomes = list(await asyncio.gather(
-                    *(self.send(node, r) for node, r in zip(nodes, rows, strict=True)),
-                    return_exceptions=True))
-        finally:
-            routed_by.reset(token)
-        stale: int | None = None
-        for node, r, outcome in zip(nodes, rows, outcomes, strict=True):
-            if isinstance(outcome, LeftBehind):  # a straggler (marked slow)
-                continue
-            if isinstance(outcome, WrongOwnerError):
-                stale = max(stale or 0, outcome.epoch)
-                continue
-            if isinstance(outcome, KvpoolConnectionError):
-                node.mark_down(outcome)
-                self.failed[node.node_id] = outcome
-                continue
-            if isinstance(outcome, BaseException):
-                raise outcome
-            finished = self.absorb(r, outcome)
-            self.answered[r] += 1
-            if finished is not None:
-                self.done[r[finished]] = True
-        self.done |= self.answered >= count
-        return stale
