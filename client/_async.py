@@ -88,7 +88,7 @@ log = logging.getLogger("kvpool.client")
 T = TypeVar("T")
 
 
-def _sinks(keys: Sequence[Key], buffers: Sequence[BufferOrSegments]
+def get_sinks(keys: Sequence[Key], buffers: Sequence[BufferOrSegments]
            ) -> list[memoryview | Segments]:
     """The parser's sinks of ``get_many_into``'s buffers (a list or tuple: one readv)."""
     if len(keys) != len(buffers):
@@ -108,7 +108,7 @@ def _sinks(keys: Sequence[Key], buffers: Sequence[BufferOrSegments]
     return sinks
 
 
-def _bytearrays(results: Sequence[memoryview | Segments | None]) -> list[bytearray | None]:
+def as_bytearrays(results: Sequence[memoryview | Segments | None]) -> list[bytearray | None]:
     # with no caller sinks each payload was received (or copied) into a bytearray of its own
     return [cast(bytearray, cast(memoryview, r).obj) if r is not None else None
             for r in results]
@@ -350,7 +350,7 @@ class AsyncClient:
     @traced("get_many")
     async def get_many(self, keys: Sequence[Key]) -> list[bytearray | None]:
         """Payloads as new bytearrays (None for misses), in key order."""
-        return _bytearrays(await self._get(join_keys(keys), None))
+        return as_bytearrays(await self._get(join_keys(keys), None))
 
     @traced("get_many_into")
     async def get_many_into(self, keys: Sequence[Key], buffers: Sequence[BufferOrSegments]
@@ -362,7 +362,7 @@ class AsyncClient:
         engine's KV blocks this way. Bytes of a payload that fails its
         checksum may have been written into the buffer; it is reported as a miss.
         """
-        results = await self._get(join_keys(keys), _sinks(keys, buffers))
+        results = await self._get(join_keys(keys), get_sinks(keys, buffers))
         return [len(r) if r is not None else None for r in results]
 
     @property

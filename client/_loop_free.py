@@ -36,7 +36,7 @@ from typing import Any, TypeVar, cast
 
 from kvpool.client import _cluster_ops as cluster_ops
 from kvpool.client import _plans as plans
-from kvpool.client._async import AsyncClient, _sinks, put_args, raise_put_errors
+from kvpool.client._async import AsyncClient, get_sinks, put_args, raise_put_errors
 from kvpool.client._blocking import BlockingNode, run_parallel
 from kvpool.client._connection import BufferOrSegments
 from kvpool.client._node import Key, NodeClient, join_keys
@@ -288,7 +288,7 @@ class LoopFree:
         with self.lock:
             self._check_open()
             blob = join_keys(keys)
-            sinks = _sinks(keys, buffers) if buffers is not None else None
+            sinks = get_sinks(keys, buffers) if buffers is not None else None
             node = self.direct_node
             if node is not None:
                 return self._direct_get(node, blob, sinks)

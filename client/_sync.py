@@ -21,7 +21,7 @@ from opentelemetry.trace import TracerProvider
 
 from kvpool.client._async import (
     AsyncClient,
-    _bytearrays,
+    as_bytearrays,
 )
 from kvpool.client._connection import BufferOrSegments
 from kvpool.client._loop_free import LoopFree
@@ -153,7 +153,7 @@ class Client:
 
     def get_many(self, keys: Sequence[Key]) -> list[bytearray | None]:
         done = self._free.get(keys, None)
-        return _bytearrays(done) if done is not None else self.run(self._async.get_many(keys))
+        return as_bytearrays(done) if done is not None else self.run(self._async.get_many(keys))
 
     def get_many_into(self, keys: Sequence[Key], buffers: Sequence[BufferOrSegments]
                       ) -> list[int | None]:
