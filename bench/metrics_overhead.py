@@ -114,12 +114,12 @@ class OtlpSink:
 def tracing_off_cost_us(n: int = 200_000) -> float:
     """What one client call pays with tracing off: the provider check + the span check."""
     from kvpool.client import AsyncClient
-    from kvpool.client._tracing import _tracer, wire_context
+    from kvpool.client._tracing import tracer_for, wire_context
 
     owner = AsyncClient()  # never connected: only its (absent) tracer provider is read
     t0 = time.perf_counter()
     for _ in range(n):
-        _tracer(owner)
+        tracer_for(owner)
         wire_context()
     return (time.perf_counter() - t0) / n * 1e6
 

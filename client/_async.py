@@ -57,17 +57,17 @@ from kvpool.client._node import (
     DEFAULT_PORT,
     Key,
     NodeClient,
-    _ttl_ms,
     check_u32,
     join_keys,
     key_bytes,
     parse_seeds,
     parse_url,
+    ttl_ms_of,
 )
 from kvpool.client._options import BUSY_POLL_US, SHM_PUT_MIN_BYTES, ClientOptions
 from kvpool.client._plans import as_segments, flat_view
 from kvpool.client._router import Router
-from kvpool.client._tracing import _tracer, explicit_tracer, traced
+from kvpool.client._tracing import explicit_tracer, traced, tracer_for
 from kvpool.client.transport import Transport
 from kvpool.placement.cluster_map import ClusterMap
 from kvpool.protocol.envelope import ZERO_FINGERPRINT
@@ -374,7 +374,7 @@ class AsyncClient:
     @property
     def records_spans(self) -> bool:
         """Whether calls record client spans now (an SDK tracer provider is installed)."""
-        return _tracer(self) is not None
+        return tracer_for(self) is not None
 
     def read_in_place(self, key: Key, consume: Callable[[memoryview], None]) -> bool:
         """Hand ``consume`` the payload of ``key`` where it lies in a same-host node's
@@ -493,7 +493,7 @@ def put_args(keys: Sequence[Key], values: Sequence[BufferOrSegments], *, ttl: fl
         check_u32("chunk_index", index)
     bparents = [key_bytes(p) if p is not None else None for p in parents] \
         if parents is not None else None
-    return PutArgs([key_bytes(k) for k in keys], bparents, _ttl_ms(ttl),
+    return PutArgs([key_bytes(k) for k in keys], bparents, ttl_ms_of(ttl),
                    PUT_FLAG_PIN if pin else 0)
 
 

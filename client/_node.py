@@ -112,7 +112,7 @@ def join_keys(keys: Sequence[Key]) -> bytes:
 MAX_TTL_S = 0xFFFFFFFF / 1000
 
 
-def _ttl_ms(ttl: float | None) -> int:
+def ttl_ms_of(ttl: float | None) -> int:
     if ttl is None:
         return 0
     if not 0 < ttl <= MAX_TTL_S:  # NaN fails this too

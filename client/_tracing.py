@@ -68,7 +68,7 @@ def explicit_tracer(provider: trace.TracerProvider | None) -> trace.Tracer | Non
     return provider.get_tracer("kvpool.client")
 
 
-def _tracer(owner: _HasProvider) -> trace.Tracer | None:
+def tracer_for(owner: _HasProvider) -> trace.Tracer | None:
     """The tracer for ``owner``'s spans, or None when no SDK provider is installed."""
     if owner.tracer_provider is not None:
         return owner.tracer
@@ -104,7 +104,7 @@ def traced(name: str) -> Callable[
                  ) -> Callable[Concatenate[Any, P], Coroutine[Any, Any, T]]:
         @functools.wraps(fn)
         def wrapper(self: Any, /, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, T]:
-            tracer = _tracer(self)
+            tracer = tracer_for(self)
             if tracer is None:
                 return fn(self, *args, **kwargs)
             return _run(tracer, span_name, fn(self, *args, **kwargs),
