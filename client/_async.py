@@ -341,10 +341,8 @@ class AsyncClient:
                                                   chunk_indexes=chunk_indexes,
                                                   num_tokens=num_tokens, parents=parents)
         await self.connect()
-        refused, stored = await cluster_ops.put(
-            self._router, bkeys, values, ttl_ms=ttl_ms, flags=flags,
-            chunk_indexes=chunk_indexes, num_tokens=num_tokens, fingerprint=fingerprint,
-            parents=bparents)
+        refused, stored = await cluster_ops.put(self._router, cluster_ops.PutBatch(
+            bkeys, values, ttl_ms, flags, chunk_indexes, num_tokens, fingerprint, bparents))
         raise_put_errors(bkeys, refused, stored)
 
     @traced("get_many")

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
+from kvpool.client import _plans as plans
 from kvpool.client._connection import BufferOrSegments
 from kvpool.client._node import NodeClient
 from kvpool.client._plans import rows_blob
@@ -35,39 +36,67 @@ from kvpool.protocol.parsers import Segments
 
 T = TypeVar("T")
 
-__all__ = ["exists_codes", "exists_rounds", "get", "get_rounds", "held_prefix", "put",
-           "statuses"]
+__all__ = ["PutBatch", "exists_codes", "exists_rounds", "get", "get_rounds", "held_prefix",
+           "put", "put_rounds", "statuses", "statuses_rounds"]
 
 
-async def put(router: Router, bkeys: list[bytes], values: Sequence[BufferOrSegments], *,
-              ttl_ms: int, flags: int, chunk_indexes: Sequence[int] | None, num_tokens: int,
-              fingerprint: bytes, parents: list[bytes | None] | None
-              ) -> tuple[list[int], list[bool]]:
+class PutBatch(NamedTuple):
+    """A put_many's keys and values, and what goes with each (``client/_async.py``
+    ``put_args``)."""
+
+    bkeys: list[bytes]
+    values: Sequence[BufferOrSegments]
+    ttl_ms: int
+    flags: int
+    chunk_indexes: Sequence[int] | None
+    num_tokens: int
+    fingerprint: bytes
+    parents: list[bytes | None] | None
+
+    def part(self, rows: Rows) -> PutBatch:
+        """The keys at ``rows``, with what goes with each."""
+        chunk_indexes, parents = self.chunk_indexes, self.parents
+        return self._replace(
+            bkeys=[self.bkeys[i] for i in rows], values=[self.values[i] for i in rows],
+            chunk_indexes=[chunk_indexes[i] for i in rows] if chunk_indexes is not None
+            else None, parents=[parents[i] for i in rows] if parents else None)
+
+    def items(self, node: NodeClient) -> list[plans.PutItem]:
+        """As put items for ``node``'s limits (from its HELLO: a node met already)."""
+        return plans.put_items(node, self.bkeys, self.values, ttl_ms=self.ttl_ms,
+                               flags=self.flags, chunk_indexes=self.chunk_indexes,
+                               parents=self.parents)
+
+    def put_on(self, node: NodeClient) -> Awaitable[list[int]]:
+        """``node.put`` of these keys (it connects first, if need be)."""
+        return node.put(self.bkeys, self.values, ttl_ms=self.ttl_ms, flags=self.flags,
+                        chunk_indexes=self.chunk_indexes, num_tokens=self.num_tokens,
+                        fingerprint=self.fingerprint, parents=self.parents)
+
+
+async def put(router: Router, batch: PutBatch) -> tuple[list[int], list[bool]]:
     """(a refusal status per key, OK where none; whether some node stored it)."""
-    answer = await router.ask_sole(lambda node: node.put(
-        bkeys, values, ttl_ms=ttl_ms, flags=flags, chunk_indexes=chunk_indexes,
-        num_tokens=num_tokens, fingerprint=fingerprint, parents=parents))
+    answer = await router.ask_sole(batch.put_on)
     if answer is not None:
         return answer, [s == Status.OK for s in answer]
+    return await router.drive(put_rounds(router, batch),
+                              lambda node, rows: batch.part(rows).put_on(node))
 
-    def send(node: NodeClient, rows: npt.NDArray[np.intp]) -> Awaitable[list[int]]:
-        return node.put([bkeys[i] for i in rows], [values[i] for i in rows],
-                        ttl_ms=ttl_ms, flags=flags,
-                        chunk_indexes=[chunk_indexes[i] for i in rows]
-                        if chunk_indexes is not None else None,
-                        num_tokens=num_tokens, fingerprint=fingerprint,
-                        parents=[parents[i] for i in rows] if parents else None)
 
-    n = len(bkeys)
+def put_rounds(routes: Routes, batch: PutBatch) -> RoundPlan[tuple[list[int], list[bool]]]:
+    """A cluster put's rounds: each key to the first ``replication`` live nodes of its
+    list (its fallbacks while an owner is down). (A refusal status per key, OK where
+    none; whether some node stored it.)"""
+    n = len(batch.bkeys)
     stored = np.zeros(n, dtype=bool)
     refused = np.full(n, Status.OK, dtype=np.int16)  # a status other than OK, if any
 
-    def absorb(rows: npt.NDArray[np.intp], answers: list[int]) -> None:
+    def absorb(rows: Rows, answers: list[int]) -> None:
         arr = np.array(answers, dtype=np.int16)
         stored[rows] |= arr == Status.OK
         refused[rows] = np.where(arr != Status.OK, arr, refused[rows])
 
-    await router.fan_out(b"".join(bkeys), send, absorb, per_row="owners")
+    yield from fan_out(routes, b"".join(batch.bkeys), absorb, per_row="owners")
     return refused.tolist(), stored.tolist()
 
 
@@ -179,15 +208,21 @@ async def statuses(router: Router, op: Op, blob: bytes) -> list[bool]:
     if answers is not None:
         return [s == Status.OK for s in answers]
 
-    def send(node: NodeClient, rows: npt.NDArray[np.intp]) -> Awaitable[list[int]]:
+    def send(node: NodeClient, rows: Rows) -> Awaitable[list[int]]:
         return node.statuses(op, rows_blob(blob, rows))
 
+    return await router.drive(statuses_rounds(router, blob), send)
+
+
+def statuses_rounds(routes: Routes, blob: bytes) -> RoundPlan[list[bool]]:
+    """DELETE/PIN/UNPIN's rounds: every node of each key's list; True where some node
+    did it."""
     done = np.zeros(len(blob) // KEY_SIZE, dtype=bool)
 
-    def absorb(rows: npt.NDArray[np.intp], answers: list[int]) -> None:
+    def absorb(rows: Rows, answers: list[int]) -> None:
         done[rows] |= np.array(answers) == Status.OK
 
-    await router.fan_out(blob, send, absorb, per_row="all")
+    yield from fan_out(routes, blob, absorb, per_row="all")
     return done.tolist()
 
 

@@ -11,14 +11,13 @@ loop. Two kinds of call skip the loop (a loop run costs ~40 us here, as much as 
   same op plans as the async core (:mod:`kvpool.client._plans`) on a blocking
   socket of this client's own (:mod:`kvpool.client._blocking`), unless client
   spans are recorded; so a sync client holds one connection more than its
-  pool. On a cluster, the key ops an engine's scheduler asks, ``exists*`` and
-  ``lookup*``, do the same on the blocking sockets of the nodes asked, every
-  frame sent before any reply is read
-  (:func:`~kvpool.client._blocking.run_parallel`). A cluster's GETs send their first
-  round so (each key to the first trusted node of its list; nodes whose arenas the
-  client has not mapped: a same-host node's GETs go through its arena), and read the
-  keys not found there on down their lists on the loop. A cluster's other calls run on
-  the loop (its routing is async).
+  pool. On a cluster, GET, EXISTS (so lookups), DELETE, PIN, UNPIN and puts below
+  ``shm_put_min_bytes`` run their round plans (``client/_rounds.py``, the same the
+  loop runs) on the blocking sockets of the nodes asked, every frame of a round sent
+  before any reply is read (:func:`~kvpool.client._blocking.run_parallel`), and hand
+  the plan to the loop at the first round they cannot send themselves (a node not
+  trusted or not yet met, for GETs one whose arena the client mapped, a map refresh).
+  A cluster's other calls run on the loop.
 - a GET that a same-host node's arena index can answer whole is copied with
   no request at all (``ShmPath.read_local``). The loop still runs before such a read
   when the reads before it are due to be reported, or when it has not run for
@@ -54,6 +53,12 @@ __all__ = ["LoopFree"]
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+def _nbytes(values: Sequence[BufferOrSegments]) -> int:
+    """The bytes of put values (a list or tuple of buffers: their sum)."""
+    return sum(sum(memoryview(p).nbytes for p in v) if isinstance(v, list | tuple)
+               else memoryview(v).nbytes for v in values)
 
 
 class LoopFree:
@@ -158,12 +163,28 @@ class LoopFree:
             ttl: float | None, pin: bool, chunk_indexes: Sequence[int] | None,
             num_tokens: int, fingerprint: bytes, parents: Sequence[Key | None] | None
             ) -> bool:
-        """``put_many`` to a standalone node with no event loop: through its arena where
-        the blocking link was granted it, else over TCP; raises what the node refused.
-        False, having sent nothing: run it on the loop."""
+        """``put_many`` with no event loop: to a standalone node through its arena where
+        the blocking link was granted it, else over TCP; to a cluster, its round plan
+        (``put_rounds``) by :meth:`_rounds` where the values total less than
+        ``shm_put_min_bytes`` (so that no arena would carry them: a blocking round sends
+        to one node after another, where the loop interleaves big values). Raises what
+        the nodes refused. False, having sent nothing: run it on the loop."""
         bkeys, bparents, ttl_ms, flags = put_args(keys, values, ttl=ttl, pin=pin,
                                                   chunk_indexes=chunk_indexes,
                                                   num_tokens=num_tokens, parents=parents)
+        if self._on_cluster():
+            if _nbytes(values) >= self.core.options.shm_put_min_bytes:
+                return False
+            batch = cluster_ops.PutBatch(bkeys, values, ttl_ms, flags, chunk_indexes,
+                                         num_tokens, fingerprint, bparents)
+            refused, stored = self._rounds(
+                cluster_ops.put_rounds(self.router, batch),
+                lambda node, rows: node.path.put_plan(
+                    self.driver(node), batch.part(rows).items(node), num_tokens=num_tokens,
+                    fingerprint=fingerprint),
+                lambda node, rows: batch.part(rows).put_on(node), reads=False)
+            raise_put_errors(bkeys, refused, stored)
+            return True
 
         def plan_for(node: NodeClient) -> plans.Plan[list[int]] | None:
             items = plans.put_items(node, bkeys, values, ttl_ms=ttl_ms, flags=flags,
@@ -195,8 +216,14 @@ class LoopFree:
         return bytes(done[0]) if done is not None else None
 
     def oks(self, op: Op, blob: bytes) -> list[bool] | None:
-        """DELETE, PIN or UNPIN of a standalone node's keys with no event loop: whether
-        each was done; None, having sent nothing: run it on the loop."""
+        """DELETE, PIN or UNPIN with no event loop (a cluster's by its round plan,
+        ``statuses_rounds``): whether each was done somewhere; None, having sent nothing:
+        run it on the loop."""
+        if self._on_cluster():
+            return self._rounds(cluster_ops.statuses_rounds(self.router, blob),
+                                lambda node, rows: plans.statuses(node, op, rows_blob(blob, rows)),
+                                lambda node, rows: node.statuses(op, rows_blob(blob, rows)),
+                                reads=False)
         done = self.direct(lambda node: plans.statuses(node, op, blob))
         return [s == Status.OK for s in done[0]] if done is not None else None
 
@@ -218,8 +245,7 @@ class LoopFree:
         this thread as far as :meth:`_rounds` can. None, having sent nothing, for a
         standalone node (the caller's :meth:`direct` path) or where the whole call runs
         on the loop (client spans to record, or not yet connected)."""
-        if self.router.map is None or self.router.standalone_node is not None \
-                or not self._spanless():
+        if not self._on_cluster():
             return None
         return self._rounds(cluster_ops.exists_rounds(self.router, blob),
                             lambda node, rows: plans.exists(node, rows_blob(blob, rows)),
@@ -260,6 +286,12 @@ class LoopFree:
             result = self.run(self.router.drive(plan, send, pending=step))
         return result
 
+    def _on_cluster(self) -> bool:
+        """A cluster's call may go by :meth:`_rounds`: connected to a cluster (not a
+        standalone node), calls over TCP allowed, no client spans to record."""
+        return self.router.map is not None and self.router.standalone_node is None \
+            and self._spanless()
+
     def _sendable(self, round_: Round, *, reads: bool) -> bool:
         """Whether :meth:`_rounds` sends ``round_`` itself (see there)."""
         for node, _ in round_.asked:
@@ -292,7 +324,7 @@ class LoopFree:
             node = self.direct_node
             if node is not None:
                 return self._direct_get(node, blob, sinks)
-        if self.router.map is None or not self._spanless():
+        if not self._on_cluster():
             return None
         results: list[memoryview | Segments | None] = [None] * (len(blob) // KEY_SIZE)
 

@@ -266,7 +266,7 @@ class NodeClient:
         items = plans.put_items(self, bkeys, values, ttl_ms=ttl_ms, flags=flags,
                                 chunk_indexes=chunk_indexes, parents=parents)
         return await self.path.put(conn, items, num_tokens=num_tokens,
-                                       fingerprint=fingerprint)
+                                   fingerprint=fingerprint)
 
     async def get(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None
                   ) -> list[memoryview | Segments | None]:

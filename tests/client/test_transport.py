@@ -449,6 +449,32 @@ def test_the_sync_client_asks_a_small_cluster_on_blocking_links_in_parallel() ->
             assert c.lookup(keys) == 20
 
 
+def test_the_sync_clients_cluster_puts_and_deletes_run_their_rounds_on_blocking_links(
+        ) -> None:
+    """3 nodes, replication 2: once the client has met every node, a small put and a
+    delete run their round plans (the loop's own) on the blocking links, with no event
+    loop: each key lands on the first two nodes of its list, as the loop puts it, and a
+    delete reaches every node of the list. A put of ``shm_put_min_bytes`` or more runs on
+    the loop (a blocking round would send to one node after another)."""
+    mock = cluster()
+    assert mock.map is not None
+    with Client("10.0.0.1:7700", transport=mock.transport) as c:
+        held_20_of_50(c, mock)  # (every node met)
+        keys = [rkey() for _ in range(12)]
+        with no_loop(c):
+            c.put_many(keys, [b"w" * 100] * 12)
+            assert c.delete_many([keys[0], rkey()]) == [True, False]
+        lists = mock.map.preference(keys)
+        assert all(mock.holders(k) == set(pref[:2])
+                   for k, pref in zip(keys[1:], lists[1:], strict=True))
+        assert mock.holders(keys[0]) == set()
+        assert all([n for op, n in node.seen if op == Op.PUT]
+                   == [sum(node.node_id in pref[:2] for pref in lists)]
+                   for node in mock.nodes.values())
+        with pytest.raises(AssertionError, match="event loop ran"), no_loop(c):
+            c.put(rkey(), bytes(1 << 20))
+
+
 def test_the_sync_clients_blocking_fan_out_on_a_larger_map_asks_each_node_for_its_keys(
         ) -> None:
     """4 nodes, lists of 3: the sync client's EXISTS round, with no event loop, sends each
