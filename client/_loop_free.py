@@ -199,19 +199,22 @@ class LoopFree:
         return True
 
     def exists(self, blob: bytes) -> bytes | None:
-        """The keys' EXISTS codes from a cluster (:meth:`cluster_codes`) or a standalone
-        node with no event loop; None, having sent nothing: run it on the loop."""
-        codes = self.cluster_codes(blob)
-        if codes is not None:
-            return codes
+        """The keys' EXISTS codes with no event loop (a cluster's by its round plan,
+        ``exists_rounds``); None, having sent nothing: run it on the loop."""
+        if self._on_cluster():
+            return self._rounds(cluster_ops.exists_rounds(self.router, blob),
+                                lambda node, rows: plans.exists(node, rows_blob(blob, rows)),
+                                lambda node, rows: node.exists(rows_blob(blob, rows)),
+                                reads=False)
         done = self.direct(lambda node: plans.exists(node, blob))
         return done[0] if done is not None else None
 
     def lookup(self, blob: bytes) -> bytes | None:
-        """Tier codes of the leading keys held (LOOKUP), as :meth:`exists`."""
-        codes = self.cluster_codes(blob)
-        if codes is not None:
-            return cluster_ops.held_prefix(codes)
+        """Tier codes of the leading keys held (a cluster's: its EXISTS up to the first
+        key none holds), as :meth:`exists`."""
+        if self._on_cluster():
+            codes = self.exists(blob)
+            return cluster_ops.held_prefix(codes) if codes is not None else None
         done = self.direct(lambda node: plans.lookup(node, blob))
         return bytes(done[0]) if done is not None else None
 
@@ -239,18 +242,6 @@ class LoopFree:
                     del self.drivers[node_id]
             driver = self.drivers[node.node_id] = BlockingNode(node)
         return driver
-
-    def cluster_codes(self, blob: bytes) -> bytes | None:
-        """``exists_codes`` against a cluster, its round plan (``exists_rounds``) run in
-        this thread as far as :meth:`_rounds` can. None, having sent nothing, for a
-        standalone node (the caller's :meth:`direct` path) or where the whole call runs
-        on the loop (client spans to record, or not yet connected)."""
-        if not self._on_cluster():
-            return None
-        return self._rounds(cluster_ops.exists_rounds(self.router, blob),
-                            lambda node, rows: plans.exists(node, rows_blob(blob, rows)),
-                            lambda node, rows: node.exists(rows_blob(blob, rows)),
-                            reads=False)
 
     def _rounds(self, plan: RoundPlan[R], node_plan: Callable[[NodeClient, Rows], Plan[Any]],
                 send: Send[Any], *, reads: bool) -> R:
