@@ -331,27 +331,7 @@ class LoopFree:
     def _direct_get(self, node: NodeClient, blob: bytes,
                     sinks: Sequence[memoryview | Segments] | None
                     ) -> list[memoryview | Segments | None] | None:
-        """:meth:`get` from the standalone ``node`` (the caller holds the lock)."""
-        path = node.path
-        if path.grant is not None:  # the node granted a region (a same-host node: its arena)
-            if path.can_read_local:
-                self.before_index_read(path)
-                # all from the index, or else (not ``allowed``) all on the loop
-                found = path.read_local(blob, sinks, all_or_none=not self.allowed) \
-                    if path.can_read_local else None
-                if found is not None:
-                    out, rest = found
-                    if rest:  # misses, values the index had no room for: one round trip
-                        # over TCP (GET_SHM runs on the loop: a thread hop each way and a
-                        # lease to release, 2-3x slower below ~256 KiB)
-                        again = self.driver(node).get(
-                            rows_blob(blob, rest),
-                            [sinks[i] for i in rest] if sinks is not None else None)
-                        for row, view in zip(rest, again, strict=True):
-                            out[row] = view
-                    return out
-            if path.carries_gets:
-                return None
-        if not self.allowed:
-            return None
-        return self.driver(node).get(blob, sinks)
+        """:meth:`get` from the standalone ``node`` (the caller holds the lock): the route
+        is its path's to choose (``NodePath.get_here``)."""
+        return node.path.get_here(blob, sinks, self.driver(node) if self.allowed else None,
+                                  lambda: self.before_index_read(node.path))

@@ -29,6 +29,7 @@ from kvpool.client._shm import HASH_SOURCE, TORN, ShmIndex, ShmMapping
 from kvpool.client._shm_grant import ArenaGrant
 from kvpool.client._shm_put import AheadHolder, ArenaHost, LeasedPuts, ignore_result
 from kvpool.client._touches import TOUCH_BATCH, TOUCH_DELAY_S, Touches
+from kvpool.client.paths import BlockingGets
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE
 from kvpool.protocol.errors import Status
 from kvpool.protocol.frames import (
@@ -134,6 +135,36 @@ class ShmPath(ArenaGrant):
             for i, payload in zip(rest, again, strict=True):
                 out[i] = payload
         return out
+
+    def get_here(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None,
+                 link: BlockingGets | None, before_read: Callable[[], None]
+                 ) -> list[memoryview | Segments | None] | None:
+        """A GET in the caller's thread with no event loop (the sync client's): what the
+        arena index has, then the rest (misses, values the index had no room for) in one
+        round trip over TCP on ``link`` (GET_SHM runs on the loop: a thread hop each way
+        and a lease to release, 2-3x slower below ~256 KiB); where the node's GETs go
+        over TCP, all on ``link``. None, having sent nothing: run it on the loop (no
+        ``link`` and a key the index lacks, or GETs through the arena whose index this
+        client cannot read: GET_SHM)."""
+        if self.mapping is not None:  # the node granted its arena
+            if self.can_read_local:
+                before_read()
+                # all from the index, or else (no link) all on the loop
+                found = self.read_local(blob, sinks, all_or_none=link is None) \
+                    if self.can_read_local else None
+                if found is not None:
+                    out, rest = found
+                    if rest:
+                        assert link is not None
+                        again = link.get(plans.rows_blob(blob, rest),
+                                         [sinks[i] for i in rest] if sinks is not None
+                                         else None)
+                        for row, view in zip(rest, again, strict=True):
+                            out[row] = view
+                    return out
+            if self.carries_gets:
+                return None
+        return link.get(blob, sinks) if link is not None else None
 
     def read_local(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None, *,
                    all_or_none: bool) -> tuple[list[memoryview | Segments | None],

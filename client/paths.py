@@ -26,7 +26,7 @@ from kvpool.client._connection import Connection
 from kvpool.client._shm_put import AheadHolder, ArenaHost
 from kvpool.protocol.parsers import Segments
 
-__all__ = ["NoRequestReads", "NodePath", "OneSidedTransport"]
+__all__ = ["BlockingGets", "NoRequestReads", "NodePath", "OneSidedTransport"]
 
 Payloads = list[memoryview | Segments | None]
 
@@ -47,6 +47,15 @@ class NoRequestReads(Protocol):
         """Report them now."""
 
     def close(self) -> None: ...
+
+
+class BlockingGets(Protocol):
+    """A blocking link to a node, as the sync client's thread uses it
+    (``client/_blocking.py`` ``BlockingNode``)."""
+
+    def get(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None) -> Payloads:
+        """The keys' payloads over the link (None: misses)."""
+        ...
 
 
 class NodePath(Protocol):
@@ -118,11 +127,14 @@ class NodePath(Protocol):
         """Whether :meth:`read_local` may answer now."""
         ...
 
-    def read_local(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None, *,
-                   all_or_none: bool) -> tuple[Payloads, list[int]] | None:
-        """What the region has of a GET with no request and no event loop: ``(payloads,
-        rows it lacks)``; None, having read nothing, where it cannot answer (or, with
-        ``all_or_none``, lacks a key)."""
+    def get_here(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None,
+                 link: BlockingGets | None, before_read: Callable[[], None]
+                 ) -> Payloads | None:
+        """A GET in the caller's thread with no event loop: what the region has, with no
+        request, and the rest on ``link`` (the caller's blocking link to the node; None:
+        it may use none). None, having sent nothing, where the GET must run on the loop.
+        ``before_read`` runs before the region is read with no request (the sync client
+        runs its loop then, now and again: it hears of a node gone)."""
         ...
 
     def consume_local(self, key: bytes, fn: Callable[[memoryview], None]) -> bool:

@@ -25,7 +25,7 @@ from kvpool.client import AsyncClient, Client
 from kvpool.client import _plans as plans
 from kvpool.client._connection import Connection
 from kvpool.client._shm_put import AheadHolder, ArenaHost
-from kvpool.client.paths import NodePath, OneSidedTransport
+from kvpool.client.paths import BlockingGets, NodePath, OneSidedTransport
 from kvpool.protocol.envelope import open_envelope
 from kvpool.protocol.errors import CorruptChunkError
 from kvpool.protocol.frames import KEY_SIZE, Op
@@ -127,6 +127,24 @@ class MemoryPath:
         self.index_hits += hits
         self.touches.pending += hits
         return out, rest
+
+    def get_here(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None,
+                 link: BlockingGets | None, before_read: Callable[[], None]
+                 ) -> Payloads | None:
+        if self._region is None:
+            return link.get(blob, sinks) if link is not None else None
+        before_read()
+        found = self.read_local(blob, sinks, all_or_none=link is None)
+        if found is None:
+            return None
+        out, rest = found
+        if rest:
+            assert link is not None
+            again = link.get(plans.rows_blob(blob, rest),
+                             [sinks[i] for i in rest] if sinks is not None else None)
+            for i, payload in zip(rest, again, strict=True):
+                out[i] = payload
+        return out
 
     def consume_local(self, key: bytes, fn: Callable[[memoryview], None]) -> bool:
         region = self._region
