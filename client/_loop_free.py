@@ -292,13 +292,15 @@ class LoopFree:
                 return False  # a node met on no connection yet: the loop connects to it
         return True
 
-    def before_index_read(self, path: NodePath) -> None:
+    def before_index_read(self, path: NodePath) -> bool:
         """Run the loop if it has not run for a while, or reads wait to be reported: it
         sends them, and hears of connections that ended meanwhile (a node that went
-        away), after which the index is not read."""
+        away), after which the index is not read. Whether it ran."""
         if path.touches.due or time.monotonic() >= self.loop_until:
             self.loop.run_until_complete(self._send_touches())
             self.loop_until = time.monotonic() + TOUCH_DELAY_S
+            return True
+        return False
 
     def get(self, keys: Sequence[Key], buffers: Sequence[BufferOrSegments] | None
             ) -> list[memoryview | Segments | None] | None:

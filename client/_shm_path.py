@@ -137,7 +137,7 @@ class ShmPath(ArenaGrant):
         return out
 
     def get_here(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None,
-                 link: BlockingGets | None, before_read: Callable[[], None]
+                 link: BlockingGets | None, before_read: Callable[[], bool]
                  ) -> list[memoryview | Segments | None] | None:
         """A GET in the caller's thread with no event loop (the sync client's): what the
         arena index has, then the rest (misses, values the index had no room for) in one
@@ -148,10 +148,10 @@ class ShmPath(ArenaGrant):
         client cannot read: GET_SHM)."""
         if self.mapping is not None:  # the node granted its arena
             if self.can_read_local:
-                before_read()
-                # all from the index, or else (no link) all on the loop
+                # all from the index, or else (no link) all on the loop; once the loop ran
+                # (it may have heard the node go), only if the index may still be read
                 found = self.read_local(blob, sinks, all_or_none=link is None) \
-                    if self.can_read_local else None
+                    if not before_read() or self.can_read_local else None
                 if found is not None:
                     out, rest = found
                     if rest:

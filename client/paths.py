@@ -128,13 +128,14 @@ class NodePath(Protocol):
         ...
 
     def get_here(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None,
-                 link: BlockingGets | None, before_read: Callable[[], None]
+                 link: BlockingGets | None, before_read: Callable[[], bool]
                  ) -> Payloads | None:
         """A GET in the caller's thread with no event loop: what the region has, with no
         request, and the rest on ``link`` (the caller's blocking link to the node; None:
         it may use none). None, having sent nothing, where the GET must run on the loop.
         ``before_read`` runs before the region is read with no request (the sync client
-        runs its loop then, now and again: it hears of a node gone)."""
+        runs its loop then, now and again, and says so: it may have heard of a node
+        gone)."""
         ...
 
     def consume_local(self, key: bytes, fn: Callable[[memoryview], None]) -> bool:

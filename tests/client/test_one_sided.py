@@ -129,7 +129,7 @@ class MemoryPath:
         return out, rest
 
     def get_here(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None,
-                 link: BlockingGets | None, before_read: Callable[[], None]
+                 link: BlockingGets | None, before_read: Callable[[], bool]
                  ) -> Payloads | None:
         if self._region is None:
             return link.get(blob, sinks) if link is not None else None
