@@ -415,10 +415,10 @@ def summarize(records: Sequence[Record], wall: float) -> dict[str, Any]:
 
 # -- configurations ---------------------------------------------------------------------------
 
-def _kvpool_transfer(url: str) -> dict[str, Any]:
+def _kvpool_transfer(url: str, extra: dict[str, Any]) -> dict[str, Any]:
     return {"kv_connector": "KvpoolConnector", "kv_connector_module_path": "kvpool.gpu.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"kvpool_url": url}}
+            "kv_connector_extra_config": {"kvpool_url": url, **extra}}
 
 
 def run_config(name: str, args: argparse.Namespace, workload: Workload, tmp: Path, *,
@@ -446,7 +446,9 @@ def run_config(name: str, args: argparse.Namespace, workload: Workload, tmp: Pat
             count = 2 if name == "d-shared" else 1
             for i in range(count):
                 servers.append(start_vllm(python, model, tmp / f"{workload.name}-{name}{i}.log",
-                                          transfer=_kvpool_transfer(nodes[0].url), **common))
+                                          transfer=_kvpool_transfer(nodes[0].url,
+                                                                    args.connector_extra),
+                                          **common))
             if name == "e":
                 node = nodes[0]
 
@@ -604,6 +606,9 @@ def main() -> int:
                         help="a (vLLM alone), b (its CPU offloading), c (kvpool), d (two "
                              "instances, shared pool and not), e (kvpool, node killed)")
     parser.add_argument("--workloads", default="qa,shared")
+    parser.add_argument("--connector-extra", type=json.loads, default={}, metavar="JSON",
+                        help="more kv_connector_extra_config for kvpool's connector, e.g. "
+                             "'{\"save_nice\": 0}'")
     parser.add_argument("--users", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--context", default="1000,3000", help="qa: context tokens, lo,hi")

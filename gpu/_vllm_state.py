@@ -73,6 +73,10 @@ class KvpoolSettings:
     #: chunks queued or being saved at once; a save past it is skipped (counted as
     #: ``saves_skipped``): a pool that falls behind costs cache hits, never memory or time
     save_queue_chunks: int = 256
+    #: niceness the save threads add to the engine thread's (Linux; 0 to 19, 0: none):
+    #: saves are background work, so where they share cores with the engine its steps
+    #: keep their pace (loads are not lowered: a request waits for them)
+    save_nice: int = 10
     #: seconds the scheduler reuses a waiting request's lookup: vLLM asks again at every
     #: step a request waits for blocks, and each ask would be a round trip on the
     #: scheduler's step (0: ask every time; counted as ``lookups_reused``)
@@ -100,6 +104,9 @@ class KvpoolSettings:
         if settings.lookup_reuse_s < 0:
             raise ConfigError(f"kvpool connector: lookup_reuse_s must be >= 0, got "
                               f"{settings.lookup_reuse_s!r}")
+        if not isinstance(settings.save_nice, int) or not 0 <= settings.save_nice <= 19:
+            raise ConfigError(f"kvpool connector: save_nice must be an integer from 0 to "
+                              f"19, got {settings.save_nice!r}")
         for name in ("chunk_tokens", "staging_slots", "save_queue_chunks"):
             value = getattr(settings, name)
             if not isinstance(value, int) or value < 1:

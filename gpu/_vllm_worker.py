@@ -28,6 +28,7 @@ from kvpool.gpu._vllm_state import (
 from kvpool.gpu.connector import PagedKVConnector
 from kvpool.gpu.layout import KVLayout
 from kvpool.gpu.paged import Scatter, scatter
+from kvpool.gpu.threads import nicer
 from kvpool.placement.keys import ChunkHasher
 from kvpool.protocol.errors import ConfigError
 
@@ -75,7 +76,7 @@ class WorkerSide:
         state.namespace = _namespace(state.vllm_config, state.model_id, state.chunk_tokens,
                                      layout, state.tp_rank)
         state.hasher = ChunkHasher(state.namespace)
-        self._load_io, save_io = _io_threads(caches[0].device)
+        self._load_io, save_io = _io_threads(caches[0].device, state.settings.save_nice)
         # one client for both threads (its calls are serialised): what one learns of a
         # node (down, left behind as hung) the other uses at once
         self._client = state.settings.client()
@@ -312,15 +313,25 @@ class WorkerSide:
         return failed
 
 
-def _io_threads(device: torch.device) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+def _io_threads(device: torch.device, save_nice: int = 0
+                ) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
     """The load thread and the save thread, each on ``device`` where it is a GPU (with
     every GPU visible, a thread that never set it would allocate and make its streams on
-    GPU 0, not on its tensor-parallel rank's)."""
-    init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+    GPU 0, not on its tensor-parallel rank's); the save thread ``save_nice`` nicer than
+    the thread that starts it (the engine's), as are the threads it starts in turn (its
+    connector's copier: Linux threads inherit their maker's niceness)."""
+    def on_device() -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+
+    def saves() -> None:
+        on_device()
+        nicer(save_nice)
+
     return (ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-load",
-                               initializer=init),
+                               initializer=on_device),
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-save",
-                               initializer=init))
+                               initializer=saves))
 
 
 def _done(result: set[int]) -> Future[set[int]]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from typing import Any
 
 
@@ -398,6 +399,7 @@ def settings_check() -> dict[str, Any]:
         "bad format": {"kvpool_url": "x:1", "chunk_format": "native"},
         "bad retry": {"kvpool_url": "x:1", "retry_after_s": 0},
         "bad queue": {"kvpool_url": "x:1", "save_queue_chunks": 0},
+        "bad nice": {"kvpool_url": "x:1", "save_nice": 20},
         "string shm": {"kvpool_url": "x:1", "shm": "false"},
         "string chunk": {"kvpool_url": "x:1", "chunk_tokens": "256"},
         "bool timeout": {"kvpool_url": "x:1", "timeout_s": True},
@@ -739,17 +741,25 @@ def streams_check(url: str) -> dict[str, Any]:
     _until(worker, set(), "r2", 1)
     loaded = list(calls)
     calls.clear()
-    load_io, save_io = worker_module._io_threads(torch.device("cuda", 1))
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    # the worker's own save thread (save_nice 10, the default), the load thread's
+    nice = {"engine": niceness(), "save": side.saves.io.submit(niceness).result(),
+            "load": side._load_io.submit(niceness).result()}
+    load_io, save_io = worker_module._io_threads(torch.device("cuda", 1), 5)
     for io in (load_io, save_io):
         io.submit(lambda: None).result()
-        io.shutdown()
     threads = list(calls)
+    nice["load5"], nice["save5"] = (io.submit(niceness).result() for io in (load_io, save_io))
+    for io in (load_io, save_io):
+        io.shutdown()
     bit_exact = all(bool(torch.equal(c[a].view(torch.uint8), c[b].view(torch.uint8)))
                     for c in caches for a, b in ((2, 9), (5, 11)))
     stats = dict(worker.state.stats.data)
     worker.shutdown()
     return {"save": saved, "load": loaded, "threads": threads, "bit_exact": bit_exact,
-            "stats": stats}
+            "stats": stats, "nice": nice}
 
 
 def main() -> int:

@@ -177,6 +177,7 @@ def test_connector_settings_fail_with_one_clear_line(tmp_path: Path) -> None:
     assert "chunk_format must be one of ('canonical', 'engine')" in errors["bad format"]
     assert "retry_after_s must be > 0, got 0" in errors["bad retry"]
     assert "save_queue_chunks must be an integer >= 1" in errors["bad queue"]
+    assert "save_nice must be an integer from 0 to 19, got 20" in errors["bad nice"]
     # JSON's types, strictly: "false" is not false, "256" not 256, true not a number
     assert "shm must be true or false or null, got 'false' (str)" in errors["string shm"]
     assert "chunk_tokens must be an integer, got '256' (str)" in errors["string chunk"]
@@ -278,7 +279,8 @@ def test_on_cuda_the_engine_thread_records_events_and_kvpools_threads_wait_on_th
     device and never synchronizes; kvpool's save and load threads wait on that event
     before they touch the blocks; once a load is reported done the engine's stream waits
     on the loader's stream (on the device, no host sync); kvpool's threads set cuda:1;
-    the bytes loaded are the bytes saved."""
+    the save thread runs ``save_nice`` nicer than the engine's; the bytes loaded are the
+    bytes saved."""
     result = driver(tmp_path, "streams", {"url": pool.url}, timeout=240)
     engine_thread = "MainThread"
     save, load = result["save"], result["load"]
@@ -300,6 +302,10 @@ def test_on_cuda_the_engine_thread_records_events_and_kvpools_threads_wait_on_th
     assert sorted(c[3].split("_")[0] for c in result["threads"]) == ["kvpool-load",
                                                                     "kvpool-save"]
     assert all(c[0] == "set_device cuda:1" for c in result["threads"]), result["threads"]
+    # saves are background work: the save thread runs nicer than the engine's, loads not
+    nice = result["nice"]
+    assert nice["save"] == min(19, nice["engine"] + 10) and nice["load"] == nice["engine"]
+    assert nice["save5"] == min(19, nice["engine"] + 5) and nice["load5"] == nice["engine"]
     assert result["bit_exact"] and result["stats"]["tokens_loaded"] == 256
 
 
