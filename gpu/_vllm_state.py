@@ -73,10 +73,11 @@ class KvpoolSettings:
     #: chunks queued or being saved at once; a save past it is skipped (counted as
     #: ``saves_skipped``): a pool that falls behind costs cache hits, never memory or time
     save_queue_chunks: int = 256
-    #: niceness the save threads add to the engine thread's (Linux; 0 to 19, 0: none):
-    #: saves are background work, so where they share cores with the engine its steps
-    #: keep their pace (loads are not lowered: a request waits for them)
-    save_nice: int = 10
+    #: niceness the save threads add to the engine thread's (Linux; 0 to 19; 0: none):
+    #: where saves share cores with the engine, the OS runs the engine's threads first
+    #: (docs/vllm.md has what it did and did not do; loads are never lowered: a request
+    #: waits for them)
+    save_nice: int = 0
     #: seconds the scheduler reuses a waiting request's lookup: vLLM asks again at every
     #: step a request waits for blocks, and each ask would be a round trip on the
     #: scheduler's step (0: ask every time; counted as ``lookups_reused``)

@@ -744,7 +744,7 @@ def streams_check(url: str) -> dict[str, Any]:
     def niceness() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
-    # the worker's own save thread (save_nice 10, the default), the load thread's
+    # the worker's own save thread (save_nice 0, the default), the load thread's
     nice = {"engine": niceness(), "save": side.saves.io.submit(niceness).result(),
             "load": side._load_io.submit(niceness).result()}
     load_io, save_io = worker_module._io_threads(torch.device("cuda", 1), 5)
