@@ -112,7 +112,7 @@ def main() -> None:
         row = {k: summary(v) for k, v in got[name].items()}
         out["setups"][name] = row
         print(f"| {name} | {fmt(row['p50_ms'], ' ms')} | {fmt(row['p99_ms'], ' ms')} | "
-              f"{fmt(row['saved_mib_s'], ' MiB/s') if name != 'no saves' else '-'} |")
+              f"{fmt(row['saved_mib_s'], ' GiB/s', 1 / 1024) if name != 'no saves' else '-'} |")
     print(f"\nwrote {save('save_nice', out)}")
 
 

@@ -10,8 +10,8 @@ fan-out routes the keys not done by the new one. Two drivers run these plans: th
 loop's (:meth:`kvpool.client._router.Router.drive`, the node clients' async calls) and
 the sync client's blocking one (``client/_loop_free.py``: the op plans on blocking links,
 every frame of a round sent before any reply is read), which hands a plan to the loop's
-driver at the first round it cannot send itself. So a cluster GET or EXISTS is routed in
-one place, whichever driver runs it.
+driver at the first round it cannot send itself. So a cluster op (GET, EXISTS, put,
+DELETE, PIN, UNPIN) is routed in one place, whichever driver runs it.
 """
 
 from __future__ import annotations
