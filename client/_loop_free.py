@@ -311,12 +311,16 @@ class LoopFree:
         nothing: run the call on the loop (spans to record, a tenant-scoped connection's
         GET_SHM, or not yet connected)."""
         with self.lock:
-            self._check_open()
+            if self.loop.is_closed():  # (_check_open, inlined: every GET asks)
+                raise RuntimeError("this kvpool Client is closed")
             blob = join_keys(keys)
             sinks = get_sinks(keys, buffers) if buffers is not None else None
-            node = self.direct_node
-            if node is not None:
-                return self._direct_get(node, blob, sinks)
+            node = self.router.standalone_node  # (the direct node, as inlined: every GET)
+            if node is not None and not self.core.records_spans:
+                # the route within the node is its path's (NodePath.get_here)
+                return node.path.get_here(blob, sinks,
+                                          self.driver(node) if self.allowed else None,
+                                          lambda: self.before_index_read(node.path))
         if not self._on_cluster():
             return None
         results: list[memoryview | Segments | None] = [None] * (len(blob) // KEY_SIZE)
@@ -329,11 +333,3 @@ class LoopFree:
                      lambda node, rows: node.get(rows_blob(blob, rows), some(rows)),
                      reads=True)
         return results
-
-    def _direct_get(self, node: NodeClient, blob: bytes,
-                    sinks: Sequence[memoryview | Segments] | None
-                    ) -> list[memoryview | Segments | None] | None:
-        """:meth:`get` from the standalone ``node`` (the caller holds the lock): the route
-        is its path's to choose (``NodePath.get_here``)."""
-        return node.path.get_here(blob, sinks, self.driver(node) if self.allowed else None,
-                                  lambda: self.before_index_read(node.path))

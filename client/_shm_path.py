@@ -150,7 +150,7 @@ class ShmPath(ArenaGrant):
             if self.can_read_local:
                 # all from the index, or else (no link) all on the loop; once the loop ran
                 # (it may have heard the node go), only if the index may still be read
-                found = self.read_local(blob, sinks, all_or_none=link is None) \
+                found = self._read_indexed(self.mapping, blob, sinks, all_or_none=link is None) \
                     if not before_read() or self.can_read_local else None
                 if found is not None:
                     out, rest = found
@@ -238,7 +238,8 @@ class ShmPath(ArenaGrant):
         if all_or_none and len(hits) < count:
             return None
         if hits:
-            self._note_hits(plans.rows_blob(blob, hits), len(hits), nbytes)
+            self._note_hits(blob if len(hits) == count else plans.rows_blob(blob, hits),
+                            len(hits), nbytes)
         if len(hits) == count:
             return out, []
         hit = set(hits)
