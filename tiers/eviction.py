@@ -286,15 +286,9 @@ class ChainFIFO:
                 (self._small if orphan.small else self._main).move_to_end(child, last=False)
 
     def first(self) -> bytes | None:
-        # (inlined _probation_head, and _leaf of a head with no children: every store
-        # into a full tier asks this)
-        small = self._small
-        n = len(small)
-        if n and n > self._small_target and n > self.SMALL_SHARE * len(self._state):
-            head = next(iter(small))
-            chunk = self._state[head]
-            if not chunk.uses:  # (the common case, as candidates() starts)
-                return head if not chunk.children else self._leaf(head)
+        head = self._probation_head()
+        if head is not None:  # (the common case, as candidates() starts)
+            return head if not self._state[head].children else self._leaf(head)
         return next(self.candidates(), None)
 
     def candidates(self) -> Iterator[bytes]:
