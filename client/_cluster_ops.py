@@ -10,9 +10,10 @@
 - DELETE, PIN, UNPIN: every live node of the list; done where any node did it.
 
 A one-node map (a standalone node, or a cluster of one) needs none of this: each op
-sends the batch to that node whole (:meth:`Router.ask_sole`). GET and EXISTS are round
-plans (``get_rounds``, ``exists_rounds``; ``client/_rounds.py``) that the loop's driver
-runs here and the sync client's blocking driver runs in its own thread.
+sends the batch to that node whole (:meth:`Router.ask_sole`). Each op's routing is a
+round plan (``put_rounds``, ``get_rounds``, ``exists_rounds``, ``statuses_rounds``;
+``client/_rounds.py``) that the loop's driver runs here and the sync client's blocking
+driver runs in its own thread.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def get_rounds(routes: Routes, blob: bytes, results: list[memoryview | Segments 
     draining = routes.draining()
     if draining:
         missing = np.array([i for i, r in enumerate(results) if r is None], dtype=np.intp)
-        yield from then_each(draining, 0, missing, absorb)
+        yield from then_each(draining, missing, absorb)
 
 
 async def exists_codes(router: Router, blob: bytes) -> bytes:
@@ -167,7 +168,7 @@ def exists_rounds(routes: Routes, blob: bytes) -> RoundPlan[bytes]:
     yield from fan_out(routes, blob, absorb, per_row="live")
     draining = routes.draining()
     if draining:
-        yield from then_each(draining, 0, np.flatnonzero(best == ABSENT), found)
+        yield from then_each(draining, np.flatnonzero(best == ABSENT), found)
     return codes_of(best)
 
 

@@ -19,7 +19,7 @@ loop. Two kinds of call skip the loop (a loop run costs ~40 us here, as much as 
   trusted or not yet met, for GETs one whose arena the client mapped, a map refresh).
   A cluster's other calls run on the loop.
 - a GET that a same-host node's arena index can answer whole is copied with
-  no request at all (``ShmPath.read_local``). The loop still runs before such a read
+  no request at all (``NodePath.get_here``). The loop still runs before such a read
   when the reads before it are due to be reported, or when it has not run for
   ``TOUCH_DELAY_S`` (50 ms): so the client hears of a node that died (its
   connection's end) before reading values frozen in its index.
@@ -53,12 +53,6 @@ __all__ = ["LoopFree"]
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-def _nbytes(values: Sequence[BufferOrSegments]) -> int:
-    """The bytes of put values (a list or tuple of buffers: their sum)."""
-    return sum(sum(memoryview(p).nbytes for p in v) if isinstance(v, list | tuple)
-               else memoryview(v).nbytes for v in values)
 
 
 class LoopFree:
@@ -172,11 +166,12 @@ class LoopFree:
         bkeys, bparents, ttl_ms, flags = put_args(keys, values, ttl=ttl, pin=pin,
                                                   chunk_indexes=chunk_indexes,
                                                   num_tokens=num_tokens, parents=parents)
+        batch = cluster_ops.PutBatch(bkeys, values, ttl_ms, flags, chunk_indexes, num_tokens,
+                                     fingerprint, bparents)
         if self._on_cluster():
-            if _nbytes(values) >= self.core.options.shm_put_min_bytes:
+            if sum(view.nbytes for value in values for view in plans.as_segments(value)) \
+                    >= self.core.options.shm_put_min_bytes:
                 return False
-            batch = cluster_ops.PutBatch(bkeys, values, ttl_ms, flags, chunk_indexes,
-                                         num_tokens, fingerprint, bparents)
             refused, stored = self._rounds(
                 cluster_ops.put_rounds(self.router, batch),
                 lambda node, rows: node.path.put_plan(
@@ -186,13 +181,9 @@ class LoopFree:
             raise_put_errors(bkeys, refused, stored)
             return True
 
-        def plan_for(node: NodeClient) -> plans.Plan[list[int]] | None:
-            items = plans.put_items(node, bkeys, values, ttl_ms=ttl_ms, flags=flags,
-                                    chunk_indexes=chunk_indexes, parents=bparents)
-            return node.path.put_plan(self.driver(node), items, num_tokens=num_tokens,
-                                          fingerprint=fingerprint)
-
-        done = self.direct(plan_for)
+        done = self.direct(lambda node: node.path.put_plan(
+            self.driver(node), batch.items(node), num_tokens=num_tokens,
+            fingerprint=fingerprint))
         if done is None:
             return False
         raise_put_errors(bkeys, done[0], [s == Status.OK for s in done[0]])

@@ -232,15 +232,16 @@ class _FanOut(Generic[T]):
         return stale
 
 
-def then_each(nodes: list[NodeClient], epoch: int, missing: Rows,
+def then_each(nodes: list[NodeClient], missing: Rows,
               absorb: Callable[[Rows, T], npt.NDArray[np.bool_]]) -> RoundPlan[Rows]:
     """Ask ``nodes`` one after another for the ``missing`` rows still missing (a draining
-    node may still hold chunks it no longer owns); ``absorb`` says which it answered
-    for. A node that fails is marked down and passed over. The rows still missing."""
+    node may still hold chunks it no longer owns; its frames carry its own epoch, 0 in
+    the round); ``absorb`` says which it answered for. A node that fails is marked down
+    and passed over. The rows still missing."""
     for node in nodes:
         if not len(missing):
             break
-        (outcome,) = yield Round(epoch, [(node, missing)], None)  # type: ignore[misc]
+        (outcome,) = yield Round(0, [(node, missing)], None)  # type: ignore[misc]
         if isinstance(outcome, KvpoolConnectionError):
             node.mark_down(outcome)
             continue

@@ -1,11 +1,11 @@
 """Routing: the map, a ``NodeClient`` per node of it, and the fan-out of a batch.
 
 :class:`Router` holds the map a client routes by and one :class:`NodeClient`
-per node; :meth:`Router.fan_out` sends each key of a batch to nodes of its
-preference list (``kvpool.client._routing.pick`` chooses which), marks failing
-nodes down, and refreshes the map on WRONG_OWNER or on a reply from a newer
-epoch (one refresh at a time). The ops that use it (``kvpool.client._cluster_ops``)
-say what to send and how to merge answers.
+per node; :meth:`Router.drive` runs a round plan on the loop (``client/_rounds.py``:
+each key of a batch to nodes of its preference list, ``kvpool.client._routing.pick``
+choosing which; failing nodes marked down), and refreshes the map on WRONG_OWNER or on
+a reply from a newer epoch (one refresh at a time). The ops that use it
+(``kvpool.client._cluster_ops``) say what to send and how to merge answers.
 
 A standalone node is routed to like any cluster: by its one-node map of epoch 0
 (``ClusterMap.standalone``), which the client makes from the node's HELLO; every
@@ -30,7 +30,7 @@ from kvpool.client._checks import checked_map
 from kvpool.client._node import NodeClient
 from kvpool.client._options import ClientOptions
 from kvpool.client._plans import routed_by
-from kvpool.client._rounds import Absorb, Refresh, Round, RoundPlan, fan_out
+from kvpool.client._rounds import Refresh, Round, RoundPlan
 from kvpool.client._routing import FIRST_ANSWER, Coverage, LeftBehind, Settle, grace
 from kvpool.placement.cluster_map import ClusterMap, NodeState
 from kvpool.protocol.errors import KvpoolConnectionError, WrongOwnerError
@@ -85,13 +85,6 @@ class Router:
         for node in self.nodes.values():
             node.close()
             node.path.release()
-
-    async def fan_out(self, blob: bytes, send: Send[T], absorb: Absorb[T], *, per_row: str,
-                      sequential: bool = False) -> None:
-        """:func:`kvpool.client._rounds.fan_out` run on the loop, ``send(node, rows)``
-        asking one node about the keys at batch positions ``rows``."""
-        await self.drive(fan_out(self, blob, absorb, per_row=per_row, sequential=sequential),
-                         send)
 
     async def drive(self, plan: RoundPlan[R], send: Send[Any],
                     pending: Round | Refresh | None = None) -> R:

@@ -166,26 +166,10 @@ class ShmPath(ArenaGrant):
                 return None
         return link.get(blob, sinks) if link is not None else None
 
-    def read_local(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None, *,
-                   all_or_none: bool) -> tuple[list[memoryview | Segments | None],
-                                               list[int]] | None:
-        """What the arena index has of a GET, in this thread and with no event loop:
-        ``(payloads, rows it lacks)``, the reads noted for the next TOUCH. None, having
-        read nothing, where the index is of another map epoch, or (``all_or_none``) lacks
-        a key (ask with :meth:`get`, which reads them all).
-
-        Only where :attr:`can_read_local` (the caller asks): with a connection that is,
-        as far as this thread has seen, open -- the sync client runs its loop before
-        such a read if it has not for ``TOUCH_DELAY_S``, and so hears of a node that
-        went away.
-        """
-        shm = self.mapping
-        assert shm is not None
-        return self._read_indexed(shm, blob, sinks, all_or_none=all_or_none)
-
     @property
     def can_read_local(self) -> bool:
-        """Whether :meth:`read_local` may answer (a mapped index, a granted connection)."""
+        """Whether the arena index may be read with no request now (a mapped index, a
+        connection granted the arena that is, as far as this thread has seen, open)."""
         shm = self.mapping
         return shm is not None and shm.index is not None and self.node.options.shm_index \
             and self.node.options.shm is not False and self._conn() is not None

@@ -124,7 +124,8 @@ class NodePath(Protocol):
 
     @property
     def can_read_local(self) -> bool:
-        """Whether :meth:`read_local` may answer now."""
+        """Whether the region may be read with no request now (:meth:`get_here`,
+        :meth:`consume_local`)."""
         ...
 
     def get_here(self, blob: bytes, sinks: Sequence[memoryview | Segments] | None,
