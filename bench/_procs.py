@@ -82,14 +82,17 @@ def _wait_port(port: int, proc: subprocess.Popen[str], timeout: float = 15.0) ->
 
 
 def start_node(*flags: str, env: dict[str, str] | None = None,
-               python: str | None = None) -> Proc:
+               python: str | None = None, module: str = "kvpool.server") -> Proc:
     """A node with its data dir in a fresh temp dir (removed by :meth:`Proc.stop`).
 
     ``env`` adds to (or overrides) this process's environment; ``python``: the
-    interpreter that runs it (default: this one).
+    interpreter that runs it (default: this one); ``module``: what it runs (a bench
+    module: a node with something turned off, for a before/after in one run).
     """
     data_dir = tempfile.mkdtemp(prefix="kvpool-bench-")
-    cmd = [python or sys.executable, "-m", "kvpool.server", "serve", "--data-port", "0",
+    if module.startswith("bench."):  # (bench is not installed: run it from this checkout)
+        env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent), **(env or {})}
+    cmd = [python or sys.executable, "-m", module, "serve", "--data-port", "0",
            "--admin-port", "0", "--log-level", "warning", "--data-dir", data_dir, *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **env} if env else None)

@@ -24,7 +24,10 @@ command for each, one after another, in an order that rotates by round):
   transport): ``upsert`` / ``upsert_batch``, ``get`` / ``get_batch``; from
   ``$MOONCAKE_PYTHON`` with ``$MOONCAKE_LIB`` (libibverbs, see docs/benchmarks.md);
 - ``kvpool checksum-first`` (with ``--ab``): kvpool's client hashing every value before
-  sending it (no checksum trailer, as before ``PUT_FLAG_CHECKSUM_AFTER``), same node.
+  sending it (no checksum trailer, as before ``PUT_FLAG_CHECKSUM_AFTER``), same node;
+- ``kvpool no wake mark`` (with ``--ab``): the same client to a node of its own that
+  never sets a receive low-water mark (``bench/_unmarked_node.py``; before
+  server/data/wake.py, the node was woken at every segment of a value).
 
 LMCache's PUT has no reply; its PUT samples end with a HEALTH round trip on the same
 connection (the server serves a connection in order), so every sample ends once the
@@ -421,6 +424,8 @@ def open_store(system: str, address: str) -> Store:
         return KvpoolStore(address)
     if system == "kvpool checksum-first":
         return KvpoolStore(address, checksum_first=True)
+    if system == "kvpool no wake mark":
+        return KvpoolStore(address)
     if system == "redis":
         return RedisStore(int(address))
     if system == "lmcache":
@@ -660,8 +665,9 @@ def main() -> int:
                         help="4 KiB GETs a latency run times")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 32 MiB")
     parser.add_argument("--ab", action="store_true",
-                        help="also kvpool with every PUT's checksum sent first (no trailer): "
-                             "the trailer's before/after in the same run")
+                        help="also kvpool with every PUT's checksum sent first (no trailer), "
+                             "and kvpool to a node with no receive low-water mark: the "
+                             "before/after of each in the same run")
     parser.add_argument("--python", default=os.environ.get("VLLM_CPU_PYTHON", ""),
                         help="a python with lmcache==0.5.6 for LMCache's server and client "
                              "(default $VLLM_CPU_PYTHON; without one, LMCache is left out)")
@@ -693,6 +699,11 @@ def main() -> int:
         if args.ab:
             clients["kvpool checksum-first"] = Client("kvpool checksum-first", sys.executable,
                                                       node.url, timeout)
+            unmarked = start_node("--no-ssd", "--dram-capacity", "3GiB",
+                                  module="bench._unmarked_node")
+            procs.append(unmarked)
+            clients["kvpool no wake mark"] = Client("kvpool no wake mark", sys.executable,
+                                                    unmarked.url, timeout)
         redis = start_redis()
         if redis is not None:
             procs.append(redis)

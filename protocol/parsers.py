@@ -197,6 +197,12 @@ class RequestParser:
         :meth:`buffer_updated`."""
         return self._reader.more_of_value(nbytes)
 
+    @property
+    def value_left(self) -> int:
+        """Bytes of a PUT value still to arrive, none of them received yet (0: not in a
+        value): a wake-up threshold the peer is sure to reach."""
+        return self._reader.into_left
+
     def buffer_updated(self, nbytes: int) -> list[Request]:
         """Complete requests; on a protocol error, those before it and ``self.error`` set."""
         try:

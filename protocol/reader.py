@@ -117,6 +117,15 @@ class StreamReader:
                 return True
         return False
 
+    @property
+    def into_left(self) -> int:
+        """Bytes the plan's :class:`Into` need still waits for, with nothing in scratch
+        ahead of them (0 otherwise): what is sure to come next on the stream."""
+        need = self._need
+        if type(need) is Into and self._start == self._end:
+            return len(need.view) - self._filled
+        return 0
+
     def buffer_updated(self, nbytes: int) -> None:
         if self._direct:
             need = self._need

@@ -33,6 +33,7 @@ from kvpool.protocol.parsers import Request, RequestParser, Reservation, Scoper
 from kvpool.server.data.handlers import Handlers
 from kvpool.server.data.reply import Pending, Reply
 from kvpool.server.data.session import Session
+from kvpool.server.data.wake import WakeMark
 from kvpool.server.data.writer import ReplyWriter
 from kvpool.server.security.auth import ANONYMOUS, TokenTable, check, scoper_for
 from kvpool.tiers.dram import Slot
@@ -40,6 +41,7 @@ from kvpool.tiers.dram import Slot
 __all__ = ["NodeConnection"]
 
 log = logging.getLogger("kvpool.server")
+
 
 
 def http_wrong_port(message: str, admin: tuple[str, int]) -> bytes:
@@ -135,6 +137,8 @@ class NodeConnection(asyncio.BufferedProtocol):
         self._tasks: set[asyncio.Task[None]] = set()
         self._session = Session()
         self.peer = "?"
+        #: when the kernel wakes the node for this connection (set once connected)
+        self._wake = WakeMark(None)
 
     # -- asyncio callbacks ----------------------------------------------------------------
 
@@ -150,6 +154,8 @@ class NodeConnection(asyncio.BufferedProtocol):
             self._transport.abort()
             return
         self._replies.attach(self._transport)
+        if transport.get_extra_info("sslcontext") is None:
+            self._wake = WakeMark(transport.get_extra_info("socket"))
         self._registry.add(self)
         stats.connections_open += 1
         stats.connections_total += 1
@@ -180,6 +186,8 @@ class NodeConnection(asyncio.BufferedProtocol):
             return
         parser = self._parser
         if parser.more_of_value(nbytes):  # mid-value: nothing completes
+            if self._wake.mark > 1:  # woken early (a full receive buffer): wait for the rest
+                self._wake.expect(parser.value_left)
             if self._timeouts.idle:
                 self._timeouts.received(self._loop.time(), True)
             return
@@ -199,6 +207,7 @@ class NodeConnection(asyncio.BufferedProtocol):
         if parser.error is not None:
             self._fail(0, 0, parser.error)
             return
+        self._wake.expect(parser.value_left)
         if self._timeouts.idle:
             self._timeouts.received(self._loop.time(), self._parser.mid_frame)
 
@@ -227,6 +236,7 @@ class NodeConnection(asyncio.BufferedProtocol):
         if self._rejected:
             self._transport = None
             return
+        self._wake.close()
         self._parser.abort()
         self._replies.drop()
         if self._handlers.shm is not None:

@@ -1,0 +1,125 @@
+"""The node's receive low-water mark while a PUT value comes (server/data/wake.py): the
+kernel holds the wake-up until the value's bytes are in, and no mark stalls a node fed a
+value in pieces, with frames behind it."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvpool.client import Client
+from kvpool.protocol.envelope import seal
+from kvpool.protocol.frames import FrameHeader, Op, PutItemHeader, encode_frame, encode_json
+from kvpool.server.data.wake import WAKE_MAX, WAKE_MIN, WakeMark
+from tests.conftest import NodeProcess
+
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="SO_RCVLOWAT marks: Linux")
+
+
+@pytest.fixture
+def tcp_pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        sender = socket.create_connection(listener.getsockname())
+        receiver, _ = listener.accept()
+    with sender, receiver:
+        yield sender, receiver
+
+
+def readable(sock: socket.socket, within: float) -> bool:
+    return bool(select.select([sock], [], [], within)[0])
+
+
+def lowat(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+
+
+@linux_only
+def test_a_mark_holds_the_wakeup_until_the_value_is_in(
+        tcp_pair: tuple[socket.socket, socket.socket]) -> None:
+    sender, receiver = tcp_pair
+    mark = WakeMark(receiver)
+    left = 300_000
+    mark.expect(left)
+    assert mark.mark == lowat(receiver) == left
+    sender.sendall(bytes(16 << 10))
+    assert not readable(receiver, 0.3)  # without the mark, 16 KiB would wake it
+    sender.sendall(bytes(left - (16 << 10)))
+    assert readable(receiver, 5.0)
+    got = 0
+    while got < left:
+        got += len(receiver.recv(1 << 20))
+    mark.expect(0)  # between values: the next byte wakes it
+    assert mark.mark == lowat(receiver) == 1
+    sender.sendall(b"x")
+    assert readable(receiver, 5.0)
+
+
+@linux_only
+def test_the_mark_stays_within_its_bounds_and_stops_once_closed(
+        tcp_pair: tuple[socket.socket, socket.socket]) -> None:
+    _, receiver = tcp_pair
+    mark = WakeMark(receiver)
+    mark.expect(WAKE_MIN - 1)  # a small rest: one segment brings it anyway
+    assert mark.mark == lowat(receiver) == 1
+    mark.expect(64 << 20)
+    assert mark.mark == lowat(receiver) == WAKE_MAX
+    mark.expect(0)
+    mark.close()
+    mark.expect(WAKE_MAX)  # the descriptor may be another connection's now
+    assert mark.mark == lowat(receiver) == 1
+
+
+def test_no_socket_no_mark() -> None:
+    mark = WakeMark(None)
+    mark.expect(WAKE_MAX)
+    assert mark.mark == 1
+
+
+def read_replies(sock: socket.socket, n: int) -> list[FrameHeader]:
+    data, headers = b"", []
+    while len(headers) < n:
+        chunk = sock.recv(65536)
+        assert chunk, "the node closed the connection"
+        data += chunk
+        while len(data) >= 24:
+            header = FrameHeader.unpack(data[:24])
+            if len(data) < 24 + header.body_len:
+                break
+            headers.append(header)
+            data = data[24 + header.body_len:]
+    return headers
+
+
+@pytest.mark.parametrize("size", [300_000, 3 << 20])
+def test_a_value_sent_in_pieces_is_stored_whole_with_a_frame_behind_it(
+        node: NodeProcess, size: int) -> None:
+    """A value under and over WAKE_MAX, dribbled in with pauses between pieces smaller
+    and larger than the mark, then a small PUT right behind it: both stored, in order."""
+    big_key, small_key = os.urandom(16), os.urandom(16)
+    big, small = os.urandom(size), os.urandom(4096)
+    big_value, small_value = seal(big) + big, seal(small) + small
+    stream = b"".join([
+        *encode_frame(Op.HELLO, 1, [encode_json({"protocol": 1})]),
+        *encode_frame(Op.PUT, 2, [PutItemHeader(big_key, len(big_value)).pack(), big_value],
+                      count=1),
+        *encode_frame(Op.PUT, 3, [PutItemHeader(small_key, len(small_value)).pack(),
+                                  small_value], count=1)])
+    cuts = sorted({100, 20_000, 90_000, size // 3, size // 2, len(stream) - 5000,
+                   len(stream) - 10})
+    with socket.create_connection((node.host, node.port), timeout=10) as s:
+        start = 0
+        for cut in [*cuts, len(stream)]:
+            s.sendall(stream[start:cut])
+            start = cut
+            time.sleep(0.05)
+        headers = read_replies(s, 3)
+    assert [(h.request_id, h.status) for h in headers] == [(1, 0), (2, 0), (3, 0)]
+    with Client(node.url, shm=False) as client:
+        assert client.get(big_key) == big
+        assert client.get(small_key) == small
