@@ -1,12 +1,12 @@
 """``python -m bench._unmarked_node serve ...``: a kvpool node that never sets a receive
-low-water mark (server/data/wake.py), for the before/after of ``bench.peers --ab``."""
+low-water mark (protocol/wake.py), for the before/after of ``bench.peers --ab``."""
 
 from __future__ import annotations
 
 import runpy
 import sys
 
-from kvpool.server.data import wake
+from kvpool.protocol import wake
 
 if __name__ == "__main__":
     wake.WAKE_MIN = 1 << 62  # no value is ever that large: the mark stays at 1

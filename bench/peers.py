@@ -25,9 +25,10 @@ command for each, one after another, in an order that rotates by round):
   ``$MOONCAKE_PYTHON`` with ``$MOONCAKE_LIB`` (libibverbs, see docs/benchmarks.md);
 - ``kvpool checksum-first`` (with ``--ab``): kvpool's client hashing every value before
   sending it (no checksum trailer, as before ``PUT_FLAG_CHECKSUM_AFTER``), same node;
-- ``kvpool no wake mark`` (with ``--ab``): the same client to a node of its own that
-  never sets a receive low-water mark (``bench/_unmarked_node.py``; before
-  server/data/wake.py, the node was woken at every segment of a value).
+- ``kvpool no wake mark`` (with ``--ab``): kvpool's client receiving as bytes come (no
+  ``MSG_WAITALL`` receives, no ``SO_RCVLOWAT``), to a node of its own that never sets a
+  receive low-water mark either (``bench/_unmarked_node.py``): before protocol/wake.py,
+  each end was woken at every segment of a value.
 
 LMCache's PUT has no reply; its PUT samples end with a HEALTH round trip on the same
 connection (the server serves a connection in order), so every sample ends once the
@@ -111,13 +112,17 @@ class Store:
 
 
 class KvpoolStore(Store):
-    def __init__(self, url: str, *, checksum_first: bool = False) -> None:
+    def __init__(self, url: str, *, checksum_first: bool = False, no_marks: bool = False
+                 ) -> None:
         import xxhash
 
-        from kvpool.client import Client, _plans
+        from kvpool.client import Client, _plans, _socket
+        from kvpool.protocol import wake
 
         if checksum_first:  # every value hashed before it is sent (no trailer)
             _plans.TRAILER_MIN = 1 << 62
+        if no_marks:  # every receive taken as it comes (no MSG_WAITALL, no SO_RCVLOWAT)
+            _socket._WAIT_MIN = wake.WAKE_MIN = 1 << 62
 
         self._hash = xxhash.xxh3_128_digest
         self._client = Client(url, shm=False)
@@ -425,7 +430,7 @@ def open_store(system: str, address: str) -> Store:
     if system == "kvpool checksum-first":
         return KvpoolStore(address, checksum_first=True)
     if system == "kvpool no wake mark":
-        return KvpoolStore(address)
+        return KvpoolStore(address, no_marks=True)
     if system == "redis":
         return RedisStore(int(address))
     if system == "lmcache":

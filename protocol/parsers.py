@@ -473,6 +473,12 @@ class ReplyParser:
         return ready
 
     @property
+    def value_left(self) -> int:
+        """Bytes of a GET payload still to arrive into its sink, none of them received
+        yet (0: not in a payload): what a receive may wait for whole."""
+        return self._reader.into_left
+
+    @property
     def between_replies(self) -> bool:
         """Whether the stream is at a reply's first byte with nothing buffered (then
         :meth:`whole_reply` may parse the next bytes itself)."""

@@ -14,6 +14,7 @@ import json
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -64,6 +65,10 @@ class LyingNode:
         #: close the connection after a reply ``tamper`` changed (a fuzzer's lie then
         #: ends in an EOF, not in the client's deadline)
         self.close_after_lie = close_after_lie
+        #: > 0: a reply over 64 KiB goes out in pieces (its first 1,000 bytes, then 40 KiB,
+        #: then 300 KiB at a time) with this many seconds between them, as a slow link
+        #: delivers it
+        self.dribble = 0.0
         self.node = MockNode("liar")
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
@@ -102,7 +107,7 @@ class LyingNode:
                     honest = b"".join(reply)
                     with self._lock:  # one store for every connection
                         out = self.tamper(Op(request.header.op), honest)
-                    conn.sendall(out)
+                    self._send(conn, out)
                     if out != honest and self.close_after_lie:
                         return
                 if parser.error is not None:
@@ -111,6 +116,15 @@ class LyingNode:
             pass
         finally:
             conn.close()
+
+    def _send(self, conn: socket.socket, out: bytes) -> None:
+        if not self.dribble or len(out) <= 64 << 10:
+            conn.sendall(out)
+            return
+        cuts = [0, 1000, 1000 + (40 << 10), *range(1000 + (340 << 10), len(out), 300 << 10)]
+        for start, end in zip(cuts, [*cuts[1:], len(out)], strict=True):
+            conn.sendall(out[start:end])
+            time.sleep(self.dribble)
 
     def drop_connections(self) -> None:
         """Close every open connection (a client reconnects and says HELLO again)."""

@@ -30,10 +30,10 @@ from kvpool.protocol.errors import (
 )
 from kvpool.protocol.frames import Op, encode_error
 from kvpool.protocol.parsers import Request, RequestParser, Reservation, Scoper
+from kvpool.protocol.wake import WakeMark
 from kvpool.server.data.handlers import Handlers
 from kvpool.server.data.reply import Pending, Reply
 from kvpool.server.data.session import Session
-from kvpool.server.data.wake import WakeMark
 from kvpool.server.data.writer import ReplyWriter
 from kvpool.server.security.auth import ANONYMOUS, TokenTable, check, scoper_for
 from kvpool.tiers.dram import Slot

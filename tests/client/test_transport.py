@@ -305,7 +305,9 @@ def test_the_socket_link_keeps_its_deadline_when_a_reply_stalls_midway(
     def peer() -> None:
         conn, header = one_request(listener)
         with conn:
-            frame = b"".join(encode_frame(header.op, header.request_id, [b" " * (1 << 20)]))
+            # (a body under _WAIT_MIN: received as it comes, a receive per piece; a larger
+            # one is waited for whole, test below)
+            frame = b"".join(encode_frame(header.op, header.request_id, [b" " * 60_000]))
             conn.sendall(frame[:1000])
             time.sleep(0.35)  # past a 16th of the timeout: the next receive waits less
             conn.sendall(frame[1000:2000])
@@ -321,6 +323,42 @@ def test_the_socket_link_keeps_its_deadline_when_a_reply_stalls_midway(
         assert timeouts.asked, "the link never cut the kernel's timeout"
         # without the cut the last receive would wait a whole 0.6 s from 0.35 s
         assert max(timeouts.asked) < 0.3, timeouts.asked
+        assert not link.is_open
+    finally:
+        done.set()
+        link.close()
+        thread.join(5)
+        listener.close()
+
+
+@pytest.mark.timeout(20)
+def test_a_long_body_waited_for_whole_still_ends_at_the_deadline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body of 1 MiB is received with MSG_WAITALL (256 KiB a receive): when it stalls
+    midway, the receive that waits for it returns what came at the kernel's timeout (set
+    to at most the call's), and the call fails with a timeout; it neither waits for bytes
+    that never come nor takes the partial receive for the whole."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    done = threading.Event()
+
+    def peer() -> None:
+        conn, header = one_request(listener)
+        with conn:
+            frame = b"".join(encode_frame(header.op, header.request_id, [b" " * (1 << 20)]))
+            conn.sendall(frame[:1000])
+            time.sleep(0.2)
+            conn.sendall(frame[1000:100_000])  # less than one waited-for receive
+            done.wait(5)
+
+    thread = threading.Thread(target=peer, daemon=True)
+    thread.start()
+    link = BlockingConnection("127.0.0.1", port, timeout=0.6, connect_timeout=5)
+    timeouts = KernelTimeouts(monkeypatch)
+    try:
+        with pytest.raises(KvpoolTimeoutError, match=r"no reply within 0\.6s"):
+            link.call(Op.STATS, 0, [])
+        assert all(t <= 0.6 for t in timeouts.asked), timeouts.asked
         assert not link.is_open
     finally:
         done.set()

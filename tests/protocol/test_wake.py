@@ -1,9 +1,10 @@
-"""The node's receive low-water mark while a PUT value comes (server/data/wake.py): the
+"""The node's receive low-water mark while a PUT value comes (protocol/wake.py): the
 kernel holds the wake-up until the value's bytes are in, and no mark stalls a node fed a
 value in pieces, with frames behind it."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import select
 import socket
@@ -13,11 +14,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool.client import Client
+from kvpool.client import AsyncClient, Client
 from kvpool.protocol.envelope import seal
 from kvpool.protocol.frames import FrameHeader, Op, PutItemHeader, encode_frame, encode_json
-from kvpool.server.data.wake import WAKE_MAX, WAKE_MIN, WakeMark
+from kvpool.protocol.wake import WAKE_MAX, WAKE_MIN, WakeMark
 from tests.conftest import NodeProcess
+from tests.hostile_node import LyingNode
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="SO_RCVLOWAT marks: Linux")
 
@@ -123,3 +125,34 @@ def test_a_value_sent_in_pieces_is_stored_whole_with_a_frame_behind_it(
     with Client(node.url, shm=False) as client:
         assert client.get(big_key) == big
         assert client.get(small_key) == small
+
+
+@pytest.mark.parametrize("size", [300_000, (1 << 20) - 64])
+def test_a_get_payload_that_comes_in_pieces_reaches_both_clients_whole(size: int) -> None:
+    """A node whose reply arrives in pieces with pauses (under and over the clients'
+    receive marks: the sync client's MSG_WAITALL receives, the async client's
+    SO_RCVLOWAT): both read the exact value, and the next call on the same connection
+    works (a mark left set would stall it)."""
+    node = LyingNode()
+    node.dribble = 0.02
+    key, small_key = os.urandom(16), os.urandom(16)
+    value, small = os.urandom(size), os.urandom(100)
+    try:
+        with Client(node.url, shm=False) as client:
+            client.put(key, value)
+            client.put(small_key, small)
+            buf = bytearray(size)
+            for _ in range(2):
+                assert client.get_into(key, buf) == size and buf == value
+                assert client.get(small_key) == small
+
+        async def run() -> None:
+            async with AsyncClient(node.url, shm=False) as aclient:
+                for _ in range(2):
+                    abuf = bytearray(size)
+                    assert await aclient.get_into(key, abuf) == size and abuf == value
+                    assert await aclient.get(small_key) == small
+
+        asyncio.run(run())
+    finally:
+        node.close()
