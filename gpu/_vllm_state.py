@@ -20,6 +20,7 @@ from kvpool.gpu.backoff import Backoff
 from kvpool.gpu.connector import DEFAULT_STAGING_SLOTS
 from kvpool.gpu.layout import KVLayout
 from kvpool.gpu.settings import settings_from
+from kvpool.gpu.threads import parse_cpus
 from kvpool.placement.keys import DEFAULT_CHUNK_TOKENS, ChunkHasher
 from kvpool.protocol.errors import ConfigError
 
@@ -78,6 +79,11 @@ class KvpoolSettings:
     #: (docs/vllm.md has what it did and did not do; loads are never lowered: a request
     #: waits for them)
     save_nice: int = 0
+    #: where the load and save threads run (Linux): "auto" (on vLLM's CPU build, the CPUs
+    #: of the worker's NUMA node that its OpenMP threads are not bound to, the ones vLLM
+    #: leaves its front end; on a GPU, or with none spare, the engine thread's), "engine"
+    #: (the engine thread's CPUs, as the threads it starts inherit), or a CPU list ("2,3")
+    io_cpus: str = "auto"
     #: seconds the scheduler reuses a waiting request's lookup: vLLM asks again at every
     #: step a request waits for blocks, and each ask would be a round trip on the
     #: scheduler's step (0: ask every time; counted as ``lookups_reused``)
@@ -108,6 +114,13 @@ class KvpoolSettings:
         if not isinstance(settings.save_nice, int) or not 0 <= settings.save_nice <= 19:
             raise ConfigError(f"kvpool connector: save_nice must be an integer from 0 to "
                               f"19, got {settings.save_nice!r}")
+        if settings.io_cpus not in ("auto", "engine"):
+            try:
+                parse_cpus(str(settings.io_cpus))
+            except ValueError as exc:
+                raise ConfigError(f"kvpool connector: io_cpus must be \"auto\", \"engine\" or "
+                                  f"a CPU list such as \"2,3\" or \"4-7\", got "
+                                  f"{settings.io_cpus!r} ({exc})") from None
         for name in ("chunk_tokens", "staging_slots", "save_queue_chunks"):
             value = getattr(settings, name)
             if not isinstance(value, int) or value < 1:

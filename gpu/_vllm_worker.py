@@ -28,7 +28,7 @@ from kvpool.gpu._vllm_state import (
 from kvpool.gpu.connector import PagedKVConnector
 from kvpool.gpu.layout import KVLayout
 from kvpool.gpu.paged import Scatter, scatter
-from kvpool.gpu.threads import nicer
+from kvpool.gpu.threads import cpus_for_io, move_to, nicer
 from kvpool.placement.keys import ChunkHasher
 from kvpool.protocol.errors import ConfigError
 
@@ -76,7 +76,8 @@ class WorkerSide:
         state.namespace = _namespace(state.vllm_config, state.model_id, state.chunk_tokens,
                                      layout, state.tp_rank)
         state.hasher = ChunkHasher(state.namespace)
-        self._load_io, save_io = _io_threads(caches[0].device, state.settings.save_nice)
+        cpus = cpus_for_io(state.settings.io_cpus, caches[0].device.type == "cpu")
+        self._load_io, save_io = _io_threads(caches[0].device, state.settings.save_nice, cpus)
         # one client for both threads (its calls are serialised): what one learns of a
         # node (down, left behind as hung) the other uses at once
         self._client = state.settings.client()
@@ -313,14 +314,16 @@ class WorkerSide:
         return failed
 
 
-def _io_threads(device: torch.device, save_nice: int = 0
+def _io_threads(device: torch.device, save_nice: int = 0, cpus: set[int] | None = None
                 ) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
     """The load thread and the save thread, each on ``device`` where it is a GPU (with
     every GPU visible, a thread that never set it would allocate and make its streams on
-    GPU 0, not on its tensor-parallel rank's); the save thread ``save_nice`` nicer than
-    the thread that starts it (the engine's), as are the threads it starts in turn (its
-    connector's copier: Linux threads inherit their maker's niceness)."""
+    GPU 0, not on its tensor-parallel rank's) and on ``cpus`` where given (the
+    connector's ``io_cpus``); the save thread ``save_nice`` nicer than the thread that
+    starts it (the engine's), as are the threads it starts in turn (its connector's
+    copier: Linux threads inherit their maker's niceness and CPUs)."""
     def on_device() -> None:
+        move_to(cpus or set())
         if device.type == "cuda":
             torch.cuda.set_device(device)
 

@@ -400,6 +400,8 @@ def settings_check() -> dict[str, Any]:
         "bad retry": {"kvpool_url": "x:1", "retry_after_s": 0},
         "bad queue": {"kvpool_url": "x:1", "save_queue_chunks": 0},
         "bad nice": {"kvpool_url": "x:1", "save_nice": 20},
+        "bad cpus": {"kvpool_url": "x:1", "io_cpus": "first"},
+        "cpu list": {"kvpool_url": "x:1", "io_cpus": "0-1,3"},
         "string shm": {"kvpool_url": "x:1", "shm": "false"},
         "string chunk": {"kvpool_url": "x:1", "chunk_tokens": "256"},
         "bool timeout": {"kvpool_url": "x:1", "timeout_s": True},
@@ -747,11 +749,16 @@ def streams_check(url: str) -> dict[str, Any]:
     # the worker's own save thread (save_nice 0, the default), the load thread's
     nice = {"engine": niceness(), "save": side.saves.io.submit(niceness).result(),
             "load": side._load_io.submit(niceness).result()}
-    load_io, save_io = worker_module._io_threads(torch.device("cuda", 1), 5)
+    # io_cpus: both threads on the CPUs named (here the highest this process may use)
+    where = {max(os.sched_getaffinity(0))}
+    load_io, save_io = worker_module._io_threads(torch.device("cuda", 1), 5, where)
     for io in (load_io, save_io):
         io.submit(lambda: None).result()
     threads = list(calls)
     nice["load5"], nice["save5"] = (io.submit(niceness).result() for io in (load_io, save_io))
+    cpus = {"named": sorted(where), "engine": sorted(os.sched_getaffinity(0)),
+            "io": [sorted(io.submit(os.sched_getaffinity, 0).result())
+                   for io in (load_io, save_io)]}
     for io in (load_io, save_io):
         io.shutdown()
     bit_exact = all(bool(torch.equal(c[a].view(torch.uint8), c[b].view(torch.uint8)))
@@ -759,7 +766,7 @@ def streams_check(url: str) -> dict[str, Any]:
     stats = dict(worker.state.stats.data)
     worker.shutdown()
     return {"save": saved, "load": loaded, "threads": threads, "bit_exact": bit_exact,
-            "stats": stats, "nice": nice}
+            "stats": stats, "nice": nice, "cpus": cpus}
 
 
 def main() -> int:

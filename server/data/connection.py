@@ -43,7 +43,6 @@ __all__ = ["NodeConnection"]
 log = logging.getLogger("kvpool.server")
 
 
-
 def http_wrong_port(message: str, admin: tuple[str, int]) -> bytes:
     """An HTTP 400 in the admin API's error shape, for an HTTP request on the data port."""
     body = json.dumps({"error": {"type": "wrong_port", "message": (

@@ -178,6 +178,8 @@ def test_connector_settings_fail_with_one_clear_line(tmp_path: Path) -> None:
     assert "retry_after_s must be > 0, got 0" in errors["bad retry"]
     assert "save_queue_chunks must be an integer >= 1" in errors["bad queue"]
     assert "save_nice must be an integer from 0 to 19, got 20" in errors["bad nice"]
+    assert "io_cpus must be \"auto\", \"engine\" or a CPU list" in errors["bad cpus"]
+    assert not errors["cpu list"]
     # JSON's types, strictly: "false" is not false, "256" not 256, true not a number
     assert "shm must be true or false or null, got 'false' (str)" in errors["string shm"]
     assert "chunk_tokens must be an integer, got '256' (str)" in errors["string chunk"]
@@ -306,6 +308,10 @@ def test_on_cuda_the_engine_thread_records_events_and_kvpools_threads_wait_on_th
     nice = result["nice"]
     assert nice["save"] == nice["engine"] and nice["load"] == nice["engine"]
     assert nice["save5"] == min(19, nice["engine"] + 5) and nice["load5"] == nice["engine"]
+    # io_cpus: the load and save threads run on the CPUs named, the engine's stays
+    cpus = result["cpus"]
+    assert cpus["io"] == [cpus["named"], cpus["named"]], cpus
+    assert cpus["engine"] != cpus["named"] or len(cpus["engine"]) == 1
     assert result["bit_exact"] and result["stats"]["tokens_loaded"] == 256
 
 
