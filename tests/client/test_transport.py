@@ -290,6 +290,40 @@ class KernelTimeouts:
         monkeypatch.setattr(socket_module, "_timeval", record)
 
 
+def stalled_midway(monkeypatch: pytest.MonkeyPatch, body: int, pause: float, until: int
+                   ) -> list[float]:
+    """A STATS call (timeout 0.6 s) whose reply frame of a ``body``-byte body comes: its
+    first 1,000 bytes, a ``pause``, bytes up to ``until``, then nothing. Checks that the
+    call fails with a timeout and closes the link; the kernel timeouts it asked for."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    done = threading.Event()
+
+    def peer() -> None:
+        conn, header = one_request(listener)
+        with conn:
+            frame = b"".join(encode_frame(header.op, header.request_id, [b" " * body]))
+            conn.sendall(frame[:1000])
+            time.sleep(pause)
+            conn.sendall(frame[1000:until])
+            done.wait(5)
+
+    thread = threading.Thread(target=peer, daemon=True)
+    thread.start()
+    link = BlockingConnection("127.0.0.1", port, timeout=0.6, connect_timeout=5)
+    timeouts = KernelTimeouts(monkeypatch)
+    try:
+        with pytest.raises(KvpoolTimeoutError, match=r"no reply within 0\.6s"):
+            link.call(Op.STATS, 0, [])
+        assert not link.is_open
+        return timeouts.asked
+    finally:
+        done.set()
+        link.close()
+        thread.join(5)
+        listener.close()
+
+
 @pytest.mark.timeout(20)
 def test_the_socket_link_keeps_its_deadline_when_a_reply_stalls_midway(
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -297,74 +331,23 @@ def test_the_socket_link_keeps_its_deadline_when_a_reply_stalls_midway(
     a timeout at its deadline (0.6 s), not a whole timeout after the last bytes came.
     The link waits in blocking receives with the kernel's timeout, cut to what is left of
     the call once a 16th of it has passed: after the peer's 0.35 s pause the kernel is
-    asked to wait at most what is left (< 0.3 s), never a whole 0.6 s again."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    done = threading.Event()
-
-    def peer() -> None:
-        conn, header = one_request(listener)
-        with conn:
-            # (a body under _WAIT_MIN: received as it comes, a receive per piece; a larger
-            # one is waited for whole, test below)
-            frame = b"".join(encode_frame(header.op, header.request_id, [b" " * 60_000]))
-            conn.sendall(frame[:1000])
-            time.sleep(0.35)  # past a 16th of the timeout: the next receive waits less
-            conn.sendall(frame[1000:2000])
-            done.wait(5)
-
-    thread = threading.Thread(target=peer, daemon=True)
-    thread.start()
-    link = BlockingConnection("127.0.0.1", port, timeout=0.6, connect_timeout=5)
-    timeouts = KernelTimeouts(monkeypatch)
-    try:
-        with pytest.raises(KvpoolTimeoutError, match=r"no reply within 0\.6s"):
-            link.call(Op.STATS, 0, [])
-        assert timeouts.asked, "the link never cut the kernel's timeout"
-        # without the cut the last receive would wait a whole 0.6 s from 0.35 s
-        assert max(timeouts.asked) < 0.3, timeouts.asked
-        assert not link.is_open
-    finally:
-        done.set()
-        link.close()
-        thread.join(5)
-        listener.close()
+    asked to wait at most what is left (< 0.3 s), never a whole 0.6 s again. (A body
+    under _WAIT_MIN: received as it comes, a receive per piece.)"""
+    asked = stalled_midway(monkeypatch, 60_000, 0.35, 2000)
+    assert asked, "the link never cut the kernel's timeout"
+    # without the cut the last receive would wait a whole 0.6 s from 0.35 s
+    assert max(asked) < 0.3, asked
 
 
 @pytest.mark.timeout(20)
 def test_a_long_body_waited_for_whole_still_ends_at_the_deadline(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A body of 1 MiB is received with MSG_WAITALL (256 KiB a receive): when it stalls
-    midway, the receive that waits for it returns what came at the kernel's timeout (set
-    to at most the call's), and the call fails with a timeout; it neither waits for bytes
-    that never come nor takes the partial receive for the whole."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    done = threading.Event()
-
-    def peer() -> None:
-        conn, header = one_request(listener)
-        with conn:
-            frame = b"".join(encode_frame(header.op, header.request_id, [b" " * (1 << 20)]))
-            conn.sendall(frame[:1000])
-            time.sleep(0.2)
-            conn.sendall(frame[1000:100_000])  # less than one waited-for receive
-            done.wait(5)
-
-    thread = threading.Thread(target=peer, daemon=True)
-    thread.start()
-    link = BlockingConnection("127.0.0.1", port, timeout=0.6, connect_timeout=5)
-    timeouts = KernelTimeouts(monkeypatch)
-    try:
-        with pytest.raises(KvpoolTimeoutError, match=r"no reply within 0\.6s"):
-            link.call(Op.STATS, 0, [])
-        assert all(t <= 0.6 for t in timeouts.asked), timeouts.asked
-        assert not link.is_open
-    finally:
-        done.set()
-        link.close()
-        thread.join(5)
-        listener.close()
+    midway (less than one waited-for receive came), the receive returns what came at the
+    kernel's timeout, set to at most the call's, and the call fails with a timeout: it
+    neither waits for bytes that never come nor takes the partial receive for the whole."""
+    asked = stalled_midway(monkeypatch, 1 << 20, 0.2, 100_000)
+    assert all(t <= 0.6 for t in asked), asked
 
 
 @pytest.mark.timeout(20)
