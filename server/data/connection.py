@@ -43,6 +43,24 @@ __all__ = ["NodeConnection"]
 log = logging.getLogger("kvpool.server")
 
 
+def scope_request(request: Request, scoper: Scoper, quota_tenant: str | None) -> None:
+    """Map a frame's keys to the keys they are stored under (the tenant's scope); its PUT
+    slots count against ``quota_tenant``'s DRAM quota."""
+    scope = request.scope
+    if request.items:
+        for item in request.items:
+            slot = item.reservation
+            if isinstance(slot, Slot):
+                slot.assign(scoper(slot.key, scope), quota_tenant)
+            if item.parent is not None:
+                item.parent = scoper(item.parent, scope)
+        if request.header.op in (Op.PUT_SHM, Op.COMMIT_AS):  # slots are keyed by these
+            request.keys = [scoper(item.header.key, scope) for item in request.items]
+    elif request.keys:
+        request.client_keys = request.keys
+        request.keys = [scoper(k, scope) for k in request.keys]
+
+
 def http_wrong_port(message: str, admin: tuple[str, int]) -> bytes:
     """An HTTP 400 in the admin API's error shape, for an HTTP request on the data port."""
     body = json.dumps({"error": {"type": "wrong_port", "message": (
@@ -278,29 +296,13 @@ class NodeConnection(asyncio.BufferedProtocol):
             self._refuse(request, PermissionDeniedError(why))
             return True
         if self._scoper is not None:
-            self._scope(request, self._scoper)
+            scope_request(request, self._scoper, self._quota_tenant)
         tracing = self._handlers.tracing
         if request.trace is not None and tracing is not None:
             span = tracing.request_span(header.op, request.trace, self.peer, header.count)
             with trace.use_span(span, end_on_exit=False):
                 return self._dispatch(request, span)
         return self._dispatch(request, None)
-
-    def _scope(self, request: Request, scoper: Scoper) -> None:
-        """Map the frame's keys to the keys they are stored under (the tenant's scope)."""
-        scope = request.scope
-        if request.items:
-            for item in request.items:
-                slot = item.reservation
-                if isinstance(slot, Slot):
-                    slot.assign(scoper(slot.key, scope), self._quota_tenant)
-                if item.parent is not None:
-                    item.parent = scoper(item.parent, scope)
-            if request.header.op in (Op.PUT_SHM, Op.COMMIT_AS):  # slots are keyed by these
-                request.keys = [scoper(item.header.key, scope) for item in request.items]
-        elif request.keys:
-            request.client_keys = request.keys
-            request.keys = [scoper(k, scope) for k in request.keys]
 
     def _reserve(self, key: bytes, nbytes: int, scope: int) -> Reservation | None:
         # Authenticate before you allocate: the parser holds after HELLO until it is served,
