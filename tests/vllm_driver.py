@@ -751,12 +751,14 @@ def streams_check(url: str) -> dict[str, Any]:
             "load": side._load_io.submit(niceness).result()}
     # io_cpus: both threads on the CPUs named (here the highest this process may use)
     where = {max(os.sched_getaffinity(0))}
+    engine_before = sorted(os.sched_getaffinity(0))
     load_io, save_io = worker_module._io_threads(torch.device("cuda", 1), 5, where)
     for io in (load_io, save_io):
         io.submit(lambda: None).result()
     threads = list(calls)
     nice["load5"], nice["save5"] = (io.submit(niceness).result() for io in (load_io, save_io))
-    cpus = {"named": sorted(where), "engine": sorted(os.sched_getaffinity(0)),
+    cpus = {"named": sorted(where), "engine_before": engine_before,
+            "engine": sorted(os.sched_getaffinity(0)),
             "io": [sorted(io.submit(os.sched_getaffinity, 0).result())
                    for io in (load_io, save_io)]}
     for io in (load_io, save_io):

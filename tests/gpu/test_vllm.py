@@ -311,7 +311,7 @@ def test_on_cuda_the_engine_thread_records_events_and_kvpools_threads_wait_on_th
     # io_cpus: the load and save threads run on the CPUs named, the engine's stays
     cpus = result["cpus"]
     assert cpus["io"] == [cpus["named"], cpus["named"]], cpus
-    assert cpus["engine"] != cpus["named"] or len(cpus["engine"]) == 1
+    assert cpus["engine"] == cpus["engine_before"], cpus  # moving them left it alone
     assert result["bit_exact"] and result["stats"]["tokens_loaded"] == 256
 
 
