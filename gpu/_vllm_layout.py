@@ -128,10 +128,14 @@ class VllmCacheWrite:
     """
 
     def __init__(self, caches: Sequence[torch.Tensor], isa: str = "amx") -> None:
-        from vllm import _custom_ops as ops
+        import vllm._custom_ops  # noqa: F401  (registers torch.ops._C's CPU ops)
 
-        self._op = ops.cpu_attn_reshape_and_cache
+        # the op itself, not vLLM's Python wrapper of it: on the load thread every torch
+        # call is a hand-over of the GIL with the engine's thread, whose forward waits at
+        # each one (below: three calls a chunk, and one a layer)
+        self._op = torch.ops._C.cpu_attn_reshape_and_cache
         self._isa = isa
+        self._offsets: dict[int, torch.Tensor] = {}
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         for cache in caches:  # [N, H, B, 2D] as the backend views it: K rows, then V rows
             n, h, b, d2 = cache.shape
@@ -141,11 +145,15 @@ class VllmCacheWrite:
     def __call__(self, layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,
                  chunk: torch.Tensor, *, first_block: int = 0) -> None:
         b = layout.block_size
-        offsets = torch.arange(b, dtype=torch.int64)
+        offsets = self._offsets.get(b)
+        if offsets is None:
+            offsets = self._offsets[b] = torch.arange(b, dtype=torch.int64)
         slots = (ids.to(torch.int64).view(-1, 1) * b + offsets).view(-1)
-        start = first_block * b
+        # every layer's K and V planes ([T, H, D] views) in one call: K of layer l at 2l
+        planes = chunk[:, :, first_block * b:].flatten(0, 1).unbind(0)
+        op, isa = self._op, self._isa
         for layer, (k, v) in enumerate(self._kv):
-            self._op(chunk[layer, 0, start:], chunk[layer, 1, start:], k, v, slots, self._isa)
+            op(planes[2 * layer], planes[2 * layer + 1], k, v, slots, isa, 1.0, 1.0, "auto")
 
 
 def _layout_kind(vllm_config: Any, on_cpu: bool) -> LayoutKind:
