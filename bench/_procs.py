@@ -49,6 +49,15 @@ class Proc:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
 
+def cpu_set(text: str) -> set[int] | None:
+    """A ``--node-cpus`` flag as a set of CPUs (None: not given)."""
+    if not text:
+        return None
+    from kvpool.gpu.threads import parse_cpus  # (kvpool.gpu imports torch: only if asked)
+
+    return parse_cpus(text)
+
+
 def run_json(python: str, module: str, *args: str, timeout: float = 900) -> dict[str, Any]:
     """``python -m module args``'s last stdout line, a JSON object (a benchmark's part
     that runs in another environment, such as the engines'); RuntimeError with its

