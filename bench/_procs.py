@@ -50,7 +50,7 @@ class Proc:
 
 
 def cpu_set(text: str) -> set[int] | None:
-    """A ``--node-cpus`` flag as a set of CPUs (None: not given)."""
+    """A CPU-list flag (``--node-cpus``, ``--engine-cpus``) as a set (None: not given)."""
     if not text:
         return None
     from kvpool.gpu.threads import parse_cpus  # (kvpool.gpu imports torch: only if asked)

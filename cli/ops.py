@@ -76,6 +76,8 @@ BENCH_HELP = {
             "(needs $VLLM_CPU_PYTHON)",
     "save_nice": "an engine-like thread's step times beside kvpool's save thread at the "
                  "engine's niceness and at save_nice, against no saves (needs torch)",
+    "gil_loader": "an engine-like forward beside the connector's cache writes on another "
+                  "CPU, from a thread and from a process: the GIL's cost (needs torch)",
     "vllm_batch": "vLLM decoders' inter-token latency while a 4k-token prompt loads from "
                   "kvpool: none / vLLM's own cache / sync / async (needs $VLLM_CPU_PYTHON)",
     "gpu_accept": "the vLLM connector's GPU acceptance check: parity under the CUDA "

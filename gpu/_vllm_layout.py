@@ -132,7 +132,7 @@ class VllmCacheWrite:
 
         # the op itself, not vLLM's Python wrapper of it: on the load thread every torch
         # call is a hand-over of the GIL with the engine's thread, whose forward waits at
-        # each one (below: three calls a chunk, and one a layer)
+        # each one (below: a few calls a chunk, then one a layer)
         self._op = torch.ops._C.cpu_attn_reshape_and_cache
         self._isa = isa
         self._offsets: dict[int, torch.Tensor] = {}
