@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import threading
 import time
@@ -44,7 +45,7 @@ def _layout(kind: str) -> KVLayout:
 
 def _writer(name: str, caches: list[torch.Tensor]) -> tuple[KVLayout, Scatter]:
     if name == "vllm op":
-        from kvpool.gpu._vllm_layout import VllmCacheWrite
+        from kvpool.gpu.vllm import VllmCacheWrite
 
         return _layout("cpu_attn_amx"), VllmCacheWrite(caches, "amx")
     layout = _layout("cpu_attn")
@@ -94,7 +95,7 @@ def one(setup: str, seconds: float) -> dict[str, float]:
     ctx = mp.get_context("fork")
     if where == "thread":
         stop: Any = threading.Event()
-        out: Any = __import__("queue").Queue()
+        out: Any = queue.Queue()
         worker: Any = threading.Thread(target=_loader, args=(name, stop, out), daemon=True)
     else:
         stop, out = ctx.Event(), ctx.Queue()
@@ -119,8 +120,8 @@ def main() -> None:
     os.sched_setaffinity(0, {0})
     torch.set_num_threads(1)
     setups = ["alone", "kvpool scatter, thread", "kvpool scatter, process"]
-    try:
-        import vllm._custom_ops  # noqa: F401
+    try:  # imported here, not in the loader threads (an import holds the GIL throughout)
+        import kvpool.gpu.vllm  # noqa: F401
         setups.append("vllm op, thread")
     except ImportError:
         print("(vLLM not installed: its op's setup left out)")

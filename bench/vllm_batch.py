@@ -15,9 +15,9 @@ vLLM's own prefix cache (the engine ran it once before the decoders came), so th
 steps in flight cost what serving the prompt's last token costs, with no load at all.
 Per way: the decoders' inter-token latency (ITL) before the long prompt arrives and
 while it is in flight (median and max), and the long prompt's time to first token.
-The engine runs in this process (vLLM's ``uni`` executor), which
-binds no CPUs: its forward uses every CPU unless ``--engine-cpus`` binds the engine as
-``vllm serve`` binds its worker; then kvpool's I/O threads move to the CPUs left over
+Each engine process runs vLLM's ``uni`` executor (engine core and worker in one
+process), which binds no CPUs: its forward uses every CPU unless ``--engine-cpus`` binds
+the process as ``vllm serve`` binds its worker; then kvpool's I/O threads move to the CPUs left over
 (the connector's ``io_cpus``, ``auto``). ``--node-cpus`` pins the node (as
 ``bench.serving``'s flag).
 
