@@ -91,12 +91,14 @@ def _wait_port(port: int, proc: subprocess.Popen[str], timeout: float = 15.0) ->
 
 
 def start_node(*flags: str, env: dict[str, str] | None = None,
-               python: str | None = None, module: str = "kvpool.server") -> Proc:
+               python: str | None = None, module: str = "kvpool.server",
+               cpus: set[int] | None = None) -> Proc:
     """A node with its data dir in a fresh temp dir (removed by :meth:`Proc.stop`).
 
     ``env`` adds to (or overrides) this process's environment; ``python``: the
     interpreter that runs it (default: this one); ``module``: what it runs (a bench
-    module: a node with something turned off, for a before/after in one run).
+    module: a node with something turned off, for a before/after in one run); ``cpus``:
+    the CPUs it runs on (default: wherever the OS puts it).
     """
     data_dir = tempfile.mkdtemp(prefix="kvpool-bench-")
     if module.startswith("bench."):  # (bench is not installed: run it from this checkout)
@@ -105,6 +107,8 @@ def start_node(*flags: str, env: dict[str, str] | None = None,
            "--admin-port", "0", "--log-level", "warning", "--data-dir", data_dir, *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **env} if env else None)
+    if cpus:  # before its interpreter is up: the threads it starts inherit it
+        os.sched_setaffinity(proc.pid, cpus)
     assert proc.stdout is not None
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -135,10 +135,8 @@ def main() -> int:
     root = Path(__file__).resolve().parent.parent
     rng = random.Random(7)
     table: dict[str, Any] = {}
-    node = start_node("--dram-capacity", "2GiB", "--no-ssd")
     node_cpus, engine_cpus = cpu_set(args.node_cpus), cpu_set(args.engine_cpus)
-    if node_cpus:
-        os.sched_setaffinity(node.proc.pid, node_cpus)
+    node = start_node("--dram-capacity", "2GiB", "--no-ssd", cpus=node_cpus)
     try:
         with tempfile.TemporaryDirectory(prefix="kvpool-vllm-batch-") as tmp_name:
             tmp = Path(tmp_name)
