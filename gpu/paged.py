@@ -194,21 +194,25 @@ def _chunk_kv(layout: KVLayout, chunk: torch.Tensor, first_block: int
     return k, v
 
 
-def _pairs(layout: KVLayout, layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
-           ids: torch.Tensor, chunk: torch.Tensor, first_block: int
-           ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(block views, chunk views), matched: K then V of each block of each layer, whose
-    blocks ``layers`` holds as :func:`_cpu_attn_blocks` views them."""
-    chunk_k, chunk_v = _chunk_kv(layout, chunk, first_block)
-    blocks = ids.tolist()
-    cache_views: list[torch.Tensor] = []
-    chunk_views: list[torch.Tensor] = []
-    for layer, (k, v) in enumerate(layers):
-        layer_k, layer_v = chunk_k[layer], chunk_v[layer]
-        for n, block in enumerate(blocks):
-            cache_views += (k[block], v[block])
-            chunk_views += (layer_k[n], layer_v[n])
-    return cache_views, chunk_views
+def _block_views(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], block: int
+                 ) -> list[torch.Tensor]:
+    """Block ``block`` of every layer, K then V a layer, of ``layers`` (each layer's
+    blocks as :func:`_cpu_attn_blocks` views them)."""
+    return [t for k, v in layers for t in (k[block], v[block])]
+
+
+def _chunk_views(layout: KVLayout, chunk: torch.Tensor, first_block: int
+                 ) -> list[torch.Tensor]:
+    """The chunk's blocks from ``first_block`` on as :func:`_block_views` lists them,
+    block after block: a few unbinds (each one call for all its views), not a call a
+    view. On a CPU engine's load thread every call is a hand-over of the GIL with the
+    engine's thread, which waits at each one (``bench.gil_loader``)."""
+    chunk_k, chunk_v = _chunk_kv(layout, chunk, first_block)  # [L, nb, H, *packed]
+    views: list[torch.Tensor] = []
+    for k, v in zip(chunk_k.transpose(0, 1).unbind(0), chunk_v.transpose(0, 1).unbind(0),
+                    strict=True):  # one block of every layer
+        views += [t for pair in zip(k.unbind(0), v.unbind(0), strict=True) for t in pair]
+    return views
 
 
 def _gather_cpu_attn(layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,
@@ -230,17 +234,22 @@ def _gather_cpu_attn(layout: KVLayout, caches: Sequence[torch.Tensor], ids: torc
 def _scatter_cpu_attn(layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,
                       chunk: torch.Tensor, first_block: int) -> None:
     layers = [_cpu_attn_blocks(layout, cache) for cache in caches]
-    torch._foreach_copy_(*_pairs(layout, layers, ids, chunk, first_block))
+    torch._foreach_copy_([view for block in ids.tolist() for view in _block_views(layers, block)],
+                         _chunk_views(layout, chunk, first_block))
 
 
 class CpuAttnScatter:
     """:func:`scatter` into the ``cpu_attn`` kinds' blocks of ``caches``, one
     ``torch._foreach_copy_`` a chunk (its per-view loop runs in C++):
 
-    - canonical chunks, with each layer's (K, V) block views made once, here, not on
-      every call (a load of one-block chunks makes ~10 tensor views a layer a chunk
-      otherwise: 32 chunks of 128 tokens of SmolLM2's geometry into vec blocks, one
-      thread, 48 ms against 39);
+    - canonical chunks, with each block's K and V views of every layer made at its first
+      write and kept (~1.3 KB a block and layer: 2 views of ~630 bytes), the chunk's in a
+      few unbinds: a few torch calls a chunk, not 4 a block and layer. On a CPU engine's
+      load thread each call is a hand-over of the GIL with the engine's thread, whose
+      forward waits at each one: an engine-like step beside chunk writes in a thread
+      (``bench.gil_loader``, 256-token chunks of SmolLM2's geometry into vec blocks) took
+      1.18-1.20x its time alone, against 1.33-1.41x with every view made at each call,
+      and the writes ran at 3.3-3.4 GB/s against 2.9-3.1;
     - chunks in the engine's format, block by block (an ``index_copy_`` a layer, as
       :func:`scatter` does, copied the same 32 chunks at 2.5 GB/s against 6.3 on a
       2-core AMD EPYC: ~30 op dispatches a chunk for one block each).
@@ -252,6 +261,9 @@ class CpuAttnScatter:
         self._caches = list(caches)
         self._views = [_cpu_attn_blocks(layout, cache) for cache in caches] \
             if layout.kind in CPU_ATTN_KINDS and not layout.engine_format else []
+        #: each block's views (:func:`_block_views`), from its first write on
+        self._blocks: list[list[torch.Tensor] | None] = \
+            [None] * (layout.num_blocks_of(self._caches[0]) if self._views else 0)
 
     def __call__(self, layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,
                  chunk: torch.Tensor, *, first_block: int = 0) -> None:
@@ -268,7 +280,14 @@ class CpuAttnScatter:
             torch._foreach_copy_([cache[block] for cache in caches for block in blocks],
                                  sources)
             return
-        torch._foreach_copy_(*_pairs(layout, self._views, ids, chunk, first_block))
+        torch._foreach_copy_([view for block in ids.tolist() for view in self._views_of(block)],
+                             _chunk_views(layout, chunk, first_block))
+
+    def _views_of(self, block: int) -> list[torch.Tensor]:
+        views = self._blocks[block]
+        if views is None:
+            views = self._blocks[block] = _block_views(self._views, block)
+        return views
 
 
 def scatter_for(layout: KVLayout, caches: Sequence[torch.Tensor], chosen: Scatter) -> Scatter:
