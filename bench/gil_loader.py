@@ -12,8 +12,10 @@ chunks (SmolLM2-135M's geometry: 30 layers, 3 KV heads of 64, 256-token chunks) 
 ``cpu_attn`` blocks as the vLLM connector does, over and over, on CPU 1: with kvpool's
 scatter (one ``torch._foreach_copy_`` a chunk) and, where vLLM is installed, with vLLM's
 own cache-write op (one call a layer, ``VllmCacheWrite``, which the connector uses for
-AMX blocks). Setups: the engine alone; each writer in a thread of this process; kvpool's
-writer in a process of its own. Per setup: the step's p50 over the engine alone's, and
+AMX blocks), and vLLM's op behind the connector's write batch (``WriteBatch``: each chunk
+copied into it, then one call a layer for up to 8 chunks, as a load in place writes them).
+Setups: the engine alone; each writer in a thread of this process; kvpool's writer in a
+process of its own. Per setup: the step's p50 over the engine alone's, and
 the loader's GB/s, median [min-max] over rounds. Needs torch and 2 CPUs; writes
 ``bench/results/gil_loader.json``.
 """
@@ -27,11 +29,13 @@ import queue
 import statistics
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from bench._stats import fmt, save, summary
+from kvpool.gpu.in_place import WriteBatch
 from kvpool.gpu.layout import KVLayout
 from kvpool.gpu.paged import CpuAttnScatter, Scatter
 
@@ -44,12 +48,27 @@ def _layout(kind: str) -> KVLayout:
 
 
 def _writer(name: str, caches: list[torch.Tensor]) -> tuple[KVLayout, Scatter]:
-    if name == "vllm op":
+    if name.startswith("vllm op"):
         from kvpool.gpu.vllm import VllmCacheWrite
 
-        return _layout("cpu_attn_amx"), VllmCacheWrite(caches, "amx")
+        layout, write = _layout("cpu_attn_amx"), VllmCacheWrite(caches, "amx")
+        return layout, (_batched(layout, write, caches) if "batched" in name else write)
     layout = _layout("cpu_attn")
     return layout, CpuAttnScatter(layout, caches)
+
+
+def _batched(layout: KVLayout, write: Scatter, caches: list[torch.Tensor]) -> Scatter:
+    """``write`` behind a :class:`WriteBatch`, as :func:`kvpool.gpu.in_place.load_in_place`
+    drives it (a full batch is written before the next chunk goes in)."""
+    batch = WriteBatch(layout, CHUNK_BLOCKS * BLOCK)
+
+    def add(layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,
+            chunk: torch.Tensor, *, first_block: int = 0) -> None:
+        if not batch.has_room(len(ids) * BLOCK):
+            batch.write(write, list(caches))
+        batch.add(chunk, ids, first_block)
+
+    return add
 
 
 def _loader(name: str, stop: Any, out: Any) -> None:
@@ -122,7 +141,7 @@ def main() -> None:
     setups = ["alone", "kvpool scatter, thread", "kvpool scatter, process"]
     try:  # imported here, not in the loader threads (an import holds the GIL throughout)
         import kvpool.gpu.vllm  # noqa: F401
-        setups.append("vllm op, thread")
+        setups += ["vllm op, thread", "vllm op batched, thread"]
     except ImportError:
         print("(vLLM not installed: its op's setup left out)")
     got: dict[str, dict[str, list[float]]] = {s: {} for s in setups}

@@ -7,9 +7,14 @@ from collections.abc import Sequence
 
 import torch
 
+from kvpool.client import AsyncClient
 from kvpool.gpu.layout import KVLayout
+from kvpool.protocol.errors import BufferTooSmallError
 
-__all__ = ["DirectBlocks"]
+__all__ = ["DIRECT_BATCH", "DirectBlocks", "load_direct"]
+
+#: chunks a direct load asks for in one request
+DIRECT_BATCH = 32
 
 
 class DirectBlocks:
@@ -71,3 +76,35 @@ class DirectBlocks:
                 else:
                     out.append(layer[span[0]:span[1]])
         return out
+
+
+async def load_direct(client: AsyncClient, blocks: DirectBlocks, keys: list[bytes],
+                      id_list: list[int], *, first: int, found: int, skip_blocks: int) -> int:
+    """Chunks ``first..found-1`` of ``keys`` straight into ``blocks`` (``id_list``: the
+    block of each of their blocks, in order; the first chunk from its block
+    ``skip_blocks`` on), in batches of ``DIRECT_BATCH`` (one request each: the client
+    copies a batch's values on several threads); the index past the last chunk loaded
+    (a chunk missing, corrupt or of a foreign size ends the load there)."""
+    loaded = first
+    while loaded < found:
+        end = min(found, loaded + DIRECT_BATCH)
+        sinks = [blocks.segments(id_list, i, skip_blocks if i == first else 0)
+                 for i in range(loaded, end)]
+        try:
+            got: list[int | None] = await client.get_many_into(keys[loaded:end], sinks)
+        except BufferTooSmallError:  # a chunk of a foreign size: find it one by one
+            got = []
+            for key, sink in zip(keys[loaded:end], sinks, strict=True):
+                try:
+                    got.append(await client.get_into(key, sink))
+                except BufferTooSmallError:
+                    got.append(None)  # a miss like any other
+                if got[-1] != blocks.chunk_nbytes:
+                    break
+        for n in got:
+            if n != blocks.chunk_nbytes:  # missing or corrupt (None)
+                break
+            loaded += 1
+        if loaded < end:
+            break
+    return loaded

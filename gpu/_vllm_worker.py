@@ -83,9 +83,9 @@ class WorkerSide:
         self._client = state.settings.client()
         saver = None
         try:  # the connector checks the tensors against the layout
-            self.loader = self._load_io.submit(self._open, layout, caches).result()
+            self.loader = self._load_io.submit(self._open, layout, caches, True).result()
             if layout.kind != "mla" or state.tp_rank == 0:  # MLA: one writer of the latents
-                saver = save_io.submit(self._open, layout, caches).result()
+                saver = save_io.submit(self._open, layout, caches, False).result()
         except (KvpoolError, ValueError) as exc:
             log.error("kvpool connector: disabled, every request computes its own KV: %s", exc)
             self.loader = None
@@ -148,8 +148,10 @@ class WorkerSide:
             return list(block_ids)
         return [b * r + i for b in block_ids for i in range(r)]
 
-    def _open(self, layout: KVLayout, caches: Sequence[torch.Tensor]) -> PagedKVConnector:
-        """On an I/O thread: the connector it drives, over the worker's one client."""
+    def _open(self, layout: KVLayout, caches: Sequence[torch.Tensor], loads: bool
+              ) -> PagedKVConnector:
+        """On an I/O thread: the connector it drives, over the worker's one client
+        (``loads``: it loads; a saver's connector makes no write batch)."""
         if hasattr(os, "sched_getaffinity"):  # (on one CPU the client copies on it alone)
             log.info("kvpool connector: %s thread on CPUs %s", threading.current_thread().name,
                      ",".join(map(str, sorted(os.sched_getaffinity(0)))))
@@ -161,7 +163,7 @@ class WorkerSide:
         assert self._client is not None
         return PagedKVConnector(self._client, layout, list(caches), self.state.namespace,
                                 staging_slots=self.state.settings.staging_slots,
-                                scatter=write)
+                                scatter=write, batch_loads=loads)
 
     # -- each step --------------------------------------------------------------------------
 

@@ -38,7 +38,10 @@ on the side stream and waits on its events, and on CPU does the copies
 itself (torch releases the GIL), so receiving the next chunk overlaps it in
 both cases. Without CUDA the identical code runs on CPU tensors: pinning,
 the side stream and events are skipped, and the device slot is the host
-slot.
+slot; canonical chunks bound for ``cpu_attn`` blocks are copied from the slots
+into a write batch (one buffer of up to 8 chunks, also allocated once) and
+written into the blocks a batch at a time, as a load in place writes them
+(:mod:`kvpool.gpu.in_place` says why).
 """
 
 from __future__ import annotations
@@ -52,8 +55,8 @@ from typing import Any
 import torch
 
 from kvpool.client import AsyncClient, Client
-from kvpool.gpu._direct import DirectBlocks
-from kvpool.gpu.in_place import load_in_place
+from kvpool.gpu._direct import DirectBlocks, load_direct
+from kvpool.gpu.in_place import WriteBatch, load_in_place
 from kvpool.gpu.layout import CPU_ATTN_KINDS, KVLayout
 from kvpool.gpu.paged import Scatter, gather, gather_scratch_shape, scatter, scatter_for
 from kvpool.placement.keys import ChunkHasher, Namespace
@@ -62,8 +65,6 @@ from kvpool.protocol.errors import BufferTooSmallError, LayoutError
 __all__ = ["AsyncPagedKVConnector", "ConnectorStats", "PagedKVConnector"]
 
 DEFAULT_STAGING_SLOTS = 4
-#: chunks a direct load asks for in one request
-DIRECT_BATCH = 32
 
 
 @dataclass
@@ -142,12 +143,19 @@ class AsyncPagedKVConnector:
     should share chunks must use the same one.
     ``scatter``: what a staged load writes each chunk into the blocks with (default
     :func:`kvpool.gpu.paged.scatter`; an engine may bring its own, faster op).
+    ``in_place``: a staged load into CPU blocks reads each chunk where it lies in a
+    same-host node's memory (:mod:`kvpool.gpu.in_place`).
+    ``batch_loads``: a staged load of canonical chunks into CPU ``cpu_attn`` blocks
+    copies them into a :class:`~kvpool.gpu.in_place.WriteBatch` and writes them into
+    the blocks up to 8 at a time (up to 48 MiB of host memory, allocated with the
+    connector); False for a connector that only stores.
     """
 
     def __init__(self, client: AsyncClient, layout: KVLayout,
                  kv_caches: torch.Tensor | Sequence[torch.Tensor], namespace: Namespace, *,
                  staging_slots: int = DEFAULT_STAGING_SLOTS, direct: bool | None = None,
-                 scatter: Scatter = scatter, in_place: bool = True) -> None:
+                 scatter: Scatter = scatter, in_place: bool = True,
+                 batch_loads: bool = True) -> None:
         if staging_slots < 1:
             raise LayoutError("staging_slots must be >= 1")
         layout.check_namespace(namespace)
@@ -186,6 +194,11 @@ class AsyncPagedKVConnector:
         #: the chunks' bytes where they lie in the blocks (direct transfers)
         self.blocks = DirectBlocks(layout, self.caches, self.num_blocks, self.blocks_per_chunk,
                                    self.chunk_nbytes) if direct else None
+        #: staged loads into CPU blocks gather canonical ``cpu_attn`` chunks here and write
+        #: them into the blocks several at a time (:mod:`kvpool.gpu.in_place` says why)
+        self.batch = WriteBatch(layout, self.chunk_tokens) if batch_loads and not direct \
+            and not self.cuda and layout.kind in CPU_ATTN_KINDS \
+            and not layout.engine_format else None
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-copy")
 
     def close(self) -> None:
@@ -224,6 +237,10 @@ class AsyncPagedKVConnector:
                               first_block=first_block)
                 slot.event.record(self.stream)
             slot.event.synchronize()  # the host slot may be received into again
+        elif self.batch is not None:  # into the blocks a batch at a time (_load_staged)
+            if not self.batch.has_room(len(ids) * self.layout.block_size):
+                self.batch.write(self.scatter, self.caches)
+            self.batch.add(slot.chunk, ids, first_block)
         else:
             self.scatter(self.layout, self.caches, ids, slot.chunk, first_block=first_block)
 
@@ -283,42 +300,16 @@ class AsyncPagedKVConnector:
         id_list = _id_list(block_ids, found * self.blocks_per_chunk, self.num_blocks)
         skip_blocks = skip_tokens // self.layout.block_size - first * self.blocks_per_chunk
         if self.direct:
-            loaded = await self._load_direct(keys, id_list, first, found, skip_blocks)
+            assert self.blocks is not None
+            loaded = await load_direct(self.client, self.blocks, keys, id_list, first=first,
+                                       found=found, skip_blocks=skip_blocks)
+            if loaded < found:  # missing, corrupt or of a foreign size
+                self.stats.load_misses += 1
         else:
             loaded = await self._load_staged(keys, id_list, first, found, skip_blocks)
         self.stats.tokens_loaded += (loaded - first) * self.chunk_tokens
         self.stats.bytes_loaded += (loaded - first) * self.chunk_nbytes
         return loaded * self.chunk_tokens
-
-    async def _load_direct(self, keys: list[bytes], id_list: list[int], first: int,
-                           found: int, skip_blocks: int) -> int:
-        """Chunks ``first..found-1`` straight into the blocks, in batches of
-        ``DIRECT_BATCH`` (one request each: the client copies a batch's values on
-        several threads); the index past the last chunk loaded."""
-        loaded = first
-        while loaded < found:
-            end = min(found, loaded + DIRECT_BATCH)
-            sinks = [self._segments(id_list, i, skip_blocks if i == first else 0)
-                     for i in range(loaded, end)]
-            try:
-                got: list[int | None] = await self.client.get_many_into(keys[loaded:end], sinks)
-            except BufferTooSmallError:  # a chunk of a foreign size: find it one by one
-                got = []
-                for key, sink in zip(keys[loaded:end], sinks, strict=True):
-                    try:
-                        got.append(await self.client.get_into(key, sink))
-                    except BufferTooSmallError:
-                        got.append(None)  # a miss like any other
-                    if got[-1] != self.chunk_nbytes:
-                        break
-            for n in got:
-                if n != self.chunk_nbytes:  # missing or corrupt (None)
-                    break
-                loaded += 1
-            if loaded < end:
-                self.stats.load_misses += 1
-                break
-        return loaded
 
     async def _load_staged(self, keys: list[bytes], id_list: list[int], first: int,
                            found: int, skip_blocks: int) -> int:
@@ -341,6 +332,7 @@ class AsyncPagedKVConnector:
                 return None  # not a chunk of this layout: a miss like any other
 
         loaded = first
+        whole = False
         try:
             for i in range(first, min(first + k, found)):
                 receives[i] = asyncio.create_task(receive(i))
@@ -356,10 +348,15 @@ class AsyncPagedKVConnector:
                 if i + k < found:
                     receives[i + k] = asyncio.create_task(receive(i + k))
                 loaded += 1
+            whole = True
         finally:
             # never leave a receive writing into a slot, or a copy reading one, behind us
             await asyncio.gather(*receives.values(), return_exceptions=True)
             await self._settle()
+            if not whole and self.batch is not None:
+                self.batch.clear()  # the load failed: its blocks are all recomputed
+        if self.batch is not None:  # what the copies left in it (each chunk received whole)
+            await self._run_copy(self.batch.write, self.scatter, self.caches)
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return loaded
@@ -441,11 +438,13 @@ class PagedKVConnector:
     def __init__(self, client: Client, layout: KVLayout,
                  kv_caches: torch.Tensor | Sequence[torch.Tensor], namespace: Namespace, *,
                  staging_slots: int = DEFAULT_STAGING_SLOTS, direct: bool | None = None,
-                 scatter: Scatter = scatter, in_place: bool = True) -> None:
+                 scatter: Scatter = scatter, in_place: bool = True,
+                 batch_loads: bool = True) -> None:
         self._client = client
         self._async = AsyncPagedKVConnector(client.async_client, layout, kv_caches, namespace,
                                             staging_slots=staging_slots, direct=direct,
-                                            scatter=scatter, in_place=in_place)
+                                            scatter=scatter, in_place=in_place,
+                                            batch_loads=batch_loads)
 
     @property
     def stats(self) -> ConnectorStats:
@@ -472,9 +471,11 @@ class PagedKVConnector:
     @property
     def staging_nbytes(self) -> int:
         """Bytes of its staging slots on the caches' device (as many again pinned on the
-        host when that is a GPU); 0 for direct transfers."""
+        host when that is a GPU), and of its write batch; 0 for direct transfers."""
+        batch = self._async.batch
         return sum(slot.device.nbytes + (slot.scratch.nbytes if slot.scratch is not None
-                                         else 0) for slot in self._async.slots)
+                                         else 0) for slot in self._async.slots) \
+            + (batch.nbytes if batch is not None else 0)
 
     def load(self, tokens: Sequence[int] | torch.Tensor, block_ids: Sequence[int] | torch.Tensor,
              *, max_tokens: int | None = None, skip_tokens: int = 0) -> int:

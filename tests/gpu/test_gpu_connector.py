@@ -268,6 +268,49 @@ def test_a_corrupt_or_missing_chunk_ends_the_load_at_the_previous_one(
         assert conn.load(tokens, list(range(24, 48))) == CHUNK  # lookup stops at chunk 1
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "received"])
+def test_a_staged_load_writes_its_chunks_batch_by_batch_and_stops_at_a_miss(
+        client: Client, monkeypatch: pytest.MonkeyPatch, in_place: bool) -> None:
+    """Canonical cpu_attn chunks read in place or received are copied into a write batch
+    (2 chunks here) and written a batch at a time: the same bytes as chunk by chunk, the
+    first chunk's held blocks left alone, and nothing of a chunk past a miss written."""
+    from kvpool.gpu import in_place as in_place_module
+
+    monkeypatch.setattr(in_place_module, "BATCH_CHUNKS", 2)
+    layout = LAYOUTS["cpu_attn"]
+    ns = layout.namespace(f"batch-{os.urandom(4).hex()}", chunk_tokens=CHUNK)
+    tokens = list(range(7 * CHUNK))
+    src = make_caches(layout, 28, seed=7)
+    with PagedKVConnector(client, layout, src, ns) as a:
+        assert a.store(tokens, list(range(28))) == 7 * CHUNK
+        keys = a._async.hasher.keys(tokens)
+    dst_blocks = list(range(55, 27, -1))
+
+    def loaded_of(missing: int | None) -> int:
+        return 7 if missing is None else missing
+
+    for missing in (None, 5):
+        if missing is not None:  # a value of another size: a miss, read in place or not
+            client.put(keys[missing], b"\0" * 100)
+        dst = make_caches(layout, 56, seed=8)
+        before = [c.clone() for c in dst]
+        with PagedKVConnector(client, layout, dst, ns, in_place=in_place) as b:
+            got = b.load(tokens, dst_blocks, skip_tokens=BLOCK)
+            batch = b._async.batch
+            assert batch is not None and batch.chunks == 2
+            assert b.stats.chunks_in_place == (loaded_of(missing) if in_place else 0)
+        loaded = loaded_of(missing)
+        assert got == loaded * CHUNK
+        want = token_rows(layout, src, list(range(28)), loaded * CHUNK)
+        have = token_rows(layout, dst, dst_blocks, 7 * CHUNK)
+        kept = token_rows(layout, before, dst_blocks, 7 * CHUNK)
+        assert torch.equal(have[BLOCK:loaded * CHUNK].view(torch.uint8),
+                           want[BLOCK:].view(torch.uint8))
+        assert torch.equal(have[:BLOCK].view(torch.uint8), kept[:BLOCK].view(torch.uint8))
+        assert torch.equal(have[loaded * CHUNK:].view(torch.uint8),
+                           kept[loaded * CHUNK:].view(torch.uint8))
+
+
 def test_layout_errors_are_clear() -> None:
     layout = LAYOUTS["flash"]
     good = make_caches(layout, 8, seed=0)
