@@ -47,10 +47,11 @@ written into the blocks a batch at a time, as a load in place writes them
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+import functools
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -134,6 +135,23 @@ def _id_list(block_ids: Sequence[int] | torch.Tensor, count: int, num_blocks: in
     return ids
 
 
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def _one_at_a_time(method: Callable[Concatenate[AsyncPagedKVConnector, P], Coroutine[Any, Any, T]]
+                   ) -> Callable[Concatenate[AsyncPagedKVConnector, P], Coroutine[Any, Any, T]]:
+    """Loads and stores of one connector run one after another, in the order called: they
+    share its staging slots and write batch (two staged loads at once into one connector
+    wrote each other's chunks into their blocks)."""
+    @functools.wraps(method)
+    async def in_turn(conn: AsyncPagedKVConnector, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        async with conn._turn:
+            return await method(conn, *args, **kwargs)
+
+    return in_turn
+
+
 class AsyncPagedKVConnector:
     """Moves chunks between kvpool and one engine's paged KV tensors (see the module doc).
 
@@ -200,6 +218,7 @@ class AsyncPagedKVConnector:
             and not self.cuda and layout.kind in CPU_ATTN_KINDS \
             and not layout.engine_format else None
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-copy")
+        self._turn = asyncio.Lock()  # loads and stores, one at a time (_one_at_a_time)
 
     def close(self) -> None:
         self._copier.shutdown(wait=True)
@@ -264,6 +283,7 @@ class AsyncPagedKVConnector:
 
     # -- the two operations ---------------------------------------------------------------
 
+    @_one_at_a_time
     async def load(self, tokens: Sequence[int] | torch.Tensor,
                    block_ids: Sequence[int] | torch.Tensor, *,
                    max_tokens: int | None = None, skip_tokens: int = 0) -> int:
@@ -361,6 +381,7 @@ class AsyncPagedKVConnector:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return loaded
 
+    @_one_at_a_time
     async def store(self, tokens: Sequence[int] | torch.Tensor,
                     block_ids: Sequence[int] | torch.Tensor) -> int:
         """Store every full chunk of ``tokens`` the pool does not have yet.

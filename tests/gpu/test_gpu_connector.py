@@ -311,6 +311,45 @@ def test_a_staged_load_writes_its_chunks_batch_by_batch_and_stops_at_a_miss(
                            kept[loaded * CHUNK:].view(torch.uint8))
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "received"])
+def test_loads_and_a_store_at_once_on_one_connector_take_turns(
+        node: NodeProcess, in_place: bool) -> None:
+    """Several loads and a store awaited together on one async connector (one staging
+    slot): each prompt's blocks get its own chunks. Before they took turns, received
+    loads wrote each other's chunks."""
+    import asyncio
+
+    from kvpool.client import AsyncClient
+    from kvpool.gpu.connector import AsyncPagedKVConnector
+
+    layout = LAYOUTS["cpu_attn"]
+    ns = layout.namespace(f"turns-{os.urandom(4).hex()}", chunk_tokens=CHUNK)
+    prompts = [list(range(p * 1000, p * 1000 + 4 * CHUNK)) for p in range(5)]
+    blocks = [list(range(p * 16, p * 16 + 16)) for p in range(5)]
+    src = make_caches(layout, 80, seed=1)
+    dst = make_caches(layout, 80, seed=2)
+
+    async def run() -> list[int]:
+        async with AsyncClient(node.url) as client:
+            a = AsyncPagedKVConnector(client, layout, src, ns, staging_slots=1)
+            b = AsyncPagedKVConnector(client, layout, dst, ns, staging_slots=1,
+                                      in_place=in_place)
+            try:
+                for p in range(4):
+                    await a.store(prompts[p], blocks[p])
+                return await asyncio.gather(a.store(prompts[4], blocks[4]),
+                                            *[b.load(prompts[p], blocks[p]) for p in range(4)])
+            finally:
+                a.close()
+                b.close()
+
+    assert asyncio.run(run()) == [4 * CHUNK] * 5
+    for p in range(4):
+        want = token_rows(layout, src, blocks[p], 4 * CHUNK)
+        got = token_rows(layout, dst, blocks[p], 4 * CHUNK)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), p
+
+
 def test_layout_errors_are_clear() -> None:
     layout = LAYOUTS["flash"]
     good = make_caches(layout, 8, seed=0)
