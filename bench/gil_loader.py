@@ -64,8 +64,7 @@ def _batched(layout: KVLayout, write: Scatter, caches: list[torch.Tensor]) -> Sc
 
     def add(layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,
             chunk: torch.Tensor, *, first_block: int = 0) -> None:
-        if not batch.has_room(len(ids) * BLOCK):
-            batch.write(write, list(caches))
+        batch.make_room(len(ids), write, list(caches))
         batch.add(chunk, ids, first_block)
 
     return add

@@ -135,20 +135,18 @@ class VllmCacheWrite:
         # each one (below: a few calls a chunk, then one a layer)
         self._op = torch.ops._C.cpu_attn_reshape_and_cache
         self._isa = isa
-        self._offsets: dict[int, torch.Tensor] = {}
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         for cache in caches:  # [N, H, B, 2D] as the backend views it: K rows, then V rows
             n, h, b, d2 = cache.shape
             k, v = cache.view(n, h, 2 * b, d2 // 2).chunk(2, dim=2)
             self._kv.append((k, v))
+        #: a block's token offsets (the caches' blocks are the layout's)
+        self._offsets = torch.arange(caches[0].shape[2] if caches else 0, dtype=torch.int64)
 
     def __call__(self, layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,
                  chunk: torch.Tensor, *, first_block: int = 0) -> None:
         b = layout.block_size
-        offsets = self._offsets.get(b)
-        if offsets is None:
-            offsets = self._offsets[b] = torch.arange(b, dtype=torch.int64)
-        slots = (ids.to(torch.int64).view(-1, 1) * b + offsets).view(-1)
+        slots = (ids.to(torch.int64).view(-1, 1) * b + self._offsets).view(-1)
         # every layer's K and V planes ([T, H, D] views) in one call: K of layer l at 2l
         planes = chunk[:, :, first_block * b:].flatten(0, 1).unbind(0)
         op, isa = self._op, self._isa

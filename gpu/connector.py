@@ -257,8 +257,7 @@ class AsyncPagedKVConnector:
                 slot.event.record(self.stream)
             slot.event.synchronize()  # the host slot may be received into again
         elif self.batch is not None:  # into the blocks a batch at a time (_load_staged)
-            if not self.batch.has_room(len(ids) * self.layout.block_size):
-                self.batch.write(self.scatter, self.caches)
+            self.batch.make_room(len(ids), self.scatter, self.caches)
             self.batch.add(slot.chunk, ids, first_block)
         else:
             self.scatter(self.layout, self.caches, ids, slot.chunk, first_block=first_block)

@@ -65,12 +65,14 @@ class WriteBatch:
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
-    def has_room(self, tokens: int) -> bool:
-        return self._tokens + tokens <= self.buffer.shape[2]
+    def make_room(self, blocks: int, scatter: Scatter, caches: list[torch.Tensor]) -> None:
+        """:meth:`write` what it holds first if ``blocks`` more blocks would not fit."""
+        if self._tokens + blocks * self._layout.block_size > self.buffer.shape[2]:
+            self.write(scatter, caches)
 
     def add(self, chunk: torch.Tensor, ids: torch.Tensor, first_block: int) -> None:
         """Copy ``chunk`` from its block ``first_block`` on, bound for blocks ``ids``
-        (:meth:`has_room` for its tokens first)."""
+        (:meth:`make_room` for them first)."""
         part = chunk[:, :, first_block * self._layout.block_size:]
         end = self._tokens + part.shape[2]
         self.buffer[:, :, self._tokens:end].copy_(part)
@@ -175,8 +177,9 @@ async def load_in_place(conn: InPlaceTarget, keys: list[bytes], ids: torch.Tenso
         for i in range(first, found):
             fb = skip_blocks if i == first else 0
             chunk_ids = ids[i * per_chunk + fb : (i + 1) * per_chunk]
-            if batch is not None and not batch.has_room(len(chunk_ids) * layout.block_size):
-                batch.write(conn.scatter, conn.caches)
+            # room made here, not in scatter_from, where the chunk's memory is held
+            if batch is not None:
+                batch.make_room(len(chunk_ids), conn.scatter, conn.caches)
 
             def scatter_from(view: memoryview, chunk_ids: torch.Tensor = chunk_ids,
                              fb: int = fb) -> None:
