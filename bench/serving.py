@@ -316,14 +316,18 @@ def start_vllm(python: str, model: str, log: Path, *, kv_blocks: int, max_model_
                             env={**os.environ, **(env or {})}, cwd=ROOT)
     server = Server(proc, f"http://127.0.0.1:{port}", log)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(_error_of(log))
-        try:
-            with urllib.request.urlopen(f"{server.url}/health", timeout=2):
-                return server
-        except OSError:
-            time.sleep(1)
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(_error_of(log))
+            try:
+                with urllib.request.urlopen(f"{server.url}/health", timeout=2):
+                    return server
+            except OSError:
+                time.sleep(1)
+    except BaseException:  # (^C or SIGTERM while it starts: not left running)
+        server.stop()
+        raise
     server.stop()
     raise RuntimeError(f"vllm serve did not become healthy in {timeout:.0f} s: "
                        f"{_error_of(log)}")
@@ -542,17 +546,21 @@ _ITERATION = re.compile(r"Iteration\(\d+\): (\d+) context requests, (\d+) contex
 def engine_steps(logs: Sequence[Path]) -> dict[str, Any]:
     """The engine's steps from its iteration log (``--enable-logging-iteration-details``):
     decode-only steps (no prompt tokens) by the number of requests decoding, and steps
-    that carry prompt tokens; count, median and p90 of their time (ms). Comparing
+    that carry prompt tokens; count, median and p90 of their time (ms); and the steps'
+    summed time (``busy_s``: the run's wall time less it is time the engine had no step
+    to run, e.g. every request waiting for blocks or for a load). Comparing
     decode-only steps at the same batch size tells whether loads and saves slow decoding,
     apart from the mix of prefills and batch sizes a configuration gets."""
     decode: dict[int, list[float]] = {}
     prefill: list[float] = []
+    busy = 0.0
     for log in logs:
         for line in log.read_text(errors="replace").splitlines():
             m = _ITERATION.search(line)
             if not m:
                 continue
             ctx_tokens, gen, ms = int(m.group(2)), int(m.group(3)), float(m.group(4))
+            busy += ms / 1000
             if ctx_tokens:
                 prefill.append(ms)
             elif gen:
@@ -563,7 +571,8 @@ def engine_steps(logs: Sequence[Path]) -> dict[str, Any]:
                 "p90_ms": _pct(values, 0.9)}
 
     return {"decode": {str(n): stats(v) for n, v in sorted(decode.items())},
-            "with_prompt": stats(prefill) if prefill else {"count": 0}}
+            "with_prompt": stats(prefill) if prefill else {"count": 0}, "busy_s": busy,
+            "engines": len(logs)}
 
 
 def step_table(results: dict[str, dict[str, Any]]) -> list[str]:
@@ -573,7 +582,8 @@ def step_table(results: dict[str, dict[str, Any]]) -> list[str]:
     if not sizes:
         return []
     rows = ["| workload | config | " + " | ".join(f"{n} decoding" for n in sizes) +
-            " | steps with prompt tokens |", "|---|---|" + "---|" * (len(sizes) + 1)]
+            " | steps with prompt tokens | engine busy |",
+            "|---|---|" + "---|" * (len(sizes) + 2)]
     for key, r in results.items():
         if "steps" not in r:
             continue
@@ -584,6 +594,9 @@ def step_table(results: dict[str, dict[str, Any]]) -> list[str]:
             cells.append(f"{one['median_ms']:.1f} ({one['count']})" if one else "-")
         pre = r["steps"]["with_prompt"]
         cells.append(f"{pre['median_ms']:.0f} ({pre['count']})" if pre["count"] else "-")
+        wall = r.get("wall_s")
+        cells.append(f"{r['steps']['busy_s'] / r['steps']['engines'] / wall:.2f}"
+                     if wall and "busy_s" in r["steps"] else "-")
         rows.append(f"| {workload} | {config} {r['label']} | " + " | ".join(cells) + " |")
     return rows
 
@@ -751,7 +764,8 @@ def write_docs(report: dict[str, Any], rows: list[str], images: list[str]) -> No
     if steps:
         lines += ["vLLM's steps (its iteration log): median time (ms) of steps that only "
                   "decode, by the number of requests decoding, and of steps that carry "
-                  "prompt tokens (prefills), step counts in brackets. At the same batch size "
+                  "prompt tokens (prefills), step counts in brackets; engine busy: the share of "
+                  "the run's wall time the engine spent in steps. At the same batch size "
                   "a decode-only step is nearly the same work in every configuration (only "
                   "the decoding requests' context lengths differ), so these "
                   "say whether loads and saves slow decoding, apart from the mix of "

@@ -145,10 +145,12 @@ def test_engine_steps_split_decode_only_steps_by_batch_from_prefills(tmp_path: A
     assert steps["decode"] == {"1": {"count": 3, "median_ms": 100.0, "p90_ms": 110.0},
                                "2": {"count": 1, "median_ms": 120.0, "p90_ms": 120.0}}
     assert steps["with_prompt"] == {"count": 2, "median_ms": 2650.0, "p90_ms": 5000.0}
-    rows = step_table({"qa/a": {"label": "vLLM alone", "steps": steps},
+    assert steps["busy_s"] == pytest.approx(5.72) and steps["engines"] == 2
+    rows = step_table({"qa/a": {"label": "vLLM alone", "steps": steps, "wall_s": 5.72},
                        "qa/c": {"label": "vLLM + kvpool", "error": "no start"}})
-    assert rows[0] == "| workload | config | 1 decoding | 2 decoding | steps with prompt tokens |"
-    assert rows[2] == "| qa | a vLLM alone | 100.0 (3) | 120.0 (1) | 2650 (2) |"
+    assert rows[0] == ("| workload | config | 1 decoding | 2 decoding | steps with prompt "
+                       "tokens | engine busy |")
+    assert rows[2] == "| qa | a vLLM alone | 100.0 (3) | 120.0 (1) | 2650 (2) | 0.50 |"
     assert len(rows) == 3
 
 
