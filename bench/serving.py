@@ -678,8 +678,8 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def plots(results: dict[str, dict[str, Any]], where: Path) -> list[str]:
-    """TTFT and ITL distributions (CDFs), one PNG each a workload; the files written."""
+def _pyplot(where: Path) -> Any:
+    """matplotlib's pyplot (no display), ``where`` made; None without matplotlib."""
     try:
         import matplotlib
 
@@ -687,8 +687,23 @@ def plots(results: dict[str, dict[str, Any]], where: Path) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         print("(no plots: matplotlib is not installed: pip install matplotlib)")
-        return []
+        return None
     where.mkdir(parents=True, exist_ok=True)
+    return plt
+
+
+def _save(plt: Any, fig: Any, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return str(path)
+
+
+def plots(results: dict[str, dict[str, Any]], where: Path) -> list[str]:
+    """TTFT and ITL distributions (CDFs), one PNG each a workload; the files written."""
+    plt = _pyplot(where)
+    if plt is None:
+        return []
     written = []
     for workload in sorted({k.split("/")[0] for k in results}):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -705,11 +720,7 @@ def plots(results: dict[str, dict[str, Any]], where: Path) -> list[str]:
         axes[1].set(xlabel="inter-token latency (ms)", ylabel="share of tokens",
                     title=f"{workload}: ITL", xscale="log")
         axes[0].legend(fontsize=7)
-        fig.tight_layout()
-        path = where / f"serving-{workload}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        written.append(str(path))
+        written.append(_save(plt, fig, where / f"serving-{workload}.png"))
     return written
 
 
@@ -736,15 +747,9 @@ def rate_table(results: dict[str, dict[str, Any]]) -> list[str]:
 def rate_plot(results: dict[str, dict[str, Any]], where: Path) -> list[str]:
     """Requests/s and mean TTFT against the offered rate, one line a configuration; one
     PNG a workload. The files written."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(no plots: matplotlib is not installed: pip install matplotlib)")
+    plt = _pyplot(where)
+    if plt is None:
         return []
-    where.mkdir(parents=True, exist_ok=True)
     written = []
     for workload in sorted({k.split("/")[0] for k in results}):
         lines: dict[str, list[tuple[float, float, float]]] = {}
@@ -770,12 +775,19 @@ def rate_plot(results: dict[str, dict[str, Any]], where: Path) -> list[str]:
         axes[1].set(xlabel="offered sessions/s", ylabel="mean TTFT (s)",
                     title=f"{workload}: TTFT")
         axes[0].legend(fontsize=7)
-        fig.tight_layout()
-        path = where / f"serving-rates-{workload}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        written.append(str(path))
+        written.append(_save(plt, fig, where / f"serving-rates-{workload}.png"))
     return written
+
+
+def _workloads_and_images(report: dict[str, Any], images: list[str]) -> list[str]:
+    """A page's last lines: each workload's parameters, then its plots."""
+    lines = [f"- `{workload}`: {json.dumps(params)}"
+             for workload, params in report["workloads"].items()]
+    lines.append("")
+    for image in images:
+        rel = Path(image).relative_to(DOCS)
+        lines.append(f"![{rel.stem}]({rel})")
+    return lines
 
 
 def write_docs(report: dict[str, Any], rows: list[str], images: list[str]) -> None:
@@ -798,12 +810,7 @@ def write_docs(report: dict[str, Any], rows: list[str], images: list[str]) -> No
                   "say whether loads and saves slow decoding, apart from the mix of "
                   "prefills and batch sizes each configuration's schedule makes.", "",
                   *steps, ""]
-    for workload, params in report["workloads"].items():
-        lines.append(f"- `{workload}`: {json.dumps(params)}")
-    lines.append("")
-    for image in images:
-        rel = Path(image).relative_to(DOCS)
-        lines.append(f"![{rel.stem}]({rel})")
+    lines += _workloads_and_images(report, images)
     (DOCS / "serving.md").write_text("\n".join(lines) + "\n")
 
 
@@ -828,12 +835,7 @@ def write_rate_docs(report: dict[str, Any], rows: list[str], images: list[str]) 
              f"Command: `{report['command']}`  ", f"Machine: {report['machine']}  ",
              f"vLLM KV space: {report['kv_blocks']} (blocks a workload may keep)  ",
              _budget(report), "", *rows, ""]
-    for workload, params in report["workloads"].items():
-        lines.append(f"- `{workload}`: {json.dumps(params)}")
-    lines.append("")
-    for image in images:
-        rel = Path(image).relative_to(DOCS)
-        lines.append(f"![{rel.stem}]({rel})")
+    lines += _workloads_and_images(report, images)
     (DOCS / "serving-rates.md").write_text("\n".join(lines) + "\n")
 
 
