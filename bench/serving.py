@@ -642,13 +642,13 @@ def _f(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
 def table(results: dict[str, dict[str, Any]]) -> list[str]:
     """Markdown rows: one per configuration run."""
     rows = ["| workload | config | TTFT mean / p50 / p90 / p99 (s) | ITL p50 / p90 / p99 (ms) | "
-            "req/s | out tok/s | cached | ext. hit rate | failed |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "req/s | out tok/s | cached | ext. hit rate | kvpool hits / misses | failed |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for key, r in results.items():
         workload, config = key.split("/", 1)
         if "error" in r:
             rows.append(f"| {workload} | {config} {r['label']} | did not run: "
-                        f"{r['error'][:400]} | | | | | | |")
+                        f"{r['error'][:400]} | | | | | | | |")
             continue
         rows.append(
             f"| {workload} | {config} {r['label']} | {_f(r['ttft_mean_s'])} / "
@@ -656,8 +656,16 @@ def table(results: dict[str, dict[str, Any]]) -> list[str]:
             f"{_f(r['itl_p50_s'], 1000, 0)} / {_f(r.get('itl_p90_s'), 1000, 0)} / "
             f"{_f(r['itl_p99_s'], 1000, 0)} | "
             f"{_f(r['requests_per_s'])} | {_f(r['output_tokens_per_s'], digits=0)} | "
-            f"{_f(r['cached_share'])} | {_f(r.get('external_hit_rate'))} | {r['failed']} |")
+            f"{_f(r['cached_share'])} | {_f(r.get('external_hit_rate'))} | "
+            f"{_hits(r.get('kvpool'))} | {r['failed']} |")
     return rows
+
+
+def _hits(node: dict[str, Any] | None) -> str:
+    """The kvpool node's chunk hits and misses (its /v1/stats), or "-" without a node."""
+    if not node or node.get("hits") is None:
+        return "-"
+    return f"{node['hits']} / {node.get('misses') or 0}"
 
 
 def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -116,13 +116,14 @@ def test_a_saved_report_is_rendered_with_measures_added_since_from_its_samples(
     run = {"label": "vLLM alone", "ttft_mean_s": 1.0, "ttft_p50_s": 1.0, "ttft_p90_s": 2.0,
            "ttft_p99_s": 3.0, "itl_p50_s": 0.05, "itl_p99_s": 0.5, "requests_per_s": 0.5,
            "output_tokens_per_s": 16.0, "cached_share": 0.25, "failed": 0,
+           "kvpool": {"hits": 7, "misses": 1},
            "samples": {"ttft_s": [1.0], "itl_s": [0.01 * i for i in range(1, 101)]}}
     path = tmp_path / "serving.json"
     path.write_text(json.dumps({"results": {"qa/a": run}, "ratios": {}}))
     assert render(path, docs=False) == 0
-    # p90 of 0.01..1.00 s: the 91st value
-    assert "| qa | a vLLM alone | 1.00 / 1.00 / 2.00 / 3.00 | 50 / 910 / 500 |" in \
-        capsys.readouterr().out
+    # p90 of 0.01..1.00 s: the 91st value; the node's chunk hits / misses
+    assert ("| qa | a vLLM alone | 1.00 / 1.00 / 2.00 / 3.00 | 50 / 910 / 500 | 0.50 | 16 | "
+            "0.25 | - | 7 / 1 | 0 |") in capsys.readouterr().out
 
 
 def _iteration(i: int, ctx: int, ctx_tokens: int, gen: int, ms: float) -> str:
