@@ -806,7 +806,9 @@ def write_docs(report: dict[str, Any], rows: list[str], images: list[str]) -> No
              "", f"Command: `{report['command']}`  ", f"Machine: {report['machine']}  ",
              f"vLLM KV space: {report['kv_blocks']} (blocks a workload may keep: a third of "
              "its distinct blocks)  ", _budget(report), "", *rows, "",
-             "Ratios (targets of issue 49):", "",
+             "cached: the share of prompt tokens vLLM served from a cache (its own or the "
+             "connector's); kvpool hits / misses: the node's chunks (e: the restarted "
+             "node's only).", "", "Ratios (targets of issue 49):", "",
              "```", json.dumps(report["ratios"], indent=1), "```", ""]
     steps = step_table(report["results"])
     if steps:
