@@ -957,7 +957,8 @@ def main() -> int:
     results: dict[str, dict[str, Any]] = {}
     report: dict[str, Any] = {"command": " ".join(["python -m bench.serving", *sys.argv[1:]]),
                               "machine": _machine(), "workloads": {}, "kv_blocks": {},
-                              "step_tokens": args.step_tokens}
+                              "step_tokens": args.step_tokens,
+                              "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     tmp = Path(tempfile.mkdtemp(prefix="kvpool-serving-"))
     try:
         for wname in args.workloads.split(","):
