@@ -63,6 +63,7 @@ class SchedulerSide:
             data["backed_off"] += 1
             return 0, False
         found = self._reused(request.request_id, limit)
+        asked = found is None
         if found is None:
             data["lookups"] += 1
             data["tokens_looked_up"] += limit
@@ -78,7 +79,8 @@ class SchedulerSide:
                 self._found[request.request_id] = (time.monotonic(), limit, found)
         # never more than was asked, whatever a node said (the client checks it too)
         hit = min(found, limit // chunk) * chunk
-        data["tokens_hit"] += hit
+        if asked:  # (a reused answer is counted once, beside the tokens looked up)
+            data["tokens_hit"] += hit
         if hit <= num_computed_tokens:
             return 0, False
         self._matched[request.request_id] = num_computed_tokens

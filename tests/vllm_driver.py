@@ -537,7 +537,8 @@ def lookups_check(url: str, rounds: int, reuse: bool = False) -> dict[str, Any]:
                 continue
             answer = list(connector.get_num_new_matched_tokens(request, 0))
             steps.append([step, answer, connector.state.stats.data["lookups"],
-                          connector.state.stats.data["lookups_reused"]])
+                          connector.state.stats.data["lookups_reused"],
+                          connector.state.stats.data["tokens_hit"]])
         return {"reused": steps}
     answers = []
     for i in range(rounds):

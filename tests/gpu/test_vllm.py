@@ -246,11 +246,13 @@ def test_a_waiting_request_asks_the_pool_once_not_at_every_step(pool: NodeProces
                                                                 tmp_path: Path) -> None:
     """vLLM asks the connector at every step a request waits for blocks: the scheduler
     reuses the pool's answer (``lookup_reuse_s``) instead of a round trip each time, and
-    asks anew once the request was given its blocks (after a preemption it waits again)."""
+    asks anew once the request was given its blocks (after a preemption it waits again).
+    A reused answer's tokens are not counted as hit again (``tokens_hit`` beside
+    ``tokens_looked_up``)."""
     result = driver(tmp_path, "lookups", {"url": pool.url, "rounds": 1, "reuse": True})
-    assert result["reused"] == [["ask", [7 * 128, True], 1, 0],
-                                ["ask again", [7 * 128, True], 1, 1],
-                                ["ask after", [7 * 128, True], 2, 1]], result
+    assert result["reused"] == [["ask", [7 * 128, True], 1, 0, 7 * 128],
+                                ["ask again", [7 * 128, True], 1, 1, 7 * 128],
+                                ["ask after", [7 * 128, True], 2, 1, 14 * 128]], result
 
 
 def test_saves_leave_the_step_and_hold_their_blocks_until_done(pool: NodeProcess,
