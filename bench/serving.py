@@ -684,6 +684,12 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         if shared.get("cached_share") is not None and alone.get("cached_share"):
             out.setdefault(workload, {})["d shared/alone cached"] = \
                 shared["cached_share"] / alone["cached_share"]
+        killed = results.get(f"{workload}/e", {})
+        if "after_restart" in killed:
+            out.setdefault(workload, {}).update({
+                "e failed": killed["failed"],
+                "e requests after the restart": killed["after_restart"]["requests"],
+                "e cached share after the restart": killed["after_restart"]["cached_share"]})
     return out
 
 
@@ -1010,7 +1016,7 @@ def main() -> int:
 
 def render(path: Path, *, docs: bool) -> int:
     """The table, ratios and (``docs``) the pages of a saved report, measures added since
-    it was written filled in from its samples."""
+    it was written filled in from its samples, ratios taken anew."""
     report = json.loads(path.read_text())
     results: dict[str, dict[str, Any]] = report["results"]
     for r in results.values():
@@ -1019,7 +1025,8 @@ def render(path: Path, *, docs: bool) -> int:
             r["itl_p90_s"], r["itl_mean_s"] = _pct(itls, 0.9), statistics.fmean(itls)
     sweep = any("@" in key for key in results)
     rows = rate_table(results) if sweep else table(results)
-    print("\n".join(["", *rows, "", json.dumps(report.get("ratios", {}), indent=1), "",
+    report["ratios"] = {} if sweep else ratios(results)
+    print("\n".join(["", *rows, "", json.dumps(report["ratios"], indent=1), "",
                      *step_table(results)]))
     if docs and sweep:
         write_rate_docs(report, rows, rate_plot(results, DOCS / "img"))

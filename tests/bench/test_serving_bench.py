@@ -93,10 +93,14 @@ def test_ratios_are_the_issues_targets() -> None:
     c = {"ttft_mean_s": 0.5, "ttft_p99_s": 2.0, "requests_per_s": 1.5, "itl_p99_s": 0.105,
          "cached_share": 0.6}
     out = ratios({"qa/a": a, "qa/c": c, "qa/d-shared": {"cached_share": 0.5},
-                  "qa/d-alone": {"cached_share": 0.25}})
+                  "qa/d-alone": {"cached_share": 0.25},
+                  "qa/e": {"failed": 0, "after_restart": {"requests": 3,
+                                                          "cached_share": 0.9}}})
     assert out["qa"] == pytest.approx({"c/a ttft mean": 0.25, "c/a ttft p99": 0.5,
                                        "c/a req/s": 1.5, "c/a itl p99": 1.05,
-                                       "d shared/alone cached": 2.0})
+                                       "d shared/alone cached": 2.0, "e failed": 0,
+                                       "e requests after the restart": 3,
+                                       "e cached share after the restart": 0.9})
 
 
 def test_a_rate_sweep_has_a_row_a_configuration_and_rate() -> None:
