@@ -993,25 +993,33 @@ def main() -> int:
                     f"TTFT mean {_f(result['ttft_mean_s'])} s, cached "
                     f"{_f(result['cached_share'])}, failed {result['failed']}")
                 print(f"  {key.split('/', 1)[1]:9} {time.perf_counter() - started:6.0f} s  "
-                      f"{state}",
-                      flush=True)
+                      f"{state}", flush=True)
     finally:
         if args.keep_logs:
             print(f"(servers' logs kept in {tmp})")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
+    report["results"] = results
+    publish(report, docs=args.docs, out=Path(args.out))
+    return 0
+
+
+def publish(report: dict[str, Any], *, docs: bool, out: Path | None = None) -> None:
+    """Print a report's table, ratios and steps; write it to ``out`` (JSON) and, with
+    ``docs``, its page and plots (serving.md, or serving-rates.md for a sweep)."""
+    results: dict[str, dict[str, Any]] = report["results"]
+    sweep = any("@" in key for key in results)  # (a sweep's runs are named name@rate)
     rows = rate_table(results) if sweep else table(results)
     report["ratios"] = {} if sweep else ratios(results)
     print("\n".join(["", *rows, "", json.dumps(report["ratios"], indent=1), "",
                      *step_table(results)]))
-    report["results"] = results
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    if args.docs and sweep:
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
+    if docs and sweep:
         write_rate_docs(report, rows, rate_plot(results, DOCS / "img"))
-    elif args.docs:
+    elif docs:
         write_docs(report, rows, plots(results, DOCS / "img"))
-    return 0
 
 
 def render(path: Path, *, docs: bool) -> int:
@@ -1023,15 +1031,7 @@ def render(path: Path, *, docs: bool) -> int:
         itls = r.get("samples", {}).get("itl_s")
         if itls and r.get("itl_p90_s") is None:
             r["itl_p90_s"], r["itl_mean_s"] = _pct(itls, 0.9), statistics.fmean(itls)
-    sweep = any("@" in key for key in results)
-    rows = rate_table(results) if sweep else table(results)
-    report["ratios"] = {} if sweep else ratios(results)
-    print("\n".join(["", *rows, "", json.dumps(report["ratios"], indent=1), "",
-                     *step_table(results)]))
-    if docs and sweep:
-        write_rate_docs(report, rows, rate_plot(results, DOCS / "img"))
-    elif docs:
-        write_docs(report, rows, plots(results, DOCS / "img"))
+    publish(report, docs=docs)
     return 0
 
 
