@@ -21,7 +21,10 @@ TCP (the SDK's ``lookup``, ``get_many``, ``put``). The optimum is Belady's MIN w
 bypass (evict, or never admit, the chunk asked for again furthest ahead; at equal
 distance the deeper): with uniform chunks it maximises hits, and since a parent is
 always asked for no later than its children, what it keeps is prefix-closed, so its
-chunk hits are prefix hits.
+chunk hits are prefix hits. The ``+oracle`` column splits the gap to it: the first policy
+given, with an admission oracle (a chunk no later request asks for is never stored), so
+what is left between that column and the optimum is the policy's eviction, and what lies
+between the policy and that column is what knowing the one-hit wonders would buy.
 
 ``--ssd SHARE`` replays over TCP once more with the SSD tier on (room for every chunk)
 below a DRAM tier of that share, for each admission (``--ssd-admit all``, ``reused``):
@@ -174,8 +177,9 @@ def infinite(trace: Trace) -> float:
     return hits / total
 
 
-def optimum(trace: Trace, capacity: int) -> float:
-    """Belady's MIN with bypass, ``capacity`` chunks: its prefix hit ratio."""
+def next_uses(trace: Trace) -> list[list[float]]:
+    """For each chunk of each request, the index of the next request that asks for it
+    (``math.inf``: none does)."""
     nxt: list[list[float]] = [[]] * len(trace)
     last: dict[bytes, int] = {}
     for r in range(len(trace) - 1, -1, -1):
@@ -183,6 +187,12 @@ def optimum(trace: Trace, capacity: int) -> float:
         nxt[r] = [last.get(k, math.inf) for k in keys]
         for k in keys:
             last[k] = r
+    return nxt
+
+
+def optimum(trace: Trace, capacity: int) -> float:
+    """Belady's MIN with bypass, ``capacity`` chunks: its prefix hit ratio."""
+    nxt = next_uses(trace)
     held: dict[bytes, float] = {}  # key -> its next use
     heap: list[tuple[float, int, bytes]] = []  # (-next use, -depth, key), stale ones kept
     hits = total = 0
@@ -247,19 +257,24 @@ def _node(capacity_bytes: int, policy: str, *flags: str) -> Proc:
                       "--dram-policy", policy, *flags)
 
 
-def replay_tier(trace: Trace, capacity: int, policy: str) -> dict[str, float]:
-    """Prefix hit ratio (and wall time) of a DRAM tier of ``capacity`` chunks."""
+def replay_tier(trace: Trace, capacity: int, policy: str, *,
+                nxt: list[list[float]] | None = None) -> dict[str, float]:
+    """Prefix hit ratio (and wall time) of a DRAM tier of ``capacity`` chunks. With
+    ``nxt`` (:func:`next_uses`), an admission oracle: a chunk no later request asks for
+    is never stored (what ``policy`` gets when told which chunks are one-hit wonders)."""
     tier = DramTier(capacity * CHUNK_BYTES, policy=policy)
     values = _Values()
     hits = total = 0
     started = time.perf_counter()
     try:
-        for keys in trace:
+        for r, keys in enumerate(trace):
             total += len(keys)
             n = tier.lookup(keys)
             hits += n
             _read(tier, keys[:n])
             for depth in range(n, len(keys)):
+                if nxt is not None and nxt[r][depth] == math.inf:
+                    continue
                 values.store(tier, keys[depth], depth, keys[depth - 1] if depth else None)
         return {"hit_ratio": hits / total, "seconds": time.perf_counter() - started}
     finally:
@@ -422,7 +437,9 @@ def run(name: str, trace: Trace, shares: Sequence[float], policies: Sequence[str
     print(f"\n{name}: {info['requests']:,} requests, {info['chunks']:,} chunks, "
           f"{info['distinct']:,} distinct ({info['asked_once']:.0%} asked once); "
           f"infinite capacity: {inf:.3f}")
-    cols = "".join(f" | {p:>14}" for p in policies)
+    nxt = next_uses(trace)
+    oracle = f"{policies[0]}+oracle"
+    cols = "".join(f" | {p:>14}" for p in [*policies, oracle])
     tcols = "".join(f" | {p + ' tcp':>14}" for p in policies) if tcp else ""
     print(f"{'capacity':>9} {'chunks':>7} | {'optimum':>7}{cols}{tcols}")
     rows = []
@@ -435,6 +452,9 @@ def run(name: str, trace: Trace, shares: Sequence[float], policies: Sequence[str
             got = replay_tier(trace, capacity, policy)
             row[policy] = got
             line += f" | {got['hit_ratio']:.3f} {got['hit_ratio'] / best:>5.2f}x"
+        got = replay_tier(trace, capacity, policies[0], nxt=nxt)
+        row["admission_oracle"] = {"policy": policies[0], **got}
+        line += f" | {got['hit_ratio']:.3f} {got['hit_ratio'] / best:>5.2f}x"
         if tcp:
             for policy in policies:
                 if share in tcp:
@@ -469,6 +489,8 @@ def plot(result: dict[str, Any], policies: Sequence[str], path: Path) -> bool:
     ax.plot(shares, [r["optimum"] for r in rows], "k--", label="optimum (Belady MIN)")
     for policy in policies:
         ax.plot(shares, [r[policy]["hit_ratio"] for r in rows], "o-", label=policy)
+    ax.plot(shares, [r["admission_oracle"]["hit_ratio"] for r in rows], ":",
+            label=f"{policies[0]}, never storing a one-hit wonder (oracle)")
     ax.axhline(result["infinite"], color="grey", lw=0.8, label="infinite capacity")
     ax.set(xscale="log", xlabel="DRAM capacity (% of distinct chunks)",
            ylabel="prefix hit ratio", title=result["trace"])
