@@ -199,8 +199,9 @@ class RequestParser:
 
     @property
     def value_left(self) -> int:
-        """Bytes of a PUT value still to arrive, none of them received yet (0: not in a
-        value): a wake-up threshold the peer is sure to reach."""
+        """Bytes of a PUT value still to arrive (into its slot, or skipped: no room for
+        it), none of them received yet (0: not in a value): a wake-up threshold the peer
+        is sure to reach."""
         return self._reader.into_left
 
     def buffer_updated(self, nbytes: int) -> list[Request]:
@@ -474,8 +475,9 @@ class ReplyParser:
 
     @property
     def value_left(self) -> int:
-        """Bytes of a GET payload still to arrive into its sink, none of them received
-        yet (0: not in a payload): what a receive may wait for whole."""
+        """Bytes of a GET payload still to arrive into its sink (or to skip: a value the
+        caller's buffer cannot take), none of them received yet (0: not in a payload):
+        what a receive may wait for whole."""
         return self._reader.into_left
 
     @property

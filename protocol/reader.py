@@ -64,6 +64,11 @@ Plan = Generator[Need, "bytes | bytearray | None", None]
 
 # Exact needs above this size get their own buffer instead of the scratch.
 _SMALL_EXACT = 4096
+#: where a Skip's bytes are received with nothing in scratch ahead of them, up to its size
+#: a receive (scratch holds 64 KiB: a 4 MiB value skipped took 64 receives). One for every
+#: reader in the process: what lands in it is never read, so readers of other threads
+#: writing into it at once change nothing.
+_DISCARD = memoryview(bytearray(512 << 10))
 
 
 class StreamReader:
@@ -96,9 +101,14 @@ class StreamReader:
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         need = self._need
-        if type(need) is Into and self._start == self._end:
-            self._direct = True
-            return need.view[self._filled :]
+        if self._start == self._end:
+            kind = type(need)
+            if kind is Into:
+                self._direct = True
+                return need.view[self._filled :]  # type: ignore[union-attr]
+            if kind is Skip:
+                self._direct = True
+                return _DISCARD[: need.n - self._filled]  # type: ignore[union-attr]
         self._direct = False
         if self._end == len(self._scratch):
             self._compact()
@@ -108,34 +118,48 @@ class StreamReader:
         """The short way for a receive straight into a value (``get_buffer`` handed out
         an :class:`Into` view) that does not fill it and has no ``on_fill``: counted,
         True; anything else False, and nothing done (call :meth:`buffer_updated`). A
-        1 MiB PUT arrives in ~6 receives; all but the last take this way."""
+        1 MiB PUT arrives in ~6 receives; all but the last take this way. (A receive
+        into a :class:`Skip`'s discard buffer that does not end it, too.)"""
         if self._direct:
             need = self._need
             filled = self._filled + nbytes
-            if need.on_fill is None and filled < len(need.view):  # type: ignore[union-attr]
+            if type(need) is Skip:
+                if filled < need.n:
+                    self._filled = filled
+                    return True
+            elif need.on_fill is None and filled < len(need.view):  # type: ignore[union-attr]
                 self._filled = filled
                 return True
         return False
 
     @property
     def into_left(self) -> int:
-        """Bytes the plan's :class:`Into` need still waits for, with nothing in scratch
-        ahead of them (0 otherwise): what is sure to come next on the stream."""
+        """Bytes the plan's :class:`Into` (or :class:`Skip`) need still waits for, with
+        nothing in scratch ahead of them (0 otherwise): what is sure to come next on the
+        stream."""
         need = self._need
-        if type(need) is Into and self._start == self._end:
-            return len(need.view) - self._filled
+        if self._start == self._end:
+            kind = type(need)
+            if kind is Into:
+                return len(need.view) - self._filled  # type: ignore[union-attr]
+            if kind is Skip:
+                return need.n - self._filled  # type: ignore[union-attr]
         return 0
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._direct:
             need = self._need
-            assert isinstance(need, Into)
             start = self._filled
             self._filled += nbytes
-            if need.on_fill is not None:
-                need.on_fill(need.view[start : self._filled])
-            if self._filled == len(need.view):
-                self._advance(None)
+            if type(need) is Skip:
+                if self._filled == need.n:
+                    self._advance(None)
+            else:
+                assert isinstance(need, Into)
+                if need.on_fill is not None:
+                    need.on_fill(need.view[start : self._filled])
+                if self._filled == len(need.view):
+                    self._advance(None)
         else:
             self._end += nbytes
         self._drain()

@@ -16,7 +16,9 @@ import pytest
 
 from kvpool.client import AsyncClient, Client
 from kvpool.protocol.envelope import seal
+from kvpool.protocol.errors import Status
 from kvpool.protocol.frames import FrameHeader, Op, PutItemHeader, encode_frame, encode_json
+from kvpool.protocol.reader import Exact, Plan, Skip, StreamReader
 from kvpool.protocol.wake import WAKE_MAX, WAKE_MIN, WakeMark
 from tests.conftest import NodeProcess
 from tests.hostile_node import LyingNode
@@ -84,8 +86,12 @@ def test_no_socket_no_mark() -> None:
 
 
 def read_replies(sock: socket.socket, n: int) -> list[FrameHeader]:
-    data, headers = b"", []
-    while len(headers) < n:
+    return [header for header, _body in read_reply_frames(sock, n)]
+
+
+def read_reply_frames(sock: socket.socket, n: int) -> list[tuple[FrameHeader, bytes]]:
+    data, frames = b"", []
+    while len(frames) < n:
         chunk = sock.recv(65536)
         assert chunk, "the node closed the connection"
         data += chunk
@@ -93,9 +99,9 @@ def read_replies(sock: socket.socket, n: int) -> list[FrameHeader]:
             header = FrameHeader.unpack(data[:24])
             if len(data) < 24 + header.body_len:
                 break
-            headers.append(header)
+            frames.append((header, data[24 : 24 + header.body_len]))
             data = data[24 + header.body_len:]
-    return headers
+    return frames
 
 
 @pytest.mark.parametrize("size", [300_000, 3 << 20])
@@ -156,3 +162,90 @@ def test_a_get_payload_that_comes_in_pieces_reaches_both_clients_whole(size: int
         asyncio.run(run())
     finally:
         node.close()
+
+
+def test_a_skipped_value_is_received_half_a_mib_at_a_time_and_counted_as_to_come() -> None:
+    """A value nobody keeps (a PUT with no room for it, a GET reply the caller's buffer
+    cannot take) is received straight into a discard buffer, up to 512 KiB a receive
+    (through the 64 KiB scratch it took a wake-up and a receive a 64 KiB), and its bytes
+    still to come are what a mark may wait for; what follows it parses as before."""
+    size = (1 << 20) + 10
+    got: list[bytes] = []
+
+    def plan() -> Plan:
+        got.append(bytes((yield Exact(4)) or b""))
+        yield Skip(size)
+        got.append(bytes((yield Exact(4)) or b""))
+        yield Exact(1)  # (a plan never ends: the next frame's header)
+
+    reader = StreamReader(plan())
+    reader.feed(b"head")
+    assert reader.into_left == size
+    receives = 0
+    left = size
+    while left:
+        buf = reader.get_buffer()
+        assert len(buf) == min(left, 512 << 10)
+        receives += 1
+        left -= len(buf)
+        if left:
+            assert reader.more_of_value(len(buf))  # no parse step until the last receive
+            assert reader.into_left == left
+        else:
+            reader.buffer_updated(len(buf))
+    assert receives == 3 and reader.into_left == 0
+    reader.feed(b"tail")
+    assert got == [b"head", b"tail"]
+
+
+def test_a_skip_that_starts_in_scratch_goes_on_in_the_discard_buffer() -> None:
+    got: list[bytes] = []
+
+    def plan() -> Plan:
+        yield Exact(1)
+        yield Skip(100_000)
+        got.append(bytes((yield Exact(3)) or b""))
+        yield Exact(1)
+
+    reader = StreamReader(plan())
+    reader.feed(bytes(1001))  # the skip's first bytes came through scratch
+    assert reader.into_left == 99_000
+    buf = reader.get_buffer()
+    assert len(buf) == 99_000
+    reader.buffer_updated(len(buf))
+    reader.feed(b"end")
+    assert got == [b"end"]
+
+
+@linux_only
+def test_a_put_refused_for_room_and_sent_in_pieces_leaves_the_next_frame_whole(
+        small_node: NodeProcess) -> None:
+    """DRAM full of pinned chunks: a 500 KiB value dribbled in with pauses is refused
+    (NO_CAPACITY, its bytes skipped under the receive mark), and a small PUT right
+    behind it is stored."""
+    with Client(small_node.url, shm=False) as client:
+        for _ in range(2):
+            client.put(os.urandom(16), os.urandom(400 << 10), pin=True)
+    big_key, small_key = os.urandom(16), os.urandom(16)
+    big, small = os.urandom(500 << 10), os.urandom(4096)
+    big_value, small_value = seal(big) + big, seal(small) + small
+    stream = b"".join([
+        *encode_frame(Op.HELLO, 1, [encode_json({"protocol": 1})]),
+        *encode_frame(Op.PUT, 2, [PutItemHeader(big_key, len(big_value)).pack(), big_value],
+                      count=1),
+        *encode_frame(Op.PUT, 3, [PutItemHeader(small_key, len(small_value)).pack(),
+                                  small_value], count=1)])
+    cuts = [100, 20_000, 200_000, 300_000, len(stream) - 5000, len(stream) - 10]
+    with socket.create_connection((small_node.host, small_node.port), timeout=10) as s:
+        start = 0
+        for cut in [*cuts, len(stream)]:
+            s.sendall(stream[start:cut])
+            start = cut
+            time.sleep(0.05)
+        frames = read_reply_frames(s, 3)
+    assert [h.request_id for h, _ in frames] == [1, 2, 3]
+    # a PUT's reply body: a status a item
+    assert [body for _, body in frames[1:]] == [bytes([Status.NO_CAPACITY]), bytes([Status.OK])]
+    with Client(small_node.url, shm=False) as client:
+        assert client.get(big_key) is None
+        assert client.get(small_key) == small
