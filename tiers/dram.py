@@ -158,6 +158,8 @@ class DramTier(_Copies):
         self._room = Room(self.arena, self._ledger, self._places, self._evict)
         #: where co-located clients look values up with no request (see attach_index)
         self.index: ArenaIndex | None = None
+        #: arena bytes of the pinned entries: what no eviction can free
+        self.pinned_extents = 0
 
     # -- zero-copy data path --------------------------------------------------------------
 
@@ -170,10 +172,13 @@ class DramTier(_Copies):
         evicts at most about twice its size, not the whole cache (unless pinned or held
         entries block every hole tried: then LRU order alone). A ``tenant`` with a
         quota first makes room among its own chunks (least recently used first): one
-        tenant never evicts another to exceed its quota.
+        tenant never evicts another to exceed its quota. A value bigger than what the
+        pinned entries leave of the arena is refused before anything is evicted (it had
+        emptied the tier of every unpinned entry, then failed).
         """
         arena = self.arena
-        if arena.extent(nbytes) > arena.capacity:
+        if arena.extent(nbytes) > arena.capacity - self.pinned_extents:
+            # it would not fit with everything evictable gone: refused, nothing evicted
             self._stats.rejections += 1
             return None
         if tenant is not None and not self._room.within_quota(self.tenants, tenant, nbytes):
@@ -345,9 +350,11 @@ class DramTier(_Copies):
                 continue
             if pinned and not entry.pinned:
                 entry.pinned = True
+                self.pinned_extents += Arena.extent(entry.length)
                 self._ledger.hold_out(key)
             elif not pinned and entry.pinned:
                 entry.pinned = False
+                self.pinned_extents -= Arena.extent(entry.length)
                 touched.append((key, entry.depth))
             out.append(True)
         self._ledger.touch_many(touched)
@@ -407,6 +414,8 @@ class DramTier(_Copies):
         entry.last_access = time.time()
         self._ledger.add(entry.key, entry, used_now=False)  # the caller touches (unpinned)
         self._places.add(entry)
+        if entry.pinned:
+            self.pinned_extents += Arena.extent(entry.length)
         self._stats.insertions += 1
         if self.index is not None:
             self._publish(entry)
@@ -421,6 +430,8 @@ class DramTier(_Copies):
             self.index.withdraw(entry.key)
         self._ledger.forget(entry.key, evicted=evicted)
         self._places.discard(entry)
+        if entry.pinned:
+            self.pinned_extents -= Arena.extent(entry.length)
         self.tenants.charge(entry.tenant, -entry.length)
         entry.live = False
         if entry.readers == 0:

@@ -160,6 +160,25 @@ def test_pinned_never_evicted_and_full_when_all_pinned() -> None:
     assert tier.contains(key(0)) and not tier.contains(key(1))
 
 
+def test_a_value_the_pins_leave_no_room_for_is_refused_with_nothing_evicted() -> None:
+    """Pinned entries take 6 of 8 pages: a 3-page value cannot fit whatever is evicted,
+    so the two unpinned values stay (they were all evicted, then the PUT refused)."""
+    tier = DramTier(8 * PAGE)
+    for i in range(8):
+        assert tier.put(key(i), value_of(PAGE))
+    assert tier.pin_many([key(i) for i in range(6)], True) == [True] * 6
+    assert tier.pinned_extents == 6 * PAGE
+    assert tier.reserve(key(100), 3 * PAGE) is None
+    assert all(tier.contains(key(i)) for i in range(8))
+    assert tier.stats().evictions == 0 and tier.stats().rejections == 1
+    slot = tier.reserve(key(101), 2 * PAGE)  # fits once both unpinned values go
+    assert slot is not None
+    slot.release()
+    tier.pin_many([key(0)], False)
+    tier.delete(key(5))  # a pinned entry deleted: its pages are free again
+    assert tier.pinned_extents == 4 * PAGE
+
+
 def test_overwrite_keeps_pin() -> None:
     tier = DramTier(4 * PAGE)
     tier.put(key(0), value_of(PAGE))
@@ -375,6 +394,8 @@ def test_eviction_keeps_pins_readers_and_its_place_index(ops: list[tuple[str, in
         for entry, data in held:
             assert bytes(tier.view(entry)) == data  # type: ignore[arg-type]
         assert tier.arena.allocated_bytes <= 32 * PAGE
+        assert tier.pinned_extents == sum(Arena.extent(e.length)
+                                          for e in tier._entries.values() if e.pinned)
         places = tier._places
         assert sorted(places._starts) == sorted(e.offset for e in tier._entries.values())
         assert all(places._starts[e.offset] is e for e in tier._entries.values())
