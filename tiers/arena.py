@@ -129,6 +129,10 @@ class Arena:
             end += next_size
         self._add_free(start, end - start)
 
+    def free_extents(self) -> list[tuple[int, int]]:
+        """Every free extent: ``(offset, bytes)``, in no order."""
+        return list(self._by_start.items())
+
     def free_extent_at(self, offset: int) -> int:
         """Bytes of the free extent that starts at ``offset`` (0: none does)."""
         return self._by_start.get(offset, 0)

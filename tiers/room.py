@@ -10,7 +10,9 @@ made by place: around one of the next LRU victims (the seed), the free extents a
 evictable entries next to it are taken until they span the value's extent. At most
 ``MAX_SEEDS`` seeds are tried; a hole blocked on both sides (a pinned entry, one
 being read, a slot being written, the arena's ends) tries the next seed, and when
-all are blocked the tier goes on in LRU order alone, as it did before.
+all are blocked the tier goes on in LRU order alone, as it did before, unless no run
+of free and evictable space in the arena is wide enough for the value: then it stops
+there (that order alone had evicted every unpinned value, then failed).
 """
 
 from __future__ import annotations
@@ -73,6 +75,24 @@ class Places(Generic[E]):
             del self._starts[entry.offset]
             del self._ends[entry.offset + Arena.extent(entry.length)]
 
+    def widest(self, evictable: Callable[[E], bool]) -> int:
+        """Bytes of the widest run of free extents and ``evictable`` entries, side by
+        side: the biggest value any eviction could make room for (O(n log n): for the
+        last resort only)."""
+        pieces = [(start, size, True) for start, size in self._arena.free_extents()]
+        pieces += [(e.offset, Arena.extent(e.length), evictable(e))
+                   for e in self._starts.values()]
+        pieces.sort()
+        widest = run = end = 0
+        for start, size, free in pieces:
+            if not free:
+                run = 0
+                continue
+            run = run + size if start == end and run else size
+            end = start + size
+            widest = max(widest, run)
+        return widest
+
     def hole(self, seeds: Iterable[E], size: int, evictable: Callable[[E], bool]
              ) -> list[E] | None:
         """Entries to evict for ``size`` contiguous bytes: a hole around the first of
@@ -117,7 +137,9 @@ class Places(Generic[E]):
 class Room(Generic[V]):
     """Room in an arena for one value, taken from a :class:`Ledger`'s eviction order:
     its first victims up to ``LRU_BOUND`` times the value's extent, then a hole by place
-    around one of the next, then that order alone (every hole blocked). ``evict`` drops
+    around one of the next, then that order alone (every hole blocked), unless no run
+    of free and evictable space is wide enough (pinned entries, ones being read or
+    slots being written split the arena): then nothing more is evicted. ``evict`` drops
     one entry (the tier's bookkeeping); entries being read are never taken."""
 
     __slots__ = ("_arena", "_evict", "_ledger", "_places")
@@ -140,6 +162,8 @@ class Room(Generic[V]):
             if budget <= 0 and by_place:  # eviction order made no hole within its budget
                 by_place = False
                 offset = self._hole(nbytes)
+                if offset is None and self._places.widest(_evictable) < arena.extent(nbytes):
+                    break  # no eviction makes the room: refused, nothing more evicted
                 continue
             victim = self._next_victim()  # (every hole blocked: eviction order alone)
             if victim is None:

@@ -343,8 +343,10 @@ def test_a_large_value_among_small_ones_evicts_about_its_size_not_the_cache() ->
 
 def test_room_by_place_never_takes_a_pinned_value_or_one_being_read() -> None:
     """Every 8th page pinned and every 8th (offset by 4) being read: no run of 8 free
-    pages can be made, so an 8-page value is refused (after LRU order alone, the last
-    resort, evicted the rest), and none of those is evicted."""
+    pages can be made, so an 8-page value is refused, none of those is evicted, and of
+    the rest only the LRU victims within its budget (8 pages): no run of free and
+    evictable pages is 8 wide, so LRU order alone, the last resort, is not tried (it
+    had evicted every other value, then failed)."""
     tier, keys = small_values_read_at_random(64)
     entries = {k: tier._entries[k] for k in keys}
     pinned = [k for k in keys if entries[k].offset // PAGE % 8 == 0]
@@ -353,7 +355,8 @@ def test_room_by_place_never_takes_a_pinned_value_or_one_being_read() -> None:
     held = tier.acquire_many(read)
     assert tier.reserve(key(1000), 8 * PAGE) is None
     assert all(tier.contains(k) for k in pinned + read)
-    assert tier.stats().num_objects == len(pinned) + len(read)
+    assert tier.stats().evictions <= 8
+    assert tier.stats().num_objects >= 64 - 8
     slot = tier.reserve(key(1001), 3 * PAGE)  # 3 pages fit between them
     assert slot is not None
     slot.release()
