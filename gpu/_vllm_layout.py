@@ -140,12 +140,16 @@ class VllmCacheWrite:
             n, h, b, d2 = cache.shape
             k, v = cache.view(n, h, 2 * b, d2 // 2).chunk(2, dim=2)
             self._kv.append((k, v))
-        #: a block's token offsets (the caches' blocks are the layout's)
-        self._offsets = torch.arange(caches[0].shape[2] if caches else 0, dtype=torch.int64)
+        #: tokens a block of the caches holds, and their offsets in it
+        self._block = int(caches[0].shape[2]) if caches else 0
+        self._offsets = torch.arange(self._block, dtype=torch.int64)
 
     def __call__(self, layout: KVLayout, caches: Sequence[torch.Tensor], ids: torch.Tensor,
                  chunk: torch.Tensor, *, first_block: int = 0) -> None:
         b = layout.block_size
+        if b != self._block:  # (slots from the layout's blocks into the caches' offsets)
+            raise ConfigError(f"kvpool connector: the layout's blocks hold {b} tokens, "
+                              f"vLLM's caches' {self._block}")
         slots = (ids.to(torch.int64).view(-1, 1) * b + self._offsets).view(-1)
         # every layer's K and V planes ([T, H, D] views) in one call: K of layer l at 2l
         planes = chunk[:, :, first_block * b:].flatten(0, 1).unbind(0)

@@ -86,6 +86,16 @@ def layout_check() -> dict[str, Any]:
         scatter(layout, tail, ids[1:], chunk, first_block=1)
         results[name]["op_scatter_equal"] = _same(caches, ours) and _same(tail, part) \
             and not _same(caches, part)
+        import dataclasses
+
+        from kvpool.protocol.errors import ConfigError
+
+        other = dataclasses.replace(layout, block_size=2 * layout.block_size)
+        try:  # a layout whose blocks are not the caches' is refused, not written wrong
+            VllmCacheWrite(ours, isa)(other, ours, ids, chunk)
+            results[name]["op_other_block_refused"] = False
+        except ConfigError:
+            results[name]["op_other_block_refused"] = True
     return results
 
 
