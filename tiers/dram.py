@@ -155,7 +155,8 @@ class DramTier(_Copies):
         self.tenants = TenantBytes()
         #: entries by where they lie (for room by place, when LRU order makes none)
         self._places: Places[Entry] = Places(self.arena)
-        self._room = Room(self.arena, self._ledger, self._places, self._evict)
+        self._room = Room(self.arena, self._ledger, self._places, self._evict,
+                          lambda: self.pinned_extents)
         #: where co-located clients look values up with no request (see attach_index)
         self.index: ArenaIndex | None = None
         #: arena bytes of the pinned entries: what no eviction can free
@@ -382,7 +383,9 @@ class DramTier(_Copies):
     def close(self) -> None:
         self._ledger = Ledger()
         self._entries = self._ledger.records
-        self._room = Room(self.arena, self._ledger, self._places, self._evict)
+        self.pinned_extents = 0
+        self._room = Room(self.arena, self._ledger, self._places, self._evict,
+                          lambda: self.pinned_extents)
         if self.index is not None:
             self.index.close()
             self.index = None
