@@ -85,8 +85,27 @@ def test_no_socket_no_mark() -> None:
     assert mark.mark == 1
 
 
-def read_replies(sock: socket.socket, n: int) -> list[FrameHeader]:
-    return [header for header, _body in read_reply_frames(sock, n)]
+def hello_and_two_puts(big_key: bytes, big: bytes, small_key: bytes, small: bytes) -> bytes:
+    """A HELLO, then a PUT of ``big``, then one of ``small`` (request ids 1, 2, 3)."""
+    big_value, small_value = seal(big) + big, seal(small) + small
+    return b"".join([
+        *encode_frame(Op.HELLO, 1, [encode_json({"protocol": 1})]),
+        *encode_frame(Op.PUT, 2, [PutItemHeader(big_key, len(big_value)).pack(), big_value],
+                      count=1),
+        *encode_frame(Op.PUT, 3, [PutItemHeader(small_key, len(small_value)).pack(),
+                                  small_value], count=1)])
+
+
+def dribble(node: NodeProcess, stream: bytes, cuts: list[int]
+            ) -> list[tuple[FrameHeader, bytes]]:
+    """``stream`` sent to ``node`` in pieces cut at ``cuts``, 50 ms apart; its 3 replies."""
+    with socket.create_connection((node.host, node.port), timeout=10) as s:
+        start = 0
+        for cut in [*cuts, len(stream)]:
+            s.sendall(stream[start:cut])
+            start = cut
+            time.sleep(0.05)
+        return read_reply_frames(s, 3)
 
 
 def read_reply_frames(sock: socket.socket, n: int) -> list[tuple[FrameHeader, bytes]]:
@@ -111,23 +130,11 @@ def test_a_value_sent_in_pieces_is_stored_whole_with_a_frame_behind_it(
     and larger than the mark, then a small PUT right behind it: both stored, in order."""
     big_key, small_key = os.urandom(16), os.urandom(16)
     big, small = os.urandom(size), os.urandom(4096)
-    big_value, small_value = seal(big) + big, seal(small) + small
-    stream = b"".join([
-        *encode_frame(Op.HELLO, 1, [encode_json({"protocol": 1})]),
-        *encode_frame(Op.PUT, 2, [PutItemHeader(big_key, len(big_value)).pack(), big_value],
-                      count=1),
-        *encode_frame(Op.PUT, 3, [PutItemHeader(small_key, len(small_value)).pack(),
-                                  small_value], count=1)])
+    stream = hello_and_two_puts(big_key, big, small_key, small)
     cuts = sorted({100, 20_000, 90_000, size // 3, size // 2, len(stream) - 5000,
                    len(stream) - 10})
-    with socket.create_connection((node.host, node.port), timeout=10) as s:
-        start = 0
-        for cut in [*cuts, len(stream)]:
-            s.sendall(stream[start:cut])
-            start = cut
-            time.sleep(0.05)
-        headers = read_replies(s, 3)
-    assert [(h.request_id, h.status) for h in headers] == [(1, 0), (2, 0), (3, 0)]
+    frames = dribble(node, stream, cuts)
+    assert [(h.request_id, h.status) for h, _ in frames] == [(1, 0), (2, 0), (3, 0)]
     with Client(node.url, shm=False) as client:
         assert client.get(big_key) == big
         assert client.get(small_key) == small
@@ -228,21 +235,9 @@ def test_a_put_refused_for_room_and_sent_in_pieces_leaves_the_next_frame_whole(
             client.put(os.urandom(16), os.urandom(400 << 10), pin=True)
     big_key, small_key = os.urandom(16), os.urandom(16)
     big, small = os.urandom(500 << 10), os.urandom(4096)
-    big_value, small_value = seal(big) + big, seal(small) + small
-    stream = b"".join([
-        *encode_frame(Op.HELLO, 1, [encode_json({"protocol": 1})]),
-        *encode_frame(Op.PUT, 2, [PutItemHeader(big_key, len(big_value)).pack(), big_value],
-                      count=1),
-        *encode_frame(Op.PUT, 3, [PutItemHeader(small_key, len(small_value)).pack(),
-                                  small_value], count=1)])
-    cuts = [100, 20_000, 200_000, 300_000, len(stream) - 5000, len(stream) - 10]
-    with socket.create_connection((small_node.host, small_node.port), timeout=10) as s:
-        start = 0
-        for cut in [*cuts, len(stream)]:
-            s.sendall(stream[start:cut])
-            start = cut
-            time.sleep(0.05)
-        frames = read_reply_frames(s, 3)
+    stream = hello_and_two_puts(big_key, big, small_key, small)
+    frames = dribble(small_node, stream,
+                     [100, 20_000, 200_000, 300_000, len(stream) - 5000, len(stream) - 10])
     assert [h.request_id for h, _ in frames] == [1, 2, 3]
     # a PUT's reply body: a status a item
     assert [body for _, body in frames[1:]] == [bytes([Status.NO_CAPACITY]), bytes([Status.OK])]
