@@ -30,7 +30,8 @@ between the policy and that column is what knowing the one-hit wonders would buy
 below a DRAM tier of that share, for each admission (``--ssd-admit all``, ``reused``):
 hits, hits served from the SSD, the SSD's writes, flash writes per hit, write-behinds
 shed and held back. Last, the hot path: each policy's cost per store and per read, in
-process and over TCP (PUT and GET p50, a node per run, policies interleaved).
+process and through a node (PUT and GET p50 of 4 KiB, 64 KiB and 1 MiB chunks, a node
+per run, policies interleaved).
 
 Prints tables (hit ratio, and its ratio to the optimum) and writes
 bench/results/policy.json (``--plot``: a PNG of hit ratio against capacity).
@@ -380,7 +381,9 @@ def _store_in_chain(tier: DramTier, values: _Values, keys: Sequence[bytes], i: i
 def hot_path_tcp(policy: str, *, chunk_bytes: int = CHUNK_BYTES, capacity: int = 2000,
                  ops: int = 5000) -> dict[str, float]:
     """p50 microseconds of a PUT (into a full tier: each evicts) and of a GET, one chunk a
-    call through a node over TCP, the sync SDK."""
+    call through a node, the sync SDK with its defaults (on the same host: values of 1 MiB
+    and more written through shared memory, of 64 KiB and more read through the arena
+    index; the rest over TCP)."""
     from kvpool.client import Client
 
     node = _node(capacity * chunk_bytes, policy, "--no-ssd")
@@ -411,8 +414,11 @@ def run_hot_path(policies: Sequence[str], runs: int) -> dict[str, Any]:
     for _ in range(runs):
         for policy in policies:
             big = {f"{k}_64k": v for k, v in hot_path_tcp(policy, chunk_bytes=64 << 10).items()}
+            # engine-sized chunks (a 128-token chunk of a 1B-parameter model is ~1 MiB)
+            mib = {f"{k}_1m": v for k, v in hot_path_tcp(policy, chunk_bytes=1 << 20,
+                                                         capacity=256, ops=1024).items()}
             for k, v in [*hot_path(policy).items(), *hot_path_tcp(policy).items(),
-                         *big.items()]:
+                         *big.items(), *mib.items()]:
                 got[policy].setdefault(k, []).append(v)
     print(f"\nhot path, 4 KiB chunks unless said, tier full, chains of 8 (median [min-max] "
           f"of {runs} runs, policies interleaved)")
@@ -423,7 +429,9 @@ def run_hot_path(policies: Sequence[str], runs: int) -> dict[str, Any]:
         print(f"  {policy:>6}: in process: store {fmt(row['put_us'], ' us')}, lookup+read "
               f"{fmt(row['get_us'], ' us')}; over TCP: PUT p50 {fmt(row['put_p50_us'], ' us')}"
               f", GET p50 {fmt(row['get_p50_us'], ' us')}; 64 KiB chunks over TCP: PUT p50 "
-              f"{fmt(row['put_p50_us_64k'], ' us')}, GET p50 {fmt(row['get_p50_us_64k'], ' us')}")
+              f"{fmt(row['put_p50_us_64k'], ' us')}, GET p50 {fmt(row['get_p50_us_64k'], ' us')}"
+              f"; 1 MiB chunks over TCP: PUT p50 {fmt(row['put_p50_us_1m'], ' us')}, GET p50 "
+              f"{fmt(row['get_p50_us_1m'], ' us')}")
     return out
 
 
