@@ -366,12 +366,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, default=0,
                         help="exit when this process (the node) dies")
     args = parser.parse_args(argv)
-    # Ctrl-C in a terminal reaches the whole process group: the node shuts down on it and
-    # closes the socket once its queued work is sent, and this process exits at that EOF
-    # (or with the node, die_with_parent). Dying at the SIGINT itself printed a
-    # KeyboardInterrupt traceback into the node's log at every Ctrl-C, and left the node
-    # to shut down against a worker already gone.
+    # Ctrl-C in a terminal reaches the whole process group, and a service manager's stop
+    # (systemd's default KillMode, `timeout`) sends SIGTERM to every process of the unit:
+    # the node shuts down on either and closes the socket once its queued work is sent,
+    # and this process exits at that EOF (or with the node, die_with_parent). Dying at the
+    # signal itself printed a KeyboardInterrupt traceback into the node's log at every
+    # Ctrl-C; at SIGTERM it lost the write-behinds still queued and the node logged an
+    # ERROR ("SSD worker connection lost") at every stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if args.parent_pid:
         die_with_parent(args.parent_pid)
     settings = WorkerSettings.decode(sys.stdin.buffer.read())
