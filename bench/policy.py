@@ -191,9 +191,11 @@ def next_uses(trace: Trace) -> list[list[float]]:
     return nxt
 
 
-def optimum(trace: Trace, capacity: int) -> float:
-    """Belady's MIN with bypass, ``capacity`` chunks: its prefix hit ratio."""
-    nxt = next_uses(trace)
+def optimum(trace: Trace, capacity: int, nxt: list[list[float]] | None = None) -> float:
+    """Belady's MIN with bypass, ``capacity`` chunks: its prefix hit ratio (``nxt``: the
+    trace's :func:`next_uses`, if already made)."""
+    if nxt is None:
+        nxt = next_uses(trace)
     held: dict[bytes, float] = {}  # key -> its next use
     heap: list[tuple[float, int, bytes]] = []  # (-next use, -depth, key), stale ones kept
     hits = total = 0
@@ -454,7 +456,7 @@ def run(name: str, trace: Trace, shares: Sequence[float], policies: Sequence[str
     rows = []
     for share in shares:
         capacity = max(1, round(share * info["distinct"]))
-        best = optimum(trace, capacity)
+        best = optimum(trace, capacity, nxt)
         row: dict[str, Any] = {"share": share, "capacity": capacity, "optimum": best}
         line = f"{share:>9.1%} {capacity:>7,} | {best:>7.3f}"
         for policy in policies:

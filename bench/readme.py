@@ -85,9 +85,8 @@ def _peers(result: dict[str, Any]) -> Record:
 def _serving(result: dict[str, Any]) -> Record:
     """The serving benchmark's ratios, kvpool beside vLLM (c) over vLLM alone (a), and two
     engines on one pool over two alone (d), for each workload."""
-    qa, shared = result["workloads"]["qa"], result["workloads"]["shared"]
+    qa = result["workloads"]["qa"]
     return {"ratios": result["ratios"], "users": qa["users"], "rounds": qa["rounds"],
-            "qa_requests": qa["requests"], "shared_requests": shared["requests"],
             "cpus": int(str(result["machine"]).split()[0])}
 
 

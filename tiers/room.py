@@ -149,7 +149,7 @@ class Room(Generic[V]):
     __slots__ = ("_arena", "_evict", "_ledger", "_pinned", "_places")
 
     def __init__(self, arena: Arena, ledger: Ledger[V], places: Places[V],
-                 evict: Callable[[V], None], pinned: Callable[[], int] = lambda: 0) -> None:
+                 evict: Callable[[V], None], pinned: Callable[[], int]) -> None:
         self._arena = arena
         self._ledger = ledger
         self._places = places
