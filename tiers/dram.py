@@ -156,11 +156,13 @@ class DramTier(_Copies):
         #: entries by where they lie (for room by place, when LRU order makes none)
         self._places: Places[Entry] = Places(self.arena)
         self._room = Room(self.arena, self._ledger, self._places, self._evict,
-                          lambda: self.pinned_extents)
+                          self._blocked)
         #: where co-located clients look values up with no request (see attach_index)
         self.index: ArenaIndex | None = None
         #: arena bytes of the pinned entries: what no eviction can free
         self.pinned_extents = 0
+        #: reads in progress (holds of entries not yet released)
+        self._reading = 0
 
     # -- zero-copy data path --------------------------------------------------------------
 
@@ -171,11 +173,12 @@ class DramTier(_Copies):
         big enough has formed by then (small values scattered over the arena), room is
         made by place around one of the next victims (``tiers/room.py``): one value
         evicts at most about twice its size, not the whole cache (unless pinned or held
-        entries block every hole tried: then LRU order alone). A ``tenant`` with a
-        quota first makes room among its own chunks (least recently used first): one
-        tenant never evicts another to exceed its quota. A value bigger than what the
-        pinned entries leave of the arena is refused before anything is evicted (it had
-        emptied the tier of every unpinned entry, then failed).
+        entries or slots block every hole tried: then LRU order alone, if some run of the
+        arena is wide enough; else refused there). A ``tenant`` with a quota first makes
+        room among its own chunks (least recently used first): one tenant never evicts
+        another to exceed its quota. A value bigger than what the pinned entries leave of
+        the arena is refused before anything is evicted (it had emptied the tier of every
+        unpinned entry, then failed).
         """
         arena = self.arena
         if arena.extent(nbytes) > arena.capacity - self.pinned_extents:
@@ -256,6 +259,7 @@ class DramTier(_Copies):
             self._stats.hits += 1
             if hold:
                 entry.readers += 1
+                self._reading += 1
             entry.last_access = wall
             entry.reused = True
             found.append(entry)
@@ -267,12 +271,14 @@ class DramTier(_Copies):
     def hold(self, entry: Entry) -> None:
         """Keep ``entry``'s memory alive (not a read: no stats, no recency) until release."""
         entry.readers += 1
+        self._reading += 1
 
     def view(self, entry: Entry) -> memoryview:
         return self.arena.view[entry.offset : entry.offset + entry.length]
 
     def release(self, entry: Entry) -> None:
         entry.readers -= 1
+        self._reading -= 1
         if entry.readers == 0 and not entry.live:
             self.arena.free(entry.offset, entry.length)
 
@@ -385,7 +391,7 @@ class DramTier(_Copies):
         self._entries = self._ledger.records
         self.pinned_extents = 0
         self._room = Room(self.arena, self._ledger, self._places, self._evict,
-                          lambda: self.pinned_extents)
+                          self._blocked)
         if self.index is not None:
             self.index.close()
             self.index = None
@@ -399,6 +405,12 @@ class DramTier(_Copies):
             self._expired(entry)
             return None
         return entry
+
+    def _blocked(self) -> bool:
+        """Whether anything no eviction moves lies in the arena: pinned entries, entries
+        being read, slots being written (or entries gone, not yet released by readers)."""
+        return bool(self.pinned_extents or self._reading
+                    or self.arena.allocated_bytes > self._places.extents)
 
     def _expired(self, entry: Entry) -> None:
         self._remove(entry)

@@ -10,12 +10,12 @@ made by place: around one of the next LRU victims (the seed), the free extents a
 evictable entries next to it are taken until they span the value's extent. At most
 ``MAX_SEEDS`` seeds are tried; a hole blocked on both sides (a pinned entry, one
 being read, a slot being written, the arena's ends) tries the next seed, and when
-all are blocked the tier goes on in LRU order alone, as it did before, unless entries
-are pinned and no run of free and evictable space in the arena is wide enough for the
-value: then it stops there (that order alone had evicted every unpinned value, then
-failed). That check scans every entry (77 ms for 100,000 here), so it runs only where
-pins, which stay, may split the arena; a run blocked only by reads and writes in flight
-is left to LRU order, as before.
+all are blocked the tier goes on in LRU order alone, as it did before, unless something
+no eviction moves lies in the arena (a pin, a read, a slot) and no run of free and
+evictable space is wide enough for the value: then it stops there (that order alone
+had evicted every other value, then failed). That check scans every entry (77 ms for
+100,000 here), so it runs only where every hole tried was blocked and something blocks
+(with nothing in the way, LRU order alone always ends in room).
 """
 
 from __future__ import annotations
@@ -62,21 +62,28 @@ V = TypeVar("V", bound=Evictable)
 class Places(Generic[E]):
     """The live entries of an arena by where they start and end: what lies next to what."""
 
-    __slots__ = ("_arena", "_ends", "_starts")
+    __slots__ = ("_arena", "_ends", "_starts", "extents")
 
     def __init__(self, arena: Arena) -> None:
         self._arena = arena
         self._starts: dict[int, E] = {}
         self._ends: dict[int, E] = {}
+        #: arena bytes of the entries placed (what the arena holds beyond them: slots
+        #: being written, entries gone but still being read)
+        self.extents = 0
 
     def add(self, entry: E) -> None:
+        extent = Arena.extent(entry.length)
         self._starts[entry.offset] = entry
-        self._ends[entry.offset + Arena.extent(entry.length)] = entry
+        self._ends[entry.offset + extent] = entry
+        self.extents += extent
 
     def discard(self, entry: E) -> None:
         if self._starts.get(entry.offset) is entry:
+            extent = Arena.extent(entry.length)
             del self._starts[entry.offset]
-            del self._ends[entry.offset + Arena.extent(entry.length)]
+            del self._ends[entry.offset + extent]
+            self.extents -= extent
 
     def widest(self, evictable: Callable[[E], bool]) -> int:
         """Bytes of the widest run of free extents and ``evictable`` entries, side by
@@ -140,23 +147,24 @@ class Places(Generic[E]):
 class Room(Generic[V]):
     """Room in an arena for one value, taken from a :class:`Ledger`'s eviction order:
     its first victims up to ``LRU_BOUND`` times the value's extent, then a hole by place
-    around one of the next, then that order alone (every hole blocked), unless entries
-    are pinned and no run of free and evictable space is wide enough (pinned entries,
-    ones being read or slots being written split the arena): then nothing more is
+    around one of the next, then that order alone (every hole blocked), unless something
+    no eviction moves lies in the arena (pinned entries, ones being read, slots being
+    written) and no run of free and evictable space is wide enough: then nothing more is
     evicted. ``evict`` drops one entry (the tier's bookkeeping); entries being read are
     never taken."""
 
-    __slots__ = ("_arena", "_evict", "_ledger", "_pinned", "_places")
+    __slots__ = ("_arena", "_blocked", "_evict", "_ledger", "_places")
 
     def __init__(self, arena: Arena, ledger: Ledger[V], places: Places[V],
-                 evict: Callable[[V], None], pinned: Callable[[], int]) -> None:
+                 evict: Callable[[V], None], blocked: Callable[[], bool]) -> None:
         self._arena = arena
         self._ledger = ledger
         self._places = places
         self._evict = evict
-        #: the arena bytes pinned now: where there are some, the last resort first checks
-        #: that a wide enough run exists (a scan of every entry; skipped with no pins)
-        self._pinned = pinned
+        #: whether anything no eviction moves lies in the arena now: where so, the last
+        #: resort first checks that a wide enough run exists (a scan of every entry;
+        #: with nothing in the way, LRU order alone always ends in room)
+        self._blocked = blocked
 
     def make(self, nbytes: int) -> int | None:
         """The offset of ``nbytes`` allocated in the arena, evicting as needed; None if
@@ -169,7 +177,7 @@ class Room(Generic[V]):
             if budget <= 0 and by_place:  # eviction order made no hole within its budget
                 by_place = False
                 offset = self._hole(nbytes)
-                if offset is None and self._pinned() \
+                if offset is None and self._blocked() \
                         and self._places.widest(_evictable) < arena.extent(nbytes):
                     break  # no eviction makes the room: refused, nothing more evicted
                 continue

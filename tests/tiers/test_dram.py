@@ -368,6 +368,38 @@ def test_room_by_place_never_takes_a_pinned_value_or_one_being_read() -> None:
     assert tier.reserve(key(1003), 8 * PAGE) is not None
 
 
+@pytest.mark.parametrize("blocker", ["reads", "writes"])
+def test_a_value_no_eviction_can_fit_evicts_little_where_reads_or_writes_split_the_arena(
+        blocker: str) -> None:
+    """Nothing pinned, but every 8th page (offset 4) is being read, or is a slot being
+    written: no run of 8 pages can be made, so an 8-page value is refused after the LRU
+    victims within its budget. LRU order alone, the last resort, is not tried: it had
+    evicted every other value of the tier, then failed all the same."""
+    tier, keys = small_values_read_at_random(64)
+    entries = {k: tier._entries[k] for k in keys}
+    split = [k for k in keys if entries[k].offset // PAGE % 8 == 4]
+    held = []
+    slots = []
+    if blocker == "reads":
+        held = tier.acquire_many(split)
+    else:  # the pages freed, then reserved again by values on their way in
+        assert tier.delete_many(split) == [True] * len(split)
+        for i in range(len(split)):
+            slot = tier.reserve(key(2000 + i), PAGE)
+            assert slot is not None and slot.offset // PAGE % 8 == 4
+            slots.append(slot)
+    assert tier.pinned_extents == 0
+    assert tier.reserve(key(1000), 8 * PAGE) is None
+    assert tier.stats().evictions <= 8
+    assert tier.stats().num_objects >= 64 - 8 - (len(split) if blocker == "writes" else 0)
+    for entry in held:
+        assert entry is not None
+        tier.release(entry)
+    for slot in slots:
+        slot.release()
+    assert tier.reserve(key(1001), 8 * PAGE) is not None  # nothing splits it now
+
+
 @given(st.lists(st.tuples(st.sampled_from(["put", "get", "pin", "read", "done"]),
                           st.integers(0, 40), st.integers(1, 12)), max_size=150))
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -402,6 +434,8 @@ def test_eviction_keeps_pins_readers_and_its_place_index(ops: list[tuple[str, in
         places = tier._places
         assert sorted(places._starts) == sorted(e.offset for e in tier._entries.values())
         assert all(places._starts[e.offset] is e for e in tier._entries.values())
+        assert places.extents == sum(Arena.extent(e.length) for e in tier._entries.values())
+        assert tier._reading == len(held)
 
 
 def test_a_value_that_fits_only_once_blocked_holes_are_bypassed_is_still_stored() -> None:
