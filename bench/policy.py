@@ -435,6 +435,19 @@ def run_hot_path(policies: Sequence[str], runs: int) -> dict[str, Any]:
               f"{fmt(row['put_p50_us_64k'], ' us')}, GET p50 {fmt(row['get_p50_us_64k'], ' us')}"
               f"; 1 MiB chunks: PUT p50 {fmt(row['put_p50_us_1m'], ' us')}, GET p50 "
               f"{fmt(row['get_p50_us_1m'], ' us')}")
+    if len(policies) > 1:  # each run's figures over the same run's of the last policy
+        base = policies[-1]
+        for policy in policies[:-1]:
+            ratios = {k: summary([a / b for a, b in zip(v, got[base][k], strict=True)])
+                      for k, v in got[policy].items()}
+            out[f"{policy} / {base}"] = ratios
+            print(f"  {policy} / {base}, paired by run: in process: store "
+                  f"{fmt(ratios['put_us'], 'x')}; through a node: PUT p50 "
+                  f"{fmt(ratios['put_p50_us'], 'x')}, GET p50 {fmt(ratios['get_p50_us'], 'x')}"
+                  f"; 64 KiB: PUT p50 {fmt(ratios['put_p50_us_64k'], 'x')}, GET p50 "
+                  f"{fmt(ratios['get_p50_us_64k'], 'x')}; 1 MiB: PUT p50 "
+                  f"{fmt(ratios['put_p50_us_1m'], 'x')}, GET p50 "
+                  f"{fmt(ratios['get_p50_us_1m'], 'x')}")
     return out
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from bench.policy import chain, next_uses, optimum, replay_tier
 
 SHARED = chain(["a"])
@@ -21,3 +23,25 @@ def test_the_admission_oracle_keeps_what_lru_lets_one_off_chunks_push_out() -> N
     assert optimum(TRACE, 1) == 2 / 5
     assert replay_tier(TRACE, 1, "lru")["hit_ratio"] == 0
     assert replay_tier(TRACE, 1, "lru", nxt=next_uses(TRACE))["hit_ratio"] == 2 / 5
+
+
+def test_the_hot_path_pairs_each_run_with_the_same_run_of_the_baseline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slow machine stretches both policies of a run alike: the paired ratio stays 1.1x
+    while the medians of each policy alone span a factor of 3."""
+    import bench.policy as bp
+
+    calls = {"chain": 0, "lru": 0}
+
+    def fake(policy: str, **_: object) -> dict[str, float]:
+        run = calls[policy] // 4  # four measurements a policy a run
+        calls[policy] += 1
+        us = (1.0, 3.0, 2.0)[run] * (1.1 if policy == "chain" else 1.0)
+        return {"put_us": us, "get_us": us, "put_p50_us": us, "get_p50_us": us}
+
+    monkeypatch.setattr(bp, "hot_path", fake)
+    monkeypatch.setattr(bp, "hot_path_tcp", fake)
+    out = bp.run_hot_path(["chain", "lru"], 3)
+    paired = out["chain / lru"]["put_p50_us"]
+    assert math.isclose(paired["min"], 1.1) and math.isclose(paired["max"], 1.1)
+    assert out["lru"]["put_p50_us"]["min"] == 1.0 and out["lru"]["put_p50_us"]["max"] == 3.0
