@@ -400,21 +400,45 @@ def test_a_value_no_eviction_can_fit_evicts_little_where_reads_or_writes_split_t
     assert tier.reserve(key(1001), 8 * PAGE) is not None  # nothing splits it now
 
 
-@given(st.lists(st.tuples(st.sampled_from(["put", "get", "pin", "read", "done"]),
+def _no_run_fits(tier: DramTier, nbytes: int) -> bool:
+    """No run of free and evictable arena is wide enough for ``nbytes``: no eviction
+    could have made the room."""
+    return tier._places.widest(lambda e: e.readers == 0 and not e.pinned) \
+        < Arena.extent(nbytes)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["put", "get", "pin", "read", "done", "slot",
+                                           "land"]),
                           st.integers(0, 40), st.integers(1, 12)), max_size=150))
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_eviction_keeps_pins_readers_and_its_place_index(ops: list[tuple[str, int, int]]
                                                          ) -> None:
-    """Random puts of 1-12 pages into 32, reads, pins and held reads: a pinned or held
-    value is never evicted, held bytes never change, and the index of where values lie
+    """Random puts of 1-12 pages into 32, reads, pins, held reads and slots being written:
+    a pinned or held value is never evicted, held bytes never change, a value is refused
+    only where no eviction could make its room, and the index of where values lie
     matches the values."""
     tier = DramTier(32 * PAGE)
     held: list[tuple[object, bytes]] = []
     pinned: set[bytes] = set()
+    slots: list[object] = []
     for op, i, pages in ops:
         k = key(i)
         if op == "put":  # over a pinned or held key too: the pin stays, the held bytes too
-            tier.put(k, value_of(pages * PAGE))
+            if not tier.put(k, value_of(pages * PAGE)):
+                assert _no_run_fits(tier, pages * PAGE)
+        elif op == "slot":  # a value on its way in: its memory taken, not yet an entry
+            slot = tier.reserve(key(100 + i), pages * PAGE)
+            if slot is None:
+                assert _no_run_fits(tier, pages * PAGE)
+            else:
+                slots.append(slot)
+        elif op == "land" and slots:  # its frame completed (committed) or failed
+            landing = slots.pop(0)
+            if i % 2:
+                landing.view[:] = value_of(landing.length)  # type: ignore[attr-defined]
+                assert tier.commit([landing])[0] is not None  # type: ignore[list-item]
+            else:
+                landing.release()  # type: ignore[attr-defined]
         elif op == "get":
             tier.get(k)
         elif op == "pin" and tier.pin_many([k], True)[0]:
