@@ -43,10 +43,6 @@ log = logging.getLogger("kvpool.tiers")
 ALIGN = 4096
 
 
-def _round_up(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
 class Arena:
     """``alloc(n) -> offset | None`` and ``free(offset, n)`` over one mmap."""
 
@@ -85,8 +81,8 @@ class Arena:
 
     @staticmethod
     def extent(nbytes: int) -> int:
-        """Bytes an allocation of ``nbytes`` really takes."""
-        return _round_up(max(nbytes, 1))
+        """Bytes an allocation of ``nbytes`` really takes (a page for 0 or less)."""
+        return (nbytes + ALIGN - 1) // ALIGN * ALIGN if nbytes > 0 else ALIGN
 
     @property
     def free_bytes(self) -> int:

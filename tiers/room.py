@@ -171,14 +171,17 @@ class Room(Generic[V]):
         nothing more can be evicted and they still do not fit."""
         arena = self._arena
         offset = arena.alloc(nbytes)
-        budget = LRU_BOUND * arena.extent(nbytes)
+        if offset is not None:
+            return offset
+        size = arena.extent(nbytes)
+        budget = LRU_BOUND * size
         by_place = True
         while offset is None:
             if budget <= 0 and by_place:  # eviction order made no hole within its budget
                 by_place = False
                 offset = self._hole(nbytes)
                 if offset is None and self._blocked() \
-                        and self._places.widest(_evictable) < arena.extent(nbytes):
+                        and self._places.widest(_evictable) < size:
                     break  # no eviction makes the room: refused, nothing more evicted
                 continue
             victim = self._next_victim()  # (every hole blocked: eviction order alone)
