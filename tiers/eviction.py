@@ -186,9 +186,7 @@ class ChainFIFO:
                 if chunk.uses < self.MAX_USES:
                     chunk.uses += 1
                 return ()
-            recalled = self._admit(key)
-            (self._small if state[key].small else self._main)[key] = None
-            return (key,) if recalled else ()
+            return (key,) if self._admit(key, True) else ()
         most = self.MAX_USES
         new: list[tuple[bytes, int]] | None = None
         for key, depth in batch:
@@ -204,12 +202,10 @@ class ChainFIFO:
             return ()
         if len(new) == 1:
             key = new[0][0]
-            recalled = self._admit(key)
-            (self._small if state[key].small else self._main)[key] = None
-            return (key,) if recalled else ()
+            return (key,) if self._admit(key, True) else ()
         new.sort(key=lambda kd: -kd[1])  # deepest first, else as given: the tail leaves first
         # held parents first (linked to them, and ranked by them), then into the FIFOs
-        recalled_keys = [key for key, _depth in reversed(new) if self._admit(key)]
+        recalled_keys = [key for key, _depth in reversed(new) if self._admit(key, False)]
         small, main = self._small, self._main
         for key, _depth in new:
             (small if state[key].small else main)[key] = None
@@ -222,8 +218,9 @@ class ChainFIFO:
             if chunk is not None and not chunk.uses:
                 chunk.uses = 1
 
-    def _admit(self, key: bytes) -> bool:
-        """Hold ``key`` (the caller puts it in its FIFO); whether it came back as a ghost."""
+    def _admit(self, key: bytes, enqueue: bool) -> bool:
+        """Hold ``key`` (``enqueue``: in its FIFO too, else the caller puts it there);
+        whether it came back as a ghost."""
         state = self._state
         mark = self._ghost.pop(key, None)
         parent = self._parent_of(key) if self._parent_of is not None else None
@@ -235,6 +232,8 @@ class ChainFIFO:
         small = mark is None and not extends
         state[key] = _Chunk(small, parent, self._orphans.pop(key, None) if self._orphans
                             else None)
+        if enqueue:
+            (self._small if small else self._main)[key] = None
         if mark is not None and self.ADAPT and self._evictions - (mark >> 1) <= len(state):
             # evicted lately: a bigger FIFO (the small one, or main) would have kept it
             held = len(state)
@@ -286,9 +285,13 @@ class ChainFIFO:
                 (self._small if orphan.small else self._main).move_to_end(child, last=False)
 
     def first(self) -> bytes | None:
-        head = self._probation_head()
-        if head is not None:  # (the common case, as candidates() starts)
-            return head if not self._state[head].children else self._leaf(head)
+        small, state = self._small, self._state
+        n = len(small)
+        if n and n > self._small_target and n > self.SMALL_SHARE * len(state):
+            head = next(iter(small))  # (the common case: _probation_head's, inlined)
+            top = state[head]
+            if not top.uses:
+                return self._leaf(head, top) if top.children else head
         return next(self.candidates(), None)
 
     def candidates(self) -> Iterator[bytes]:
@@ -296,7 +299,7 @@ class ChainFIFO:
         first = None
         head = self._probation_head()
         if head is not None:  # the common case: no pass over either FIFO
-            first = self._leaf(head)
+            first = self._leaf(head, self._state[head])
             yield first
             if first == head and head in small:  # passed over (being read): as below
                 small.move_to_end(head)
@@ -312,17 +315,19 @@ class ChainFIFO:
         key = next(iter(small))
         return None if self._state[key].uses else key
 
-    def _leaf(self, head: bytes) -> bytes:
-        """A deepest descendant of ``head`` held (``head`` itself if none), by first
-        children (at most as many steps as chunks held: a writer may name any key as a
-        parent). The walk starts where the last one from ``head`` ended (that leaf's
-        parent, still a descendant): a long chain loses its tail in O(1) a chunk."""
-        state = self._state
-        top = state[head]
+    def _leaf(self, head: bytes, top: _Chunk) -> bytes:
+        """A deepest descendant of ``head`` (whose state is ``top``) held (``head`` itself
+        if none), by first children (at most as many steps as chunks held: a writer may
+        name any key as a parent). The walk starts where the last one from ``head`` ended
+        (that leaf's parent, still a descendant): a long chain loses its tail in O(1) a
+        chunk."""
         if not top.children:  # (most calls: no descendants held)
             return head
-        key = top.hint if top.hint is not None and top.hint in state else head
-        chunk = state[key]
+        state = self._state
+        key, chunk = head, top
+        hint = top.hint
+        if hint is not None and (hinted := state.get(hint)) is not None:
+            key, chunk = hint, hinted
         for _ in range(len(state)):
             if not chunk.children:
                 break
@@ -377,7 +382,7 @@ class ChainFIFO:
             # the deepest descendant first (most calls end with it: the caller takes it),
             # then the others tail first, then the chunk itself
             victims = (key,) if not chunk.children \
-                else itertools.chain((self._leaf(key),), self._tail_first(key))
+                else itertools.chain((self._leaf(key, chunk),), self._tail_first(key))
             for victim in victims:
                 if victim not in offered:
                     offered.add(victim)
