@@ -108,6 +108,12 @@ class Arena:
             self._ahead.reach(start + size)
         return int(start)
 
+    def reuse(self, offset: int) -> None:
+        """The extent at ``offset`` passes from the value it held to a new value of the
+        same extent without being free between: its generation moves on (readers of the
+        old value see it, as after :meth:`free`), its bytes stay allocated."""
+        self.gens[offset // ALIGN] += 1
+
     def free(self, offset: int, nbytes: int) -> None:
         self.gens[offset // ALIGN] += 1  # before any reuse: readers of the old value see it
         size = self.extent(nbytes)

@@ -155,8 +155,8 @@ class DramTier(_Copies):
         self.tenants = TenantBytes()
         #: entries by where they lie (for room by place, when LRU order makes none)
         self._places: Places[Entry] = Places(self.arena)
-        self._room = Room(self.arena, self._ledger, self._places, self._evict,
-                          self._blocked)
+        self._room = Room(self.arena, self._ledger, self._places, evict=self._evict,
+                          blocked=self._blocked, hand_over=self._hand_over)
         #: where co-located clients look values up with no request (see attach_index)
         self.index: ArenaIndex | None = None
         #: arena bytes of the pinned entries: what no eviction can free
@@ -390,8 +390,8 @@ class DramTier(_Copies):
         self._ledger = Ledger()
         self._entries = self._ledger.records
         self.pinned_extents = 0
-        self._room = Room(self.arena, self._ledger, self._places, self._evict,
-                          self._blocked)
+        self._room = Room(self.arena, self._ledger, self._places, evict=self._evict,
+                          blocked=self._blocked, hand_over=self._hand_over)
         if self.index is not None:
             self.index.close()
             self.index = None
@@ -440,7 +440,8 @@ class DramTier(_Copies):
         if entry.checksum >= 0:  # clients read the index's values as raw payloads
             self.index.publish(_index_slot(entry, self.arena, self._clock()))
 
-    def _remove(self, entry: Entry, *, evicted: bool = False) -> None:
+    def _remove(self, entry: Entry, *, evicted: bool = False, keep_extent: bool = False
+                ) -> None:
         if self.index is not None:  # before the extent is freed
             self.index.withdraw(entry.key)
         self._ledger.forget(entry.key, evicted=evicted)
@@ -449,10 +450,17 @@ class DramTier(_Copies):
             self.pinned_extents -= Arena.extent(entry.length)
         self.tenants.charge(entry.tenant, -entry.length)
         entry.live = False
-        if entry.readers == 0:
+        if keep_extent:  # (not being read: the caller's new value takes the extent)
+            self.arena.reuse(entry.offset)
+        elif entry.readers == 0:
             self.arena.free(entry.offset, entry.length)
 
-    def _evict(self, entry: Entry) -> None:
-        self._remove(entry, evicted=True)
+    def _evict(self, entry: Entry, *, keep_extent: bool = False) -> None:
+        self._remove(entry, evicted=True, keep_extent=keep_extent)
         self._stats.evictions += 1
         self.events.dropped(entry.key, "room", entry)
+
+    def _hand_over(self, entry: Entry) -> None:
+        """Evict ``entry`` (not being read) for a new value of its extent, which takes its
+        memory as it lies (no free, no allocation)."""
+        self._evict(entry, keep_extent=True)

@@ -146,21 +146,26 @@ class Places(Generic[E]):
 
 class Room(Generic[V]):
     """Room in an arena for one value, taken from a :class:`Ledger`'s eviction order:
-    its first victims up to ``LRU_BOUND`` times the value's extent, then a hole by place
-    around one of the next, then that order alone (every hole blocked), unless something
-    no eviction moves lies in the arena (pinned entries, ones being read, slots being
-    written) and no run of free and evictable space is wide enough: then nothing more is
-    evicted. ``evict`` drops one entry (the tier's bookkeeping); entries being read are
-    never taken."""
+    the first victim's extent as it lies where it is the value's (a tier of one chunk
+    size: no free and no allocation), else its first victims up to ``LRU_BOUND`` times
+    the value's extent, then a hole by place around one of the next, then that order
+    alone (every hole blocked), unless something no eviction moves lies in the arena
+    (pinned entries, ones being read, slots being written) and no run of free and
+    evictable space is wide enough: then nothing more is evicted. ``evict`` drops one
+    entry (the tier's bookkeeping); entries being read are never taken."""
 
-    __slots__ = ("_arena", "_blocked", "_evict", "_ledger", "_places")
+    __slots__ = ("_arena", "_blocked", "_evict", "_hand_over", "_ledger", "_places")
 
-    def __init__(self, arena: Arena, ledger: Ledger[V], places: Places[V],
-                 evict: Callable[[V], None], blocked: Callable[[], bool]) -> None:
+    def __init__(self, arena: Arena, ledger: Ledger[V], places: Places[V], *,
+                 evict: Callable[[V], None], blocked: Callable[[], bool],
+                 hand_over: Callable[[V], None]) -> None:
         self._arena = arena
         self._ledger = ledger
         self._places = places
         self._evict = evict
+        #: evicts an entry not being read and keeps its extent allocated (for a new value
+        #: of the same extent: no free and no allocation between, :meth:`Arena.reuse`)
+        self._hand_over = hand_over
         #: whether anything no eviction moves lies in the arena now: where so, the last
         #: resort first checks that a wide enough run exists (a scan of every entry;
         #: with nothing in the way, LRU order alone always ends in room)
@@ -174,6 +179,11 @@ class Room(Generic[V]):
         if offset is not None:
             return offset
         size = arena.extent(nbytes)
+        victim = self._next_victim()
+        if victim is not None and arena.extent(victim.length) == size:
+            # (most calls where chunks are of one size) the first victim's extent, whole
+            self._hand_over(victim)
+            return victim.offset
         budget = LRU_BOUND * size
         by_place = True
         while offset is None:

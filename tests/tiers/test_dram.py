@@ -118,6 +118,35 @@ def test_lru_eviction_order() -> None:
     assert tier.stats().evictions == 1
 
 
+def test_a_value_takes_the_extent_of_the_one_it_evicts_of_its_size() -> None:
+    """A full tier of one-page values: the victim's page goes to the new value as it lies
+    (no free, no allocation between), its generation moved on for readers of the old
+    value; a victim being read keeps its page, and the next one is taken."""
+    tier = DramTier(4 * PAGE, policy="lru")
+    for i in range(4):
+        assert tier.put(key(i), value_of(PAGE))
+    old = tier._entries[key(0)]
+    gen = tier.arena.gens[old.offset // PAGE]
+    allocated = tier.arena.allocated_bytes
+    slot = tier.reserve(key(4), PAGE)
+    assert slot is not None and slot.offset == old.offset
+    assert tier.arena.gens[old.offset // PAGE] == gen + 1
+    assert tier.arena.allocated_bytes == allocated
+    assert not tier.contains(key(0)) and tier.stats().evictions == 1
+    slot.view[:] = value_of(PAGE)
+    assert tier.commit([slot])[0] is not None
+    held = tier.peek(key(1))  # the next victim, held by a reader (no recency)
+    assert held is not None
+    tier.hold(held)
+    data = bytes(tier.view(held))
+    slot = tier.reserve(key(5), PAGE)
+    assert slot is not None and slot.offset != held.offset
+    assert bytes(tier.view(held)) == data and tier.contains(key(1))
+    assert not tier.contains(key(2))  # the next victim not being read
+    slot.release()
+    tier.release(held)
+
+
 @pytest.mark.parametrize("policy", ["lru", "chain"])
 def test_equal_recency_evicts_deepest_first(policy: str) -> None:
     tier = DramTier(4 * PAGE, policy=policy)
