@@ -194,11 +194,13 @@ class Room(Generic[V]):
                         and self._places.widest(_evictable) < size:
                     break  # no eviction makes the room: refused, nothing more evicted
                 continue
-            victim = self._next_victim()  # (every hole blocked: eviction order alone)
-            if victim is None:
-                break
+            if victim is None:  # (the first is the one found above, not looked up again)
+                victim = self._next_victim()  # (every hole blocked: eviction order alone)
+                if victim is None:
+                    break
             self._evict(victim)
             budget -= arena.extent(victim.length)
+            victim = None
             offset = arena.alloc(nbytes)
         return offset
 
