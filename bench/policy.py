@@ -429,12 +429,7 @@ def run_hot_path(policies: Sequence[str], runs: int) -> dict[str, Any]:
         row = {k: summary(v) for k, v in got[policy].items()}
         out[policy] = row
         print(f"  {policy:>6}: in process: store {fmt(row['put_us'], ' us')}, lookup+read "
-              f"{fmt(row['get_us'], ' us')}; through a node: PUT p50 "
-              f"{fmt(row['put_p50_us'], ' us')}, GET p50 {fmt(row['get_p50_us'], ' us')}; "
-              f"64 KiB chunks: PUT p50 "
-              f"{fmt(row['put_p50_us_64k'], ' us')}, GET p50 {fmt(row['get_p50_us_64k'], ' us')}"
-              f"; 1 MiB chunks: PUT p50 {fmt(row['put_p50_us_1m'], ' us')}, GET p50 "
-              f"{fmt(row['get_p50_us_1m'], ' us')}")
+              f"{fmt(row['get_us'], ' us')}; {_through_a_node(row, ' us')}")
     if len(policies) > 1:  # each run's figures over the same run's of the last policy
         base = policies[-1]
         for policy in policies[:-1]:
@@ -442,13 +437,16 @@ def run_hot_path(policies: Sequence[str], runs: int) -> dict[str, Any]:
                       for k, v in got[policy].items()}
             out[f"{policy} / {base}"] = ratios
             print(f"  {policy} / {base}, paired by run: in process: store "
-                  f"{fmt(ratios['put_us'], 'x')}; through a node: PUT p50 "
-                  f"{fmt(ratios['put_p50_us'], 'x')}, GET p50 {fmt(ratios['get_p50_us'], 'x')}"
-                  f"; 64 KiB: PUT p50 {fmt(ratios['put_p50_us_64k'], 'x')}, GET p50 "
-                  f"{fmt(ratios['get_p50_us_64k'], 'x')}; 1 MiB: PUT p50 "
-                  f"{fmt(ratios['put_p50_us_1m'], 'x')}, GET p50 "
-                  f"{fmt(ratios['get_p50_us_1m'], 'x')}")
+                  f"{fmt(ratios['put_us'], 'x')}; {_through_a_node(ratios, 'x')}")
     return out
+
+
+def _through_a_node(row: dict[str, dict[str, float]], unit: str) -> str:
+    """A hot-path row's PUT and GET p50 through a node, for each chunk size."""
+    return "; ".join(f"{label}: PUT p50 {fmt(row['put_p50_us' + sfx], unit)}, GET p50 "
+                     f"{fmt(row['get_p50_us' + sfx], unit)}"
+                     for label, sfx in (("through a node", ""), ("64 KiB chunks", "_64k"),
+                                        ("1 MiB chunks", "_1m")))
 
 
 # -- the table ----------------------------------------------------------------------------

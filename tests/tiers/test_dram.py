@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvpool.protocol.envelope import ENVELOPE_HEADER_SIZE, seal
 from kvpool.tiers.arena import ALIGN, Arena
 from kvpool.tiers.dram import DramTier
+from kvpool.tiers.room import _evictable
 
 PAGE = ALIGN
 
@@ -432,8 +433,7 @@ def test_a_value_no_eviction_can_fit_evicts_little_where_reads_or_writes_split_t
 def _no_run_fits(tier: DramTier, nbytes: int) -> bool:
     """No run of free and evictable arena is wide enough for ``nbytes``: no eviction
     could have made the room."""
-    return tier._places.widest(lambda e: e.readers == 0 and not e.pinned) \
-        < Arena.extent(nbytes)
+    return tier._places.widest(_evictable) < Arena.extent(nbytes)
 
 
 @given(st.lists(st.tuples(st.sampled_from(["put", "get", "pin", "read", "done", "slot",
