@@ -30,8 +30,8 @@ between the policy and that column is what knowing the one-hit wonders would buy
 below a DRAM tier of that share, for each admission (``--ssd-admit all``, ``reused``):
 hits, hits served from the SSD, the SSD's writes, flash writes per hit, write-behinds
 shed and held back. Last, the hot path: each policy's cost per store and per read, in
-process and through a node (PUT and GET p50 of 4 KiB, 64 KiB and 1 MiB chunks, a node
-per run, policies interleaved).
+process and through a node (PUT and GET p50 of 4 KiB, 64 KiB and 1 MiB chunks: a node a
+policy, side by side, their calls interleaved one by one).
 
 Prints tables (hit ratio, and its ratio to the optimum) and writes
 bench/results/policy.json (``--plot``: a PNG of hit ratio against capacity).
@@ -380,50 +380,64 @@ def _store_in_chain(tier: DramTier, values: _Values, keys: Sequence[bytes], i: i
         raise RuntimeError("no room in a tier with nothing held")
 
 
-def hot_path_tcp(policy: str, *, chunk_bytes: int = CHUNK_BYTES, capacity: int = 2000,
-                 ops: int = 5000) -> dict[str, float]:
+def hot_path_tcp(policies: Sequence[str], *, chunk_bytes: int = CHUNK_BYTES,
+                 capacity: int = 2000, ops: int = 5000) -> dict[str, dict[str, float]]:
     """p50 microseconds of a PUT (into a full tier: each evicts) and of a GET, one chunk a
     call through a node, the sync SDK with its defaults (on the same host: values of 1 MiB
     and more written through shared memory, of 64 KiB and more read through the arena
-    index; the rest over TCP)."""
+    index; the rest over TCP), for each policy: a node each, started together, their
+    calls interleaved one by one (the order alternating), so that what slows the machine
+    for a while slows every policy alike."""
     from kvpool.client import Client
 
-    node = _node(capacity * chunk_bytes, policy, "--no-ssd")
     payload = bytes(chunk_bytes - ENVELOPE_HEADER_SIZE)
     keys = [i.to_bytes(16, "big") for i in range(ops)]
+    nodes: list[Proc] = []
+    clients: list[Client] = []
     try:
-        with Client(node.url) as client:
-            puts = []
-            for i, key in enumerate(keys):
+        for policy in policies:
+            nodes.append(_node(capacity * chunk_bytes, policy, "--no-ssd"))
+            clients.append(Client(nodes[-1].url))
+        puts: list[list[float]] = [[] for _ in policies]
+        gets: list[list[float]] = [[] for _ in policies]
+        turns = [list(range(len(policies))), list(range(len(policies)))[::-1]]
+        for i, key in enumerate(keys):
+            parent = keys[i - 1] if i % 8 else None
+            for p in turns[i % 2]:
                 started = time.perf_counter()
-                client.put(key, payload, chunk_index=i % 8,
-                           parent=keys[i - 1] if i % 8 else None)
-                puts.append(time.perf_counter() - started)
-            gets = []
-            for key in keys[-capacity // 2:]:
+                clients[p].put(key, payload, chunk_index=i % 8, parent=parent)
+                puts[p].append(time.perf_counter() - started)
+        for i, key in enumerate(keys[-capacity // 2:]):
+            for p in turns[i % 2]:
                 started = time.perf_counter()
-                client.get(key)
-                gets.append(time.perf_counter() - started)
-        return {"put_p50_us": statistics.median(puts[capacity:]) * 1e6,
-                "get_p50_us": statistics.median(gets) * 1e6}
+                clients[p].get(key)
+                gets[p].append(time.perf_counter() - started)
+        return {policy: {"put_p50_us": statistics.median(puts[p][capacity:]) * 1e6,
+                         "get_p50_us": statistics.median(gets[p]) * 1e6}
+                for p, policy in enumerate(policies)}
     finally:
-        node.stop()
+        for client in clients:
+            client.close()
+        for node in nodes:
+            node.stop()
 
 
 def run_hot_path(policies: Sequence[str], runs: int) -> dict[str, Any]:
-    """Each policy's store and read cost (median and range of ``runs``, interleaved)."""
+    """Each policy's store and read cost (median and range of ``runs``): in process one
+    policy after another (their order alternating by run), through nodes side by side."""
     got: dict[str, dict[str, list[float]]] = {p: {} for p in policies}
-    for _ in range(runs):
-        for policy in policies:
-            big = {f"{k}_64k": v for k, v in hot_path_tcp(policy, chunk_bytes=64 << 10).items()}
-            # chunks of an engine's size (128 tokens of SmolLM2-135M in bf16: 2.8 MiB)
-            mib = {f"{k}_1m": v for k, v in hot_path_tcp(policy, chunk_bytes=1 << 20,
-                                                         capacity=256, ops=1024).items()}
-            for k, v in [*hot_path(policy).items(), *hot_path_tcp(policy).items(),
-                         *big.items(), *mib.items()]:
+    for i in range(runs):
+        for policy in policies if i % 2 == 0 else policies[::-1]:
+            for k, v in hot_path(policy).items():
                 got[policy].setdefault(k, []).append(v)
+        # chunks of an engine's size (128 tokens of SmolLM2-135M in bf16: 2.8 MiB) last
+        for sfx, sizes in (("", {}), ("_64k", {"chunk_bytes": 64 << 10}),
+                           ("_1m", {"chunk_bytes": 1 << 20, "capacity": 256, "ops": 1024})):
+            for policy, measured in hot_path_tcp(policies, **sizes).items():
+                for k, v in measured.items():
+                    got[policy].setdefault(k + sfx, []).append(v)
     print(f"\nhot path, 4 KiB chunks unless said, tier full, chains of 8 (median [min-max] "
-          f"of {runs} runs, policies interleaved)")
+          f"of {runs} runs; through a node: a node a policy, their calls interleaved)")
     out: dict[str, Any] = {}
     for policy in policies:
         row = {k: summary(v) for k, v in got[policy].items()}

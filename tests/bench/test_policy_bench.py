@@ -31,17 +31,25 @@ def test_the_hot_path_pairs_each_run_with_the_same_run_of_the_baseline(
     while the medians of each policy alone span a factor of 3."""
     import bench.policy as bp
 
-    calls = {"chain": 0, "lru": 0}
+    runs = {"in process": 0, "through nodes": 0}
 
-    def fake(policy: str, **_: object) -> dict[str, float]:
-        run = calls[policy] // 4  # four measurements a policy a run
-        calls[policy] += 1
-        us = (1.0, 3.0, 2.0)[run] * (1.1 if policy == "chain" else 1.0)
-        return {"put_us": us, "get_us": us, "put_p50_us": us, "get_p50_us": us}
+    def us(run: int, policy: str) -> float:
+        return (1.0, 3.0, 2.0)[run] * (1.1 if policy == "chain" else 1.0)
 
-    monkeypatch.setattr(bp, "hot_path", fake)
-    monkeypatch.setattr(bp, "hot_path_tcp", fake)
+    def in_process(policy: str, **_: object) -> dict[str, float]:
+        run = runs["in process"] // 2  # two policies a run
+        runs["in process"] += 1
+        return {"put_us": us(run, policy), "get_us": us(run, policy)}
+
+    def through_nodes(policies: list[str], **_: object) -> dict[str, dict[str, float]]:
+        run = runs["through nodes"] // 3  # three chunk sizes a run, every policy at once
+        runs["through nodes"] += 1
+        return {p: {"put_p50_us": us(run, p), "get_p50_us": us(run, p)} for p in policies}
+
+    monkeypatch.setattr(bp, "hot_path", in_process)
+    monkeypatch.setattr(bp, "hot_path_tcp", through_nodes)
     out = bp.run_hot_path(["chain", "lru"], 3)
-    paired = out["chain / lru"]["put_p50_us"]
-    assert math.isclose(paired["min"], 1.1) and math.isclose(paired["max"], 1.1)
-    assert out["lru"]["put_p50_us"]["min"] == 1.0 and out["lru"]["put_p50_us"]["max"] == 3.0
+    for k in ("put_us", "put_p50_us", "get_p50_us_1m"):
+        paired = out["chain / lru"][k]
+        assert math.isclose(paired["min"], 1.1) and math.isclose(paired["max"], 1.1), k
+        assert out["lru"][k]["min"] == 1.0 and out["lru"][k]["max"] == 3.0, k
