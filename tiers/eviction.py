@@ -291,7 +291,15 @@ class ChainFIFO:
             head = next(iter(small))  # (the common case: _probation_head's, inlined)
             top = state[head]
             if not top.uses:
-                return self._leaf(head, top) if top.children else head
+                if not top.children:
+                    return head
+                hint = top.hint  # (_leaf's first step, inlined: the hinted chunk a leaf)
+                if hint is not None and hint != head:
+                    hinted = state.get(hint)
+                    if hinted is not None and not hinted.children:
+                        top.hint = hinted.parent
+                        return hint
+                return self._leaf(head, top)
         return next(self.candidates(), None)
 
     def candidates(self) -> Iterator[bytes]:

@@ -111,6 +111,20 @@ def test_a_chain_stored_a_chunk_a_call_loses_its_tail_before_its_head(policy: st
     tier.close()
 
 
+def test_each_eviction_from_a_chain_takes_its_deepest_chunk_left() -> None:
+    """A chain on probation, evicted a chunk at a time (the first victim each time, as a
+    full tier asks for room): tail to head, each step from where the last one ended."""
+    keys = [f"c{i}".encode() for i in range(6)]
+    order = ChainFIFO(dict(zip(keys[1:], keys, strict=False)).get)
+    for depth, key in enumerate(keys):
+        order.touch([(key, depth)])
+    evicted = []
+    while (victim := order.first()) is not None:
+        evicted.append(victim)
+        order.discard(victim, evicted=True)
+    assert evicted == keys[::-1]
+
+
 def test_children_of_an_evicted_parent_go_next() -> None:
     """A chunk whose parent was evicted (here by place, or any way the tier picks) is
     worth nothing until the parent is back: it becomes the next victim, before older
