@@ -430,7 +430,8 @@ def run_hot_path(policies: Sequence[str], runs: int) -> dict[str, Any]:
         for policy in policies if i % 2 == 0 else policies[::-1]:
             for k, v in hot_path(policy).items():
                 got[policy].setdefault(k, []).append(v)
-        # chunks of an engine's size (128 tokens of SmolLM2-135M in bf16: 2.8 MiB) last
+        # 4 KiB, 64 KiB, and 1 MiB: nearer an engine's chunk (128 tokens of SmolLM2-135M
+        # in bf16: 2.8 MiB)
         for sfx, sizes in (("", {}), ("_64k", {"chunk_bytes": 64 << 10}),
                            ("_1m", {"chunk_bytes": 1 << 20, "capacity": 256, "ops": 1024})):
             for policy, measured in hot_path_tcp(policies, **sizes).items():
