@@ -155,8 +155,7 @@ class DramTier(_Copies):
         self.tenants = TenantBytes()
         #: entries by where they lie (for room by place, when LRU order makes none)
         self._places: Places[Entry] = Places(self.arena)
-        self._room = Room(self.arena, self._ledger, self._places, evict=self._evict,
-                          blocked=self._blocked, hand_over=self._hand_over)
+        self._room = self._new_room()
         #: where co-located clients look values up with no request (see attach_index)
         self.index: ArenaIndex | None = None
         #: arena bytes of the pinned entries: what no eviction can free
@@ -390,14 +389,18 @@ class DramTier(_Copies):
         self._ledger = Ledger()
         self._entries = self._ledger.records
         self.pinned_extents = 0
-        self._room = Room(self.arena, self._ledger, self._places, evict=self._evict,
-                          blocked=self._blocked, hand_over=self._hand_over)
+        self._room = self._new_room()
         if self.index is not None:
             self.index.close()
             self.index = None
         self.arena.close()
 
     # -- internals ------------------------------------------------------------------------
+
+    def _new_room(self) -> Room[Entry]:
+        """Room for values in the arena, by this tier's ledger as it stands."""
+        return Room(self.arena, self._ledger, self._places, evict=self._evict,
+                    blocked=self._blocked, hand_over=self._hand_over)
 
     def _live(self, key: bytes, now: float) -> Entry | None:
         entry = self._entries.get(key)
